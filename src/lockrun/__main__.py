@@ -1,0 +1,5 @@
+"""``python -m lockrun``."""
+
+from lockrun.cli import main
+
+main()

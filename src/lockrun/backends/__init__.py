@@ -1,0 +1,196 @@
+"""The backend interface every lock service implements, and the URI scheme table.
+
+A backend is an adapter: it blocks natively until one of N slots is ours or a deadline
+passes, and hands back a `Lease`. Deadlines, lease cadence, exit statuses and process
+supervision live in `lockrun.lock` and `lockrun.supervise`, written once for all backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pwd
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Final, Protocol
+
+from lockrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from lockrun.uri import LockURI
+
+# scheme → (module, pip extra); a plain table, no plugin discovery (STYLE.md).
+SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
+    "file": ("lockrun.backends.file", None),
+    "abstract": ("lockrun.backends.abstract", None),
+}
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds or waits for a slot; what `lockrun status` shows."""
+
+    host: str
+    pid: int
+    user: str
+    argv: tuple[str, ...]
+    since: float | None = None  # Unix time the slot was granted (or the wait began)
+    slot: int | None = None
+    expires: float | None = None  # Unix time a lease ends unless refreshed
+
+    @classmethod
+    def me(cls, argv: Sequence[str]) -> Holder:
+        """Describe this process as the holder of *argv*."""
+        return cls(socket.gethostname(), os.getpid(), _user(os.geteuid()), tuple(argv), time.time())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Holder:
+        """Rebuild a holder from `to_dict` output; raises ValueError on anything else."""
+        try:
+            argv = data.get("argv", ())
+            return cls(
+                host=str(data["host"]),
+                pid=int(str(data["pid"])),
+                user=str(data["user"]),
+                argv=tuple(str(arg) for arg in argv) if isinstance(argv, list) else (),
+                since=_optional_float(data.get("since")),
+                slot=int(str(data["slot"])) if data.get("slot") is not None else None,
+                expires=_optional_float(data.get("expires")),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(str(err)) from err
+
+    def to_dict(self) -> dict[str, object]:
+        """Return a JSON-ready dict."""
+        record = asdict(self)
+        record["argv"] = list(self.argv)
+        return record
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(str(value))
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def describe_pid(pid: int) -> Holder:
+    """Describe a local process from /proc: user, command line and start time."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = tuple(arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")[:-1])
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return Holder(socket.gethostname(), pid, "?", ())
+    return Holder(socket.gethostname(), pid, _user(uid), argv)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What an acquirer asks for: one of *slots* slots of (namespace, name)."""
+
+    namespace: str
+    name: str
+    slots: int
+    ttl: float
+    holder: Holder
+
+
+@dataclass(frozen=True)
+class LockState:
+    """A lock as `lockrun status` reports it."""
+
+    namespace: str
+    name: str
+    where: str  # the file, socket or key an operator would inspect
+    slots: int | None = None
+    holders: tuple[Holder, ...] = ()
+    waiters: tuple[Holder, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, object]:
+        """Return a JSON-ready dict."""
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "where": self.where,
+            "slots": self.slots,
+            "holders": [holder.to_dict() for holder in self.holders],
+            "waiters": [waiter.to_dict() for waiter in self.waiters],
+        }
+
+
+class Lease(Protocol):
+    """One held slot; valid until `release`, or until `refresh` raises `LeaseLost`."""
+
+    @property
+    def slot(self) -> int:
+        """The slot held, 0 … slots-1."""
+
+    @property
+    def fence(self) -> int | None:
+        """A token larger than any earlier acquisition's of this name, if the backend has one."""
+
+    @property
+    def ttl(self) -> float | None:
+        """Seconds the service keeps the slot without a refresh; None if it lives with us."""
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """File descriptors that keep the slot held while any process has them open."""
+
+    def refresh(self) -> None:
+        """Prove the slot is still ours (extend it); raise `LeaseLost` or `BackendUnavailable`."""
+
+    def release(self) -> None:
+        """Give the slot back; idempotent and silent about a slot already lost."""
+
+
+class Backend(Protocol):
+    """A connection to one lock service."""
+
+    def acquire(self, request: Request, deadline: float | None) -> Lease | None:
+        """Block until a slot is ours (a `Lease`) or *deadline* (`timing.now`) passes (None).
+
+        A deadline in the past means one attempt. None waits forever. Waiters are served
+        first-in first-out and woken by the service, not by polling.
+        """
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """List *name* (or every lock in *namespace* the service can enumerate)."""
+
+    def close(self) -> None:
+        """Drop connections; held leases are released by their own `release`."""
+
+
+def next_fence(previous: bytes) -> int:
+    """Return a fence token above *previous* and above the microsecond wall clock.
+
+    The local backends keep their counter in a file or pass it along with the lock; seeding
+    with the clock keeps tokens increasing when that counter is lost (a name left free, a
+    tmpfs emptied by a reboot), as the Redis fence is seeded with the server's TIME.
+    """
+    try:
+        last = int(previous.strip() or b"0")
+    except ValueError:
+        last = 0
+    return max(last + 1, time.time_ns() // 1000)
+
+
+def open_backend(uri: LockURI) -> Backend:
+    """Return a backend for *uri*, importing its driver only now."""
+    module_name, extra = SCHEMES[uri.scheme]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:  # the driver, not our module
+        hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
+        msg = f"{uri.scheme}: needs the {err.name} module: {hint}"
+        raise ConfigError(msg) from err
+    backend: Backend = module.connect(uri)
+    return backend

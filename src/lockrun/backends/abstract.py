@@ -1,0 +1,299 @@
+"""Linux abstract-namespace UNIX sockets: locks with no files, gone the instant a holder dies.
+
+A slot is a listening socket bound to an abstract name; bind(2) is exclusive and the kernel
+frees the name when the last descriptor closes, SIGKILL included (algorithms.md §2.1).
+Waiters connect to the holder and sit in its accept backlog, which is FIFO. On release the
+holder accepts the oldest waiter and hands it the listening socket itself with SCM_RIGHTS,
+so the name never becomes free for a latecomer to take. With N slots every waiter first
+queues the same way on a gate name; only the gate's holder (the head) waits on the slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import os
+import re
+import select
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from lockrun.backends import Holder, LockState, Request, describe_pid, next_fence
+from lockrun.errors import ConfigError
+from lockrun.names import escape, unescape
+from lockrun.timing import now
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from lockrun.uri import LockURI
+
+_BACKLOG: Final = 4096  # capped by net.core.somaxconn; a full backlog looks like a transition
+_RECHECK: Final = 5.0  # every wait re-reads the truth this often (algorithms.md P2)
+TRANSITION: Final = 0.005  # a name bound but not yet listening: look again this soon
+GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is only sweeping
+_MAX_BASE: Final = 70  # 107-byte sun_path minus the longest suffix we append
+
+
+def connect(uri: LockURI) -> AbstractBackend:
+    """Return the abstract-socket backend; refuse where abstract sockets don't exist."""
+    if not sys.platform.startswith("linux"):
+        msg = f"abstract: needs Linux abstract UNIX sockets; this is {sys.platform}; use file:"
+        raise ConfigError(msg)
+    return AbstractBackend(uri.path)
+
+
+# -- socket helpers, shared with the file backend's wake-ups --------------------------------
+
+
+def bind_listener(name: str) -> socket.socket | None:
+    """Listen on abstract *name*; None if another socket has it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            return None
+        raise
+    sock.listen(_BACKLOG)
+    return sock
+
+
+def bind_marker(name: str) -> socket.socket | None:
+    """Bind an unconnected socket to *name* so that /proc/net/unix shows it; best effort."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind("\0" + name)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def connect_to(name: str) -> socket.socket | None:
+    """Connect to the listener on *name*; None when nobody listens there (yet)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + name)
+    except OSError as err:
+        sock.close()
+        if err.errno in {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN}:
+            return None
+        raise
+    return sock
+
+
+def remaining(deadline: float | None, cap: float = _RECHECK) -> float:
+    """Seconds to the deadline (0 when past), at most *cap*."""
+    return cap if deadline is None else max(0.0, min(cap, deadline - now()))
+
+
+def wait_readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Return the sockets of *socks* readable (or hung up) within *timeout* seconds."""
+    poller = select.poll()
+    by_fd = {sock.fileno(): sock for sock in socks}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll(timeout * 1000)]
+
+
+def _receive(conn: socket.socket) -> tuple[socket.socket, bytes] | None:
+    """Take a handed-over listener from *conn* if one is queued there; never blocks."""
+    try:
+        message, fds, _, _ = socket.recv_fds(
+            conn, 64, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+        )
+    except (BlockingIOError, ConnectionResetError):
+        return None
+    if not fds:
+        return None
+    return socket.socket(fileno=fds[0]), message
+
+
+def hand_over(listener: socket.socket, payload: bytes) -> None:
+    """Pass *listener* to the oldest waiter still connected, or close it (freeing the name)."""
+    listener.setblocking(False)  # noqa: FBT003 - the socket API
+    with listener:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                return
+            with conn:
+                try:
+                    socket.send_fds(conn, [payload], [listener.fileno()])
+                except OSError:  # that waiter gave up; ask the next one
+                    continue
+                return
+
+
+def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, bytes] | None:
+    """Hold one of *names*: bind a free one, else wait for a holder to hand theirs over."""
+    while True:
+        for index, name in enumerate(names):
+            listener = bind_listener(name)
+            if listener is not None:
+                return index, listener, b""
+        wait = remaining(deadline)
+        if wait == 0:
+            return None
+        conns = {index: connect_to(name) for index, name in enumerate(names)}
+        live = [conn for conn in conns.values() if conn is not None]
+        try:
+            if len(live) < len(names):  # a name in transition: look again soon
+                wait = min(wait, TRANSITION)
+            wait_readable(live, wait)
+            for index, conn in conns.items():
+                if conn is not None and (got := _receive(conn)) is not None:
+                    return index, *got
+        finally:
+            for conn in live:
+                conn.close()
+
+
+# -- the backend ---------------------------------------------------------------------------
+
+
+def _base(prefix: str, namespace: str, name: str) -> str:
+    readable = f"lockrun/{escape(prefix)}/{escape(namespace)}/{escape(name)}"
+    if len(readable.encode()) <= _MAX_BASE:
+        return readable
+    digest = hashlib.sha256(f"{prefix}\0{namespace}\0{name}".encode()).hexdigest()[:40]
+    return f"lockrun/#{digest}"
+
+
+@dataclass
+class AbstractLease:
+    """A held abstract slot: the listening socket plus a marker that names the holder."""
+
+    slot: int
+    fence: int | None
+    _listener: socket.socket | None
+    _marker: socket.socket | None
+    ttl: float | None = None
+    fds: tuple[int, ...] = field(default=())
+
+    def refresh(self) -> None:
+        """Do nothing: the slot lives exactly as long as this process."""
+
+    def release(self) -> None:
+        """Hand the slot to the oldest waiter, or free the name."""
+        if self._listener is not None:
+            hand_over(self._listener, str(self.fence).encode())
+            self._listener = None
+        if self._marker is not None:
+            self._marker.close()
+            self._marker = None
+
+
+@dataclass
+class AbstractBackend:
+    """Locks in the abstract UNIX-socket namespace of this network namespace."""
+
+    prefix: str
+
+    def acquire(self, request: Request, deadline: float | None) -> AbstractLease | None:
+        """Queue FIFO for one of *request.slots* slots until *deadline*."""
+        base = _base(self.prefix, request.namespace, request.name)
+        slots = [f"{base}/{slot}" for slot in range(request.slots)]
+        with self._waiting(base, request):
+            if request.slots == 1:
+                return self._grant(base, take(slots, deadline))
+            gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
+            gate = take([f"{base}/g"], gate_deadline)
+            if gate is None:
+                return None
+            _, gate_listener, counter = gate
+            lease = None
+            try:
+                lease = self._grant(base, take(slots, deadline), counter)
+            finally:
+                fence = b"" if lease is None else str(lease.fence).encode()
+                hand_over(gate_listener, fence or counter)
+            return lease
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _waiting(base: str, request: Request) -> Iterator[None]:
+        since = request.holder.since or time.time()
+        marker = bind_marker(f"{base}/w/{int(since * 1e6)}/{os.getpid()}")
+        try:
+            yield
+        finally:
+            if marker is not None:
+                marker.close()
+
+    @staticmethod
+    def _grant(
+        base: str,
+        taken: tuple[int, socket.socket, bytes] | None,
+        counter: bytes = b"",
+    ) -> AbstractLease | None:
+        if taken is None:
+            return None
+        slot, listener, payload = taken
+        fence = next_fence(counter or payload)
+        marker = bind_marker(f"{base}/h{slot}/{int(time.time() * 1000)}/{os.getpid()}")
+        return AbstractLease(slot, fence, listener, marker)
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """List the locks of this prefix and *namespace* that have holders or waiters."""
+        wanted = None if name is None else _base(self.prefix, namespace, name)
+        found: dict[str, tuple[list[Holder], list[Holder]]] = {}
+        for path in _abstract_names():
+            match = _MARKER.fullmatch(path)
+            if match is None or (wanted is not None and match["base"] != wanted):
+                continue
+            holders, waiters = found.setdefault(match["base"], ([], []))
+            if match["slot"] is not None:
+                holder = describe_pid(int(match["pid"]))
+                holders.append(_with(holder, int(match["ms"]) / 1e3, int(match["slot"])))
+            else:
+                waiters.append(_with(describe_pid(int(match["wpid"])), int(match["us"]) / 1e6))
+        states = []
+        for base, (holders, waiters) in sorted(found.items()):
+            parts = _READABLE.fullmatch(base)
+            if parts is not None:
+                if (unescape(parts["prefix"]), unescape(parts["ns"])) != (self.prefix, namespace):
+                    continue
+                lock_name = unescape(parts["name"])
+            elif name is None:
+                continue  # a hashed name we can't attribute to this namespace
+            else:
+                lock_name = name
+            holders.sort(key=lambda holder: holder.slot or 0)
+            waiters.sort(key=lambda waiter: waiter.since or 0.0)
+            states.append(
+                LockState(namespace, lock_name, "@" + base, None, tuple(holders), tuple(waiters))
+            )
+        return states
+
+    def close(self) -> None:
+        """Nothing to close: there is no connection."""
+
+
+_MARKER: Final = re.compile(
+    r"(?P<base>lockrun/(?:#[0-9a-f]+|[^/]*/[^/]*/[^/]*))/"
+    r"(?:h(?P<slot>\d+)/(?P<ms>\d+)/(?P<pid>\d+)|w/(?P<us>\d+)/(?P<wpid>\d+))"
+)
+_READABLE: Final = re.compile(r"lockrun/(?P<prefix>[^/#]*)/(?P<ns>[^/]*)/(?P<name>[^/]*)")
+
+
+def _with(holder: Holder, since: float, slot: int | None = None) -> Holder:
+    return dataclasses.replace(holder, since=since, slot=slot)
+
+
+def _abstract_names() -> Iterator[str]:
+    """Yield the abstract socket names of this network namespace (/proc/net/unix)."""
+    with open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
+        next(table)  # the header
+        for line in table:
+            fields = line.split()
+            if len(fields) == 8 and fields[7].startswith("@lockrun/"):  # noqa: PLR2004
+                yield fields[7][1:]

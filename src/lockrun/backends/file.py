@@ -1,0 +1,417 @@
+"""flock(2) on files in a directory: the embedded default, with no server.
+
+Slot 0 of a name is ``<dir>/<name>.lock``, the very file ``flock(1)`` would lock, so a
+mutex excludes flock(1) users and the other way round. Lock files are never unlinked:
+unlink-on-release lets two processes lock two inodes of one path (portalocker #115,
+tox-dev/filelock #27). A semaphore queues its waiters on ``<name>.gate``, which the kernel
+grants in arrival order; only the gate's holder sweeps the slot files ``<name>~<i>.lock``
+and sleeps until a slot holder's abstract socket hangs up (algorithms.md §2.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import signal
+import stat
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from lockrun.backends import Holder, LockState, Request, describe_pid, next_fence
+from lockrun.errors import ConfigError, LeaseLost
+from lockrun.names import escape, unescape
+from lockrun.timing import now
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Iterator
+
+    from lockrun.uri import LockURI
+
+DEFAULT_NAMESPACE: Final = "default"
+_PRIVATE: Final = 0o700
+_MAX_BASE: Final = 200  # leaves room for "~NNN.lock" within NAME_MAX (255)
+_LOCK_FILE: Final = re.compile(r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock")
+_SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up socket
+
+
+def default_directory() -> str:
+    """Return SPEC §3's default: /run/lock/lockrun for root, else /tmp/lockrun-<uid>."""
+    uid = os.geteuid()
+    return "/run/lock/lockrun" if uid == 0 else f"/tmp/lockrun-{uid}"  # noqa: S108
+
+
+def connect(uri: LockURI) -> FileBackend:
+    """Open (and if needed create) the lock directory of a ``file:`` URI."""
+    if uri.parts.netloc not in {"", "localhost"}:
+        msg = f"file: URIs name a local directory, not host {uri.parts.netloc!r}"
+        raise ConfigError(msg)
+    private = not uri.path
+    directory = uri.path or default_directory()
+    return FileBackend(directory, _open_directory(directory, private=private))
+
+
+def _open_directory(path: str, *, private: bool) -> int:
+    """Open *path* without following a symlink; the private default must be ours and 0700."""
+    try:
+        if private:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, _PRIVATE)
+        else:
+            os.makedirs(path, exist_ok=True)
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            msg = f"lock directory {path} is a symlink; refusing to follow it"
+            raise ConfigError(msg)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        msg = f"lock directory {path}: {err.strerror}"
+        raise ConfigError(msg) from err
+    info = os.fstat(fd)
+    problem = None
+    if private and info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by us (uid {os.geteuid()})"
+    elif not os.access(
+        path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+    ):
+        problem = "is not writable"
+    if problem is not None:
+        os.close(fd)
+        msg = f"lock directory {path} {problem}"
+        raise ConfigError(msg)
+    if private and stat.S_IMODE(info.st_mode) != _PRIVATE:  # tighten what we own
+        os.fchmod(fd, _PRIVATE)
+    return fd
+
+
+def _base(namespace: str, name: str) -> str:
+    """Return the file-name stem of a lock: ``name``, or ``namespace.name`` outside default."""
+    key = escape(name) if namespace == DEFAULT_NAMESPACE else f"{escape(namespace)}.{escape(name)}"
+    if len(key) <= _MAX_BASE:
+        return key
+    digest = hashlib.sha256(f"{namespace}\0{name}".encode()).hexdigest()[:32]
+    return f"{key[:150]}%%{digest}"  # "%%" never comes out of escape(): no collisions
+
+
+def _slot_file(base: str, slot: int) -> str:
+    return f"{base}.lock" if slot == 0 else f"{base}~{slot}.lock"
+
+
+def try_flock(fd: int) -> bool:
+    """Take an exclusive flock on *fd* if it is free (or already ours); never block."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class _Expired(Exception):
+    pass
+
+
+def _raise_expired(_signum: int, _frame: object) -> None:
+    raise _Expired
+
+
+def wait_flock(fd: int, deadline: float | None) -> bool:
+    """Block in flock(2) until *fd* is locked (True) or *deadline* passes (False)."""
+    if try_flock(fd):
+        return True
+    if deadline is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    timeout = deadline - now()
+    if timeout <= 0:
+        return False
+    # A timed flock: an interval timer whose handler raises interrupts the blocking call
+    # (PEP 475 retries EINTR only when the handler returns) [algorithms.md §2.1, verified].
+    try:
+        previous = signal.signal(signal.SIGALRM, _raise_expired)
+    except ValueError:  # not the main thread: no signals here, so look twice a second
+        while not try_flock(fd):
+            if now() >= deadline:
+                return False
+            time.sleep(min(0.5, max(0.0, deadline - now())))
+        return True
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Expired:
+        pass
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    return try_flock(fd)  # re-locking our own lock succeeds: covers a grant racing the timer
+
+
+@dataclass
+class FileLease:
+    """A held slot: its locked file (and, for a semaphore, a wake-up socket)."""
+
+    slot: int
+    fence: int
+    path: str
+    _fd: int | None
+    _identity: tuple[int, int]
+    _dir_fd: int
+    _wake: socket.socket | None = None
+    ttl: float | None = None
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Return the lock fd and wake-up socket, which keep the slot while a command has them."""
+        fds = () if self._fd is None else (self._fd,)
+        return fds + (() if self._wake is None else (self._wake.fileno(),))
+
+    def refresh(self) -> None:
+        """Raise `LeaseLost` if the lock file was deleted or replaced under us."""
+        name = os.path.basename(self.path)
+        try:
+            info = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != self._identity:
+            msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Clear the holder record and unlock; the file itself stays."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # unlocks unless a command still holds a duplicate
+            self._fd = None
+        if self._wake is not None:  # after the unlock, so the head finds the slot free
+            self._wake.close()
+            self._wake = None
+
+
+@dataclass
+class FileBackend:
+    """Locks as flock(2)ed files in one directory."""
+
+    directory: str
+    _dir_fd: int
+
+    def _open(self, filename: str) -> int:
+        mode = 0o600 if self.directory == default_directory() else 0o666
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(filename, flags, mode, dir_fd=self._dir_fd)
+        except OSError as err:
+            msg = f"lock file {self.directory}/{filename}: {err.strerror}"
+            raise ConfigError(msg) from err
+
+    def _path(self, filename: str) -> str:
+        return os.path.join(self.directory, filename)
+
+    def _wake_name(self, base: str, slot: int) -> str:
+        info = os.fstat(self._dir_fd)
+        digest = hashlib.sha256(f"{info.st_dev}:{info.st_ino}/{base}".encode()).hexdigest()
+        return f"lockrun-file/{digest[:40]}/{slot}"
+
+    def acquire(self, request: Request, deadline: float | None) -> FileLease | None:
+        """Take one slot of *request*, queueing FIFO in the kernel until *deadline*."""
+        base = _base(request.namespace, request.name)
+        if request.slots == 1:
+            fd = self._open(_slot_file(base, 0))
+            with _closed_on_error(fd):
+                if not wait_flock(fd, deadline):
+                    os.close(fd)
+                    return None
+                return self._grant(base, request, 0, fd, None)
+        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
+
+        gate = self._open(f"{base}.gate")
+        try:
+            # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
+            gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
+            if not wait_flock(gate, gate_deadline):
+                return None
+            taken = self._take_slot(base, request.slots, deadline)
+            if taken is None:
+                return None
+            slot, fd, wake = taken
+            with _closed_on_error(fd):
+                return self._grant(base, request, slot, fd, wake)
+        finally:
+            os.close(gate)  # the next waiter in the kernel's queue becomes the head
+
+    def _take_slot(
+        self, base: str, slots: int, deadline: float | None
+    ) -> tuple[int, int, socket.socket | None] | None:
+        """As the head of the queue, lock the first free slot file, sleeping between sweeps."""
+        from lockrun.backends import abstract  # noqa: PLC0415 - semaphores only
+
+        fds = [self._open(_slot_file(base, slot)) for slot in range(slots)]
+        winner = None
+        pause = abstract.TRANSITION
+        try:
+            while True:
+                for slot, fd in enumerate(fds):
+                    if try_flock(fd):
+                        winner = slot
+                        return slot, fd, abstract.bind_listener(self._wake_name(base, slot))
+                wait = abstract.remaining(deadline)
+                if wait == 0:
+                    return None
+                conns = [abstract.connect_to(self._wake_name(base, slot)) for slot in range(slots)]
+                live = [conn for conn in conns if conn is not None]
+                if len(live) < slots:  # a holder without a wake-up socket (flock(1), a child)
+                    wait, pause = min(wait, pause), min(pause * 2, _SLOW_WAKE)
+                else:
+                    pause = abstract.TRANSITION
+                try:
+                    abstract.wait_readable(live, wait)
+                finally:
+                    for conn in live:
+                        conn.close()
+        finally:
+            for slot, fd in enumerate(fds):
+                if slot != winner:
+                    os.close(fd)
+
+    def _grant(
+        self, base: str, request: Request, slot: int, fd: int, wake: socket.socket | None
+    ) -> FileLease:
+        """Record the holder in the slot file and bump the fence; the caller holds the lock."""
+        fence_fd = self._open(f"{base}.fence")
+        try:
+            fence = next_fence(os.pread(fence_fd, 32, 0))
+            _overwrite(fence_fd, f"{fence}\n".encode())
+        finally:
+            os.close(fence_fd)
+        holder = dataclasses.replace(request.holder, slot=slot, since=time.time())
+        record = {"name": request.name, "namespace": request.namespace, "slots": request.slots}
+        _overwrite(fd, (json.dumps(record | holder.to_dict()) + "\n").encode())
+        info = os.fstat(fd)
+        path = self._path(_slot_file(base, slot))
+        return FileLease(slot, fence, path, fd, (info.st_dev, info.st_ino), self._dir_fd, wake)
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """Report holders (from the slot files) and waiters (from /proc/locks)."""
+        if name is not None:
+            bases = {_base(namespace, name)}
+        else:
+            bases = set()
+            for entry in os.listdir(self._dir_fd):
+                match = _LOCK_FILE.fullmatch(entry)
+                if match is not None and _namespace_of(match["base"]) == namespace:
+                    bases.add(match["base"])
+        locks = _proc_locks()
+        states = [self._state(base, namespace, name, locks) for base in sorted(bases)]
+        return [state for state in states if name is not None or state.holders or state.waiters]
+
+    def _state(
+        self, base: str, namespace: str, name: str | None, locks: dict[tuple[int, int], _Locks]
+    ) -> LockState:
+        holders: list[Holder] = []
+        waiters: list[Holder] = []
+        slots = None
+        lock_name = name or _name_of(base)
+        for slot in range(1 << 16):
+            identity, content = self._peek(_slot_file(base, slot))
+            if identity is None:
+                break
+            entry = locks.get(identity, _Locks())
+            if slot == 0:
+                waiters += [describe_pid(pid) for pid in entry.waiting]
+            if not entry.holding:
+                continue
+            record = _record(content)
+            if record is None:
+                holders.append(dataclasses.replace(describe_pid(entry.holding[0]), slot=slot))
+                continue
+            holders.append(Holder.from_dict(record))
+            lock_name = str(record.get("name", lock_name))
+            slots = int(str(record.get("slots", slots)))
+        gate_identity, _ = self._peek(f"{base}.gate")
+        if gate_identity is not None:
+            gate = locks.get(gate_identity, _Locks())
+            waiters += [describe_pid(pid) for pid in (*gate.holding, *gate.waiting)]
+        return LockState(
+            namespace, lock_name, self._path(f"{base}.lock"), slots, tuple(holders), tuple(waiters)
+        )
+
+    def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
+        try:
+            fd = os.open(filename, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except OSError:
+            return None, b""
+        try:
+            info = os.fstat(fd)
+            return (info.st_dev, info.st_ino), os.pread(fd, 65536, 0)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close the directory."""
+        os.close(self._dir_fd)
+
+
+@contextlib.contextmanager
+def _closed_on_error(fd: int) -> Iterator[None]:
+    """Close *fd* if the block raises (Ctrl-C included), so no lock is left behind."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def _overwrite(fd: int, data: bytes) -> None:
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+
+
+def _record(content: bytes) -> dict[str, object] | None:
+    try:
+        record = json.loads(content)
+        Holder.from_dict(record)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _namespace_of(base: str) -> str:
+    return unescape(base.split(".", 1)[0]) if "." in base else DEFAULT_NAMESPACE
+
+
+def _name_of(base: str) -> str:
+    return unescape(base.split(".", 1)[-1])
+
+
+@dataclass
+class _Locks:
+    holding: list[int] = dataclasses.field(default_factory=list)
+    waiting: list[int] = dataclasses.field(default_factory=list)
+
+
+def _proc_locks() -> dict[tuple[int, int], _Locks]:
+    """Map (st_dev, st_ino) to the pids holding and waiting for a flock, from /proc/locks."""
+    found: dict[tuple[int, int], _Locks] = {}
+    try:
+        with open("/proc/locks", encoding="ascii") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        blocked = fields[1:2] == ["->"]
+        fields = fields[2:] if blocked else fields[1:]
+        if len(fields) < 5 or fields[0] != "FLOCK":  # noqa: PLR2004
+            continue
+        major, minor, inode = fields[4].split(":")
+        identity = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        entry = found.setdefault(identity, _Locks())
+        (entry.waiting if blocked else entry.holding).append(int(fields[3]))
+    return found

@@ -1,0 +1,244 @@
+"""The command line: a thin click skin over `lockrun.lock.run`; the only place that exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import TYPE_CHECKING, Final, NoReturn
+
+import click
+
+from lockrun import __version__
+from lockrun.errors import ExitCode, Interrupted, LockBusy, LockrunError, UsageError
+from lockrun.lock import (
+    DEFAULT_KILL_AFTER,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TTL,
+    Options,
+    clock_time,
+    run,
+    states_for_status,
+)
+from lockrun.timing import parse_duration
+from lockrun.uri import DEFAULT_URI, redact
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from lockrun.backends import LockState
+
+_CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def say(line: str) -> None:
+    """Write one ``lockrun: …`` line to stderr; stdout belongs to the command."""
+    click.echo(f"lockrun: {line}", err=True)
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic
+    """A DURATION: ``90``, ``1.5``, ``90s``, ``15m``, ``2h``, ``1d``, maybe ``forever``."""
+
+    name = "duration"
+
+    def __init__(self, *, allow_forever: bool = False) -> None:
+        """Accept ``forever`` (as None) only where it means something."""
+        self.allow_forever = allow_forever
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float | None:
+        """Parse *value*; a bad one is a usage error (64)."""
+        if value is None or isinstance(value, float):
+            return value
+        try:
+            return parse_duration(str(value), allow_forever=self.allow_forever)
+        except UsageError as err:
+            self.fail(str(err), param, ctx)
+
+
+@click.command(
+    context_settings=_CONTEXT | {"allow_interspersed_args": False},
+    epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
+    "69 backend unavailable; 70 internal error; 75 busy (-E); 76 lock lost; "
+    "78 configuration; 124 --max-time; 126/127 cannot execute / not found; "
+    "130/143 interrupted while waiting. `lockrun status --help` shows who holds a lock.",
+)
+@click.option(
+    "-n",
+    "--name",
+    metavar="NAME",
+    allow_from_autoenv=False,  # LOCKRUN_NAME is what a command is told, not a setting
+    help="Lock name, up to 255 bytes of UTF-8.  [default: the command's basename plus a hash]",
+)
+@click.option(
+    "-u",
+    "--uri",
+    metavar="URI",
+    default=DEFAULT_URI,
+    show_default=True,
+    help="Lock service: file:[///DIR], abstract:[PREFIX].",
+)
+@click.option(
+    "-s",
+    "--slots",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    allow_from_autoenv=False,  # LOCKRUN_SLOTS is what a command is told, not a setting
+    help="Semaphore: at most N holders at once.",
+)
+@click.option(
+    "-w",
+    "--wait",
+    type=Duration(allow_forever=True),
+    default="0",
+    show_default=True,
+    help="How long to wait for the lock: 0 tries once, 'forever' waits.",
+)
+@click.option(
+    "--ttl",
+    type=Duration(),
+    default=str(DEFAULT_TTL),
+    show_default=True,
+    help="Lease length for lease-based backends; renewed every ttl/3.",
+)
+@click.option(
+    "--max-time",
+    type=Duration(),
+    default=None,
+    help="Stop the command after this long (TERM, --kill-after, KILL; exit 124).",
+)
+@click.option(
+    "--kill-after",
+    type=Duration(),
+    default=str(DEFAULT_KILL_AFTER),
+    show_default=True,
+    help="Grace between TERM and KILL when stopping the command.",
+)
+@click.option(
+    "-E",
+    "--conflict-exit-code",
+    type=click.IntRange(0, 255),
+    default=int(ExitCode.BUSY),
+    show_default=True,
+    help="Exit status when the lock is busy or the wait expired.",
+)
+@click.option(
+    "--namespace",
+    metavar="NS",
+    default=DEFAULT_NAMESPACE,
+    show_default=True,
+    help="Partition of the lock names.",
+)
+@click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
+@click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
+@click.option("-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing.")
+@click.version_option(__version__, "-V", "--version", prog_name="lockrun")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run_command(
+    command: tuple[str, ...],
+    name: str | None,
+    uri: str,
+    slots: int,
+    wait: float | None,
+    ttl: float,
+    max_time: float | None,
+    kill_after: float,
+    conflict_exit_code: int,
+    namespace: str,
+    close: bool,
+    quiet: bool,
+    verbose: bool,
+) -> int:
+    """Run COMMAND while holding a named lock (or one of N semaphore slots).
+
+    lockrun [OPTIONS] [--] COMMAND [ARG]...
+    """
+    if not command:
+        msg = "no command to run: lockrun [OPTIONS] [--] COMMAND [ARG]..."
+        raise click.UsageError(msg)
+    options = Options(name, uri, slots, wait, ttl, max_time, kill_after, namespace, close, verbose)
+    try:
+        return run(command, options, log=say)
+    except LockBusy as err:
+        if not quiet:
+            say(str(err))
+        return conflict_exit_code
+
+
+@click.command(context_settings=_CONTEXT)
+@click.option("-u", "--uri", metavar="URI", default=DEFAULT_URI, show_default=True)
+@click.option("--namespace", metavar="NS", default=DEFAULT_NAMESPACE, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.argument("name", required=False)
+def status_command(uri: str, namespace: str, as_json: bool, name: str | None) -> int:
+    """Show who holds NAME (or every held lock) and who waits for it."""
+    states = states_for_status(uri, namespace, name)
+    if as_json:
+        click.echo(json.dumps([state.to_dict() for state in states], indent=2))
+    elif not states:
+        click.echo(f"no locks held or awaited in namespace {namespace} at {redact(uri)}")
+    else:
+        click.echo(_table(states))
+    return 0
+
+
+def _table(states: Sequence[LockState]) -> str:
+    rows = [("NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND")]
+    for state in states:
+        if not state.holders and not state.waiters:
+            rows.append((state.name, "-", "free", "", "", "", "", state.where))
+        for role, people in (("holding", state.holders), ("waiting", state.waiters)):
+            rows.extend(
+                (
+                    state.name,
+                    "-" if person.slot is None else str(person.slot),
+                    role,
+                    str(person.pid),
+                    person.user,
+                    person.host,
+                    "" if person.since is None else clock_time(person.since),
+                    " ".join(person.argv),
+                )
+                for person in people
+            )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + row[-1]
+        for row in rows
+    )
+
+
+def main(args: Sequence[str] | None = None) -> NoReturn:
+    """Run the CLI and exit with SPEC §2's status."""
+    args = list(sys.argv[1:] if args is None else args)
+    command, prog = run_command, "lockrun"
+    if args[:1] == ["status"]:  # `lockrun -- status` runs a command called status
+        command, prog, args = status_command, "lockrun status", args[1:]
+    sys.exit(_exit_status(command, prog, args))
+
+
+def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
+    try:
+        result = command.main(
+            args, prog_name=prog, standalone_mode=False, auto_envvar_prefix="LOCKRUN"
+        )
+    except click.UsageError as err:  # click would exit 2 and pass for the command's 2
+        say(f"{err.format_message()} (see '{prog} --help')")
+        return ExitCode.USAGE
+    except click.Abort:  # Ctrl-C outside a wait, e.g. while parsing
+        return ExitCode.INTERRUPTED
+    except Interrupted as err:
+        say(str(err))
+        return err.status
+    except LockrunError as err:
+        say(str(err))
+        return err.exit_code
+    except Exception as err:  # noqa: BLE001 - the one place a bug becomes status 70
+        if os.environ.get("LOCKRUN_DEBUG") == "1":
+            traceback.print_exc()
+        say(f"internal error: {type(err).__name__}: {err} (LOCKRUN_DEBUG=1 shows a traceback)")
+        return ExitCode.SOFTWARE
+    return result if isinstance(result, int) else 0

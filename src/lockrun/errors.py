@@ -1,0 +1,87 @@
+"""Exit statuses and the exception hierarchy; each exception carries its status (SPEC §2)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import ClassVar
+
+
+class ExitCode(IntEnum):
+    """lockrun's own statuses; any other status is the command's."""
+
+    USAGE = 64  # EX_USAGE; click's 2 is remapped here so it can't pass for the command's 2
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: connect, auth, DNS, TLS, timeout before the command ran
+    SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
+    BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
+    LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
+    CONFIG = 78  # EX_CONFIG: bad URI, missing driver, unusable lock directory, --slots mismatch
+    TIMEOUT = 124  # timeout(1): --max-time expired
+    CANNOT_EXECUTE = 126  # POSIX shell convention
+    NOT_FOUND = 127  # POSIX shell convention
+    INTERRUPTED = 130  # 128 + SIGINT while still waiting
+    TERMINATED = 143  # 128 + SIGTERM while still waiting
+
+
+class LockrunError(Exception):
+    """Base of every error lockrun reports; ``exit_code`` is the status the CLI exits with."""
+
+    exit_code: ClassVar[ExitCode] = ExitCode.SOFTWARE
+
+
+class UsageError(LockrunError, ValueError):
+    """A bad option value, name or duration."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ConfigError(LockrunError):
+    """A bad URI, a missing driver or an unusable lock directory."""
+
+    exit_code = ExitCode.CONFIG
+
+
+class BackendUnavailable(LockrunError, ConnectionError):
+    """The lock service could not be reached or refused us."""
+
+    exit_code = ExitCode.UNAVAILABLE
+
+
+class LockBusy(LockrunError, TimeoutError):
+    """Every slot stayed taken until the wait ran out."""
+
+    exit_code = ExitCode.BUSY
+
+
+class LeaseLost(LockrunError):
+    """The lock was lost, or could no longer be confirmed, while held."""
+
+    exit_code = ExitCode.LOST
+
+
+class CommandNotFound(LockrunError):
+    """The command does not exist."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+
+class CommandNotExecutable(LockrunError):
+    """The command exists but could not be executed."""
+
+    exit_code = ExitCode.CANNOT_EXECUTE
+
+
+class Interrupted(LockrunError):
+    """INT, TERM or HUP arrived while waiting for the lock; the status is 128+N."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, message: str, *, signo: int) -> None:
+        """Remember the signal: the CLI exits 128 + *signo* (130 for INT, 143 for TERM)."""
+        super().__init__(message)
+        self.status = 128 + signo
+
+
+class TimedOut(LockrunError):
+    """--max-time expired; the command was stopped."""
+
+    exit_code = ExitCode.TIMEOUT

@@ -1,0 +1,260 @@
+"""Acquire, hold and release: the backend-independent policy and the Python API (SPEC §5)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
+
+from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
+from lockrun.errors import Interrupted, LockBusy, UsageError
+from lockrun.names import check_name, default_name
+from lockrun.supervise import Limits, supervise
+from lockrun.timing import format_duration, now
+from lockrun.uri import DEFAULT_URI, parse_uri, redact
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+    from types import FrameType, TracebackType
+
+DEFAULT_NAMESPACE: Final = "default"
+DEFAULT_TTL: Final = 30.0
+DEFAULT_KILL_AFTER: Final = 10.0
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def acquire(backend: Backend, request: Request, wait: float | None) -> Lease:
+    """Hold one slot of *request*, waiting up to *wait* seconds (None: forever; 0: one try)."""
+    deadline = None if wait is None else now() + wait
+    lease = backend.acquire(request, deadline)
+    if lease is None:
+        raise LockBusy(_busy_message(backend, request, wait))
+    return lease
+
+
+def _busy_message(backend: Backend, request: Request, wait: float | None) -> str:
+    what = request.name if request.slots == 1 else f"all {request.slots} slots of {request.name}"
+    message = f"{what} busy" if request.slots == 1 else f"{what} taken"
+    holders = describe_holders(backend, request)
+    if holders:
+        message += f", held by {holders}"
+    if wait:
+        message += f"; gave up after {format_duration(wait)}"
+    return message
+
+
+def describe_holders(backend: Backend, request: Request) -> str:
+    """Name who holds *request*'s lock, for people: ``alice@web1 pid 42 since 12:03:04``."""
+    states = backend.status(request.namespace, request.name)
+    holders = [holder for state in states for holder in state.holders]
+    return "; ".join(describe(holder) for holder in holders)
+
+
+def describe(holder: Holder) -> str:
+    """Render one holder in a line."""
+    text = f"{holder.user}@{holder.host} pid {holder.pid}"
+    if holder.since is not None:
+        text += f" since {clock_time(holder.since)}"
+    return text
+
+
+def clock_time(stamp: float) -> str:
+    """Render a Unix time as local HH:MM:SS, with the date if it is not today."""
+    local = time.localtime(stamp)
+    if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
+        return time.strftime("%H:%M:%S", local)
+    return time.strftime("%Y-%m-%d %H:%M:%S", local)
+
+
+class Lock:
+    """A named lock (or one slot of an N-slot semaphore) as context manager and decorator.
+
+    ``with Lock("sales", slots=3, wait=60) as lease:`` holds a slot for the block;
+    ``lease.slot`` and ``lease.fence`` say which slot and which fence token. ``wait`` is
+    seconds, 0 (the default) tries once, None waits forever; a busy lock raises `LockBusy`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        uri: str | None = None,
+        slots: int = 1,
+        wait: float | None = 0,
+        ttl: float = DEFAULT_TTL,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> None:
+        """Describe the lock; nothing is acquired yet."""
+        self.name = check_name(name)
+        self.namespace = check_name(namespace, "namespace")
+        self.uri = uri or os.environ.get("LOCKRUN_URI") or DEFAULT_URI
+        if slots < 1:
+            msg = f"slots must be at least 1, not {slots}"
+            raise UsageError(msg)
+        self.slots = slots
+        self.wait = wait
+        self.ttl = ttl
+        self._held: list[tuple[Backend, Lease]] = []
+
+    def acquire(self) -> Lease:
+        """Take a slot, waiting as configured; raise `LockBusy` if none came free."""
+        backend = open_backend(parse_uri(self.uri))
+        request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
+        try:
+            lease = acquire(backend, request, self.wait)
+        except BaseException:
+            backend.close()
+            raise
+        self._held.append((backend, lease))
+        return lease
+
+    def release(self) -> None:
+        """Release the most recently acquired slot."""
+        backend, lease = self._held.pop()
+        try:
+            lease.release()
+        finally:
+            backend.close()
+
+    def __enter__(self) -> Lease:
+        """Acquire and return the lease."""
+        return self.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Release."""
+        self.release()
+
+    def __call__(self, function: Callable[_P, _R]) -> Callable[_P, _R]:
+        """Hold the lock around every call of *function*."""
+
+        @functools.wraps(function)
+        def locked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with self:
+                return function(*args, **kwargs)
+
+        return locked
+
+
+@dataclass(frozen=True)
+class Options:
+    """The CLI's options (SPEC §1), with durations in seconds and None for forever/none."""
+
+    name: str | None = None
+    uri: str = DEFAULT_URI
+    slots: int = 1
+    wait: float | None = 0.0
+    ttl: float = DEFAULT_TTL
+    max_time: float | None = None
+    kill_after: float = DEFAULT_KILL_AFTER
+    namespace: str = DEFAULT_NAMESPACE
+    close: bool = False
+    verbose: bool = False
+
+
+def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) -> int:
+    """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises)."""
+    uri = parse_uri(options.uri)
+    if options.close and uri.scheme != "file":
+        msg = f"--close applies to the file: backend only, not {uri.scheme}:"
+        raise UsageError(msg)
+    if options.ttl <= 0:
+        msg = "--ttl must be more than 0"
+        raise UsageError(msg)
+    name = check_name(options.name) if options.name is not None else default_name(argv)
+    namespace = check_name(options.namespace, "namespace")
+    verbose = log if options.verbose else lambda _line: None
+    if options.name is None:
+        verbose(f"lock name {name} (derived from the command; set it with --name)")
+    request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
+    with _interruptible(name):
+        backend = open_backend(uri)
+        try:
+            return _hold_and_run(backend, request, argv, options, verbose)
+        finally:
+            backend.close()
+
+
+def _hold_and_run(
+    backend: Backend,
+    request: Request,
+    argv: Sequence[str],
+    options: Options,
+    verbose: Callable[[str], None],
+) -> int:
+    started = now()
+    if options.verbose and options.wait != 0 and (holders := describe_holders(backend, request)):
+        verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
+    lease = acquire(backend, request, options.wait)
+    held_since = now()
+    try:
+        fence = "" if lease.fence is None else f", fence {lease.fence}"
+        verbose(
+            f"acquired {request.name} slot {lease.slot} of {request.slots} "
+            f"after {format_duration(now() - started)}{fence}"
+        )
+        env = command_environment(request, lease)
+        limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
+        fds = () if options.close else lease.fds
+        return supervise(argv, lease, limits, env=env, pass_fds=fds, log=verbose)
+    finally:
+        lease.release()
+        verbose(f"released {request.name} after {format_duration(now() - held_since)}")
+
+
+def command_environment(request: Request, lease: Lease) -> dict[str, str]:
+    """Return the command's environment: ours plus LOCKRUN_NAME/SLOT/SLOTS/FENCE."""
+    env = dict(os.environ)
+    if "LOCKRUN_URI" in env and redact(env["LOCKRUN_URI"]) != env["LOCKRUN_URI"]:
+        del env["LOCKRUN_URI"]  # SPEC §3: no password reaches the command's environment
+    env |= {
+        "LOCKRUN_NAME": request.name,
+        "LOCKRUN_SLOT": str(lease.slot),
+        "LOCKRUN_SLOTS": str(request.slots),
+    }
+    if lease.fence is not None:
+        env["LOCKRUN_FENCE"] = str(lease.fence)
+    else:
+        env.pop("LOCKRUN_FENCE", None)
+    return env
+
+
+@contextlib.contextmanager
+def _interruptible(name: str) -> Iterator[None]:
+    """Turn INT, TERM and HUP into `Interrupted` so waits unwind and release what they hold."""
+
+    def interrupt(signo: int, _frame: FrameType | None) -> None:
+        what = signal.Signals(signo).name
+        raise Interrupted(f"{what} while waiting for {name}; nothing is held", signo=signo)
+
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signo: signal.signal(signo, interrupt) for signo in watched}
+    try:
+        yield
+    finally:
+        for signo, handler in previous.items():
+            signal.signal(signo, handler)
+
+
+def states_for_status(uri: str, namespace: str, name: str | None) -> list[LockState]:
+    """Return what `lockrun status` shows."""
+    if name is not None:
+        check_name(name)
+    backend = open_backend(parse_uri(uri))
+    try:
+        return backend.status(check_name(namespace, "namespace"), name)
+    finally:
+        backend.close()
+
+
+__all__ = ["Lock", "Options", "acquire", "run"]

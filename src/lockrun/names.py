@@ -1,0 +1,50 @@
+"""Lock names: validation, the derived default, and escaping for file and socket names."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import string
+from typing import TYPE_CHECKING, Final
+from urllib.parse import unquote
+
+from lockrun.errors import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+MAX_NAME_BYTES: Final = 255
+_PLAIN: Final = frozenset((string.ascii_letters + string.digits + "_-").encode())
+
+
+def check_name(name: str, what: str = "lock name") -> str:
+    """Return *name* if it is 1…255 bytes of UTF-8, else raise `UsageError`."""
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        msg = f"{what} {name!r} is not valid UTF-8"
+        raise UsageError(msg) from None
+    if size == 0:
+        msg = f"{what} must not be empty"
+        raise UsageError(msg)
+    if size > MAX_NAME_BYTES:
+        msg = f"{what} is {size} bytes; at most {MAX_NAME_BYTES} are allowed"
+        raise UsageError(msg)
+    return name
+
+
+def default_name(argv: Sequence[str]) -> str:
+    """Derive a name from a command: its basename plus a short hash of the whole argv."""
+    digest = hashlib.sha256("\0".join(argv).encode(errors="surrogateescape")).hexdigest()[:8]
+    base = os.path.basename(argv[0]) or "command"
+    return f"{base[:200]}-{digest}"
+
+
+def escape(text: str) -> str:
+    """Percent-encode every byte but letters, digits, ``_`` and ``-`` (so ``.`` and ``/`` too)."""
+    return "".join(chr(byte) if byte in _PLAIN else f"%{byte:02X}" for byte in text.encode())
+
+
+def unescape(text: str) -> str:
+    """Invert `escape`."""
+    return unquote(text)

@@ -1,0 +1,295 @@
+"""Run the command while the lock is held: spawn, forward signals, keep the lease, reap.
+
+One thread, no Python signal handlers: the signals we care about are blocked and taken
+one at a time from `sigtimedwait`, whose timeout doubles as the lease-refresh and
+--max-time timer (aesthetics.md §5.6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from lockrun.errors import (
+    BackendUnavailable,
+    CommandNotExecutable,
+    CommandNotFound,
+    LeaseLost,
+    TimedOut,
+)
+from lockrun.timing import format_duration, now
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping, Sequence
+
+    from lockrun.backends import Lease
+
+FORWARDED: Final = frozenset(
+    {
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    }
+)
+_WATCHED: Final = FORWARDED | {signal.SIGCHLD}
+# SIGTTOU: taking the terminal back from the command's group while we are in the background.
+_BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
+_RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
+PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How the command is watched: lease cadence, wall-clock limit, grace before KILL."""
+
+    refresh_every: float
+    max_time: float | None = None
+    kill_after: float = 10.0
+
+
+def supervise(
+    argv: Sequence[str],
+    lease: Lease,
+    limits: Limits,
+    *,
+    env: Mapping[str, str],
+    pass_fds: Sequence[int] = (),
+    log: Callable[[str], None] = lambda _line: None,
+) -> int:
+    """Run *argv* while *lease* is held and return its exit status (128+N if signalled).
+
+    Raises `LeaseLost` or `TimedOut` after the command was stopped, and
+    `CommandNotFound`/`CommandNotExecutable` if it could not start. Whatever happens here,
+    the command has been reaped, or killed and reaped, before this returns or raises.
+    """
+    # Without an inherited lock fd nothing keeps the lock if we die: the command must die too.
+    die_with_us = not pass_fds
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+    try:
+        child = _spawn(argv, env, pass_fds, die_with_us=die_with_us)
+        watch = _Watch(child, lease, limits, log)
+        with _terminal_for(child.pid) as terminal:
+            watch.terminal = terminal
+            return watch.run()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+
+
+def _spawn(
+    argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int], *, die_with_us: bool
+) -> subprocess.Popen[bytes]:
+    """Start *argv* in its own process group with a clean signal mask and default SIGPIPE."""
+    prepare = _child_setup(die_with_us=die_with_us)
+    try:
+        # restore_signals resets SIGPIPE and SIGXFSZ, which CPython ignores (aesthetics.md §5.6).
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            pass_fds=tuple(pass_fds),
+            process_group=0,
+            restore_signals=True,
+            preexec_fn=prepare,
+        )
+    except FileNotFoundError as err:
+        msg = f"{argv[0]}: command not found"
+        raise CommandNotFound(msg) from err
+    except (OSError, subprocess.SubprocessError) as err:
+        reason = err.strerror if isinstance(err, OSError) else str(err)
+        msg = f"{argv[0]}: cannot execute: {reason}"
+        raise CommandNotExecutable(msg) from err
+
+
+def _child_setup(*, die_with_us: bool) -> Callable[[], None]:
+    """Return what the child runs between fork and exec."""
+    prctl = None
+    if die_with_us:
+        import ctypes  # noqa: PLC0415 - only when no inherited fd keeps the lock
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # we died before prctl took effect (fork→prctl race)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
+
+
+@contextlib.contextmanager
+def _terminal_for(pid: int) -> Iterator[bool]:
+    """Give the terminal's foreground to the command's group while it runs, if it is ours."""
+    if not _own_foreground_terminal():
+        yield False
+        return
+    os.tcsetpgrp(0, pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGCONT)  # in case it read the terminal before it was given it
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(0, os.getpgrp())  # SIGTTOU is blocked, so this works from the background
+
+
+def _own_foreground_terminal() -> bool:
+    """Return whether stdin is a terminal whose foreground group is ours and ours alone."""
+    try:
+        if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
+            return False
+    except OSError:
+        return False
+    # In `lockrun … | less` our group holds `less` too: handing over would stop it.
+    group, me = os.getpgrp(), os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == group:
+                return False
+    return True
+
+
+class _Watch:
+    """The supervision loop's state: timers, the stop sequence, and the outcome."""
+
+    def __init__(
+        self,
+        child: subprocess.Popen[bytes],
+        lease: Lease,
+        limits: Limits,
+        log: Callable[[str], None],
+    ) -> None:
+        self.child = child
+        self.lease = lease
+        self.limits = limits
+        self.log = log
+        self.terminal = False
+        start = now()
+        self.confirmed = start  # when the last successful refresh was sent
+        self.next_refresh = start + limits.refresh_every
+        self.time_limit = None if limits.max_time is None else start + limits.max_time
+        self.kill_at: float | None = None
+        self.failure: LeaseLost | TimedOut | None = None
+
+    def run(self) -> int:
+        """Wait for the command, serving signals and timers; stop it on any failure of ours."""
+        try:
+            while True:
+                info = signal.sigtimedwait(_WATCHED, max(0.0, self._next_timer() - now()))
+                if info is None:
+                    self._on_timer()
+                elif info.si_signo == signal.SIGCHLD:
+                    status = self._reap()
+                    if status is not None:
+                        return self._outcome(status)
+                else:
+                    self._signal_group(info.si_signo)
+        except BaseException:
+            if self.child.returncode is None:
+                self._stop_now()
+            raise
+
+    def _next_timer(self) -> float:
+        timers = [self.next_refresh]
+        if self.time_limit is not None and self.failure is None:
+            timers.append(self.time_limit)
+        if self.kill_at is not None:
+            timers.append(self.kill_at)
+        return min(timers)
+
+    def _on_timer(self) -> None:
+        current = now()
+        if self.kill_at is not None and current >= self.kill_at:
+            self._signal_group(signal.SIGKILL)
+            self.kill_at = None
+        if self.time_limit is not None and current >= self.time_limit and self.failure is None:
+            limit = format_duration(self.limits.max_time or 0.0)
+            self._begin_stop(TimedOut(f"--max-time {limit} expired; stopped the command"))
+        if current >= self.next_refresh:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        sent = now()
+        try:
+            self.lease.refresh()
+        except LeaseLost as err:
+            self.next_refresh = float("inf")
+            self._begin_stop(err)
+        except BackendUnavailable as err:
+            self._unconfirmed(err, sent)
+        else:
+            self.confirmed = sent
+            self.next_refresh = sent + self.limits.refresh_every
+
+    def _unconfirmed(self, err: BackendUnavailable, sent: float) -> None:
+        """Keep asking; stop the command while KILL can still land before the lease ends."""
+        ttl = self.lease.ttl
+        stop_at = sent if ttl is None else self.confirmed + ttl - self.limits.kill_after
+        if sent >= stop_at:
+            self.next_refresh = float("inf")
+            self._begin_stop(LeaseLost(f"lease could not be confirmed: {err}"))
+        else:
+            self.log(f"lease not confirmed ({err}); retrying")
+            self.next_refresh = min(sent + _RETRY, stop_at)
+
+    def _begin_stop(self, failure: LeaseLost | TimedOut) -> None:
+        if self.failure is None:
+            self.failure = failure
+            self._signal_group(signal.SIGTERM)
+            self.kill_at = now() + self.limits.kill_after
+
+    def _signal_group(self, signo: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.child.pid, signo)
+
+    def _reap(self) -> int | None:
+        """Collect the command's status, or follow it into a terminal stop (Ctrl-Z)."""
+        while True:
+            pid, status = os.waitpid(self.child.pid, os.WNOHANG | os.WUNTRACED)
+            if pid == 0:
+                return None
+            if not os.WIFSTOPPED(status):
+                code = os.waitstatus_to_exitcode(status)
+                self.child.returncode = code  # reaped by us, not by Popen
+                return 128 - code if code < 0 else code
+            if self.terminal:
+                self._suspend_with_child()
+
+    def _suspend_with_child(self) -> None:
+        """Stop ourselves as the shell expects of a job, then resume the command with us."""
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(0, os.getpgrp())
+        os.kill(os.getpid(), signal.SIGSTOP)
+        # Continued by `fg` (the terminal is ours again) or `bg` (it is not).
+        with contextlib.suppress(OSError):
+            if os.tcgetpgrp(0) == os.getpgrp():
+                os.tcsetpgrp(0, self.child.pid)
+        self._signal_group(signal.SIGCONT)
+
+    def _outcome(self, status: int) -> int:
+        if self.failure is not None:
+            self._signal_group(signal.SIGKILL)  # stragglers of a stopped group
+            raise self.failure
+        return status
+
+    def _stop_now(self) -> None:
+        """Stop the command after an error of ours: TERM, grace, KILL, reap."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.child.wait(self.limits.kill_after)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.child.wait()

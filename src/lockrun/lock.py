@@ -88,10 +88,11 @@ class Lock:
         slots: int = 1,
         wait: float | None = 0,
         ttl: float = DEFAULT_TTL,
-        namespace: str = DEFAULT_NAMESPACE,
+        namespace: str | None = None,
     ) -> None:
-        """Describe the lock; nothing is acquired yet."""
+        """Describe the lock; nothing is acquired yet. URI and namespace default as in the CLI."""
         self.name = check_name(name)
+        namespace = namespace or os.environ.get("LOCKRUN_NAMESPACE") or DEFAULT_NAMESPACE
         self.namespace = check_name(namespace, "namespace")
         self.uri = uri or os.environ.get("LOCKRUN_URI") or DEFAULT_URI
         if slots < 1:

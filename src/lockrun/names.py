@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import string
 from typing import TYPE_CHECKING, Final
@@ -35,6 +34,8 @@ def check_name(name: str, what: str = "lock name") -> str:
 
 def default_name(argv: Sequence[str]) -> str:
     """Derive a name from a command: its basename plus a short hash of the whole argv."""
+    import hashlib  # noqa: PLC0415 - OpenSSL's load is a tenth of our start-up; only here
+
     digest = hashlib.sha256("\0".join(argv).encode(errors="surrogateescape")).hexdigest()[:8]
     base = os.path.basename(argv[0]) or "command"
     return f"{base[:200]}-{digest}"

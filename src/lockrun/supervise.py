@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from lockrun.errors import (
     BackendUnavailable,
@@ -42,7 +42,6 @@ _WATCHED: Final = FORWARDED | {signal.SIGCHLD}
 # SIGTTOU: taking the terminal back from the command's group while we are in the background.
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
-PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -69,33 +68,75 @@ def supervise(
     `CommandNotFound`/`CommandNotExecutable` if it could not start. Whatever happens here,
     the command has been reaped, or killed and reaped, before this returns or raises.
     """
-    # Without an inherited lock fd nothing keeps the lock if we die: the command must die too.
-    die_with_us = not pass_fds
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+    # Without an inherited lock fd nothing keeps the lock if we die: the group must die too.
+    guardian = None if pass_fds else _Guardian()
     try:
-        child = _spawn(argv, env, pass_fds, die_with_us=die_with_us)
-        watch = _Watch(child, lease, limits, log)
-        with _terminal_for(child.pid) as terminal:
+        group = 0 if guardian is None else guardian.pid
+        child = _spawn(argv, env, pass_fds, group=group)
+        watch = _Watch(child, group or child.pid, lease, limits, log)
+        with _terminal_for(watch.group) as terminal:
             watch.terminal = terminal
             return watch.run()
     finally:
+        if guardian is not None:
+            guardian.stand_down()
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
+class _Guardian:
+    """A forked process that SIGKILLs the command's group if lockrun dies before it.
+
+    SPEC §4.2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
+    command alone, not its children, and only after a fork→prctl race (algorithms.md
+    pitfall 18). The guardian instead leads a new process group that the command is then
+    spawned into, so no moment exists when the command runs unguarded; it keeps copies of
+    our descriptors, so the lock stays held until the group is dead.
+    """
+
+    def __init__(self) -> None:
+        """Fork the guardian and make it the leader of a new process group."""
+        read_end, self._pipe = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
+            _guard(read_end, self._pipe)
+        os.close(read_end)
+        os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
+
+    def stand_down(self) -> None:
+        """Tell the guardian the command is done, and reap it before the lock is released."""
+        with contextlib.suppress(BrokenPipeError):  # it died with a SIGKILLed group
+            os.write(self._pipe, b"x")
+        os.close(self._pipe)
+        os.waitpid(self.pid, 0)
+
+
+def _guard(read_end: int, write_end: int) -> NoReturn:  # pragma: no cover - in the guardian
+    """Wait for lockrun to stand us down; if it vanishes instead, kill our group."""
+    try:
+        os.close(write_end)
+        os.setpgid(0, 0)
+        for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signo, signal.SIG_IGN)
+        if os.read(read_end, 1) != b"x":  # EOF: lockrun is gone
+            os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 def _spawn(
-    argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int], *, die_with_us: bool
+    argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int], *, group: int
 ) -> subprocess.Popen[bytes]:
-    """Start *argv* in its own process group with a clean signal mask and default SIGPIPE."""
-    prepare = _child_setup(die_with_us=die_with_us)
+    """Start *argv* in process *group* (0: its own) with a clean signal mask and default SIGPIPE."""
     try:
         # restore_signals resets SIGPIPE and SIGXFSZ, which CPython ignores (aesthetics.md §5.6).
         return subprocess.Popen(
             list(argv),
             env=dict(env),
             pass_fds=tuple(pass_fds),
-            process_group=0,
+            process_group=group,
             restore_signals=True,
-            preexec_fn=prepare,
+            preexec_fn=_unblock_signals,  # noqa: PLW1509 - lockrun runs no threads, so fork is safe
         )
     except FileNotFoundError as err:
         msg = f"{argv[0]}: command not found"
@@ -106,34 +147,20 @@ def _spawn(
         raise CommandNotExecutable(msg) from err
 
 
-def _child_setup(*, die_with_us: bool) -> Callable[[], None]:
-    """Return what the child runs between fork and exec."""
-    prctl = None
-    if die_with_us:
-        import ctypes  # noqa: PLC0415 - only when no inherited fd keeps the lock
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def setup() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != parent:  # we died before prctl took effect (fork→prctl race)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return setup
+def _unblock_signals() -> None:  # pragma: no cover - runs between fork and exec
+    """Give the command an empty signal mask; exec(2) would pass ours on."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
 @contextlib.contextmanager
-def _terminal_for(pid: int) -> Iterator[bool]:
+def _terminal_for(group: int) -> Iterator[bool]:
     """Give the terminal's foreground to the command's group while it runs, if it is ours."""
     if not _own_foreground_terminal():
         yield False
         return
-    os.tcsetpgrp(0, pid)
+    os.tcsetpgrp(0, group)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGCONT)  # in case it read the terminal before it was given it
+        os.killpg(group, signal.SIGCONT)  # in case it read the terminal before it was given it
     try:
         yield True
     finally:
@@ -168,11 +195,13 @@ class _Watch:
     def __init__(
         self,
         child: subprocess.Popen[bytes],
+        group: int,
         lease: Lease,
         limits: Limits,
         log: Callable[[str], None],
     ) -> None:
         self.child = child
+        self.group = group
         self.lease = lease
         self.limits = limits
         self.log = log
@@ -253,7 +282,7 @@ class _Watch:
 
     def _signal_group(self, signo: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.child.pid, signo)
+            os.killpg(self.group, signo)
 
     def _reap(self) -> int | None:
         """Collect the command's status, or follow it into a terminal stop (Ctrl-Z)."""
@@ -276,7 +305,7 @@ class _Watch:
         # Continued by `fg` (the terminal is ours again) or `bg` (it is not).
         with contextlib.suppress(OSError):
             if os.tcgetpgrp(0) == os.getpgrp():
-                os.tcsetpgrp(0, self.child.pid)
+                os.tcsetpgrp(0, self.group)
         self._signal_group(signal.SIGCONT)
 
     def _outcome(self, status: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import os
 import pwd
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
@@ -44,7 +43,7 @@ class Holder:
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
         """Describe this process as the holder of *argv*."""
-        return cls(socket.gethostname(), os.getpid(), _user(os.geteuid()), tuple(argv), time.time())
+        return cls(os.uname().nodename, os.getpid(), _user(os.geteuid()), tuple(argv), time.time())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Holder:
@@ -88,8 +87,8 @@ def describe_pid(pid: int) -> Holder:
             argv = tuple(arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")[:-1])
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
-        return Holder(socket.gethostname(), pid, "?", ())
-    return Holder(socket.gethostname(), pid, _user(uid), argv)
+        return Holder(os.uname().nodename, pid, "?", ())
+    return Holder(os.uname().nodename, pid, _user(uid), argv)
 
 
 @dataclass(frozen=True)
@@ -167,6 +166,14 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Drop connections; held leases are released by their own `release`."""
+
+
+def slots_mismatch(request: Request, holder: Holder, slots: int) -> ConfigError:
+    """Return the error for a live *holder* that uses *request*'s name with other *slots*."""
+    return ConfigError(
+        f"{request.name} is held with --slots {slots} by {holder.user}@{holder.host} pid "
+        f"{holder.pid}; all users of a name must agree, and this one has --slots {request.slots}"
+    )
 
 
 def next_fence(previous: bytes) -> int:

@@ -10,10 +10,10 @@ queues the same way on a gate name; only the gate's holder (the head) waits on t
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import os
 import re
 import select
@@ -23,7 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from lockrun.backends import Holder, LockState, Request, describe_pid, next_fence
+from lockrun.backends import (
+    Holder,
+    LockState,
+    Request,
+    describe_pid,
+    next_fence,
+    slots_mismatch,
+)
 from lockrun.errors import ConfigError
 from lockrun.names import escape, unescape
 from lockrun.timing import now
@@ -79,6 +86,7 @@ def bind_marker(name: str) -> socket.socket | None:
 def connect_to(name: str) -> socket.socket | None:
     """Connect to the listener on *name*; None when nobody listens there (yet)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)  # noqa: FBT003 - a full backlog would block connect(2): EAGAIN
     try:
         sock.connect("\0" + name)
     except OSError as err:
@@ -105,15 +113,19 @@ def wait_readable(socks: list[socket.socket], timeout: float) -> list[socket.soc
 
 def _receive(conn: socket.socket) -> tuple[socket.socket, bytes] | None:
     """Take a handed-over listener from *conn* if one is queued there; never blocks."""
+    # Not socket.recv_fds: Python 3.11's ignores its flags, so MSG_DONTWAIT would block.
+    fds = array.array("i")
+    flags = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
     try:
-        message, fds, _, _ = socket.recv_fds(
-            conn, 64, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
-        )
+        message, ancillary, _, _ = conn.recvmsg(64, socket.CMSG_SPACE(fds.itemsize), flags)
     except (BlockingIOError, ConnectionResetError):
         return None
-    if not fds:
-        return None
-    return socket.socket(fileno=fds[0]), message
+    for level, kind, data in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    for extra in fds[1:]:
+        os.close(extra)
+    return (socket.socket(fileno=fds[0]), message) if fds else None
 
 
 def hand_over(listener: socket.socket, payload: bytes) -> None:
@@ -134,27 +146,44 @@ def hand_over(listener: socket.socket, payload: bytes) -> None:
 
 
 def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, bytes] | None:
-    """Hold one of *names*: bind a free one, else wait for a holder to hand theirs over."""
-    while True:
-        for index, name in enumerate(names):
-            listener = bind_listener(name)
-            if listener is not None:
-                return index, listener, b""
-        wait = remaining(deadline)
-        if wait == 0:
-            return None
-        conns = {index: connect_to(name) for index, name in enumerate(names)}
-        live = [conn for conn in conns.values() if conn is not None]
-        try:
-            if len(live) < len(names):  # a name in transition: look again soon
+    """Hold one of *names*: bind a free one, else wait for a holder to hand theirs over.
+
+    A connection, once made, is kept until its holder hangs up or hands over: making it
+    again would move us to the back of that holder's queue.
+    """
+    conns: dict[int, socket.socket] = {}
+    try:
+        while True:
+            for index, name in enumerate(names):
+                if index not in conns and (listener := bind_listener(name)) is not None:
+                    return index, listener, b""
+            wait = remaining(deadline)
+            if wait == 0:
+                return None
+            for index, name in enumerate(names):
+                if index not in conns and (conn := connect_to(name)) is not None:
+                    conns[index] = conn
+            if len(conns) < len(names):  # a name in transition: look again soon
                 wait = min(wait, TRANSITION)
-            wait_readable(live, wait)
-            for index, conn in conns.items():
-                if conn is not None and (got := _receive(conn)) is not None:
-                    return index, *got
-        finally:
-            for conn in live:
-                conn.close()
+            if (got := _await_hand_over(conns, wait)) is not None:
+                return got
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+def _await_hand_over(
+    conns: dict[int, socket.socket], wait: float
+) -> tuple[int, socket.socket, bytes] | None:
+    """Wait for a holder among *conns* to hand over; drop those that hung up instead."""
+    ready = wait_readable(list(conns.values()), wait)
+    for index, conn in list(conns.items()):
+        if conn in ready:
+            if (got := _receive(conn)) is not None:
+                return index, *got
+            del conns[index]  # hung up without a hand-over: the name may be free now
+            conn.close()
+    return None
 
 
 # -- the backend ---------------------------------------------------------------------------
@@ -164,6 +193,8 @@ def _base(prefix: str, namespace: str, name: str) -> str:
     readable = f"lockrun/{escape(prefix)}/{escape(namespace)}/{escape(name)}"
     if len(readable.encode()) <= _MAX_BASE:
         return readable
+    import hashlib  # noqa: PLC0415 - only long names pay for OpenSSL's load
+
     digest = hashlib.sha256(f"{prefix}\0{namespace}\0{name}".encode()).hexdigest()[:40]
     return f"lockrun/#{digest}"
 
@@ -202,9 +233,12 @@ class AbstractBackend:
         """Queue FIFO for one of *request.slots* slots until *deadline*."""
         base = _base(self.prefix, request.namespace, request.name)
         slots = [f"{base}/{slot}" for slot in range(request.slots)]
+        for holder, their_slots in _holders(base):
+            if their_slots != request.slots:
+                raise slots_mismatch(request, holder, their_slots)
         with self._waiting(base, request):
             if request.slots == 1:
-                return self._grant(base, take(slots, deadline))
+                return self._grant(base, request.slots, take(slots, deadline))
             gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
             gate = take([f"{base}/g"], gate_deadline)
             if gate is None:
@@ -212,7 +246,7 @@ class AbstractBackend:
             _, gate_listener, counter = gate
             lease = None
             try:
-                lease = self._grant(base, take(slots, deadline), counter)
+                lease = self._grant(base, request.slots, take(slots, deadline), counter)
             finally:
                 fence = b"" if lease is None else str(lease.fence).encode()
                 hand_over(gate_listener, fence or counter)
@@ -232,6 +266,7 @@ class AbstractBackend:
     @staticmethod
     def _grant(
         base: str,
+        slots: int,
         taken: tuple[int, socket.socket, bytes] | None,
         counter: bytes = b"",
     ) -> AbstractLease | None:
@@ -239,7 +274,7 @@ class AbstractBackend:
             return None
         slot, listener, payload = taken
         fence = next_fence(counter or payload)
-        marker = bind_marker(f"{base}/h{slot}/{int(time.time() * 1000)}/{os.getpid()}")
+        marker = bind_marker(f"{base}/h{slot}.{slots}/{int(time.time() * 1000)}/{os.getpid()}")
         return AbstractLease(slot, fence, listener, marker)
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
@@ -272,6 +307,8 @@ class AbstractBackend:
             states.append(
                 LockState(namespace, lock_name, "@" + base, None, tuple(holders), tuple(waiters))
             )
+        if wanted is not None and not states:
+            states.append(LockState(namespace, name or "", "@" + wanted))  # free
         return states
 
     def close(self) -> None:
@@ -280,9 +317,20 @@ class AbstractBackend:
 
 _MARKER: Final = re.compile(
     r"(?P<base>lockrun/(?:#[0-9a-f]+|[^/]*/[^/]*/[^/]*))/"
-    r"(?:h(?P<slot>\d+)/(?P<ms>\d+)/(?P<pid>\d+)|w/(?P<us>\d+)/(?P<wpid>\d+))"
+    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)|w/(?P<us>\d+)/(?P<wpid>\d+))"
 )
 _READABLE: Final = re.compile(r"lockrun/(?P<prefix>[^/#]*)/(?P<ns>[^/]*)/(?P<name>[^/]*)")
+
+
+def _holders(base: str) -> Iterator[tuple[Holder, int]]:
+    """Yield each live holder of *base* with the --slots it uses."""
+    for path in _abstract_names():
+        match = _MARKER.fullmatch(path)
+        if match is not None and match["base"] == base and match["slot"] is not None:
+            holder = _with(
+                describe_pid(int(match["pid"])), int(match["ms"]) / 1e3, int(match["slot"])
+            )
+            yield holder, int(match["slots"])
 
 
 def _with(holder: Holder, since: float, slot: int | None = None) -> Holder:

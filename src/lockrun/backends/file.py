@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -23,7 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from lockrun.backends import Holder, LockState, Request, describe_pid, next_fence
+from lockrun.backends import (
+    Holder,
+    LockState,
+    Request,
+    describe_pid,
+    next_fence,
+    slots_mismatch,
+)
 from lockrun.errors import ConfigError, LeaseLost
 from lockrun.names import escape, unescape
 from lockrun.timing import now
@@ -94,8 +100,14 @@ def _base(namespace: str, name: str) -> str:
     key = escape(name) if namespace == DEFAULT_NAMESPACE else f"{escape(namespace)}.{escape(name)}"
     if len(key) <= _MAX_BASE:
         return key
-    digest = hashlib.sha256(f"{namespace}\0{name}".encode()).hexdigest()[:32]
+    digest = _sha256(f"{namespace}\0{name}")[:32]
     return f"{key[:150]}%%{digest}"  # "%%" never comes out of escape(): no collisions
+
+
+def _sha256(text: str) -> str:
+    import hashlib  # noqa: PLC0415 - only long names and semaphores pay for OpenSSL's load
+
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _slot_file(base: str, slot: int) -> str:
@@ -215,12 +227,13 @@ class FileBackend:
 
     def _wake_name(self, base: str, slot: int) -> str:
         info = os.fstat(self._dir_fd)
-        digest = hashlib.sha256(f"{info.st_dev}:{info.st_ino}/{base}".encode()).hexdigest()
+        digest = _sha256(f"{info.st_dev}:{info.st_ino}/{base}")
         return f"lockrun-file/{digest[:40]}/{slot}"
 
     def acquire(self, request: Request, deadline: float | None) -> FileLease | None:
         """Take one slot of *request*, queueing FIFO in the kernel until *deadline*."""
         base = _base(request.namespace, request.name)
+        self._check_agreement(base, request)
         if request.slots == 1:
             fd = self._open(_slot_file(base, 0))
             with _closed_on_error(fd):
@@ -244,6 +257,20 @@ class FileBackend:
                 return self._grant(base, request, slot, fd, wake)
         finally:
             os.close(gate)  # the next waiter in the kernel's queue becomes the head
+
+    def _check_agreement(self, base: str, request: Request) -> None:
+        """Raise `ConfigError` (78) if a live holder of this name uses another --slots."""
+        locks = None
+        for slot in range(1 << 16):
+            identity, content = self._peek(_slot_file(base, slot))
+            if identity is None:
+                return
+            record = _record(content)
+            if record is None or int(str(record.get("slots", request.slots))) == request.slots:
+                continue
+            locks = _proc_locks() if locks is None else locks  # only when a record disagrees
+            if locks.get(identity, _Locks()).holding:
+                raise slots_mismatch(request, Holder.from_dict(record), int(str(record["slots"])))
 
     def _take_slot(
         self, base: str, slots: int, deadline: float | None

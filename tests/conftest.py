@@ -1,0 +1,108 @@
+"""Fixtures shared by every test: backend URIs, unique names, and lockrun processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LOCKRUN = (sys.executable, "-m", "lockrun")
+# Every backend the conformance suite runs against; #3–#5 each add one entry and a fixture.
+BACKENDS = ("file", "abstract")
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the developer's own LOCKRUN_* settings out of the tests."""
+    for variable in list(os.environ):
+        if variable.startswith("LOCKRUN_"):
+            monkeypatch.delenv(variable)
+
+
+@pytest.fixture
+def name() -> str:
+    """Return a lock name no other test uses."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=BACKENDS)
+def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Return a URI for each backend, private to this test."""
+    if request.param == "file":
+        return f"file://{tmp_path}/locks"
+    return f"abstract:test-{uuid.uuid4().hex[:8]}"
+
+
+def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lockrun ARGS`` to completion and capture its output."""
+    return subprocess.run(
+        [*LOCKRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+    )
+
+
+def start(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``python -m lockrun ARGS`` in the background, stderr captured."""
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen([*LOCKRUN, *args], text=True, **kwargs)
+
+
+def finish(process: subprocess.Popen[str], timeout: float = 30) -> int:
+    """Wait for a `start`ed process, drain its pipes, and return its status."""
+    process.communicate(timeout=timeout)
+    return process.returncode
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "") -> None:
+    """Poll *condition* until it is true; fail the test after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(0.01)
+
+
+class Held:
+    """A lockrun process whose command holds the lock until `finish` is called."""
+
+    def __init__(self, directory: Path, *options: str) -> None:
+        """Start ``lockrun OPTIONS -- sh …`` and wait until its command runs."""
+        tag = uuid.uuid4().hex[:8]
+        self.ready = directory / f"ready-{tag}"
+        self.go = directory / f"go-{tag}"
+        script = f'echo "$LOCKRUN_SLOT $LOCKRUN_FENCE" > {self.ready}.tmp; mv {self.ready}.tmp {self.ready}; while [ ! -e {self.go} ]; do sleep 0.01; done'
+        self.process = start(*options, "--", "sh", "-c", script)
+        wait_for(lambda: self.ready.exists() or self.process.poll() is not None, what="holder")
+        if not self.ready.exists():
+            _, err = self.process.communicate()
+            pytest.fail(f"holder did not start (status {self.process.returncode}): {err}")
+        slot, fence = self.ready.read_text().split()
+        self.slot, self.fence = int(slot), int(fence)
+
+    def finish(self) -> int:
+        """Let the command end and return lockrun's status."""
+        self.go.touch()
+        self.process.communicate(timeout=30)
+        return self.process.returncode
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[Callable[..., Held]]:
+    """Return a factory of `Held` processes, all finished at teardown."""
+    started: list[Held] = []
+
+    def factory(*options: str) -> Held:
+        holder = Held(tmp_path, *options)
+        started.append(holder)
+        return holder
+
+    yield factory
+    for holder in started:
+        if holder.process.poll() is None:
+            holder.finish()

@@ -1,0 +1,365 @@
+"""SPEC §4 semantics, run against every backend (the `uri` fixture); #3–#5 add backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import Held, finish, lockrun, start, wait_for
+
+from lockrun import Lock, LockBusy
+
+
+def queue_length(uri: str, name: str) -> int:
+    """Return how many waiters `lockrun status` reports for *name*."""
+    result = lockrun("status", "--uri", uri, "--json", name)
+    assert result.returncode == 0, result.stderr
+    states = json.loads(result.stdout)
+    return sum(len(state["waiters"]) for state in states)
+
+
+def alive(pid: int) -> bool:
+    """Return whether *pid* runs (a zombie does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
+    except FileNotFoundError:
+        return False
+
+
+def test_second_holder_is_refused(uri: str, name: str, held: Callable[..., Held]) -> None:
+    """A second lockrun on a held name exits 75 at once and names the holder."""
+    holder = held("--uri", uri, "-n", name)
+    result = lockrun("--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == 75
+    assert result.stderr.startswith(f"lockrun: {name} busy, held by ")
+    assert f"pid {holder.process.pid}" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert holder.finish() == 0
+
+
+def test_slots_admit_n_and_refuse_the_next(uri: str, name: str, held: Callable[..., Held]) -> None:
+    """--slots 3 admits three holders in distinct slots and refuses a fourth."""
+    holders = [held("--uri", uri, "-n", name, "-s", "3") for _ in range(3)]
+    assert sorted(holder.slot for holder in holders) == [0, 1, 2]
+    result = lockrun("--uri", uri, "-n", name, "-s", "3", "--", "true")
+    assert result.returncode == 75
+    assert "all 3 slots" in result.stderr
+    assert [holder.finish() for holder in holders] == [0, 0, 0]
+    assert lockrun("--uri", uri, "-n", name, "-s", "3", "--", "true").returncode == 0
+
+
+def test_wait_gives_up_after_the_duration(uri: str, name: str, held: Callable[..., Held]) -> None:
+    """--wait 0.3 on a held lock exits 75 saying how long it waited."""
+    holder = held("--uri", uri, "-n", name)
+    result = lockrun("--uri", uri, "-n", name, "-w", "0.3", "--", "true")
+    assert result.returncode == 75
+    assert "gave up after 0.30s" in result.stderr
+    holder.finish()
+
+
+def test_waiter_runs_once_the_holder_is_done(
+    uri: str, name: str, held: Callable[..., Held], tmp_path: Path
+) -> None:
+    """A --wait forever waiter runs its command as soon as the holder releases."""
+    holder = held("--uri", uri, "-n", name)
+    mark = tmp_path / "ran"
+    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "touch", str(mark))
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter to queue")
+    assert not mark.exists()
+    holder.finish()
+    assert finish(waiter) == 0
+    assert mark.exists()
+
+
+def test_fence_increases_with_every_acquisition(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """LOCKRUN_FENCE strictly increases across acquisitions and hand-overs."""
+    fences = []
+    for _ in range(3):
+        holder = held("--uri", uri, "-n", name)
+        fences.append(holder.fence)
+        holder.finish()
+    first = held("--uri", uri, "-n", name)
+    second = start(
+        "--uri",
+        uri,
+        "-n",
+        name,
+        "-w",
+        "forever",
+        "--",
+        "sh",
+        "-c",
+        "echo $LOCKRUN_FENCE",
+        stdout=subprocess.PIPE,
+    )
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter to queue")
+    fences.append(first.fence)
+    first.finish()
+    out, _ = second.communicate(timeout=30)
+    fences.append(int(out))
+    assert fences == sorted(set(fences))
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_waiters_are_served_in_arrival_order(
+    uri: str, name: str, held: Callable[..., Held], tmp_path: Path, slots: int
+) -> None:
+    """Ten queued waiters are granted strictly first-in first-out, for a mutex and N=3."""
+    options = ("--uri", uri, "-n", name, "-s", str(slots))
+    holders = [held(*options) for _ in range(slots)]
+    waiters = []
+    for index in range(10):
+        script = f"touch {tmp_path}/in-{index}; while [ ! -e {tmp_path}/out-{index} ]; do sleep 0.01; done"
+        waiters.append(start(*options, "-w", "forever", "--", "sh", "-c", script))
+        # Queue each waiter before the next arrives: arrival order is then unambiguous.
+        wait_for(lambda n=index + 1: queue_length(uri, name) == n, what=f"waiter {index}")
+    granted: list[int] = []
+
+    def next_grant() -> int:
+        fresh: list[int] = []
+
+        def appeared() -> bool:
+            fresh[:] = [
+                i for i in range(10) if i not in granted and (tmp_path / f"in-{i}").exists()
+            ]
+            return bool(fresh)
+
+        wait_for(appeared, what="the next grant")
+        assert len(fresh) == 1, f"two waiters granted at once: {fresh}"
+        return fresh[0]
+
+    for holder in holders:
+        holder.finish()
+        granted.append(next_grant())
+    while len(granted) < 10:
+        (tmp_path / f"out-{granted[len(granted) - slots]}").touch()
+        granted.append(next_grant())
+    for index in range(10):
+        (tmp_path / f"out-{index}").touch()
+    assert [finish(waiter) for waiter in waiters] == [0] * 10
+    assert granted == list(range(10))
+
+
+COUNTER = """
+import os, sys, time
+path = sys.argv[1]
+value = int(open(path).read() or 0)
+time.sleep(0.001)
+with open(path + ".tmp", "w") as out:
+    out.write(str(value + 1))
+os.replace(path + ".tmp", path)
+"""
+
+
+def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
+    """16 processes × 25 read-increment-write cycles under the lock lose no update."""
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    script = tmp_path / "increment.py"
+    script.write_text(COUNTER)
+    loop = (
+        f"for i in $(seq 25); do {sys.executable} -m lockrun --uri {uri} -n {name} -w forever"
+        f" -- {sys.executable} {script} {counter} || exit 1; done"
+    )
+    workers = [subprocess.Popen(["sh", "-c", loop]) for _ in range(16)]
+    assert [worker.wait(300) for worker in workers] == [0] * 16
+    assert counter.read_text() == "400"
+
+
+INTERVAL = """
+import os, sys, time
+start = time.monotonic_ns()
+time.sleep(0.05)
+end = time.monotonic_ns()
+with open(sys.argv[1], "a") as log:
+    log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
+"""
+
+
+def test_semaphore_never_exceeds_its_slots(uri: str, name: str, tmp_path: Path) -> None:
+    """With --slots 3, an interval log never shows more than 3 at once, and shows 3."""
+    log = tmp_path / "intervals"
+    script = tmp_path / "interval.py"
+    script.write_text(INTERVAL)
+    loop = (
+        f"for i in $(seq 4); do {sys.executable} -m lockrun --uri {uri} -n {name} -s 3"
+        f" -w forever -- {sys.executable} {script} {log} || exit 1; done"
+    )
+    workers = [subprocess.Popen(["sh", "-c", loop]) for _ in range(8)]
+    assert [worker.wait(300) for worker in workers] == [0] * 8
+    events = []
+    for line in log.read_text().splitlines():
+        begin, end, slot = line.split()
+        assert slot in {"0", "1", "2"}
+        events += [(int(begin), 1), (int(end), -1)]
+    running = peak = 0
+    for _, change in sorted(events, key=lambda event: (event[0], event[1])):
+        running += change
+        peak = max(peak, running)
+    assert len(events) == 64
+    assert peak == 3
+
+
+FIRST_STILL_RUNNING = """
+import sys
+pid = int(open(sys.argv[1]).read())
+try:
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+except FileNotFoundError:
+    state = "gone"
+print("overlap" if state not in {"Z", "X", "gone"} else "alone")
+"""
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_killed_holder_never_lets_a_second_command_overlap(
+    uri: str, name: str, tmp_path: Path, close: bool
+) -> None:
+    """After SIGKILL of a holding lockrun, no second command starts while the first runs."""
+    if close and not uri.startswith("file:"):
+        pytest.skip("--close is a file: option")
+    pid_file, go = tmp_path / "first.pid", tmp_path / "go"
+    script = f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; while [ ! -e {go} ]; do sleep 0.01; done"
+    close_option = ["--close"] if close else []
+    # stderr not piped: a surviving command would hold the pipe open.
+    first = start("--uri", uri, "-n", name, *close_option, "--", "sh", "-c", script, stderr=None)
+    wait_for(pid_file.exists, what="the first command")
+    first_command = int(pid_file.read_text())
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    checker = tmp_path / "check.py"
+    checker.write_text(FIRST_STILL_RUNNING)
+    second = start(
+        "--uri",
+        uri,
+        "-n",
+        name,
+        "-w",
+        "forever",
+        "--",
+        sys.executable,
+        str(checker),
+        str(pid_file),
+        stdout=subprocess.PIPE,
+    )
+    if alive(first_command):  # it kept the inherited lock fd: it must finish first
+        go.touch()
+    out, _ = second.communicate(timeout=30)
+    assert second.returncode == 0
+    assert out.strip() == "alone"
+    go.touch()
+    wait_for(lambda: not alive(first_command), what="the first command to end")
+
+
+def test_status_lists_holders_and_waiters(uri: str, name: str, held: Callable[..., Held]) -> None:
+    """`lockrun status` shows the holder's pid, slot and command, then the waiters in order."""
+    holder = held("--uri", uri, "-n", name, "-s", "2")
+    other = held("--uri", uri, "-n", name, "-s", "2")
+    waiters = [
+        start("--uri", uri, "-n", name, "-s", "2", "-w", "forever", "--", "true") for _ in range(2)
+    ]
+    for count in (1, 2):
+        wait_for(lambda n=count: queue_length(uri, name) == n, what="waiters")
+    result = lockrun("status", "--uri", uri, "--json", name)
+    (state,) = json.loads(result.stdout)
+    assert state["name"] == name
+    by_slot = {entry["slot"]: entry for entry in state["holders"]}
+    assert set(by_slot) == {0, 1}
+    assert by_slot[holder.slot]["pid"] in {holder.process.pid}
+    assert by_slot[other.slot]["pid"] == other.process.pid
+    assert any("sh" in " ".join(entry["argv"]) for entry in state["holders"])
+    assert {waiter["pid"] for waiter in state["waiters"]} == {w.pid for w in waiters}
+    table = lockrun("status", "--uri", uri)
+    assert table.returncode == 0
+    assert table.stdout.splitlines()[0].split() == [
+        "NAME",
+        "SLOT",
+        "STATE",
+        "PID",
+        "USER",
+        "HOST",
+        "SINCE",
+        "COMMAND",
+    ]
+    assert sum(name in line and "holding" in line for line in table.stdout.splitlines()) == 2
+    holder.finish()
+    other.finish()
+    assert [finish(waiter) for waiter in waiters] == [0, 0]
+    assert json.loads(lockrun("status", "--uri", uri, "--json").stdout) == []
+
+
+def test_python_api_holds_and_reports_slot_and_fence(uri: str, name: str) -> None:
+    """`with Lock(...)` holds a slot, exposes slot and fence, and releases on exit."""
+    with Lock(name, uri=uri, slots=2) as first, Lock(name, uri=uri, slots=2) as second:
+        assert {first.slot, second.slot} == {0, 1}
+        assert first.fence is not None
+        assert second.fence is not None
+        assert second.fence > first.fence
+        with pytest.raises(LockBusy), Lock(name, uri=uri, slots=2):
+            pass
+    with Lock(name, uri=uri, slots=2, wait=None) as again:
+        assert again.slot == 0
+
+
+def test_python_api_decorator_serialises_calls(uri: str, name: str) -> None:
+    """@Lock(...) holds the lock for each call; an inner attempt finds it busy."""
+
+    @Lock(name, uri=uri)
+    def guarded() -> str:
+        try:
+            with Lock(name, uri=uri):
+                return "not exclusive"
+        except LockBusy:
+            return "exclusive"
+
+    assert guarded() == "exclusive"
+    assert guarded() == "exclusive"
+
+
+def test_release_is_idempotent(uri: str, name: str) -> None:
+    """Releasing a lease twice is harmless, and the slot is free afterwards."""
+    lock = Lock(name, uri=uri)
+    lease = lock.acquire()
+    lease.release()
+    lease.release()
+    lock.release()
+    with Lock(name, uri=uri) as lease:
+        assert lease.slot == 0
+
+
+def test_command_that_cannot_start_releases_the_lock(uri: str, name: str) -> None:
+    """A missing command exits 127 and leaves the lock free."""
+    result = lockrun("--uri", uri, "-n", name, "--", "/nonexistent/command")
+    assert result.returncode == 127
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_lock_is_held_from_another_python_process(uri: str, name: str, tmp_path: Path) -> None:
+    """The Python API and the CLI exclude each other."""
+    ready = tmp_path / "ready"
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from lockrun import Lock
+        with Lock({name!r}, uri={uri!r}):
+            pathlib.Path({str(ready)!r}).touch()
+            time.sleep(30)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_for(ready.exists, what="the API holder")
+        assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 75
+    finally:
+        process.kill()
+        process.wait()
+    assert lockrun("--uri", uri, "-n", name, "-w", "10", "--", "true").returncode == 0
+    assert os.environ.get("LOCKRUN_NAME") is None

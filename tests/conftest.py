@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,13 @@ def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str =
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(0.01)
+
+
+def queue_length(uri: str, name: str) -> int:
+    """Return how many waiters `lockrun status` reports for *name*."""
+    result = lockrun("status", "--uri", uri, "--json", name)
+    assert result.returncode == 0, result.stderr
+    return sum(len(state["waiters"]) for state in json.loads(result.stdout))
 
 
 class Held:

@@ -12,17 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Held, finish, lockrun, start, wait_for
+from conftest import Held, finish, lockrun, queue_length, start, wait_for
 
 from lockrun import Lock, LockBusy
-
-
-def queue_length(uri: str, name: str) -> int:
-    """Return how many waiters `lockrun status` reports for *name*."""
-    result = lockrun("status", "--uri", uri, "--json", name)
-    assert result.returncode == 0, result.stderr
-    states = json.loads(result.stdout)
-    return sum(len(state["waiters"]) for state in states)
 
 
 def alive(pid: int) -> bool:

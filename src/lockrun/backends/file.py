@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -30,7 +31,7 @@ from lockrun.backends import (
     next_fence,
     slots_mismatch,
 )
-from lockrun.errors import ConfigError, LeaseLost
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost
 from lockrun.names import escape, unescape
 from lockrun.timing import now
 
@@ -45,6 +46,17 @@ _PRIVATE: Final = 0o700
 _MAX_BASE: Final = 200  # leaves room for "~NNN.lock" within NAME_MAX (255)
 _LOCK_FILE: Final = re.compile(r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock")
 _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up socket
+# Path and permission problems are the operator's to fix (78); a read-only or full file
+# system, or an I/O error, is the lock service being unavailable (69).
+_MISCONFIGURED: Final = frozenset(
+    {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR}
+)
+
+
+def _failure(what: str, err: OSError) -> ConfigError | BackendUnavailable:
+    """Translate an OSError about *what* at the backend boundary."""
+    kind = ConfigError if err.errno in _MISCONFIGURED else BackendUnavailable
+    return kind(f"{what}: {err.strerror}")
 
 
 def default_directory() -> str:
@@ -76,8 +88,7 @@ def _open_directory(path: str, *, private: bool) -> int:
             raise ConfigError(msg)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        msg = f"lock directory {path}: {err.strerror}"
-        raise ConfigError(msg) from err
+        raise _failure(f"lock directory {path}", err) from err
     info = os.fstat(fd)
     problem = None
     if private and info.st_uid != os.geteuid():
@@ -87,7 +98,11 @@ def _open_directory(path: str, *, private: bool) -> int:
     ):
         problem = "is not writable"
     if problem is not None:
+        read_only = os.fstatvfs(fd).f_flag & os.ST_RDONLY
         os.close(fd)
+        if read_only:
+            msg = f"lock directory {path} is on a read-only file system"
+            raise BackendUnavailable(msg)
         msg = f"lock directory {path} {problem}"
         raise ConfigError(msg)
     if private and stat.S_IMODE(info.st_mode) != _PRIVATE:  # tighten what we own
@@ -219,8 +234,7 @@ class FileBackend:
         try:
             return os.open(filename, flags, mode, dir_fd=self._dir_fd)
         except OSError as err:
-            msg = f"lock file {self.directory}/{filename}: {err.strerror}"
-            raise ConfigError(msg) from err
+            raise _failure(f"lock file {self._path(filename)}", err) from err
 
     def _path(self, filename: str) -> str:
         return os.path.join(self.directory, filename)
@@ -311,14 +325,16 @@ class FileBackend:
     ) -> FileLease:
         """Record the holder in the slot file and bump the fence; the caller holds the lock."""
         fence_fd = self._open(f"{base}.fence")
+        holder = dataclasses.replace(request.holder, slot=slot, since=time.time())
+        record = {"name": request.name, "namespace": request.namespace, "slots": request.slots}
         try:
             fence = next_fence(os.pread(fence_fd, 32, 0))
             _overwrite(fence_fd, f"{fence}\n".encode())
+            _overwrite(fd, (json.dumps(record | holder.to_dict()) + "\n").encode())
+        except OSError as err:  # ENOSPC, EIO: we could not record the fence
+            raise _failure(f"lock files of {request.name} in {self.directory}", err) from err
         finally:
             os.close(fence_fd)
-        holder = dataclasses.replace(request.holder, slot=slot, since=time.time())
-        record = {"name": request.name, "namespace": request.namespace, "slots": request.slots}
-        _overwrite(fd, (json.dumps(record | holder.to_dict()) + "\n").encode())
         info = os.fstat(fd)
         path = self._path(_slot_file(base, slot))
         return FileLease(slot, fence, path, fd, (info.st_dev, info.st_ino), self._dir_fd, wake)

@@ -1,0 +1,475 @@
+"""The command line end to end: every exit status of SPEC §2 and every bad input of #2."""
+
+from __future__ import annotations
+
+import os
+import stat
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import Held, lockrun, queue_length, start, wait_for
+
+from lockrun import ConfigError, ExitCode
+from lockrun.backends import file as file_backend
+from lockrun.uri import parse_uri
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="needs root (mount namespaces, chown)")
+
+
+def one_line(stderr: str) -> str:
+    """Assert *stderr* is exactly one ``lockrun: …`` line and return it."""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("lockrun: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> str:
+    """Return a file: URI in a private directory."""
+    return f"file://{tmp_path}/locks"
+
+
+# -- the statuses of SPEC §2, one test each ----------------------------------------------
+
+
+@pytest.mark.parametrize("status", [0, 1, 2, 3, 64, 75, 255])
+def test_the_commands_own_status_passes_through(files: str, name: str, status: int) -> None:
+    """The command's exit status is lockrun's, even where it equals one of lockrun's own."""
+    result = lockrun("--uri", files, "-n", name, "--", "sh", "-c", f"exit {status}")
+    assert result.returncode == status
+    assert result.stderr == ""
+
+
+def test_a_signalled_command_gives_128_plus_n(files: str, name: str) -> None:
+    """A command killed by SIGTERM makes lockrun exit 143 (shell convention)."""
+    result = lockrun("--uri", files, "-n", name, "--", "sh", "-c", "kill -TERM $$")
+    assert result.returncode == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--bogus", "--", "true"], "--bogus"),
+        (["--wait", "5x", "--", "true"], "invalid duration '5x'"),
+        (["--wait", "-1", "--", "true"], "invalid duration '-1'"),
+        (["--ttl", "forever", "--", "true"], "invalid duration 'forever'"),
+        (["--ttl", "0", "--", "true"], "--ttl must be more than 0"),
+        (["--max-time", "soon", "--", "true"], "invalid duration 'soon'"),
+        (["--kill-after", "", "--", "true"], "invalid duration ''"),
+        (["--slots", "0", "--", "true"], "0 is not in the range x>=1"),
+        (["--slots", "-1", "--", "true"], "-1 is not in the range x>=1"),
+        (["--slots", "abc", "--", "true"], "'abc' is not a valid integer"),
+        (["-E", "256", "--", "true"], "256 is not in the range 0<=x<=255"),
+        ([], "no command to run"),
+        (["--"], "no command to run"),
+        (["-n", "", "--", "true"], "lock name must not be empty"),
+        (["-n", "x" * 256, "--", "true"], "lock name is 256 bytes; at most 255"),
+        (["-n", "é" * 128, "--", "true"], "lock name is 256 bytes; at most 255"),
+        (["--namespace", "", "-n", "x", "--", "true"], "namespace must not be empty"),
+        (["--close", "--uri", "abstract:", "--", "true"], "--close applies to the file:"),
+    ],
+)
+def test_usage_errors_exit_64_with_one_line(arguments: list[str], message: str) -> None:
+    """Bad options, durations, names and missing commands exit 64 with one line."""
+    result = lockrun(*arguments)
+    assert result.returncode == ExitCode.USAGE
+    assert message in one_line(result.stderr)
+
+
+def test_a_name_of_255_bytes_is_accepted(files: str) -> None:
+    """255 bytes of UTF-8 is a valid name, however many characters that is."""
+    result = lockrun("--uri", files, "-n", "é" * 127 + "x", "--", "true")
+    assert result.returncode == 0, result.stderr
+
+
+@needs_root
+def test_read_only_lock_directory_exits_69(tmp_path: Path, name: str) -> None:
+    """A lock directory on a read-only file system is an unavailable backend (69)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=1m none {mount} && mkdir {mount}/locks"
+        f" && mount -o remount,ro {mount}"
+        f" && exec {sys.executable} -m lockrun --uri file://{mount}/locks -n {name} -- true"
+    )
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == ExitCode.UNAVAILABLE
+    assert "read-only file system" in one_line(result.stderr)
+
+
+@needs_root
+def test_full_file_system_exits_69_and_leaves_the_lock_free(tmp_path: Path, name: str) -> None:
+    """A full lock file system is an unavailable backend (69), and nothing stays locked."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=4k none {mount} && mkdir {mount}/locks"
+        f" && touch {mount}/locks/{name}.lock {mount}/locks/{name}.fence"
+        f" && (dd if=/dev/zero of={mount}/fill bs=4k count=4 2>/dev/null; true)"
+        f" && {sys.executable} -m lockrun --uri file://{mount}/locks -n {name} -- true;"
+        f" echo status=$?; flock -n {mount}/locks/{name}.lock echo free"
+    )
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False
+    )
+    assert "status=69" in result.stdout, result
+    assert "free" in result.stdout
+    assert "No space left on device" in one_line(result.stderr)
+
+
+def test_internal_errors_exit_70_without_a_traceback(files: str, name: str) -> None:
+    """A bug becomes status 70 with one line; LOCKRUN_DEBUG=1 adds the traceback."""
+    # A lease whose refresh has a bug: the command is stopped and lockrun reports 70.
+    script = f"""
+import lockrun.backends.file as file
+def broken(self): raise RuntimeError("boom")
+file.FileLease.refresh = broken
+import sys
+sys.argv = ["lockrun", "--uri", {files!r}, "-n", {name!r}, "--ttl", "0.3", "--", "sleep", "30"]
+from lockrun.cli import main
+main()
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == ExitCode.SOFTWARE
+    assert "internal error: RuntimeError: boom" in one_line(result.stderr)
+    debug = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        env=os.environ | {"LOCKRUN_DEBUG": "1"},
+    )
+    assert debug.returncode == ExitCode.SOFTWARE
+    assert "Traceback" in debug.stderr
+    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+
+
+def test_busy_exits_75_and_minus_e_moves_it(
+    files: str, name: str, held: Callable[..., Held]
+) -> None:
+    """A held lock gives 75, -E picks another status, -q silences only the busy line."""
+    holder = held("--uri", files, "-n", name)
+    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == ExitCode.BUSY
+    moved = lockrun("--uri", files, "-n", name, "-E", "1", "--", "true")
+    assert moved.returncode == 1
+    assert "busy" in one_line(moved.stderr)
+    quiet = lockrun("--uri", files, "-n", name, "-q", "--", "true")
+    assert (quiet.returncode, quiet.stderr) == (ExitCode.BUSY, "")
+    holder.finish()
+
+
+def test_lost_lock_exits_76(files: str, name: str, tmp_path: Path) -> None:
+    """Deleting the lock file under a running command stops it and exits 76."""
+    ready = tmp_path / "ready"
+    process = start(
+        "--uri",
+        files,
+        "-n",
+        name,
+        "--ttl",
+        "0.3",
+        "--kill-after",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        f"touch {ready}; exec sleep 30",
+    )
+    wait_for(ready.exists, what="the command")
+    (tmp_path / "locks" / f"{name}.lock").unlink()
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == ExitCode.LOST
+    assert "was deleted or replaced" in one_line(stderr)
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("redis2://host", "unknown lock URI scheme 'redis2'"),
+        ("nonsense", "malformed lock URI 'nonsense'"),
+        ("", "malformed lock URI ''"),
+        ("file://otherhost/tmp/x", "not host 'otherhost'"),
+        ("http://user:hunter2@host/", "unknown lock URI scheme 'http'"),
+    ],
+)
+def test_configuration_errors_exit_78(uri: str, message: str) -> None:
+    """Unknown schemes and malformed URIs exit 78 with one line and no password."""
+    result = lockrun("--uri", uri, "--", "true")
+    assert result.returncode == ExitCode.CONFIG
+    line = one_line(result.stderr)
+    assert message in line
+    assert "hunter2" not in line
+
+
+def test_slots_mismatch_exits_78(files: str, name: str, held: Callable[..., Held]) -> None:
+    """A user asking for other --slots than a live holder's exits 78 naming the holder."""
+    holder = held("--uri", files, "-n", name, "-s", "2")
+    result = lockrun("--uri", files, "-n", name, "-s", "3", "--", "true")
+    assert result.returncode == ExitCode.CONFIG
+    assert (
+        f"held with --slots 2 by root@" in one_line(result.stderr)
+        or "held with --slots 2" in result.stderr
+    )
+    holder.finish()
+
+
+def test_lock_directory_that_is_a_symlink_exits_78(tmp_path: Path, name: str) -> None:
+    """A lock directory that is a symlink is refused, not followed."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    result = lockrun("--uri", f"file://{tmp_path}/link", "-n", name, "--", "true")
+    assert result.returncode == ExitCode.CONFIG
+    assert "is a symlink" in one_line(result.stderr)
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+def test_lock_directory_that_cannot_be_created_exits_78(name: str) -> None:
+    """A lock directory that cannot be made is a configuration error."""
+    result = lockrun("--uri", "file:///proc/lockrun/locks", "-n", name, "--", "true")
+    assert result.returncode == ExitCode.CONFIG
+    assert "lock directory /proc/lockrun/locks" in one_line(result.stderr)
+
+
+def test_max_time_exits_124(files: str, name: str) -> None:
+    """--max-time stops the command and exits 124."""
+    result = lockrun("--uri", files, "-n", name, "--max-time", "0.2", "--", "sleep", "30")
+    assert result.returncode == ExitCode.TIMEOUT
+    assert "--max-time 0.20s expired" in one_line(result.stderr)
+
+
+def test_command_not_executable_exits_126(files: str, name: str, tmp_path: Path) -> None:
+    """A command that exists but cannot run exits 126 and releases the lock."""
+    script = tmp_path / "script"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    result = lockrun("--uri", files, "-n", name, "--", str(script))
+    assert result.returncode == ExitCode.CANNOT_EXECUTE
+    assert "cannot execute: Permission denied" in one_line(result.stderr)
+    assert lockrun("--uri", files, "-n", name, "--", str(tmp_path)).returncode == 126
+    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+
+
+def test_command_not_found_exits_127(files: str, name: str) -> None:
+    """A command that does not exist exits 127 with one line."""
+    result = lockrun("--uri", files, "-n", name, "--", "no-such-command-xyz")
+    assert result.returncode == ExitCode.NOT_FOUND
+    assert one_line(result.stderr) == "lockrun: no-such-command-xyz: command not found"
+
+
+@pytest.mark.parametrize(("signo", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_while_waiting_exits_128_plus_n(
+    uri: str, name: str, held: Callable[..., Held], signo: int, status: int
+) -> None:
+    """INT or TERM while waiting exits 130 or 143, and leaves nothing held."""
+    holder = held("--uri", uri, "-n", name)
+    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    waiter.send_signal(signo)
+    _, stderr = waiter.communicate(timeout=30)
+    assert waiter.returncode == status
+    assert "while waiting for" in one_line(stderr)
+    assert queue_length(uri, name) == 0
+    holder.finish()
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+# -- the rest of the surface ----------------------------------------------------------------
+
+
+def test_options_after_the_command_belong_to_it(files: str, name: str) -> None:
+    """Everything after COMMAND, even lockrun's own options, is the command's."""
+    result = lockrun("--uri", files, "-n", name, "echo", "-n", "--wait", "x")
+    assert (result.returncode, result.stdout) == (0, "--wait x")
+    dashed = lockrun("--uri", files, "-n", name, "--", "echo", "--", "-v")
+    assert dashed.stdout == "-- -v\n"
+
+
+def test_environment_variables_set_options(
+    files: str, name: str, held: Callable[..., Held]
+) -> None:
+    """LOCKRUN_URI, LOCKRUN_WAIT and LOCKRUN_CONFLICT_EXIT_CODE act as the options do."""
+    holder = held("--uri", files, "-n", name)
+    env = os.environ | {
+        "LOCKRUN_URI": files,
+        "LOCKRUN_WAIT": "0.1",
+        "LOCKRUN_CONFLICT_EXIT_CODE": "9",
+    }
+    result = lockrun("-n", name, "--", "true", env=env)
+    assert result.returncode == 9
+    assert "gave up after 0.10s" in result.stderr
+    holder.finish()
+
+
+def test_lockrun_name_and_slots_are_not_read_back(files: str, name: str) -> None:
+    """A nested lockrun does not take LOCKRUN_NAME/SLOTS from its locked parent."""
+    inner = (
+        f"{sys.executable} -m lockrun --uri {files} -- sh -c 'echo $LOCKRUN_NAME $LOCKRUN_SLOTS'"
+    )
+    result = lockrun("--uri", files, "-n", name, "-s", "2", "--", "sh", "-c", inner)
+    assert result.returncode == 0, result.stderr
+    inner_name, inner_slots = result.stdout.split()
+    assert inner_name.startswith("sh-")
+    assert inner_slots == "1"
+
+
+def test_command_environment(files: str, name: str) -> None:
+    """The command sees LOCKRUN_NAME, SLOT, SLOTS and FENCE, and no URI password."""
+    env = os.environ | {
+        "LOCKRUN_URI": "file://user:secret@localhost/tmp/x",
+        "LOCKRUN_FENCE": "stale",
+    }
+    result = lockrun("--uri", files, "-n", name, "-s", "2", "--", "env", env=env)
+    seen = dict(
+        line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("LOCKRUN_")
+    )
+    assert seen["LOCKRUN_NAME"] == name
+    assert (seen["LOCKRUN_SLOT"], seen["LOCKRUN_SLOTS"]) == ("0", "2")
+    assert int(seen["LOCKRUN_FENCE"]) > 0
+    assert "LOCKRUN_URI" not in seen
+
+
+def test_default_name_is_derived_from_the_command(files: str) -> None:
+    """Without --name the lock is the basename plus an argv hash, shown by -v."""
+    first = lockrun("--uri", files, "-v", "--", "sh", "-c", "echo $LOCKRUN_NAME")
+    again = lockrun("--uri", files, "--", "sh", "-c", "echo $LOCKRUN_NAME")
+    other = lockrun("--uri", files, "--", "sh", "-c", "echo $LOCKRUN_NAME ")
+    assert first.stdout == again.stdout
+    assert first.stdout != other.stdout
+    assert first.stdout.startswith("sh-")
+    assert f"lock name {first.stdout.strip()} (derived" in first.stderr
+
+
+def test_verbose_reports_waiting_acquiring_and_releasing(
+    files: str, name: str, held: Callable[..., Held]
+) -> None:
+    """-v says who holds the lock while waiting, then acquired and released."""
+    holder = held("--uri", files, "-n", name)
+    waiter = start("--uri", files, "-n", name, "-v", "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(files, name) == 1, what="the waiter")
+    holder.finish()
+    _, stderr = waiter.communicate(timeout=30)
+    lines = stderr.splitlines()
+    assert lines[0].startswith(f"lockrun: waiting for {name} ")
+    assert f"held by root@" in lines[0] or "held by " in lines[0]
+    assert lines[1].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
+    assert lines[2].startswith(f"lockrun: released {name} after ")
+    assert "\x1b" not in stderr
+
+
+def test_version_and_help() -> None:
+    """-V prints the version and -h the usage, both with status 0."""
+    version = lockrun("-V")
+    assert (version.returncode, version.stdout.split()[0]) == (0, "lockrun,")
+    usage = lockrun("-h")
+    assert usage.returncode == 0
+    assert "--conflict-exit-code" in usage.stdout
+    assert lockrun("status", "--help").returncode == 0
+
+
+def test_status_of_a_free_lock(uri: str, name: str) -> None:
+    """`lockrun status NAME` of a free lock says so; without NAME it lists nothing."""
+    result = lockrun("status", "--uri", uri, name)
+    assert result.returncode == 0
+    assert f"{name}  -     free" in result.stdout
+    empty = lockrun("status", "--uri", uri)
+    assert empty.stdout.startswith("no locks held or awaited in namespace default")
+
+
+def test_status_usage_errors() -> None:
+    """`lockrun status` with a bad URI or name exits like the run command."""
+    assert lockrun("status", "--uri", "nope://").returncode == ExitCode.CONFIG
+    assert lockrun("status", "x" * 300).returncode == ExitCode.USAGE
+    assert lockrun("status", "--frob").returncode == ExitCode.USAGE
+
+
+def test_a_command_called_status_runs_after_the_separator(files: str, tmp_path: Path) -> None:
+    """`lockrun -- status` runs a command named status, not the subcommand."""
+    script = tmp_path / "status"
+    script.write_text("#!/bin/sh\necho ran-status\n")
+    script.chmod(0o755)
+    result = lockrun(
+        "--uri",
+        files,
+        "--",
+        "status",
+        env=os.environ | {"PATH": f"{tmp_path}:{os.environ['PATH']}"},
+    )
+    assert result.stdout == "ran-status\n"
+
+
+def test_namespaces_partition_names(files: str, name: str, held: Callable[..., Held]) -> None:
+    """The same name in two namespaces is two locks; in one namespace it is one."""
+    holder = held("--uri", files, "-n", name, "--namespace", "a")
+    assert lockrun("--uri", files, "-n", name, "--namespace", "b", "--", "true").returncode == 0
+    assert lockrun("--uri", files, "-n", name, "--namespace", "a", "--", "true").returncode == 75
+    assert name in lockrun("status", "--uri", files, "--namespace", "a").stdout
+    assert name not in lockrun("status", "--uri", files, "--namespace", "b").stdout
+    holder.finish()
+
+
+# -- the file backend's own promises ----------------------------------------------------
+
+
+def test_flock1_and_lockrun_exclude_each_other(files: str, name: str, tmp_path: Path) -> None:
+    """With one slot, lockrun and flock(1) on NAME.lock exclude each other."""
+    lock_file = tmp_path / "locks" / f"{name}.lock"
+    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+    ready = tmp_path / "ready"
+    flock = subprocess.Popen(
+        ["flock", str(lock_file), "sh", "-c", f"touch {ready}; exec sleep 30"],
+        start_new_session=True,
+    )
+    try:
+        wait_for(ready.exists, what="flock(1)")
+        assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 75
+    finally:
+        os.killpg(flock.pid, signal.SIGKILL)  # flock(1) and the sleep holding its fd
+        flock.wait()
+    wait_for(lambda: lockrun("--uri", files, "-n", name, "--", "true").returncode == 0)
+    # The command inherits the locked fd, as under flock(1); with --close it does not.
+    fds = "for fd in /proc/self/fd/*; do readlink $fd; done"
+    inherited = lockrun("--uri", files, "-n", name, "--", "sh", "-c", fds)
+    assert str(lock_file) in inherited.stdout.splitlines()
+    closed = lockrun("--uri", files, "-n", name, "--close", "--", "sh", "-c", fds)
+    assert closed.returncode == 0
+    assert str(lock_file) not in closed.stdout.splitlines()
+
+
+def test_lock_files_are_never_deleted(files: str, name: str, tmp_path: Path) -> None:
+    """After runs, the lock, slot, gate and fence files stay (unlink races split waiters)."""
+    assert lockrun("--uri", files, "-n", name, "-s", "2", "--", "true").returncode == 0
+    left = sorted(path.name for path in (tmp_path / "locks").iterdir())
+    assert left == [f"{name}.fence", f"{name}.gate", f"{name}.lock", f"{name}~1.lock"]
+    assert (tmp_path / "locks" / f"{name}.lock").read_bytes() == b""
+
+
+@needs_root
+def test_default_directory_must_belong_to_us(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default directory is created 0700 and refused if another user owns it or a link."""
+    home = tmp_path / "lockrun-home"
+    monkeypatch.setattr(file_backend, "default_directory", lambda: str(home))
+    file_backend.connect(parse_uri("file:")).close()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    home.chmod(0o755)
+    file_backend.connect(parse_uri("file:")).close()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700  # we tighten what we own
+    os.chown(home, 65534, 65534)
+    with pytest.raises(ConfigError, match="is owned by uid 65534, not by us"):
+        file_backend.connect(parse_uri("file:"))
+    home.rmdir()
+    home.symlink_to(tmp_path)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        file_backend.connect(parse_uri("file:"))

@@ -438,7 +438,7 @@ def test_flock1_and_lockrun_exclude_each_other(files: str, name: str, tmp_path: 
         flock.wait()
     wait_for(lambda: lockrun("--uri", files, "-n", name, "--", "true").returncode == 0)
     # The command inherits the locked fd, as under flock(1); with --close it does not.
-    fds = "for fd in /proc/self/fd/*; do readlink $fd; done"
+    fds = "for fd in /proc/self/fd/*; do readlink $fd; done; true"
     inherited = lockrun("--uri", files, "-n", name, "--", "sh", "-c", fds)
     assert str(lock_file) in inherited.stdout.splitlines()
     closed = lockrun("--uri", files, "-n", name, "--close", "--", "sh", "-c", fds)

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
 # Every backend the conformance suite runs against; #3–#5 each add one entry and a fixture.
@@ -39,6 +41,14 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "file":
         return f"file://{tmp_path}/locks"
     return f"abstract:test-{uuid.uuid4().hex[:8]}"
+
+
+def unmeasured() -> dict[str, str]:
+    """Return our environment without coverage's subprocess hook, for stress loops.
+
+    Hundreds of traced interpreter start-ups add minutes and no coverage.
+    """
+    return {key: value for key, value in os.environ.items() if not key.startswith("COVERAGE_")}
 
 
 def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -84,7 +94,10 @@ class Held:
         tag = uuid.uuid4().hex[:8]
         self.ready = directory / f"ready-{tag}"
         self.go = directory / f"go-{tag}"
-        script = f'echo "$LOCKRUN_SLOT $LOCKRUN_FENCE" > {self.ready}.tmp; mv {self.ready}.tmp {self.ready}; while [ ! -e {self.go} ]; do sleep 0.01; done'
+        script = (
+            f'echo "$LOCKRUN_SLOT $LOCKRUN_FENCE" > {self.ready}.tmp; mv {self.ready}.tmp'
+            f" {self.ready}; while [ ! -e {self.go} ]; do sleep 0.01; done"
+        )
         self.process = start(*options, "--", "sh", "-c", script)
         wait_for(lambda: self.ready.exists() or self.process.poll() is not None, what="holder")
         if not self.ready.exists():

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import stat
 import signal
+import stat
 import subprocess
 import sys
-from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import Held, lockrun, queue_length, start, wait_for
@@ -16,6 +15,10 @@ from conftest import Held, lockrun, queue_length, start, wait_for
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import file as file_backend
 from lockrun.uri import parse_uri
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (mount namespaces, chown)")
@@ -219,7 +222,7 @@ def test_slots_mismatch_exits_78(files: str, name: str, held: Callable[..., Held
     result = lockrun("--uri", files, "-n", name, "-s", "3", "--", "true")
     assert result.returncode == ExitCode.CONFIG
     assert (
-        f"held with --slots 2 by root@" in one_line(result.stderr)
+        "held with --slots 2 by root@" in one_line(result.stderr)
         or "held with --slots 2" in result.stderr
     )
     holder.finish()
@@ -264,7 +267,7 @@ def test_command_not_found_exits_127(files: str, name: str) -> None:
     """A command that does not exist exits 127 with one line."""
     result = lockrun("--uri", files, "-n", name, "--", "no-such-command-xyz")
     assert result.returncode == ExitCode.NOT_FOUND
-    assert one_line(result.stderr) == "lockrun: no-such-command-xyz: command not found"
+    assert one_line(result.stderr) == f"lockrun: {name}: no-such-command-xyz: command not found"
 
 
 @pytest.mark.parametrize(("signo", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -361,7 +364,7 @@ def test_verbose_reports_waiting_acquiring_and_releasing(
     _, stderr = waiter.communicate(timeout=30)
     lines = stderr.splitlines()
     assert lines[0].startswith(f"lockrun: waiting for {name} ")
-    assert f"held by root@" in lines[0] or "held by " in lines[0]
+    assert "held by root@" in lines[0] or "held by " in lines[0]
     assert lines[1].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
     assert lines[2].startswith(f"lockrun: released {name} after ")
     assert "\x1b" not in stderr

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, finish, lockrun, queue_length, start, wait_for
+from conftest import Held, finish, lockrun, queue_length, start, unmeasured, wait_for
 
 from lockrun import Lock, LockBusy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+
+UNTIL = "while [ ! -e"  # a shell loop that ends once a file appears
+
+
+def queued(uri: str, name: str, count: int) -> bool:
+    """Return whether exactly *count* waiters queue for *name*."""
+    return queue_length(uri, name) == count
 
 
 def alive(pid: int) -> bool:
@@ -111,10 +123,12 @@ def test_waiters_are_served_in_arrival_order(
     holders = [held(*options) for _ in range(slots)]
     waiters = []
     for index in range(10):
-        script = f"touch {tmp_path}/in-{index}; while [ ! -e {tmp_path}/out-{index} ]; do sleep 0.01; done"
+        script = (
+            f"touch {tmp_path}/in-{index}; {UNTIL} {tmp_path}/out-{index} ]; do sleep 0.01; done"
+        )
         waiters.append(start(*options, "-w", "forever", "--", "sh", "-c", script))
         # Queue each waiter before the next arrives: arrival order is then unambiguous.
-        wait_for(lambda n=index + 1: queue_length(uri, name) == n, what=f"waiter {index}")
+        wait_for(functools.partial(queued, uri, name, index + 1), what=f"waiter {index}")
     granted: list[int] = []
 
     def next_grant() -> int:
@@ -153,6 +167,7 @@ os.replace(path + ".tmp", path)
 """
 
 
+@pytest.mark.timeout(400)
 def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     """16 processes × 25 read-increment-write cycles under the lock lose no update."""
     counter = tmp_path / "counter"
@@ -163,31 +178,39 @@ def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
         f"for i in $(seq 25); do {sys.executable} -m lockrun --uri {uri} -n {name} -w forever"
         f" -- {sys.executable} {script} {counter} || exit 1; done"
     )
-    workers = [subprocess.Popen(["sh", "-c", loop]) for _ in range(16)]
+    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(16)]
     assert [worker.wait(300) for worker in workers] == [0] * 16
     assert counter.read_text() == "400"
 
 
 INTERVAL = """
-import os, sys, time
+import os, pathlib, sys, time
 start = time.monotonic_ns()
-time.sleep(0.05)
+active = pathlib.Path(sys.argv[2], str(os.getpid()))
+active.touch()
+deadline = time.monotonic() + 2  # hold until three run at once, if the lock allows it
+while len(list(active.parent.iterdir())) < 3 and time.monotonic() < deadline:
+    time.sleep(0.005)
+time.sleep(0.02)
+active.unlink()
 end = time.monotonic_ns()
 with open(sys.argv[1], "a") as log:
     log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
 """
 
 
+@pytest.mark.timeout(300)
 def test_semaphore_never_exceeds_its_slots(uri: str, name: str, tmp_path: Path) -> None:
     """With --slots 3, an interval log never shows more than 3 at once, and shows 3."""
-    log = tmp_path / "intervals"
+    log, active = tmp_path / "intervals", tmp_path / "active"
+    active.mkdir()
     script = tmp_path / "interval.py"
     script.write_text(INTERVAL)
     loop = (
         f"for i in $(seq 4); do {sys.executable} -m lockrun --uri {uri} -n {name} -s 3"
-        f" -w forever -- {sys.executable} {script} {log} || exit 1; done"
+        f" -w forever -- {sys.executable} {script} {log} {active} || exit 1; done"
     )
-    workers = [subprocess.Popen(["sh", "-c", loop]) for _ in range(8)]
+    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(8)]
     assert [worker.wait(300) for worker in workers] == [0] * 8
     events = []
     for line in log.read_text().splitlines():
@@ -221,7 +244,8 @@ def test_killed_holder_never_lets_a_second_command_overlap(
     if close and not uri.startswith("file:"):
         pytest.skip("--close is a file: option")
     pid_file, go = tmp_path / "first.pid", tmp_path / "go"
-    script = f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; while [ ! -e {go} ]; do sleep 0.01; done"
+    publish = f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"
+    script = f"{publish}; {UNTIL} {go} ]; do sleep 0.01; done"
     close_option = ["--close"] if close else []
     # stderr not piped: a surviving command would hold the pipe open.
     first = start("--uri", uri, "-n", name, *close_option, "--", "sh", "-c", script, stderr=None)
@@ -260,14 +284,13 @@ def test_status_lists_holders_and_waiters(uri: str, name: str, held: Callable[..
     waiters = [
         start("--uri", uri, "-n", name, "-s", "2", "-w", "forever", "--", "true") for _ in range(2)
     ]
-    for count in (1, 2):
-        wait_for(lambda n=count: queue_length(uri, name) == n, what="waiters")
+    wait_for(functools.partial(queued, uri, name, 2), what="waiters")
     result = lockrun("status", "--uri", uri, "--json", name)
     (state,) = json.loads(result.stdout)
     assert state["name"] == name
     by_slot = {entry["slot"]: entry for entry in state["holders"]}
     assert set(by_slot) == {0, 1}
-    assert by_slot[holder.slot]["pid"] in {holder.process.pid}
+    assert by_slot[holder.slot]["pid"] == holder.process.pid
     assert by_slot[other.slot]["pid"] == other.process.pid
     assert any("sh" in " ".join(entry["argv"]) for entry in state["holders"])
     assert {waiter["pid"] for waiter in state["waiters"]} == {w.pid for w in waiters}

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
 
 from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
-from lockrun.errors import Interrupted, LockBusy, UsageError
+from lockrun.errors import (
+    CommandNotExecutable,
+    CommandNotFound,
+    Interrupted,
+    LeaseLost,
+    LockBusy,
+    TimedOut,
+    UsageError,
+)
 from lockrun.names import check_name, default_name
 from lockrun.supervise import Limits, supervise
 from lockrun.timing import format_duration, now
@@ -208,6 +216,9 @@ def _hold_and_run(
         limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
         fds = () if options.close else lease.fds
         return supervise(argv, lease, limits, env=env, pass_fds=fds, log=verbose)
+    except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
+        # SPEC §2: every lockrun-made status line names the lock.
+        raise type(err)(f"{request.name}: {err}") from err
     finally:
         lease.release()
         verbose(f"released {request.name} after {format_duration(now() - held_since)}")

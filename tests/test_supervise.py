@@ -1,0 +1,660 @@
+"""The supervisor (SPEC §2, §4.2, §4.3, §4.6, §4.7): statuses, signals, limits, leases, ttys."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from conftest import lockrun, start, wait_for
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+
+    from conftest import Held
+
+FORWARDED = ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2")
+
+# Commands written to files and run with this Python; each announces itself by renaming a
+# file into place, so the test never sees half a line.
+ANNOUNCE = """
+import os, signal, sys, time
+
+def announce(path, text):
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        f.write(text)
+    os.rename(f"{path}.tmp-{os.getpid()}", path)
+
+def wait_for_file(path, timeout):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+"""
+
+# Both processes of the group log each forwarded signal, then end when told to.
+FORWARD_LOGGER = """
+log, ready, go = sys.argv[1:4]
+
+def note(signo, _frame):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} {signal.Signals(signo).name[3:]}\\n")
+
+for signo in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+              signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(signo, note)
+child = os.fork()
+announce(os.path.join(ready, str(os.getpid())), "")
+wait_for_file(go, 20)
+if child:
+    os.waitpid(child, 0)
+"""
+
+# Exits 7 from a handler of the signal named in argv[2].
+TRAP_AND_EXIT = """
+ready, signame = sys.argv[1:3]
+signal.signal(signal.Signals["SIG" + signame], lambda _signo, _frame: os._exit(7))
+announce(ready, str(os.getpid()))
+time.sleep(30)
+"""
+
+# Records when TERM arrived (CLOCK_BOOTTIME, lockrun's clock), or ignores it; exits on `go`.
+TERM_RECORDER = """
+ready, mode, term_file, go = sys.argv[1:5]
+def on_term(_signo, _frame):
+    announce(term_file, repr(time.clock_gettime(time.CLOCK_BOOTTIME)))
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term if mode == "record" else signal.SIG_IGN)
+announce(ready, str(os.getpid()))
+wait_for_file(go, 30)
+sys.exit(5)
+"""
+
+# Counts SIGINTs; exits 10 + count half a second after the first one.
+COUNT_INT = """
+ready, = sys.argv[1:2]
+count = 0
+def on_int(_signo, _frame):
+    global count
+    count += 1
+signal.signal(signal.SIGINT, on_int)
+foreground = os.tcgetpgrp(0) == os.getpgrp()
+announce(ready, f"{os.getpid()} {int(foreground)}")
+deadline = time.monotonic() + 10
+while count < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)
+sys.exit(10 + count)
+"""
+
+# Runs the real supervisor in a fresh process with a lease whose refresh fails on demand:
+# once MARKER exists, refresh raises what MODE says. Prints nothing; writes a JSON record.
+SUPERVISOR = """
+import json, os, sys
+from lockrun.errors import BackendUnavailable, LeaseLost
+from lockrun.supervise import Limits, supervise
+from lockrun.timing import now
+
+marker, mode, ttl, kill_after, ready, out = sys.argv[1:7]
+command = sys.argv[7:]
+record = {"confirmed": None, "failed": None, "recovered": None}
+
+class FailingLease:
+    slot = 0
+    fence = None
+    ttl = float(sys.argv[3])
+    fds = ()
+
+    def refresh(self):
+        asked = now()
+        if os.path.exists(marker):
+            if record["failed"] is None:
+                record["failed"] = asked
+                open(marker + ".failed", "w").close()
+            if mode == "lost":
+                raise LeaseLost("the lock was taken over")
+            if mode == "error":
+                raise RuntimeError("a bug in the backend")
+            raise BackendUnavailable("connection refused")
+        if record["failed"] is not None and record["recovered"] is None:
+            record["recovered"] = asked
+            open(marker + ".recovered", "w").close()
+        record["confirmed"] = asked
+        open(marker + ".confirmed", "w").close()
+
+    def release(self):
+        pass
+
+limits = Limits(refresh_every=0.2, kill_after=float(kill_after))
+try:
+    status = supervise(command, FailingLease(), limits, env=os.environ)
+except LeaseLost as err:
+    record["outcome"], record["message"], status = "lost", str(err), 76
+except RuntimeError as err:
+    record["outcome"], record["message"], status = "error", str(err), 70
+else:
+    record["outcome"] = "exit"
+record["finished"] = now()
+pid = int(open(ready).read())
+try:
+    os.waitpid(pid, os.WNOHANG)
+except ChildProcessError:
+    record["reaped"] = True
+else:
+    record["reaped"] = False
+with open(out, "w") as f:
+    json.dump(record, f)
+sys.exit(status)
+"""
+
+# Gives the pty on stdin to a new session as its controlling terminal, then becomes lockrun.
+LAUNCHER = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'lockrun', *sys.argv[1:]])"
+)
+
+
+@pytest.fixture
+def file_uri(tmp_path: Path) -> str:
+    """Return a file: URI private to this test."""
+    return f"file://{tmp_path}/locks"
+
+
+@pytest.fixture
+def reaper() -> Iterator[list[subprocess.Popen[str]]]:
+    """Return a list of processes to kill (if still running) and reap at teardown."""
+    processes: list[subprocess.Popen[str]] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+@pytest.fixture
+def launch(reaper: list[subprocess.Popen[str]]) -> Callable[..., subprocess.Popen[str]]:
+    """Return `start`, with every lockrun still running at teardown killed and reaped."""
+
+    def factory(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+        process = start(*args, **kwargs)
+        reaper.append(process)
+        return process
+
+    return factory
+
+
+def python_script(directory: Path, body: str) -> str:
+    """Write a Python command (ANNOUNCE's helpers plus *body*) and return its path."""
+    path = directory / f"command-{len(list(directory.glob('command-*')))}.py"
+    path.write_text(ANNOUNCE + body)
+    return str(path)
+
+
+def wait_ready(path: Path, process: subprocess.Popen[str]) -> str:
+    """Wait until the command announced *path*; fail with lockrun's stderr if it ended first."""
+    wait_for(lambda: path.exists() or process.poll() is not None, what=f"{path.name}")
+    if not path.exists():
+        _, err = process.communicate(timeout=30)
+        pytest.fail(f"command did not start (status {process.returncode}): {err}")
+    return path.read_text()
+
+
+def wait_pids(directory: Path, count: int, process: subprocess.Popen[str]) -> list[int]:
+    """Wait until *count* processes announced themselves in *directory*; return their pids."""
+
+    def pids() -> list[int]:
+        return [int(entry.name) for entry in directory.iterdir() if entry.name.isdigit()]
+
+    wait_for(lambda: len(pids()) >= count or process.poll() is not None, what="the command")
+    if len(pids()) < count:
+        _, err = process.communicate(timeout=30)
+        pytest.fail(f"command did not start (status {process.returncode}): {err}")
+    return sorted(pids())
+
+
+def state(pid: int) -> str:
+    """Return a process's state letter from /proc (R, S, T, Z, …), or "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return ""
+
+
+def gone(pid: int) -> bool:
+    """Return whether *pid* has ended (a zombie awaiting its new parent counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return state(pid) in {"", "Z"}
+
+
+def one_line(stderr: str) -> str:
+    """Assert lockrun said exactly one ``lockrun: …`` line, and return it."""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("lockrun: "), stderr
+    return lines[0]
+
+
+# -- exit statuses (SPEC §2) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [0, 3, 255])
+def test_command_status_passes_through(file_uri: str, name: str, status: int) -> None:
+    """The command's own exit status is lockrun's, and lockrun says nothing."""
+    result = lockrun("--uri", file_uri, "--name", name, "--", "sh", "-c", f"exit {status}")
+    assert (result.returncode, result.stderr) == (status, "")
+
+
+@pytest.mark.parametrize("signo", [signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV])
+def test_command_killed_by_signal_is_128_plus_n(
+    file_uri: str, name: str, tmp_path: Path, signo: signal.Signals
+) -> None:
+    """A command killed by signal N makes lockrun exit 128+N."""
+    script = f"ulimit -c 0; kill -{signo.name[3:]} $$"
+    result = lockrun("--uri", file_uri, "--name", name, "--", "sh", "-c", script, cwd=tmp_path)
+    assert result.returncode == 128 + signo, result.stderr
+
+
+# -- signals (SPEC §4.7) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signame", FORWARDED)
+def test_signal_reaches_every_process_of_the_group_once(
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    launch: Callable[..., subprocess.Popen[str]],
+    signame: str,
+) -> None:
+    """A forwarded signal sent to lockrun reaches each process of the command's group once."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    ready.mkdir()
+    command = python_script(tmp_path, FORWARD_LOGGER)
+    process = launch(
+        "--uri",
+        file_uri,
+        "--name",
+        name,
+        "--",
+        sys.executable,
+        command,
+        str(log),
+        str(ready),
+        str(go),
+    )
+    pids = wait_pids(ready, 2, process)
+    os.kill(process.pid, signal.Signals["SIG" + signame])
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 2, what="the log")
+    go.touch()
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert sorted(log.read_text().splitlines()) == [f"{pid} {signame}" for pid in pids]
+
+
+@pytest.mark.parametrize("signame", ["HUP", "INT", "TERM"])
+def test_forwarded_signal_does_not_end_lockrun(
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    launch: Callable[..., subprocess.Popen[str]],
+    signame: str,
+) -> None:
+    """HUP, INT or TERM to lockrun while the command runs: lockrun exits with its status."""
+    ready = tmp_path / "ready"
+    command = python_script(tmp_path, TRAP_AND_EXIT)
+    process = launch(
+        "--uri", file_uri, "--name", name, "--", sys.executable, command, str(ready), signame
+    )
+    wait_ready(ready, process)
+    os.kill(process.pid, signal.Signals["SIG" + signame])
+    _, err = process.communicate(timeout=30)
+    assert (process.returncode, err) == (7, "")
+
+
+def test_command_gets_clean_signal_mask(file_uri: str, name: str) -> None:
+    """The command starts with no blocked signals and SIGPIPE not ignored."""
+    command = ("grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status")
+    result = lockrun("--uri", file_uri, "--name", name, "--", *command)
+    assert result.returncode == 0, result.stderr
+    masks = dict(line.split(":") for line in result.stdout.splitlines())
+    assert int(masks["SigBlk"], 16) == 0
+    assert not int(masks["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1))
+    assert not int(masks["SigIgn"], 16) & (1 << (signal.SIGXFSZ - 1))
+
+
+def test_pipeline_in_command_ends_by_sigpipe(file_uri: str, name: str) -> None:
+    """`yes | head -1` under lockrun ends at once: yes dies of SIGPIPE, no EPIPE error."""
+    started = time.monotonic()
+    result = lockrun(
+        "--uri", file_uri, "--name", name, "--", "sh", "-c", "yes | head -n 1", timeout=20
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "y\n", "")
+    assert time.monotonic() - started < 20
+
+
+# -- --max-time (SPEC §1, §2) ---------------------------------------------------------------
+
+
+def test_max_time_stops_command_with_124(file_uri: str, name: str) -> None:
+    """--max-time stops a command that outlives it: exit 124, one line naming limit and lock."""
+    started = time.monotonic()
+    result = lockrun("--uri", file_uri, "--name", name, "--max-time", "0.5", "--", "sleep", "30")
+    assert result.returncode == 124
+    line = one_line(result.stderr)
+    assert "max-time" in line
+    assert name in line  # SPEC §2: every lockrun-made status names the lock
+    assert time.monotonic() - started < 20
+
+
+# A shell whose background child ignores TERM; with `both` the shell ignores it too (and the
+# child inherits that). Each touches a file named by its pid in the directory $1.
+IGNORING_TERM = {
+    "both": 'trap "" TERM; sleep 60 & touch "$1/$!"; touch "$1/$$"; wait',
+    "child": '(trap "" TERM; exec sleep 60) & touch "$1/$!"; touch "$1/$$"; wait',
+}
+
+
+@pytest.mark.parametrize("who", ["both", "child"])
+def test_max_time_kills_processes_that_ignore_term(
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    launch: Callable[..., subprocess.Popen[str]],
+    who: str,
+) -> None:
+    """--max-time: whatever of the group ignores TERM gets KILL, grandchildren included."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    started = time.monotonic()
+    with (tmp_path / "stderr").open("w+") as stderr:  # a pipe would wait for the grandchild
+        process = launch(
+            "--uri", file_uri, "--name", name, "--max-time", "1", "--kill-after", "0.5",
+            "--", "sh", "-c", IGNORING_TERM[who], "sh", str(ready),
+            stderr=stderr,
+        )  # fmt: skip
+        pids = wait_pids(ready, 2, process)
+        assert process.wait(timeout=30) == 124
+        elapsed = time.monotonic() - started
+        stderr.seek(0)
+        line = one_line(stderr.read())
+    assert "max-time" in line
+    assert name in line  # SPEC §2: every lockrun-made status names the lock
+    assert elapsed < 20
+    if who == "both":
+        assert elapsed > 1.4  # TERM at 1 s was ignored; KILL came only after the grace
+    wait_for(lambda: all(gone(pid) for pid in pids), timeout=5, what=f"pids {pids} to end")
+
+
+# -- lost lock (SPEC §4.3) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_lost_lock_file_stops_command_with_76(
+    name: str, tmp_path: Path, launch: Callable[..., subprocess.Popen[str]], how: str
+) -> None:
+    """A lock file deleted or replaced under a holder: command stopped, exit 76, one line."""
+    ready = tmp_path / "ready"
+    script = f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready} && exec sleep 30"
+    started = time.monotonic()
+    process = launch(
+        "--uri", f"file://{tmp_path}/locks", "--name", name, "--ttl", "0.6", "--kill-after", "1",
+        "--", "sh", "-c", script,
+    )  # fmt: skip
+    pid = int(wait_ready(ready, process))
+    lock_file = tmp_path / "locks" / f"{name}.lock"
+    assert lock_file.exists()
+    if how == "deleted":
+        lock_file.unlink()
+    else:
+        (tmp_path / "new.lock").write_text("")
+        (tmp_path / "new.lock").replace(lock_file)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 76, err
+    assert name in one_line(err)
+    assert time.monotonic() - started < 20
+    wait_for(lambda: gone(pid), timeout=5, what="the command to end")
+
+
+@pytest.fixture
+def supervised(
+    tmp_path: Path, reaper: list[subprocess.Popen[str]]
+) -> Callable[..., subprocess.Popen[str]]:
+    """Return a starter of SUPERVISOR over TERM_RECORDER; it returns once both are under way.
+
+    Files in *tmp_path*: ``marker`` (create it to make refresh fail), ``marker.failed``,
+    ``marker.recovered``, ``ready`` (the command's pid), ``term`` (when it got TERM), ``go``.
+    """
+
+    def factory(
+        mode: str, ttl: float, kill_after: float, command_mode: str = "record"
+    ) -> subprocess.Popen[str]:
+        supervisor = tmp_path / "supervisor.py"
+        supervisor.write_text(SUPERVISOR)
+        command = python_script(tmp_path, TERM_RECORDER)
+        files = {part: str(tmp_path / part) for part in ("marker", "ready", "out.json", "term")}
+        process = subprocess.Popen(
+            [
+                sys.executable, str(supervisor), files["marker"], mode, str(ttl),
+                str(kill_after), files["ready"], files["out.json"],
+                sys.executable, command, files["ready"], command_mode, files["term"],
+                str(tmp_path / "go"),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        reaper.append(process)
+        wait_ready(tmp_path / "ready", process)
+        wait_ready(tmp_path / "marker.confirmed", process)
+        return process
+
+    return factory
+
+
+def supervisor_record(process: subprocess.Popen[str], tmp_path: Path) -> dict[str, Any]:
+    """Wait for the supervisor script and return its JSON record."""
+    _, err = process.communicate(timeout=30)
+    out = tmp_path / "out.json"
+    assert out.exists(), err
+    record: dict[str, Any] = json.loads(out.read_text())
+    return record
+
+
+def test_unconfirmable_lease_stops_command_before_it_expires(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Refresh failing with BackendUnavailable: TERM before last confirmation + ttl, then 76."""
+    ttl, kill_after = 2.0, 0.8
+    process = supervised("unavailable", ttl, kill_after)
+    (tmp_path / "marker").touch()
+    outage = time.clock_gettime(time.CLOCK_BOOTTIME)
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert record["outcome"] == "lost"
+    assert "connection refused" in record["message"]
+    assert record["reaped"]
+    term = tmp_path / "term"
+    assert term.exists(), "the command was not sent TERM"
+    termed = float(term.read_text())
+    assert record["failed"] <= termed < record["confirmed"] + ttl
+    assert record["finished"] - outage < ttl + 5.0
+
+
+def test_lease_confirmed_again_keeps_command(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A refresh that fails and then succeeds again leaves the command running to its end."""
+    process = supervised("unavailable", 30.0, 0.3)
+    marker, failed, recovered = (
+        tmp_path / part for part in ("marker", "marker.failed", "marker.recovered")
+    )
+    marker.touch()
+    wait_for(lambda: failed.exists() or process.poll() is not None, what="a failed refresh")
+    marker.unlink()
+    wait_for(lambda: recovered.exists() or process.poll() is not None, what="a good refresh")
+    (tmp_path / "go").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 5
+    assert (record["outcome"], record["recovered"] is not None) == ("exit", True)
+    assert not (tmp_path / "term").exists()
+
+
+def test_lease_lost_stops_command_at_once(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Refresh raising LeaseLost: TERM at once (not after the ttl), then 76."""
+    process = supervised("lost", 30.0, 10.0)
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert (record["outcome"], record["message"]) == ("lost", "the lock was taken over")
+    assert record["reaped"]
+    term = tmp_path / "term"
+    assert term.exists(), "the command was not sent TERM"
+    assert 0 <= float(term.read_text()) - record["failed"] < 5.0
+
+
+@pytest.mark.parametrize("command_mode", ["record", "ignore"])
+def test_unexpected_refresh_error_stops_and_reaps_command(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]], command_mode: str
+) -> None:
+    """Refresh raising a bug: the command is stopped (KILLed if need be) and reaped first."""
+    process = supervised("error", 30.0, 0.3, command_mode)
+    pid = int((tmp_path / "ready").read_text())
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 70
+    assert (record["outcome"], record["message"]) == ("error", "a bug in the backend")
+    assert record["reaped"]
+    assert gone(pid)
+    assert (tmp_path / "term").exists() == (command_mode == "record")
+
+
+# -- interrupted while waiting (SPEC §2, §4.6) ---------------------------------------------
+
+
+def is_waiting(uri: str, name: str, pid: int) -> bool:
+    """Return whether `lockrun status` lists *pid* as waiting for *name*."""
+    result = lockrun("status", "--uri", uri, "--json", name)
+    states = json.loads(result.stdout) if result.returncode == 0 else []
+    return any(waiter["pid"] == pid for state in states for waiter in state["waiters"])
+
+
+@pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])
+def test_signal_while_waiting_exits_and_leaves_nothing_held(
+    uri: str,
+    name: str,
+    held: Callable[..., Held],
+    launch: Callable[..., subprocess.Popen[str]],
+    signame: str,
+    status: int,
+) -> None:
+    """INT or TERM while waiting for a busy lock: 130 or 143, one line, nothing held after."""
+    holder = held("--uri", uri, "--name", name)
+    waiter = launch("--uri", uri, "--name", name, "-w", "forever", "--", "true")
+    wait_for(lambda: is_waiting(uri, name, waiter.pid) or waiter.poll() is not None, what="wait")
+    assert waiter.poll() is None, "the waiter ended instead of waiting"
+    os.kill(waiter.pid, signal.Signals["SIG" + signame])
+    _, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == status
+    assert name in one_line(err)
+    assert holder.finish() == 0
+    result = lockrun("--uri", uri, "--name", name, "-w", "0", "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+# -- the terminal (SPEC §4.7) ---------------------------------------------------------------
+
+
+@pytest.fixture
+def on_terminal() -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], int]]]:
+    """Return a starter of lockrun as a session leader with a fresh pty as its terminal.
+
+    lockrun's group is the terminal's foreground group, as under an interactive shell; the
+    starter returns the process and the pty master (the keyboard side).
+    """
+    started: list[tuple[subprocess.Popen[bytes], int]] = []
+
+    def factory(*args: str) -> tuple[subprocess.Popen[bytes], int]:
+        master, slave = pty.openpty()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", LAUNCHER, *args],
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        started.append((process, master))
+        return process, master
+
+    yield factory
+    for process, master in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(master)
+
+
+def test_ctrl_c_reaches_command_once(
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    on_terminal: Callable[..., tuple[subprocess.Popen[bytes], int]],
+) -> None:
+    """On a terminal the command's group is in the foreground and Ctrl-C reaches it once."""
+    ready = tmp_path / "ready"
+    command = python_script(tmp_path, COUNT_INT)
+    process, master = on_terminal(
+        "--uri", file_uri, "--name", name, "--", sys.executable, command, str(ready)
+    )
+    wait_for(lambda: ready.exists() or process.poll() is not None, what="the command")
+    assert ready.exists(), f"lockrun ended with {process.returncode}"
+    pid, foreground = map(int, ready.read_text().split())
+    assert foreground == 1, "the command's group did not get the terminal"
+    assert os.tcgetpgrp(master) == pid
+    os.write(master, b"\x03")
+    assert process.wait(timeout=30) == 11  # 10 + one SIGINT
+
+
+def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    on_terminal: Callable[..., tuple[subprocess.Popen[bytes], int]],
+) -> None:
+    """Ctrl-Z stops the command and lockrun as one job; SIGCONT resumes both in the foreground."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    command = python_script(tmp_path, TERM_RECORDER)
+    process, master = on_terminal(
+        "--uri", file_uri, "--name", name, "--",
+        sys.executable, command, str(ready), "record", str(tmp_path / "term"), str(go),
+    )  # fmt: skip
+    wait_for(lambda: ready.exists() or process.poll() is not None, what="the command")
+    assert ready.exists(), f"lockrun ended with {process.returncode}"
+    pid = int(ready.read_text())
+    assert os.tcgetpgrp(master) == pid
+    os.write(master, b"\x1a")
+    wait_for(lambda: state(pid) == "T" and state(process.pid) == "T", what="both to stop")
+    assert os.tcgetpgrp(master) == process.pid  # the job's leader holds the terminal again
+    os.killpg(process.pid, signal.SIGCONT)  # what a shell's `fg` sends to the job
+    wait_for(lambda: state(pid) not in {"T", ""}, what="the command to resume")
+    wait_for(lambda: os.tcgetpgrp(master) == pid, what="the command to get the terminal")
+    assert state(process.pid) not in {"T", ""}
+    go.touch()
+    assert process.wait(timeout=30) == 5

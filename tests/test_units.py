@@ -1,0 +1,138 @@
+"""Pure functions: durations, names, URIs, redaction, fences."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lockrun.backends import Holder, next_fence
+from lockrun.errors import ConfigError, UsageError
+from lockrun.names import check_name, default_name, escape, unescape
+from lockrun.timing import format_duration, parse_duration
+from lockrun.uri import parse_uri, redact
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90", 90),
+        ("1.5", 1.5),
+        (".5", 0.5),
+        ("90s", 90),
+        ("15m", 900),
+        ("2h", 7200),
+        ("1d", 86400),
+        (" 3M ", 180),
+        ("0", 0),
+    ],
+)
+def test_durations_parse(text: str, seconds: float) -> None:
+    """Every DURATION form of SPEC §1 parses to seconds."""
+    assert parse_duration(text) == seconds
+
+
+def test_forever_only_where_allowed() -> None:
+    """'forever' is None for --wait and an error elsewhere."""
+    assert parse_duration("forever", allow_forever=True) is None
+    with pytest.raises(UsageError, match="invalid duration 'forever'"):
+        parse_duration("forever")
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1.2.3", "5x", "1e3", "m", "1 5", "nan", "9" * 400])
+def test_bad_durations_are_usage_errors(text: str) -> None:
+    """Negative, malformed and absurd durations raise UsageError (64)."""
+    with pytest.raises(UsageError):
+        parse_duration(text, allow_forever=True)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.25, "0.25s"), (2, "2s"), (12.4, "12s"), (185, "3m05s"), (7260, "2h01m")],
+)
+def test_durations_format_for_people(seconds: float, text: str) -> None:
+    """Durations print short and exact enough."""
+    assert format_duration(seconds) == text
+
+
+def test_names_are_bounded_utf8() -> None:
+    """Names are 1…255 bytes of UTF-8."""
+    assert check_name("x" * 255) == "x" * 255
+    for bad in ("", "x" * 256, "\udcff"):
+        with pytest.raises(UsageError):
+            check_name(bad)
+
+
+def test_default_name_is_stable_and_argv_sensitive() -> None:
+    """The derived name is basename plus a hash of the whole argv."""
+    assert default_name(["/usr/bin/python3", "a.py"]) == default_name(["/usr/bin/python3", "a.py"])
+    assert default_name(["/usr/bin/python3", "a.py"]).startswith("python3-")
+    assert default_name(["python3", "a.py"]) != default_name(["python3", "b.py"])
+    assert default_name(["/"]).startswith("command-")
+
+
+@pytest.mark.parametrize("name", ["sales", "a.b/c d", "ünïcode", "%41", "~.~"])
+def test_escape_round_trips_and_is_file_safe(name: str) -> None:
+    """Escaped names contain no dot, slash or tilde and unescape to the original."""
+    escaped = escape(name)
+    assert not set(escaped) & set("./~ ")
+    assert unescape(escaped) == name
+
+
+def test_uris_parse_and_reject() -> None:
+    """Known schemes parse; unknown and malformed ones are configuration errors."""
+    assert parse_uri("file:").scheme == "file"
+    assert parse_uri("file:///var/lock/x").path == "/var/lock/x"
+    assert parse_uri("abstract:my%20app").path == "my app"
+    for bad in ("redis2://x", "nonsense", "file://h:99999/x", ":x"):
+        with pytest.raises(ConfigError):
+            parse_uri(bad)
+
+
+@pytest.mark.parametrize(
+    ("uri", "safe"),
+    [
+        ("redis://:hunter2@host/0", "redis://:***@host/0"),
+        ("mysql://ci:hunter2@db/ci", "mysql://ci:***@db/ci"),
+        ("postgresql://u:p%40ss@h/db?sslmode=require", "postgresql://u:***@h/db?sslmode=require"),
+        (
+            "postgresql:///db?user=u&password=hunter2&x=1",
+            "postgresql:///db?user=u&password=***&x=1",
+        ),
+        ("file:///tmp/x", "file:///tmp/x"),
+        ("redis://user@host", "redis://user@host"),
+    ],
+)
+def test_redaction_hides_passwords(uri: str, safe: str) -> None:
+    """Passwords in the authority or the query never survive redaction."""
+    assert redact(uri) == safe
+    assert parse_uri("file:").redacted == "file:"
+
+
+def test_fences_increase_and_survive_a_lost_counter() -> None:
+    """A fence is above the previous one and above the microsecond clock."""
+    clock = time.time_ns() // 1000
+    assert next_fence(b"") >= clock
+    assert next_fence(b"garbage") >= clock
+    far = str(clock + 10**9).encode()
+    assert next_fence(far) == clock + 10**9 + 1
+
+
+def test_holder_records_round_trip() -> None:
+    """Holder metadata survives JSON and rejects records that are not holders."""
+    holder = Holder.me(["sleep", "1"])
+    assert Holder.from_dict(holder.to_dict()) == holder
+    with pytest.raises(ValueError, match="host"):
+        Holder.from_dict({"pid": 1})
+
+
+def test_import_lockrun_loads_no_click_and_no_driver() -> None:
+    """`import lockrun` imports neither click nor a database driver (SPEC §5)."""
+    drivers = "('click', 'redis', 'pymysql', 'psycopg')"
+    probe = f"import sys, lockrun; print(sorted(m for m in {drivers} if m in sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -50,8 +50,6 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         self, value: object, param: click.Parameter | None, ctx: click.Context | None
     ) -> float | None:
         """Parse *value*; a bad one is a usage error (64)."""
-        if value is None or isinstance(value, float):
-            return value
         try:
             return parse_duration(str(value), allow_forever=self.allow_forever)
         except UsageError as err:
@@ -241,4 +239,4 @@ def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
             traceback.print_exc()
         say(f"internal error: {type(err).__name__}: {err} (LOCKRUN_DEBUG=1 shows a traceback)")
         return ExitCode.SOFTWARE
-    return result if isinstance(result, int) else 0
+    return int(result or 0)  # --help and --version return None

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -275,7 +276,7 @@ class FileBackend:
     def _check_agreement(self, base: str, request: Request) -> None:
         """Raise `ConfigError` (78) if a live holder of this name uses another --slots."""
         locks = None
-        for slot in range(1 << 16):
+        for slot in itertools.count():
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 return
@@ -360,7 +361,7 @@ class FileBackend:
         waiters: list[Holder] = []
         slots = None
         lock_name = name or _name_of(base)
-        for slot in range(1 << 16):
+        for slot in itertools.count():
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 break
@@ -391,6 +392,8 @@ class FileBackend:
             return None, b""
         try:
             info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):  # _open reports what is wrong with it
+                return None, b""
             return (info.st_dev, info.st_ino), os.pread(fd, 65536, 0)
         finally:
             os.close(fd)
@@ -442,11 +445,8 @@ class _Locks:
 def _proc_locks() -> dict[tuple[int, int], _Locks]:
     """Map (st_dev, st_ino) to the pids holding and waiting for a flock, from /proc/locks."""
     found: dict[tuple[int, int], _Locks] = {}
-    try:
-        with open("/proc/locks", encoding="ascii") as table:
-            lines = table.read().splitlines()
-    except OSError:
-        return found
+    with open("/proc/locks", encoding="ascii") as table:
+        lines = table.read().splitlines()
     for line in lines:
         fields = line.split()
         blocked = fields[1:2] == ["->"]

@@ -1,0 +1,743 @@
+"""Benchmark lockrun: startup, handoff latency, idle waiters' CPU and FIFO order (SPEC §6).
+
+Run it from the repository root as ``python bench/bench.py [--quick]``. It prints one
+plain-text report measured in this one run; a missed target is a MISS line, not a failure.
+The exit status is 1 only when something broke (lockrun crashed, hung or exited with a
+status it should not have); every such problem is listed at the end with its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, Literal, NoReturn, Self
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+    from types import FrameType, TracebackType
+
+NAME: Final = "bench"
+FLOCK: Final = shutil.which("flock") or "/usr/bin/flock"
+CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+# A holder's command: say it runs, wait for GO (or the bench's directory to vanish), then
+# print the time in ns as its last act; $1 READY, $2 GO, $3 directory, $4 poll interval.
+HOLD_SCRIPT: Final = (
+    ': > "$1"; while [ ! -e "$2" ]; do [ -d "$3" ] || exit 1; sleep "$4"; done; exec date +%s%N'
+)
+APPEND_SCRIPT: Final = 'echo "$1 ${LOCKRUN_FENCE:-}" >> "$2"'  # $1 index, $2 order file
+STAMP: Final = ("date", "+%s%N")
+HANDOFF_POLL: Final = "0.005"
+IDLE_POLL: Final = "0.1"
+IDLE_CPU_TARGET: Final = 0.05
+FIFO_SPACING: Final = 0.1
+LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh queue
+STARTUP_TARGET: Final = 1.3
+FILE_HANDOFF_RATIO: Final = 2.0
+OTHER_HANDOFF_MS: Final = 10.0
+ABSTRACT_SETTLE: Final = 0.05  # status lists a waiter just before it connects
+STOP_GRACE: Final = 3.0
+WIDTH: Final = 100
+
+Kind = Literal["file", "abstract", "flock"]
+SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (
+    ("file", 1),
+    ("file", 3),
+    ("abstract", 1),
+    ("abstract", 3),
+)
+
+
+class Broken(Exception):
+    """A failure rather than a slow result: a hang, a crash or an unexpected exit status."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many repetitions one run makes."""
+
+    startup_runs: int
+    handoff_trials: int
+    idle_waiters: int
+    idle_window: float
+    fifo_waiters: int
+    long_fifo: bool  # also hold the lock LONG_HOLD seconds before releasing the FIFO queue
+
+
+FULL: Final = Plan(
+    startup_runs=30,
+    handoff_trials=20,
+    idle_waiters=50,
+    idle_window=5.0,
+    fifo_waiters=10,
+    long_fifo=True,
+)
+QUICK: Final = Plan(
+    startup_runs=15,
+    handoff_trials=5,
+    idle_waiters=8,
+    idle_window=1.0,
+    fifo_waiters=4,
+    long_fifo=False,
+)
+
+
+@dataclass
+class Bench:
+    """What every section needs: the lockrun command, a scratch directory, the problems."""
+
+    lockrun: list[str]
+    root: Path
+    plan: Plan
+    problems: list[str] = field(default_factory=list)
+    scenarios: int = 0
+
+    def scenario_dir(self, label: str) -> Path:
+        """Return a fresh directory for one scenario."""
+        self.scenarios += 1
+        directory = self.root / f"{self.scenarios:03d}-{label}"
+        directory.mkdir()
+        return directory
+
+    def broke(self, what: str, err: Broken) -> None:
+        """Record and print a problem; the report goes on."""
+        self.problems.append(f"{what}: {err}")
+        row(what, "broke, see PROBLEMS below", "", "ERROR")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a scenario locks: a backend kind, its lock directory and its lockrun URI."""
+
+    kind: Kind
+    directory: Path
+    uri: str
+
+    def argv(
+        self, lockrun: Sequence[str], command: Sequence[str], *, slots: int = 1, wait: bool = False
+    ) -> list[str]:
+        """Return the command line that runs *command* under this target's lock."""
+        if self.kind == "flock":
+            return [FLOCK, str(self.directory / "x"), *command]
+        options = ["--uri", self.uri, "-n", NAME]
+        if slots > 1:
+            options += ["--slots", str(slots)]
+        if wait:
+            options += ["--wait", "forever"]
+        return [*lockrun, *options, "--", *command]
+
+
+def make_target(kind: Kind, scenario: Path) -> Target:
+    """Return a target of *kind* private to *scenario* (its own directory or prefix)."""
+    directory = scenario / "locks"
+    directory.mkdir(exist_ok=True)
+    uri = f"abstract:bench{os.getpid()}-{scenario.name}" if kind == "abstract" else ""
+    return Target(kind, directory, uri or f"file://{directory}")
+
+
+class Processes:
+    """The processes of one scenario; leaving the block releases, stops and reaps them all."""
+
+    def __init__(self, directory: Path) -> None:
+        """Keep stderr files and GO triggers in *directory*."""
+        self.directory = directory
+        self.started: list[subprocess.Popen[bytes]] = []
+        self.triggers: list[Path] = []
+
+    def __enter__(self) -> Self:
+        """Start collecting processes."""
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Stop whatever is still running."""
+        self.stop()
+
+    def spawn(self, argv: Sequence[str], stdout: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start *argv* in its own session, stdout to *stdout*, stderr to a file."""
+        errors = self.directory / f"{len(self.started)}.err"
+        with open(stdout or os.devnull, "wb") as out, errors.open("wb") as err:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+            )
+        self.started.append(proc)
+        return proc
+
+    def stderr_of(self, proc: subprocess.Popen[bytes]) -> str:
+        """Return what *proc* wrote to stderr, on one line."""
+        path = self.directory / f"{self.started.index(proc)}.err"
+        return " | ".join(path.read_text(errors="replace").split("\n")).strip(" |")
+
+    def finish(self, timeout: float) -> None:
+        """Wait for every process to exit with status 0; raise `Broken` otherwise."""
+        deadline = time.monotonic() + timeout
+        for proc in self.started:
+            try:
+                status = proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                msg = f"still running after {timeout:.0f}s: {command_line(proc)}"
+                raise Broken(msg) from None
+            if status != 0:
+                msg = f"exit {status} from {command_line(proc)}: {self.stderr_of(proc)}"
+                raise Broken(msg)
+
+    def stop(self) -> None:
+        """Release the holders, then TERM and at last KILL every process left, and reap."""
+        for trigger in self.triggers:
+            with contextlib.suppress(OSError):
+                trigger.touch()
+        live = [proc for proc in self.started if proc.poll() is None]
+        if not live:
+            return
+        family = descendants({proc.pid for proc in live})
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for proc in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for pid in family | {proc.pid for proc in live if proc.poll() is None}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in live:
+            proc.wait()
+
+
+def command_line(proc: subprocess.Popen[bytes]) -> str:
+    """Return *proc*'s command line as a shell would take it, to reproduce a problem."""
+    args = proc.args
+    if isinstance(args, str | bytes | os.PathLike):
+        return os.fsdecode(args)
+    return shlex.join(os.fsdecode(arg) for arg in args)
+
+
+# -- /proc ---------------------------------------------------------------------------------
+
+
+def stat_fields(pid: int) -> list[str]:
+    """Return /proc/PID/stat's fields from the state on (field 3 of proc(5) is index 0)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """Return every live descendant of *pids*, found through the ppid of /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                children.setdefault(int(stat_fields(int(entry))[1]), []).append(int(entry))
+    found: set[int] = set()
+    todo = list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """Return the user plus system CPU time *pid* has used, in seconds (clock ticks)."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def run_seconds(pid: int) -> float:
+    """Return the time *pid*'s main thread spent on a CPU, to the ns (/proc/PID/schedstat)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
+def context_switches(pid: int) -> int:
+    """Return how often *pid* was switched out (voluntary or not): its wake-ups, roughly."""
+    total = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if "ctxt_switches:" in line:
+            total += int(line.split()[-1])
+    return total
+
+
+def flock_pids(directory: Path) -> set[int]:
+    """Return the pids holding or waiting for a flock on a file in *directory* (/proc/locks)."""
+    inodes = {
+        (info.st_dev, info.st_ino)
+        for info in (entry.stat() for entry in directory.iterdir())
+        if not stat.S_ISDIR(info.st_mode)
+    }
+    pids = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        fields = fields[2:] if fields[1:2] == ["->"] else fields[1:]
+        if len(fields) < 5 or fields[0] != "FLOCK":
+            continue
+        major, minor, inode = fields[4].split(":")
+        if (os.makedev(int(major, 16), int(minor, 16)), int(inode)) in inodes:
+            pids.add(int(fields[3]))
+    return pids
+
+
+def abstract_waiters(bench: Bench, target: Target) -> set[int]:
+    """Return the pids `lockrun status --json` lists as waiting for the target's lock."""
+    out = subprocess.run(
+        [*bench.lockrun, "status", "--uri", target.uri, "--json", NAME],
+        capture_output=True,
+        check=False,
+        text=True,
+    )
+    if out.returncode != 0:
+        msg = f"exit {out.returncode} from lockrun status --uri {target.uri}: {out.stderr.strip()}"
+        raise Broken(msg)
+    states = json.loads(out.stdout)
+    return {int(waiter["pid"]) for state in states for waiter in state["waiters"]}
+
+
+def wait_queued(
+    bench: Bench,
+    procs: Processes,
+    target: Target,
+    waiters: Sequence[subprocess.Popen[bytes]],
+    timeout: float = 10.0,
+) -> None:
+    """Return once every one of *waiters* is queued for the lock (blocked, or head of a gate)."""
+    wanted = {proc.pid for proc in waiters}
+    pause = 0.002  # /proc/locks is cheap to read; `lockrun status` costs a process start
+    if target.kind == "abstract":
+        pause = 0.02 if len(wanted) == 1 else 0.25
+
+    def queued() -> set[int]:
+        if target.kind == "abstract":
+            return abstract_waiters(bench, target) & wanted
+        return flock_pids(target.directory) & wanted
+
+    def done() -> bool:
+        return any(proc.poll() is not None for proc in waiters) or len(queued()) == len(wanted)
+
+    poll_until(done, timeout, pause)
+    exited = [proc for proc in waiters if proc.poll() is not None]
+    if exited:
+        early = exited[0]
+        msg = f"waiter exited {early.returncode} before it was granted: {command_line(early)}"
+        raise Broken(f"{msg} ({procs.stderr_of(early)})")
+    if len(queued()) != len(wanted):
+        msg = f"{len(queued())} of {len(wanted)} waiters queued after {timeout:.0f}s"
+        raise Broken(msg)
+    if target.kind == "abstract":
+        time.sleep(ABSTRACT_SETTLE)
+
+
+def poll_until(condition: Callable[[], bool], timeout: float, pause: float) -> bool:
+    """Check *condition* every *pause* seconds until it holds (True) or *timeout* (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+    return True
+
+
+# -- building blocks -----------------------------------------------------------------------
+
+
+def start_holders(
+    bench: Bench,
+    procs: Processes,
+    target: Target,
+    slots: int,
+    poll: str,
+    stdout: Path | None = None,
+) -> Path:
+    """Start *slots* holders at once, wait until all run their commands; return GO."""
+    scenario = procs.directory
+    go = scenario / "GO"
+    procs.triggers.append(go)
+    holders = []
+    for index in range(slots):
+        ready = scenario / f"READY{index}"
+        command = ["sh", "-c", HOLD_SCRIPT, "sh", str(ready), str(go), str(scenario), poll]
+        holder = procs.spawn(target.argv(bench.lockrun, command, slots=slots), stdout=stdout)
+        holders.append((ready, holder))
+    poll_until(lambda: all(started(ready, holder) for ready, holder in holders), 10.0, 0.002)
+    for ready, holder in holders:
+        if not ready.exists():
+            msg = f"holder never ran its command: {command_line(holder)}"
+            msg += f" ({procs.stderr_of(holder)})" if holder.poll() is not None else ""
+            raise Broken(msg)
+    return go
+
+
+def started(ready: Path, holder: subprocess.Popen[bytes]) -> bool:
+    """Tell whether *holder* has run its command (made *ready*) or died trying."""
+    return ready.exists() or holder.poll() is not None
+
+
+def row(what: str, numbers: str, target: str = "", verdict: str = "") -> None:
+    """Print one report line: what, the numbers, the target and PASS/MISS."""
+    print(f"  {what:<34} {numbers:<40} {target:<10} {verdict}".rstrip())
+
+
+def verdict(ok: bool) -> str:
+    """Return PASS or MISS."""
+    return "PASS" if ok else "MISS"
+
+
+def section(title: str) -> None:
+    """Print a section heading."""
+    print(f"\n{title}\n{'-' * len(title)}")
+
+
+def describe_ms(values: Sequence[float]) -> str:
+    """Return median and max of *values* (milliseconds) as text."""
+    return f"median {statistics.median(values):6.2f} ms  max {max(values):6.2f} ms  n={len(values)}"
+
+
+# -- (a) startup ---------------------------------------------------------------------------
+
+
+def time_commands(commands: dict[str, list[str]], runs: int) -> dict[str, list[float]]:
+    """Run every command *runs* times, round-robin after a warm-up; return wall times in s."""
+    times: dict[str, list[float]] = {label: [] for label in commands}
+    for attempt in range(runs + 1):
+        for label, argv in commands.items():
+            began = time.perf_counter()
+            subprocess.run(
+                argv,
+                check=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if attempt > 0:  # the first round warms the page cache
+                times[label].append(time.perf_counter() - began)
+    return times
+
+
+def startup_section(bench: Bench) -> None:
+    """Report (a): compare `lockrun -- true` with importing click and with flock(1)."""
+    runs = bench.plan.startup_runs
+    section(f"(a) Startup: median wall time of {runs} runs each")
+    scenario = bench.scenario_dir("startup")
+    file_target, abstract_target = make_target("file", scenario), make_target("abstract", scenario)
+    commands = {
+        "lockrun --uri file:DIR -- true": file_target.argv(bench.lockrun, ["true"]),
+        "lockrun --uri abstract: -- true": abstract_target.argv(bench.lockrun, ["true"]),
+        "python -c 'import click'": [sys.executable, "-c", "import click"],
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "flock DIR/x true": [FLOCK, str(scenario / "x"), "true"],
+    }
+    try:
+        medians = {
+            label: statistics.median(values)
+            for label, values in time_commands(commands, runs).items()
+        }
+    except subprocess.CalledProcessError as err:
+        bench.broke("startup", Broken(f"exit {err.returncode} from {shlex.join(err.cmd)}"))
+        return
+    for label, median in medians.items():
+        row(label, f"{median * 1000:7.1f} ms")
+    click_time, flock_time = medians["python -c 'import click'"], medians["flock DIR/x true"]
+    for backend in ("file", "abstract"):
+        label = f"lockrun --uri {backend}:{'DIR' if backend == 'file' else ''} -- true"
+        ratio = medians[label] / click_time
+        target = f"<= {STARTUP_TARGET}x"
+        row(f"{backend}: lockrun / import click", f"{ratio:5.2f}x", target, verdict(ratio <= 1.3))
+        row(f"{backend}: lockrun / flock(1)", f"{medians[label] / flock_time:5.1f}x")
+
+
+# -- (b) handoff ---------------------------------------------------------------------------
+
+
+def handoff_trial(bench: Bench, kind: Kind) -> float:
+    """Return one handoff latency in ms: holder's command exits -> waiter's command starts."""
+    scenario = bench.scenario_dir(f"handoff-{kind}")
+    target = make_target(kind, scenario)
+    end, start = scenario / "END", scenario / "START"
+    with Processes(scenario) as procs:
+        go = start_holders(bench, procs, target, 1, HANDOFF_POLL, stdout=end)
+        waiter = procs.spawn(target.argv(bench.lockrun, STAMP, wait=True), stdout=start)
+        wait_queued(bench, procs, target, [waiter])
+        go.touch()
+        procs.finish(10.0)
+    return (int(start.read_text()) - int(end.read_text())) / 1e6
+
+
+def handoff_section(bench: Bench) -> None:
+    """Report (b): handoff latency of lockrun's file and abstract backends against flock(1)."""
+    trials = bench.plan.handoff_trials
+    section(f"(b) Handoff: holder's command exits -> waiter's command starts, {trials} trials")
+    labels: dict[Kind, str] = {
+        "file": "lockrun, file backend",
+        "abstract": "lockrun, abstract backend",
+        "flock": "flock(1) on a file",
+    }
+    results: dict[Kind, list[float]] = {kind: [] for kind in labels}
+    broken: set[Kind] = set()
+    for _ in range(trials):
+        for kind, values in results.items():
+            if kind in broken:
+                continue
+            try:
+                values.append(handoff_trial(bench, kind))
+            except Broken as err:
+                broken.add(kind)
+                bench.broke(f"handoff {labels[kind]}", err)
+    for kind, values in results.items():
+        if values and kind not in broken:
+            row(labels[kind], describe_ms(values))
+    handoff_verdicts(results, broken)
+
+
+def handoff_verdicts(results: dict[Kind, list[float]], broken: set[Kind]) -> None:
+    """Print the handoff targets: file <= 2x flock(1), abstract <= 10 ms."""
+    if broken:
+        return
+    flock_median = statistics.median(results["flock"])
+    file_ratio = statistics.median(results["file"]) / flock_median
+    ok = file_ratio <= FILE_HANDOFF_RATIO
+    row(
+        "file: lockrun / flock(1), median",
+        f"{file_ratio:5.2f}x",
+        f"<= {FILE_HANDOFF_RATIO}x",
+        verdict(ok),
+    )
+    abstract_median = statistics.median(results["abstract"])
+    row("abstract: lockrun / flock(1)", f"{abstract_median / flock_median:5.2f}x")
+    ok = abstract_median <= OTHER_HANDOFF_MS
+    row(
+        "abstract: median",
+        f"{abstract_median:6.2f} ms",
+        f"<= {OTHER_HANDOFF_MS:.0f} ms",
+        verdict(ok),
+    )
+
+
+# -- (c) idle waiters ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A waiter's counters at one moment."""
+
+    cpu: float
+    run: float
+    switches: int
+
+    @classmethod
+    def of(cls, pid: int) -> Usage:
+        """Sample *pid* now."""
+        return cls(cpu_seconds(pid), run_seconds(pid), context_switches(pid))
+
+
+@dataclass(frozen=True)
+class IdleResult:
+    """What the idle waiters cost during the window, and how long they took to drain."""
+
+    cpu: float
+    run: float
+    switches: int
+    drain: float
+
+
+def idle_scenario(bench: Bench, kind: Kind, slots: int) -> IdleResult:
+    """Hold *slots* slots, queue the waiters, measure their CPU over the window, drain."""
+    scenario = bench.scenario_dir(f"idle-{kind}-{slots}")
+    target = make_target(kind, scenario)
+    with Processes(scenario) as procs:
+        go = start_holders(bench, procs, target, slots, IDLE_POLL)
+        waiters = [
+            procs.spawn(target.argv(bench.lockrun, ["true"], slots=slots, wait=True))
+            for _ in range(bench.plan.idle_waiters)
+        ]
+        wait_queued(bench, procs, target, waiters, timeout=60.0)
+        time.sleep(0.3)  # let the last starters finish whatever they do after queueing
+        before = [Usage.of(proc.pid) for proc in waiters]
+        time.sleep(bench.plan.idle_window)
+        after = [Usage.of(proc.pid) for proc in waiters]
+        go.touch()
+        began = time.monotonic()
+        procs.finish(60.0)
+        drain = time.monotonic() - began
+    pairs = list(zip(before, after, strict=True))
+    return IdleResult(
+        cpu=sum(late.cpu - early.cpu for early, late in pairs),
+        run=sum(late.run - early.run for early, late in pairs),
+        switches=sum(late.switches - early.switches for early, late in pairs),
+        drain=drain,
+    )
+
+
+def idle_section(bench: Bench) -> None:
+    """Report (c): CPU used by idle waiters over a window, per backend and slot count."""
+    window = bench.plan.idle_window
+    waiters = bench.plan.idle_waiters
+    section(f"(c) Idle waiters: CPU of {waiters} blocked waiters over {window:.0f} s")
+    for kind, slots in SCENARIOS:
+        what = f"{kind}: --slots {slots}"
+        try:
+            result = idle_scenario(bench, kind, slots)
+        except (Broken, FileNotFoundError, ProcessLookupError) as err:
+            bench.broke(what, err if isinstance(err, Broken) else Broken(f"waiter vanished: {err}"))
+            continue
+        numbers = f"{result.cpu:5.3f} s CPU ({result.run * 1000:.1f} ms exact), "
+        numbers += f"{result.switches} wakeups"
+        ok = result.cpu <= IDLE_CPU_TARGET
+        row(what, numbers, f"<= {IDLE_CPU_TARGET} s", verdict(ok))
+        row(f"{kind}: --slots {slots}, drain", f"all {waiters} ran in {result.drain:.2f} s")
+
+
+# -- (d) FIFO ------------------------------------------------------------------------------
+
+
+def fifo_scenario(bench: Bench, kind: Kind, slots: int, hold: float) -> tuple[list[int], list[int]]:
+    """Queue waiters one by one, release *hold* s after the first; return grant, append order.
+
+    The grant order is the order of the commands' LOCKRUN_FENCE (the append order without it).
+    """
+    scenario = bench.scenario_dir(f"fifo-{kind}-{slots}")
+    target = make_target(kind, scenario)
+    order = scenario / "order"
+    with Processes(scenario) as procs:
+        go = start_holders(bench, procs, target, slots, IDLE_POLL)
+        first = time.monotonic()
+        for index in range(bench.plan.fifo_waiters):
+            began = time.monotonic()
+            command = ["sh", "-c", APPEND_SCRIPT, "sh", str(index), str(order)]
+            waiter = procs.spawn(target.argv(bench.lockrun, command, slots=slots, wait=True))
+            wait_queued(bench, procs, target, [waiter])
+            time.sleep(max(0.0, began + FIFO_SPACING - time.monotonic()))
+        time.sleep(max(0.0, first + hold - time.monotonic()))
+        go.touch()
+        procs.finish(30.0)
+    lines = [line.split() for line in order.read_text().splitlines()]
+    appended = [int(fields[0]) for fields in lines]
+    if all(len(fields) == 2 for fields in lines):
+        granted = [int(fields[0]) for fields in sorted(lines, key=lambda fields: int(fields[1]))]
+    else:
+        granted = appended
+    return granted, appended
+
+
+def fifo_section(bench: Bench) -> None:
+    """Report (d): do waiters get the lock in the order they queued."""
+    waiters = bench.plan.fifo_waiters
+    section(f"(d) FIFO: {waiters} waiters queued {FIFO_SPACING * 1000:.0f} ms apart, then release")
+    holds = [0.0, LONG_HOLD] if bench.plan.long_fifo else [0.0]
+    for hold in holds:
+        if hold:
+            print(f"  -- released {hold:.0f} s after the first waiter queued (long waits):")
+        for kind, slots in SCENARIOS:
+            fifo_case(bench, kind, slots, hold)
+    if not bench.plan.long_fifo:
+        row(f"release after {LONG_HOLD:.0f} s", "skipped with --quick")
+
+
+def fifo_case(bench: Bench, kind: Kind, slots: int, hold: float) -> None:
+    """Run and report one FIFO scenario."""
+    what = f"{kind}: --slots {slots}" + (f", {hold:.0f} s" if hold else "")
+    arrival = list(range(bench.plan.fifo_waiters))
+    try:
+        granted, appended = fifo_scenario(bench, kind, slots, hold)
+    except Broken as err:
+        bench.broke(what, err)
+        return
+    numbers = "granted " + " ".join(map(str, granted)) + " (by fence)"
+    row(what, numbers, "= arrival", verdict(granted == arrival))
+    if appended != granted:  # with N slots, N commands race to append: for reference
+        row(f"{what}, append order", "ran " + " ".join(map(str, appended)))
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def find_lockrun() -> list[str]:
+    """Return the lockrun command next to this interpreter, else ``python -m lockrun``."""
+    script = Path(sys.executable).parent / "lockrun"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "lockrun"]
+
+
+def header(bench: Bench, quick: bool) -> None:
+    """Print when, where and what was measured."""
+    version = subprocess.run(
+        [*bench.lockrun, "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    print("lockrun benchmark" + (" (--quick)" if quick else ""))
+    print("=" * WIDTH)
+    print(f"date     {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
+    print(f"kernel   {platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"python   {platform.python_version()} ({sys.executable})")
+    print(f"lockrun  {version} ({shlex.join(bench.lockrun)})")
+    print(f"flock    {FLOCK}")
+    print(f"load     {load_average()} (other work on the machine skews every number)")
+    print("columns: what, numbers, target, verdict (no target: for reference)")
+
+
+def load_average() -> str:
+    """Return the 1, 5 and 15 minute load averages as text."""
+    return " ".join(f"{load:.2f}" for load in os.getloadavg())
+
+
+def summary(bench: Bench, began: float) -> int:
+    """Print the problems, if any; return the exit status."""
+    print(f"\nfinished in {time.monotonic() - began:.1f} s; load {load_average()}")
+    if not bench.problems:
+        return 0
+    print("\nPROBLEMS (lockrun or the bench broke; reproduce with the command shown)")
+    for problem in bench.problems:
+        print(f"  - {problem}")
+    return 1
+
+
+def run_sections(bench: Bench, quick: bool, sections: Iterable[Callable[[Bench], None]]) -> None:
+    """Print the header and every section."""
+    header(bench, quick)
+    for run in sections:
+        began = time.monotonic()
+        run(bench)
+        print(f"  ({time.monotonic() - began:.1f} s, load {load_average()})")
+        sys.stdout.flush()
+
+
+def stop_on_term(signo: int, _frame: FrameType | None) -> NoReturn:
+    """Turn TERM and HUP into SystemExit, so the finally blocks stop what we started."""
+    raise SystemExit(128 + signo)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every section once and print the report."""
+    for signo in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signo, stop_on_term)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke)")
+    quick = parser.parse_args(argv).quick
+    began = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="lockrun-bench-"))
+    bench = Bench(find_lockrun(), root, QUICK if quick else FULL)
+    try:
+        sections = (startup_section, handoff_section, idle_section, fifo_section)
+        run_sections(bench, quick, sections)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return summary(bench, began)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

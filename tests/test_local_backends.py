@@ -182,7 +182,7 @@ def test_abstract_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme whose driver is not installed is a configuration error naming the extra."""
-    monkeypatch.setitem(SCHEMES, "nosuch", ("lockrun.backends.nosuch", "nosuch"))  # type: ignore[index]
+    monkeypatch.setitem(SCHEMES, "nosuch", ("lockrun.backends.nosuch", "nosuch"))
     with pytest.raises(ConfigError, match=r"pip install 'lockrun-cli\[nosuch\]'"):
         open_backend(parse_uri("nosuch://x"))
 

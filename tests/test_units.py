@@ -86,7 +86,7 @@ def test_uris_parse_and_reject() -> None:
     assert parse_uri("file:").scheme == "file"
     assert parse_uri("file:///var/lock/x").path == "/var/lock/x"
     assert parse_uri("abstract:my%20app").path == "my app"
-    for bad in ("redis2://x", "nonsense", "file://h:99999/x", ":x"):
+    for bad in ("redis2://x", "nonsense", ":x", "1file:"):
         with pytest.raises(ConfigError):
             parse_uri(bad)
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from typing import TYPE_CHECKING, Final, NoReturn
 
 import click
@@ -175,6 +173,8 @@ def status_command(uri: str, namespace: str, as_json: bool, name: str | None) ->
     """Show who holds NAME (or every held lock) and who waits for it."""
     states = states_for_status(uri, namespace, name)
     if as_json:
+        import json  # noqa: PLC0415 - kept off the start-up path of the run command
+
         click.echo(json.dumps([state.to_dict() for state in states], indent=2))
     elif not states:
         click.echo(f"no locks held or awaited in namespace {namespace} at {redact(uri)}")
@@ -236,6 +236,8 @@ def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
         return err.exit_code
     except Exception as err:  # noqa: BLE001 - the one place a bug becomes status 70
         if os.environ.get("LOCKRUN_DEBUG") == "1":
+            import traceback  # noqa: PLC0415 - only bugs pay for it
+
             traceback.print_exc()
         say(f"internal error: {type(err).__name__}: {err} (LOCKRUN_DEBUG=1 shows a traceback)")
         return ExitCode.SOFTWARE

@@ -8,8 +8,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
 
 from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
 from lockrun.errors import (
@@ -22,7 +21,7 @@ from lockrun.errors import (
     UsageError,
 )
 from lockrun.names import check_name, default_name
-from lockrun.supervise import Limits, supervise
+from lockrun.supervise import Guardian, Limits, supervise
 from lockrun.timing import format_duration, now
 from lockrun.uri import DEFAULT_URI, parse_uri, redact
 
@@ -155,8 +154,7 @@ class Lock:
         return locked
 
 
-@dataclass(frozen=True)
-class Options:
+class Options(NamedTuple):
     """The CLI's options (SPEC §1), with durations in seconds and None for forever/none."""
 
     name: str | None = None
@@ -188,9 +186,14 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
     with _interruptible(name):
         backend = open_backend(uri)
+        # Only the file backend's lock fds go to the command and keep the lock if we die;
+        # otherwise a guardian must take the command's group down with us (SPEC §4.2).
+        guardian = Guardian() if options.close or uri.scheme != "file" else None
         try:
-            return _hold_and_run(backend, request, argv, options, verbose)
+            return _hold_and_run(backend, request, argv, options, verbose, guardian)
         finally:
+            if guardian is not None:
+                guardian.stand_down()
             backend.close()
 
 
@@ -200,6 +203,7 @@ def _hold_and_run(
     argv: Sequence[str],
     options: Options,
     verbose: Callable[[str], None],
+    guardian: Guardian | None,
 ) -> int:
     started = now()
     if options.verbose and options.wait != 0 and (holders := describe_holders(backend, request)):
@@ -214,8 +218,10 @@ def _hold_and_run(
         )
         env = command_environment(request, lease)
         limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
-        fds = () if options.close else lease.fds
-        return supervise(argv, lease, limits, env=env, pass_fds=fds, log=verbose)
+        if guardian is None:
+            return supervise(argv, lease, limits, env=env, pass_fds=lease.fds, log=verbose)
+        guardian.keep(lease.fds)
+        return supervise(argv, lease, limits, env=env, guardian=guardian, log=verbose)
     except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
         # SPEC §2: every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err

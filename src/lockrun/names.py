@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import string
 from typing import TYPE_CHECKING, Final
-from urllib.parse import unquote
 
 from lockrun.errors import UsageError
+from lockrun.uri import unquote
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import TYPE_CHECKING, Final, NamedTuple, NoReturn
 
 from lockrun.errors import (
     BackendUnavailable,
@@ -24,6 +22,7 @@ from lockrun.errors import (
 from lockrun.timing import format_duration, now
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from lockrun.backends import Lease
@@ -41,16 +40,76 @@ FORWARDED: Final = frozenset(
 _WATCHED: Final = FORWARDED | {signal.SIGCHLD}
 # SIGTTOU: taking the terminal back from the command's group while we are in the background.
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
+# CPython ignores these and exec(2) would pass that on (aesthetics.md §5.6).
+_DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """How the command is watched: lease cadence, wall-clock limit, grace before KILL."""
 
     refresh_every: float
     max_time: float | None = None
     kill_after: float = 10.0
+
+
+class Guardian:
+    """A forked process that SIGKILLs the command's group if lockrun dies first.
+
+    SPEC §4.2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
+    command alone, not its children, and only after a fork→prctl race (algorithms.md
+    pitfall 18). The guardian instead leads a new process group that the command is then
+    spawned into, so no moment exists when the command runs unguarded. It is forked before
+    the wait, off the hand-over path, and then given copies of the lock's descriptors, so
+    the lock stays held until the group is dead.
+    """
+
+    def __init__(self) -> None:
+        """Fork the guardian and make it the leader of a new process group."""
+        import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
+
+        ours, theirs = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
+            _guard(theirs, ours)
+        theirs.close()
+        self._socket = ours
+        os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
+
+    def keep(self, fds: Sequence[int]) -> None:
+        """Hand the guardian copies of *fds* to hold until it stands down."""
+        import socket  # noqa: PLC0415 - loaded by __init__ already
+
+        if fds:
+            socket.send_fds(self._socket, [b"f"], list(fds))
+
+    def stand_down(self) -> None:
+        """Tell the guardian the command is done, and reap it."""
+        with contextlib.suppress(OSError):  # it died with a SIGKILLed group
+            self._socket.sendall(b"x")
+        self._socket.close()
+        os.waitpid(self.pid, 0)
+
+
+def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: no cover
+    """In the guardian: hold what we are given until stood down; if lockrun vanishes, kill."""
+    import socket  # noqa: PLC0415 - already loaded by Guardian
+
+    try:
+        theirs.close()
+        os.setpgid(0, 0)
+        for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signo, signal.SIG_IGN)
+        kept = []
+        while True:
+            message, fds, _, _ = socket.recv_fds(ours, 16, 16)
+            kept += fds
+            if b"x" in message:
+                break
+            if not message:  # EOF: lockrun is gone
+                os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def supervise(
@@ -60,96 +119,46 @@ def supervise(
     *,
     env: Mapping[str, str],
     pass_fds: Sequence[int] = (),
+    guardian: Guardian | None = None,
     log: Callable[[str], None] = lambda _line: None,
 ) -> int:
     """Run *argv* while *lease* is held and return its exit status (128+N if signalled).
 
-    Raises `LeaseLost` or `TimedOut` after the command was stopped, and
-    `CommandNotFound`/`CommandNotExecutable` if it could not start. Whatever happens here,
-    the command has been reaped, or killed and reaped, before this returns or raises.
+    The command runs in its own process group, or in *guardian*'s. Raises `LeaseLost` or
+    `TimedOut` after the command was stopped, and `CommandNotFound`/`CommandNotExecutable`
+    if it could not start. Whatever happens, the command has been reaped before this
+    returns or raises.
     """
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
-    # Without an inherited lock fd nothing keeps the lock if we die: the group must die too.
-    guardian = None if pass_fds else _Guardian()
     try:
         group = 0 if guardian is None else guardian.pid
-        child = _spawn(argv, env, pass_fds, group=group)
-        watch = _Watch(child, group or child.pid, lease, limits, log)
+        pid = _spawn(argv, env, pass_fds, group=group)
+        watch = _Watch(pid, group or pid, lease, limits, log)
         with _terminal_for(watch.group) as terminal:
             watch.terminal = terminal
             return watch.run()
     finally:
-        if guardian is not None:
-            guardian.stand_down()
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
-
-
-class _Guardian:
-    """A forked process that SIGKILLs the command's group if lockrun dies before it.
-
-    SPEC §4.2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
-    command alone, not its children, and only after a fork→prctl race (algorithms.md
-    pitfall 18). The guardian instead leads a new process group that the command is then
-    spawned into, so no moment exists when the command runs unguarded; it keeps copies of
-    our descriptors, so the lock stays held until the group is dead.
-    """
-
-    def __init__(self) -> None:
-        """Fork the guardian and make it the leader of a new process group."""
-        read_end, self._pipe = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
-            _guard(read_end, self._pipe)
-        os.close(read_end)
-        os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
-
-    def stand_down(self) -> None:
-        """Tell the guardian the command is done, and reap it before the lock is released."""
-        with contextlib.suppress(BrokenPipeError):  # it died with a SIGKILLed group
-            os.write(self._pipe, b"x")
-        os.close(self._pipe)
-        os.waitpid(self.pid, 0)
-
-
-def _guard(read_end: int, write_end: int) -> NoReturn:  # pragma: no cover - in the guardian
-    """Wait for lockrun to stand us down; if it vanishes instead, kill our group."""
-    try:
-        os.close(write_end)
-        os.setpgid(0, 0)
-        for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
-            signal.signal(signo, signal.SIG_IGN)
-        if os.read(read_end, 1) != b"x":  # EOF: lockrun is gone
-            os.killpg(0, signal.SIGKILL)
-    finally:
-        os._exit(0)
 
 
 def _spawn(
     argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int], *, group: int
-) -> subprocess.Popen[bytes]:
-    """Start *argv* in process *group* (0: its own) with a clean signal mask and default SIGPIPE."""
+) -> int:
+    """Start *argv* in process *group* (0: its own) with an empty mask and default SIGPIPE."""
+    for fd in pass_fds:
+        os.set_inheritable(fd, True)  # noqa: FBT003 - the os API
     try:
-        # restore_signals resets SIGPIPE and SIGXFSZ, which CPython ignores (aesthetics.md §5.6).
-        return subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            pass_fds=tuple(pass_fds),
-            process_group=group,
-            restore_signals=True,
-            preexec_fn=_unblock_signals,  # noqa: PLW1509 - lockrun runs no threads, so fork is safe
+        # posix_spawn(3) vforks: no copy of this process on the hand-over path, unlike
+        # subprocess with a preexec_fn, which it would need to reset the signal mask.
+        return os.posix_spawnp(
+            argv[0], list(argv), env, setpgroup=group, setsigmask=(), setsigdef=_DEFAULTED
         )
     except FileNotFoundError as err:
         msg = f"{argv[0]}: command not found"
         raise CommandNotFound(msg) from err
-    except (OSError, subprocess.SubprocessError) as err:
-        reason = err.strerror if isinstance(err, OSError) else str(err)
-        msg = f"{argv[0]}: cannot execute: {reason}"
+    except OSError as err:
+        msg = f"{argv[0]}: cannot execute: {err.strerror}"
         raise CommandNotExecutable(msg) from err
-
-
-def _unblock_signals() -> None:  # pragma: no cover - runs between fork and exec
-    """Give the command an empty signal mask; exec(2) would pass ours on."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
 @contextlib.contextmanager
@@ -173,7 +182,7 @@ def _own_foreground_terminal() -> bool:
     try:
         if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
             return False
-    except OSError:
+    except OSError:  # a terminal that is not our controlling one
         return False
     # In `lockrun … | less` our group holds `less` too: handing over would stop it.
     group, me = os.getpgrp(), os.getpid()
@@ -182,7 +191,7 @@ def _own_foreground_terminal() -> bool:
             try:
                 with open(f"/proc/{entry}/stat", "rb") as stat:
                     fields = stat.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
+            except OSError:  # it exited while we looked
                 continue
             if int(fields[2]) == group:
                 return False
@@ -193,19 +202,15 @@ class _Watch:
     """The supervision loop's state: timers, the stop sequence, and the outcome."""
 
     def __init__(
-        self,
-        child: subprocess.Popen[bytes],
-        group: int,
-        lease: Lease,
-        limits: Limits,
-        log: Callable[[str], None],
+        self, pid: int, group: int, lease: Lease, limits: Limits, log: Callable[[str], None]
     ) -> None:
-        self.child = child
+        self.pid = pid
         self.group = group
         self.lease = lease
         self.limits = limits
         self.log = log
         self.terminal = False
+        self.reaped = False
         start = now()
         self.confirmed = start  # when the last successful refresh was sent
         self.next_refresh = start + limits.refresh_every
@@ -227,7 +232,7 @@ class _Watch:
                 else:
                     self._signal_group(info.si_signo)
         except BaseException:
-            if self.child.returncode is None:
+            if not self.reaped:
                 self._stop_now()
             raise
 
@@ -284,17 +289,17 @@ class _Watch:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.group, signo)
 
-    def _reap(self) -> int | None:
+    def _reap(self, *, follow_stops: bool = True) -> int | None:
         """Collect the command's status, or follow it into a terminal stop (Ctrl-Z)."""
         while True:
-            pid, status = os.waitpid(self.child.pid, os.WNOHANG | os.WUNTRACED)
+            pid, status = os.waitpid(self.pid, os.WNOHANG | os.WUNTRACED)
             if pid == 0:
                 return None
             if not os.WIFSTOPPED(status):
+                self.reaped = True
                 code = os.waitstatus_to_exitcode(status)
-                self.child.returncode = code  # reaped by us, not by Popen
                 return 128 - code if code < 0 else code
-            if self.terminal:
+            if self.terminal and follow_stops:
                 self._suspend_with_child()
 
     def _suspend_with_child(self) -> None:
@@ -317,8 +322,11 @@ class _Watch:
     def _stop_now(self) -> None:
         """Stop the command after an error of ours: TERM, grace, KILL, reap."""
         self._signal_group(signal.SIGTERM)
-        try:
-            self.child.wait(self.limits.kill_after)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
-            self.child.wait()
+        self._signal_group(signal.SIGCONT)  # a stopped command must run to take TERM
+        deadline = now() + self.limits.kill_after
+        while self._reap(follow_stops=False) is None:
+            if now() >= deadline:
+                self._signal_group(signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                return
+            signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - now()))

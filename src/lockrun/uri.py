@@ -3,32 +3,28 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Final
-from urllib.parse import SplitResult, unquote, urlsplit
+from typing import Final, NamedTuple
 
 from lockrun.errors import ConfigError
 
 DEFAULT_URI: Final = "file:"
-_SCHEME: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+# RFC 3986 appendix B, rather than urllib.parse: its import (with ipaddress) is a tenth of
+# our start-up, and the server backends that need more import it themselves.
+_URI: Final = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?://(?P<netloc>[^/?#]*))?"
+    r"(?P<path>[^?#]*)(?:\?(?P<query>[^#]*))?(?:#.*)?",
+    re.DOTALL,
+)
 
 
-@dataclass(frozen=True)
-class LockURI:
+class LockURI(NamedTuple):
     """A parsed lock URI; `text` is the original, `redacted` is safe to print."""
 
     text: str
-    parts: SplitResult
-
-    @property
-    def scheme(self) -> str:
-        """The lower-case scheme, e.g. ``file`` or ``redis``."""
-        return self.parts.scheme
-
-    @property
-    def path(self) -> str:
-        """The percent-decoded path (``file:``'s directory, ``abstract:``'s prefix)."""
-        return unquote(self.parts.path)
+    scheme: str
+    netloc: str
+    path: str  # percent-decoded: file:'s directory, abstract:'s prefix
+    query: str
 
     @property
     def redacted(self) -> str:
@@ -40,20 +36,26 @@ def parse_uri(text: str) -> LockURI:
     """Parse *text*; raise `ConfigError` for a malformed URI or an unknown scheme."""
     from lockrun.backends import SCHEMES  # noqa: PLC0415 - backends imports this module
 
-    if _SCHEME.match(text) is None:
+    match = _URI.fullmatch(text)
+    if match is None:
         msg = f"malformed lock URI {redact(text)!r}: expected SCHEME:…, e.g. file: or redis://host"
         raise ConfigError(msg)
-    try:
-        parts = urlsplit(text)
-        parts.port  # noqa: B018 - validates the port now, not deep inside a driver
-    except ValueError as err:
-        msg = f"malformed lock URI {redact(text)!r}: {err}"
-        raise ConfigError(msg) from None
-    if parts.scheme not in SCHEMES:
+    scheme = match["scheme"].lower()
+    if scheme not in SCHEMES:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
-        msg = f"unknown lock URI scheme {parts.scheme!r} in {redact(text)!r}; expected {known}"
+        msg = f"unknown lock URI scheme {scheme!r} in {redact(text)!r}; expected {known}"
         raise ConfigError(msg)
-    return LockURI(text, parts)
+    return LockURI(
+        text, scheme, match["netloc"] or "", unquote(match["path"]), match["query"] or ""
+    )
+
+
+def unquote(text: str) -> str:
+    """Decode %XX escapes (as UTF-8, like urllib.parse.unquote)."""
+    if "%" not in text:
+        return text
+    raw = re.sub(rb"%([0-9A-Fa-f]{2})", lambda match: bytes([int(match[1], 16)]), text.encode())
+    return raw.decode(errors="replace")
 
 
 def redact(text: str) -> str:

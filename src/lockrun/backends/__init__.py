@@ -11,8 +11,7 @@ import importlib
 import os
 import pwd
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from lockrun.errors import ConfigError
 
@@ -28,8 +27,11 @@ SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
 }
 
 
-@dataclass(frozen=True)
-class Holder:
+# Records are NamedTuples, not dataclasses: creating a frozen dataclass costs ~0.8 ms of
+# start-up each, and lockrun starts once per cron run (bench/bench.py, section a).
+
+
+class Holder(NamedTuple):
     """Who holds or waits for a slot; what `lockrun status` shows."""
 
     host: str
@@ -64,7 +66,7 @@ class Holder:
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict."""
-        record = asdict(self)
+        record: dict[str, object] = self._asdict()
         record["argv"] = list(self.argv)
         return record
 
@@ -91,8 +93,7 @@ def describe_pid(pid: int) -> Holder:
     return Holder(os.uname().nodename, pid, _user(uid), argv)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What an acquirer asks for: one of *slots* slots of (namespace, name)."""
 
     namespace: str
@@ -102,8 +103,7 @@ class Request:
     holder: Holder
 
 
-@dataclass(frozen=True)
-class LockState:
+class LockState(NamedTuple):
     """A lock as `lockrun status` reports it."""
 
     namespace: str
@@ -111,7 +111,7 @@ class LockState:
     where: str  # the file, socket or key an operator would inspect
     slots: int | None = None
     holders: tuple[Holder, ...] = ()
-    waiters: tuple[Holder, ...] = field(default=())
+    waiters: tuple[Holder, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import dataclasses
 import errno
 import os
 import re
@@ -20,7 +19,6 @@ import select
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import (
@@ -197,16 +195,23 @@ def _base(prefix: str, namespace: str, name: str) -> str:
     return f"lockrun/#{digest}"
 
 
-@dataclass
 class AbstractLease:
     """A held abstract slot: the listening socket plus a marker that names the holder."""
 
-    slot: int
-    fence: int | None
-    _listener: socket.socket | None
-    _marker: socket.socket | None
-    ttl: float | None = None
-    fds: tuple[int, ...] = field(default=())
+    ttl: float | None = None  # the slot lives exactly as long as the listening socket
+
+    def __init__(
+        self, slot: int, fence: int, listener: socket.socket, marker: socket.socket | None
+    ) -> None:
+        """Hold slot *slot* through *listener*."""
+        self.slot, self.fence = slot, fence
+        self._listener: socket.socket | None = listener
+        self._marker = marker
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Return the listening socket: the slot is held while any process has it open."""
+        return () if self._listener is None else (self._listener.fileno(),)
 
     def refresh(self) -> None:
         """Do nothing: the slot lives exactly as long as this process."""
@@ -221,11 +226,12 @@ class AbstractLease:
             self._marker = None
 
 
-@dataclass
 class AbstractBackend:
     """Locks in the abstract UNIX-socket namespace of this network namespace."""
 
-    prefix: str
+    def __init__(self, prefix: str) -> None:
+        """Keep our names under *prefix*."""
+        self.prefix = prefix
 
     def acquire(self, request: Request, deadline: float | None) -> AbstractLease | None:
         """Queue FIFO for one of *request.slots* slots until *deadline*."""
@@ -332,7 +338,7 @@ def _holders(base: str) -> Iterator[tuple[Holder, int]]:
 
 
 def _with(holder: Holder, since: float, slot: int | None = None) -> Holder:
-    return dataclasses.replace(holder, since=since, slot=slot)
+    return holder._replace(since=since, slot=slot)
 
 
 def _abstract_names() -> Iterator[str]:

@@ -11,7 +11,6 @@ and sleeps until a slot holder's abstract socket hangs up (algorithms.md §2.1).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import itertools
@@ -21,8 +20,7 @@ import re
 import signal
 import stat
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from lockrun.backends import (
     Holder,
@@ -45,7 +43,7 @@ if TYPE_CHECKING:
 DEFAULT_NAMESPACE: Final = "default"
 _PRIVATE: Final = 0o700
 _MAX_BASE: Final = 200  # leaves room for "~NNN.lock" within NAME_MAX (255)
-_LOCK_FILE: Final = re.compile(r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock")
+_LOCK_FILE: Final = r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock"  # status only
 _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up socket
 # Path and permission problems are the operator's to fix (78); a read-only or full file
 # system, or an I/O error, is the lock service being unavailable (69).
@@ -68,8 +66,8 @@ def default_directory() -> str:
 
 def connect(uri: LockURI) -> FileBackend:
     """Open (and if needed create) the lock directory of a ``file:`` URI."""
-    if uri.parts.netloc not in {"", "localhost"}:
-        msg = f"file: URIs name a local directory, not host {uri.parts.netloc!r}"
+    if uri.netloc not in {"", "localhost"}:
+        msg = f"file: URIs name a local directory, not host {uri.netloc!r}"
         raise ConfigError(msg)
     private = not uri.path
     directory = uri.path or default_directory()
@@ -180,18 +178,21 @@ def wait_flock(fd: int, deadline: float | None) -> bool:
     return try_flock(fd)  # re-locking our own lock succeeds: covers a grant racing the timer
 
 
-@dataclass
 class FileLease:
     """A held slot: its locked file (and, for a semaphore, a wake-up socket)."""
 
-    slot: int
-    fence: int
-    path: str
-    _fd: int | None
-    _identity: tuple[int, int]
-    _dir_fd: int
-    _wake: socket.socket | None = None
-    ttl: float | None = None
+    ttl: float | None = None  # the slot lives as long as some process has the fd
+
+    def __init__(
+        self, slot: int, fence: int, path: str, fd: int, dir_fd: int, wake: socket.socket | None
+    ) -> None:
+        """Wrap the locked *fd* of slot *slot* (whose file is *path* in *dir_fd*)."""
+        self.slot, self.fence, self.path = slot, fence, path
+        self._fd: int | None = fd
+        self._dir_fd = dir_fd
+        self._wake = wake
+        info = os.fstat(fd)
+        self._identity = (info.st_dev, info.st_ino)
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -222,12 +223,13 @@ class FileLease:
             self._wake = None
 
 
-@dataclass
 class FileBackend:
     """Locks as flock(2)ed files in one directory."""
 
-    directory: str
-    _dir_fd: int
+    def __init__(self, directory: str, dir_fd: int) -> None:
+        """Use the open directory *dir_fd* (whose path is *directory*)."""
+        self.directory = directory
+        self._dir_fd = dir_fd
 
     def _open(self, filename: str) -> int:
         mode = 0o600 if self.directory == default_directory() else 0o666
@@ -284,7 +286,7 @@ class FileBackend:
             if record is None or int(str(record.get("slots", request.slots))) == request.slots:
                 continue
             locks = _proc_locks() if locks is None else locks  # only when a record disagrees
-            if locks.get(identity, _Locks()).holding:
+            if locks.get(identity, _Locks([], [])).holding:
                 raise slots_mismatch(request, Holder.from_dict(record), int(str(record["slots"])))
 
     def _take_slot(
@@ -326,7 +328,7 @@ class FileBackend:
     ) -> FileLease:
         """Record the holder in the slot file and bump the fence; the caller holds the lock."""
         fence_fd = self._open(f"{base}.fence")
-        holder = dataclasses.replace(request.holder, slot=slot, since=time.time())
+        holder = request.holder._replace(slot=slot, since=time.time())
         record = {"name": request.name, "namespace": request.namespace, "slots": request.slots}
         try:
             fence = next_fence(os.pread(fence_fd, 32, 0))
@@ -336,9 +338,7 @@ class FileBackend:
             raise _failure(f"lock files of {request.name} in {self.directory}", err) from err
         finally:
             os.close(fence_fd)
-        info = os.fstat(fd)
-        path = self._path(_slot_file(base, slot))
-        return FileLease(slot, fence, path, fd, (info.st_dev, info.st_ino), self._dir_fd, wake)
+        return FileLease(slot, fence, self._path(_slot_file(base, slot)), fd, self._dir_fd, wake)
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders (from the slot files) and waiters (from /proc/locks)."""
@@ -347,7 +347,7 @@ class FileBackend:
         else:
             bases = set()
             for entry in os.listdir(self._dir_fd):
-                match = _LOCK_FILE.fullmatch(entry)
+                match = re.fullmatch(_LOCK_FILE, entry)
                 if match is not None and _namespace_of(match["base"]) == namespace:
                     bases.add(match["base"])
         locks = _proc_locks()
@@ -365,21 +365,21 @@ class FileBackend:
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 break
-            entry = locks.get(identity, _Locks())
+            entry = locks.get(identity, _Locks([], []))
             if slot == 0:
                 waiters += [describe_pid(pid) for pid in entry.waiting]
             if not entry.holding:
                 continue
             record = _record(content)
             if record is None:
-                holders.append(dataclasses.replace(describe_pid(entry.holding[0]), slot=slot))
+                holders.append(describe_pid(entry.holding[0])._replace(slot=slot))
                 continue
             holders.append(Holder.from_dict(record))
             lock_name = str(record.get("name", lock_name))
             slots = int(str(record.get("slots", slots)))
         gate_identity, _ = self._peek(f"{base}.gate")
         if gate_identity is not None:
-            gate = locks.get(gate_identity, _Locks())
+            gate = locks.get(gate_identity, _Locks([], []))
             waiters += [describe_pid(pid) for pid in (*gate.holding, *gate.waiting)]
         return LockState(
             namespace, lock_name, self._path(f"{base}.lock"), slots, tuple(holders), tuple(waiters)
@@ -436,10 +436,9 @@ def _name_of(base: str) -> str:
     return unescape(base.split(".", 1)[-1])
 
 
-@dataclass
-class _Locks:
-    holding: list[int] = dataclasses.field(default_factory=list)
-    waiting: list[int] = dataclasses.field(default_factory=list)
+class _Locks(NamedTuple):
+    holding: list[int]
+    waiting: list[int]
 
 
 def _proc_locks() -> dict[tuple[int, int], _Locks]:
@@ -455,6 +454,6 @@ def _proc_locks() -> dict[tuple[int, int], _Locks]:
             continue
         major, minor, inode = fields[4].split(":")
         identity = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        entry = found.setdefault(identity, _Locks())
+        entry = found.setdefault(identity, _Locks([], []))
         (entry.waiting if blocked else entry.holding).append(int(fields[3]))
     return found

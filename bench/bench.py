@@ -674,6 +674,23 @@ def find_lockrun() -> list[str]:
     return [sys.executable, "-m", "lockrun"]
 
 
+def compile_bytecode() -> str:
+    """Compile lockrun's bytecode, as `pip install` does; say where it went.
+
+    An editable install under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every
+    module on every start, a cost no installed lockrun pays.
+    """
+    import compileall  # noqa: PLC0415 - only the bench needs it
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("lockrun")
+    if spec is None or spec.submodule_search_locations is None:
+        return "lockrun not importable here: bytecode not compiled"
+    package = next(iter(spec.submodule_search_locations))
+    compileall.compile_dir(package, quiet=1)
+    return f"compiled in {package}"
+
+
 def header(bench: Bench, quick: bool) -> None:
     """Print when, where and what was measured."""
     version = subprocess.run(
@@ -685,6 +702,7 @@ def header(bench: Bench, quick: bool) -> None:
     print(f"kernel   {platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs")
     print(f"python   {platform.python_version()} ({sys.executable})")
     print(f"lockrun  {version} ({shlex.join(bench.lockrun)})")
+    print(f"bytecode {compile_bytecode()}")
     print(f"flock    {FLOCK}")
     print(f"load     {load_average()} (other work on the machine skews every number)")
     print("columns: what, numbers, target, verdict (no target: for reference)")

@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 import pytest
@@ -476,3 +477,17 @@ def test_default_directory_must_belong_to_us(
     home.symlink_to(tmp_path)
     with pytest.raises(ConfigError, match="is a symlink"):
         file_backend.connect(parse_uri("file:"))
+
+
+@needs_root
+def test_lock_directory_that_is_not_writable_is_refused() -> None:
+    """A lock directory we may not write to is a configuration error (78)."""
+    shared = tempfile.mkdtemp(prefix="lockrun-readonly-", dir="/tmp")  # root's, 0700
+    os.chmod(shared, 0o755)  # noqa: S103 - others may look, not write: the case under test
+    os.seteuid(65534)
+    try:
+        with pytest.raises(ConfigError, match=f"lock directory {shared} is not writable"):
+            file_backend.connect(parse_uri(f"file://{shared}"))
+    finally:
+        os.seteuid(0)
+        os.rmdir(shared)

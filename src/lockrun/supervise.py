@@ -106,8 +106,9 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
             kept += fds
             if b"x" in message:
                 break
-            if not message:  # EOF: lockrun is gone
+            if not message:  # EOF: lockrun is gone; the group goes, and we with it
                 os.killpg(0, signal.SIGKILL)
+                break  # never loop on a closed socket, whatever killpg did
     finally:
         os._exit(0)
 

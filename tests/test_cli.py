@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -491,3 +492,43 @@ def test_lock_directory_that_is_not_writable_is_refused() -> None:
     finally:
         os.seteuid(0)
         os.rmdir(shared)
+
+
+def test_signals_ignored_by_the_caller_stay_ignored(files: str, name: str) -> None:
+    """Under nohup or `trap '' HUP INT`, the command inherits the ignored HUP and INT."""
+    run = (
+        f"exec {sys.executable} -m lockrun --uri {files} -n {name} -- grep SigIgn /proc/self/status"
+    )
+    result = subprocess.run(
+        ["sh", "-c", f"trap '' HUP INT; {run}"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    ignored = int(result.stdout.split()[1], 16)
+    assert ignored & (1 << (signal.SIGHUP - 1))
+    assert ignored & (1 << (signal.SIGINT - 1))
+    assert not ignored & (1 << (signal.SIGTERM - 1))
+
+
+LATE_TERM = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(7))
+open(sys.argv[1], "w").close()
+time.sleep(30)
+"""
+
+
+def test_a_late_term_does_not_replace_the_commands_status(
+    files: str, name: str, tmp_path: Path
+) -> None:
+    """A second TERM arriving as the command ends leaves lockrun with the command's status."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_TERM)
+    for attempt in range(10):
+        ready = tmp_path / f"ready-{attempt}"
+        process = start("--uri", files, "-n", name, "--", sys.executable, str(script), str(ready))
+        wait_for(ready.exists, what="the command")
+        for _ in range(2):  # the second one lands while lockrun is finishing
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.0005 * (1 + attempt % 5))
+        _, stderr = process.communicate(timeout=30)
+        assert (process.returncode, stderr) == (7, ""), attempt

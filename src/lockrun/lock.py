@@ -170,7 +170,11 @@ class Options(NamedTuple):
 
 
 def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) -> int:
-    """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises)."""
+    """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises).
+
+    Meant for a process that exits with the result: once the lock was held, INT, TERM and
+    HUP are left ignored, so a late signal cannot replace the command's status.
+    """
     uri = parse_uri(options.uri)
     if options.close and uri.scheme != "file":
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
@@ -184,13 +188,13 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
     if options.name is None:
         verbose(f"lock name {name} (derived from the command; set it with --name)")
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
-    with _interruptible(name):
+    with _interruptible(name) as waiting:
         backend = open_backend(uri)
         # Only the file backend's lock fds go to the command and keep the lock if we die;
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
         guardian = Guardian() if options.close or uri.scheme != "file" else None
         try:
-            return _hold_and_run(backend, request, argv, options, verbose, guardian)
+            return _hold_and_run(backend, request, argv, options, verbose, guardian, waiting)
         finally:
             if guardian is not None:
                 guardian.stand_down()
@@ -204,30 +208,35 @@ def _hold_and_run(
     options: Options,
     verbose: Callable[[str], None],
     guardian: Guardian | None,
+    waiting: _Waiting,
 ) -> int:
     started = now()
     if options.verbose and options.wait != 0 and (holders := describe_holders(backend, request)):
         verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
     lease = acquire(backend, request, options.wait)
     held_since = now()
-    try:
-        fence = "" if lease.fence is None else f", fence {lease.fence}"
-        verbose(
-            f"acquired {request.name} slot {lease.slot} of {request.slots} "
-            f"after {format_duration(now() - started)}{fence}"
-        )
-        env = command_environment(request, lease)
-        limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
-        if guardian is None:
-            return supervise(argv, lease, limits, env=env, pass_fds=lease.fds, log=verbose)
-        guardian.keep(lease.fds)
-        return supervise(argv, lease, limits, env=env, guardian=guardian, log=verbose)
-    except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
-        # SPEC §2: every lockrun-made status line names the lock.
-        raise type(err)(f"{request.name}: {err}") from err
-    finally:
-        lease.release()
-        verbose(f"released {request.name} after {format_duration(now() - held_since)}")
+    # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
+    # it runs, and one that comes after it ended must not rewrite its exit status.
+    with _deferred(_INTERRUPTS):
+        waiting.over = True
+        try:
+            fence = "" if lease.fence is None else f", fence {lease.fence}"
+            verbose(
+                f"acquired {request.name} slot {lease.slot} of {request.slots} "
+                f"after {format_duration(now() - started)}{fence}"
+            )
+            env = command_environment(request, lease)
+            limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
+            if guardian is None:
+                return supervise(argv, lease, limits, env=env, pass_fds=lease.fds, log=verbose)
+            guardian.keep(lease.fds)
+            return supervise(argv, lease, limits, env=env, guardian=guardian, log=verbose)
+        except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
+            # SPEC §2: every lockrun-made status line names the lock.
+            raise type(err)(f"{request.name}: {err}") from err
+        finally:
+            lease.release()
+            verbose(f"released {request.name} after {format_duration(now() - held_since)}")
 
 
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:
@@ -247,21 +256,49 @@ def command_environment(request: Request, lease: Lease) -> dict[str, str]:
     return env
 
 
+_INTERRUPTS: Final = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+class _Waiting:
+    """Whether we still wait for the lock; once it is held, INT, TERM and HUP are the command's."""
+
+    over = False
+
+
 @contextlib.contextmanager
-def _interruptible(name: str) -> Iterator[None]:
+def _interruptible(name: str) -> Iterator[_Waiting]:
     """Turn INT, TERM and HUP into `Interrupted` so waits unwind and release what they hold."""
+    waiting = _Waiting()
 
     def interrupt(signo: int, _frame: FrameType | None) -> None:
+        if waiting.over:  # after the command: its status stands, lockrun is leaving anyway
+            return
         what = signal.Signals(signo).name
         raise Interrupted(f"{what} while waiting for {name}; nothing is held", signo=signo)
 
-    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signo: signal.signal(signo, interrupt) for signo in watched}
+    previous = {}
+    for signo in _INTERRUPTS:
+        # Under nohup or `trap '' HUP` the signal stays ignored, for us and for the command.
+        if signal.getsignal(signo) is not signal.SIG_IGN:
+            previous[signo] = signal.signal(signo, interrupt)
+    try:
+        yield waiting
+    finally:
+        for signo, handler in previous.items():
+            # Once the lock was held, lockrun only finishes: the command's status stands.
+            signal.signal(signo, signal.SIG_IGN if waiting.over else handler)
+
+
+@contextlib.contextmanager
+def _deferred(signals: frozenset[signal.Signals]) -> Iterator[None]:
+    """Block *signals* for the block; drop those that arrived unclaimed before unblocking."""
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
-        for signo, handler in previous.items():
-            signal.signal(signo, handler)
+        while signal.sigtimedwait(signals, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
 def states_for_status(uri: str, namespace: str, name: str | None) -> list[LockState]:

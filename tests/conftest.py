@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,23 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in list(os.environ):
         if variable.startswith("LOCKRUN_"):
             monkeypatch.delenv(variable)
+
+
+@pytest.fixture(autouse=True)
+def _no_strays(tmp_path: Path) -> Iterator[None]:
+    """After each test, kill what it started and left (a failed test must not leak loops)."""
+    yield
+    mine = str(tmp_path).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if mine not in cmdline.read():
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            continue
 
 
 @pytest.fixture

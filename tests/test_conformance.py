@@ -259,6 +259,15 @@ def check_no_overlap_after_kill(
     script = f"{publish}; {UNTIL} {go} ]; do sleep 0.01; done"
     # stderr not piped: a surviving command would hold the pipe open.
     first = start("--uri", uri, "-n", name, *close_option, "--", "sh", "-c", script, stderr=None)
+    try:
+        _kill_and_check(first, pid_file, go, uri, name, tmp_path)
+    finally:
+        go.touch()  # whatever failed, no loop is left running
+
+
+def _kill_and_check(
+    first: subprocess.Popen[str], pid_file: Path, go: Path, uri: str, name: str, tmp_path: Path
+) -> None:
     wait_for(pid_file.exists, what="the first command")
     first_command = int(pid_file.read_text())
     first.send_signal(signal.SIGKILL)

@@ -140,23 +140,14 @@ def test_stale_record_of_a_dead_holder_is_no_mismatch(tmp_path: Path, name: str)
     """A record left by a killed holder with other --slots does not block a new user."""
     uri = f"file://{tmp_path}/locks"
     ready = tmp_path / "ready"
-    process = start(
-        "--uri",
-        uri,
-        "-n",
-        name,
-        "-s",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        f"touch {ready}; exec sleep 30",
-        start_new_session=True,
-    )
+    script = f"echo $$ > {ready}.tmp; mv {ready}.tmp {ready}; exec sleep 30"
+    process = start("--uri", uri, "-n", name, "-s", "2", "--", "sh", "-c", script)
     wait_for(ready.exists, what="the holder")
-    os.killpg(process.pid, signal.SIGKILL)  # lockrun and its command: the record stays
+    process.kill()  # lockrun first, so it cannot clear its record
+    os.kill(int(ready.read_text()), signal.SIGKILL)  # then the command, which kept the fd
     finish(process)
-    wait_for(lambda: lockrun("--uri", uri, "-n", name, "-s", "1", "--", "true").returncode == 0)
+    assert b'"slots": 2' in (tmp_path / "locks" / f"{name}.lock").read_bytes()
+    assert lockrun("--uri", uri, "-n", name, "-s", "1", "--", "true").returncode == 0
     assert (tmp_path / "locks" / f"{name}.lock").read_bytes() == b""
 
 

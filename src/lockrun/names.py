@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import string
 from typing import TYPE_CHECKING, Final
 
 from lockrun.errors import UsageError
@@ -13,7 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 MAX_NAME_BYTES: Final = 255
-_PLAIN: Final = frozenset((string.ascii_letters + string.digits + "_-").encode())
+_PLAIN: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
 def check_name(name: str, what: str = "lock name") -> str:

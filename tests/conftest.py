@@ -53,6 +53,12 @@ def name() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+def file_uri(tmp_path: Path) -> str:
+    """Return a file: URI private to this test."""
+    return f"file://{tmp_path}/locks"
+
+
 @pytest.fixture(params=BACKENDS)
 def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Return a URI for each backend, private to this test."""
@@ -95,6 +101,24 @@ def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str =
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(0.01)
+
+
+def one_line(stderr: str) -> str:
+    """Assert *stderr* is exactly one ``lockrun: …`` line (no traceback) and return it."""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("lockrun: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def gone(pid: int) -> bool:
+    """Return whether *pid* has ended (a zombie awaiting its new parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in {b"Z", b"X"}
+    except FileNotFoundError:
+        return True
 
 
 def queue_length(uri: str, name: str) -> int:

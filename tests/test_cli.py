@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, lockrun, queue_length, start, wait_for
+from conftest import Held, lockrun, one_line, queue_length, start, wait_for
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import file as file_backend
@@ -26,35 +26,20 @@ ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (mount namespaces, chown)")
 
 
-def one_line(stderr: str) -> str:
-    """Assert *stderr* is exactly one ``lockrun: …`` line and return it."""
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("lockrun: "), stderr
-    assert "Traceback" not in stderr
-    return lines[0]
-
-
-@pytest.fixture
-def files(tmp_path: Path) -> str:
-    """Return a file: URI in a private directory."""
-    return f"file://{tmp_path}/locks"
-
-
 # -- the statuses of SPEC §2, one test each ----------------------------------------------
 
 
 @pytest.mark.parametrize("status", [0, 1, 2, 3, 64, 75, 255])
-def test_the_commands_own_status_passes_through(files: str, name: str, status: int) -> None:
+def test_the_commands_own_status_passes_through(file_uri: str, name: str, status: int) -> None:
     """The command's exit status is lockrun's, even where it equals one of lockrun's own."""
-    result = lockrun("--uri", files, "-n", name, "--", "sh", "-c", f"exit {status}")
+    result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", f"exit {status}")
     assert result.returncode == status
     assert result.stderr == ""
 
 
-def test_a_signalled_command_gives_128_plus_n(files: str, name: str) -> None:
+def test_a_signalled_command_gives_128_plus_n(file_uri: str, name: str) -> None:
     """A command killed by SIGTERM makes lockrun exit 143 (shell convention)."""
-    result = lockrun("--uri", files, "-n", name, "--", "sh", "-c", "kill -TERM $$")
+    result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", "kill -TERM $$")
     assert result.returncode == 128 + signal.SIGTERM
 
 
@@ -88,9 +73,9 @@ def test_usage_errors_exit_64_with_one_line(arguments: list[str], message: str) 
     assert message in one_line(result.stderr)
 
 
-def test_a_name_of_255_bytes_is_accepted(files: str) -> None:
+def test_a_name_of_255_bytes_is_accepted(file_uri: str) -> None:
     """255 bytes of UTF-8 is a valid name, however many characters that is."""
-    result = lockrun("--uri", files, "-n", "é" * 127 + "x", "--", "true")
+    result = lockrun("--uri", file_uri, "-n", "é" * 127 + "x", "--", "true")
     assert result.returncode == 0, result.stderr
 
 
@@ -131,7 +116,7 @@ def test_full_file_system_exits_69_and_leaves_the_lock_free(tmp_path: Path, name
     assert "No space left on device" in one_line(result.stderr)
 
 
-def test_internal_errors_exit_70_without_a_traceback(files: str, name: str) -> None:
+def test_internal_errors_exit_70_without_a_traceback(file_uri: str, name: str) -> None:
     """A bug becomes status 70 with one line; LOCKRUN_DEBUG=1 adds the traceback."""
     # A lease whose refresh has a bug: the command is stopped and lockrun reports 70.
     script = f"""
@@ -139,7 +124,7 @@ import lockrun.backends.file as file
 def broken(self): raise RuntimeError("boom")
 file.FileLease.refresh = broken
 import sys
-sys.argv = ["lockrun", "--uri", {files!r}, "-n", {name!r}, "--ttl", "0.3", "--", "sleep", "30"]
+sys.argv = ["lockrun", "--uri", {file_uri!r}, "-n", {name!r}, "--ttl", "0.3", "--", "sleep", "30"]
 from lockrun.cli import main
 main()
 """
@@ -158,29 +143,29 @@ main()
     )
     assert debug.returncode == ExitCode.SOFTWARE
     assert "Traceback" in debug.stderr
-    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+    assert lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == 0
 
 
 def test_busy_exits_75_and_minus_e_moves_it(
-    files: str, name: str, held: Callable[..., Held]
+    file_uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """A held lock gives 75, -E picks another status, -q silences only the busy line."""
-    holder = held("--uri", files, "-n", name)
-    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == ExitCode.BUSY
-    moved = lockrun("--uri", files, "-n", name, "-E", "1", "--", "true")
+    holder = held("--uri", file_uri, "-n", name)
+    assert lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == ExitCode.BUSY
+    moved = lockrun("--uri", file_uri, "-n", name, "-E", "1", "--", "true")
     assert moved.returncode == 1
     assert "busy" in one_line(moved.stderr)
-    quiet = lockrun("--uri", files, "-n", name, "-q", "--", "true")
+    quiet = lockrun("--uri", file_uri, "-n", name, "-q", "--", "true")
     assert (quiet.returncode, quiet.stderr) == (ExitCode.BUSY, "")
     holder.finish()
 
 
-def test_lost_lock_exits_76(files: str, name: str, tmp_path: Path) -> None:
+def test_lost_lock_exits_76(file_uri: str, name: str, tmp_path: Path) -> None:
     """Deleting the lock file under a running command stops it and exits 76."""
     ready = tmp_path / "ready"
     process = start(
         "--uri",
-        files,
+        file_uri,
         "-n",
         name,
         "--ttl",
@@ -218,10 +203,10 @@ def test_configuration_errors_exit_78(uri: str, message: str) -> None:
     assert "hunter2" not in line
 
 
-def test_slots_mismatch_exits_78(files: str, name: str, held: Callable[..., Held]) -> None:
+def test_slots_mismatch_exits_78(file_uri: str, name: str, held: Callable[..., Held]) -> None:
     """A user asking for other --slots than a live holder's exits 78 naming the holder."""
-    holder = held("--uri", files, "-n", name, "-s", "2")
-    result = lockrun("--uri", files, "-n", name, "-s", "3", "--", "true")
+    holder = held("--uri", file_uri, "-n", name, "-s", "2")
+    result = lockrun("--uri", file_uri, "-n", name, "-s", "3", "--", "true")
     assert result.returncode == ExitCode.CONFIG
     assert (
         "held with --slots 2 by root@" in one_line(result.stderr)
@@ -247,27 +232,27 @@ def test_lock_directory_that_cannot_be_created_exits_78(name: str) -> None:
     assert "lock directory /proc/lockrun/locks" in one_line(result.stderr)
 
 
-def test_max_time_exits_124(files: str, name: str) -> None:
+def test_max_time_exits_124(file_uri: str, name: str) -> None:
     """--max-time stops the command and exits 124."""
-    result = lockrun("--uri", files, "-n", name, "--max-time", "0.2", "--", "sleep", "30")
+    result = lockrun("--uri", file_uri, "-n", name, "--max-time", "0.2", "--", "sleep", "30")
     assert result.returncode == ExitCode.TIMEOUT
     assert "--max-time 0.20s expired" in one_line(result.stderr)
 
 
-def test_command_not_executable_exits_126(files: str, name: str, tmp_path: Path) -> None:
+def test_command_not_executable_exits_126(file_uri: str, name: str, tmp_path: Path) -> None:
     """A command that exists but cannot run exits 126 and releases the lock."""
     script = tmp_path / "script"
     script.write_text("#!/bin/sh\nexit 0\n")
-    result = lockrun("--uri", files, "-n", name, "--", str(script))
+    result = lockrun("--uri", file_uri, "-n", name, "--", str(script))
     assert result.returncode == ExitCode.CANNOT_EXECUTE
     assert "cannot execute: Permission denied" in one_line(result.stderr)
-    assert lockrun("--uri", files, "-n", name, "--", str(tmp_path)).returncode == 126
-    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+    assert lockrun("--uri", file_uri, "-n", name, "--", str(tmp_path)).returncode == 126
+    assert lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == 0
 
 
-def test_command_not_found_exits_127(files: str, name: str) -> None:
+def test_command_not_found_exits_127(file_uri: str, name: str) -> None:
     """A command that does not exist exits 127 with one line."""
-    result = lockrun("--uri", files, "-n", name, "--", "no-such-command-xyz")
+    result = lockrun("--uri", file_uri, "-n", name, "--", "no-such-command-xyz")
     assert result.returncode == ExitCode.NOT_FOUND
     assert one_line(result.stderr) == f"lockrun: {name}: no-such-command-xyz: command not found"
 
@@ -292,21 +277,21 @@ def test_interrupted_while_waiting_exits_128_plus_n(
 # -- the rest of the surface ----------------------------------------------------------------
 
 
-def test_options_after_the_command_belong_to_it(files: str, name: str) -> None:
+def test_options_after_the_command_belong_to_it(file_uri: str, name: str) -> None:
     """Everything after COMMAND, even lockrun's own options, is the command's."""
-    result = lockrun("--uri", files, "-n", name, "echo", "-n", "--wait", "x")
+    result = lockrun("--uri", file_uri, "-n", name, "echo", "-n", "--wait", "x")
     assert (result.returncode, result.stdout) == (0, "--wait x")
-    dashed = lockrun("--uri", files, "-n", name, "--", "echo", "--", "-v")
+    dashed = lockrun("--uri", file_uri, "-n", name, "--", "echo", "--", "-v")
     assert dashed.stdout == "-- -v\n"
 
 
 def test_environment_variables_set_options(
-    files: str, name: str, held: Callable[..., Held]
+    file_uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """LOCKRUN_URI, LOCKRUN_WAIT and LOCKRUN_CONFLICT_EXIT_CODE act as the options do."""
-    holder = held("--uri", files, "-n", name)
+    holder = held("--uri", file_uri, "-n", name)
     env = os.environ | {
-        "LOCKRUN_URI": files,
+        "LOCKRUN_URI": file_uri,
         "LOCKRUN_WAIT": "0.1",
         "LOCKRUN_CONFLICT_EXIT_CODE": "9",
     }
@@ -316,25 +301,25 @@ def test_environment_variables_set_options(
     holder.finish()
 
 
-def test_lockrun_name_and_slots_are_not_read_back(files: str, name: str) -> None:
+def test_lockrun_name_and_slots_are_not_read_back(file_uri: str, name: str) -> None:
     """A nested lockrun does not take LOCKRUN_NAME/SLOTS from its locked parent."""
     inner = (
-        f"{sys.executable} -m lockrun --uri {files} -- sh -c 'echo $LOCKRUN_NAME $LOCKRUN_SLOTS'"
+        f"{sys.executable} -m lockrun --uri {file_uri} -- sh -c 'echo $LOCKRUN_NAME $LOCKRUN_SLOTS'"
     )
-    result = lockrun("--uri", files, "-n", name, "-s", "2", "--", "sh", "-c", inner)
+    result = lockrun("--uri", file_uri, "-n", name, "-s", "2", "--", "sh", "-c", inner)
     assert result.returncode == 0, result.stderr
     inner_name, inner_slots = result.stdout.split()
     assert inner_name.startswith("sh-")
     assert inner_slots == "1"
 
 
-def test_command_environment(files: str, name: str) -> None:
+def test_command_environment(file_uri: str, name: str) -> None:
     """The command sees LOCKRUN_NAME, SLOT, SLOTS and FENCE, and no URI password."""
     env = os.environ | {
         "LOCKRUN_URI": "file://user:secret@localhost/tmp/x",
         "LOCKRUN_FENCE": "stale",
     }
-    result = lockrun("--uri", files, "-n", name, "-s", "2", "--", "env", env=env)
+    result = lockrun("--uri", file_uri, "-n", name, "-s", "2", "--", "env", env=env)
     seen = dict(
         line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("LOCKRUN_")
     )
@@ -344,11 +329,11 @@ def test_command_environment(files: str, name: str) -> None:
     assert "LOCKRUN_URI" not in seen
 
 
-def test_default_name_is_derived_from_the_command(files: str) -> None:
+def test_default_name_is_derived_from_the_command(file_uri: str) -> None:
     """Without --name the lock is the basename plus an argv hash, shown by -v."""
-    first = lockrun("--uri", files, "-v", "--", "sh", "-c", "echo $LOCKRUN_NAME")
-    again = lockrun("--uri", files, "--", "sh", "-c", "echo $LOCKRUN_NAME")
-    other = lockrun("--uri", files, "--", "sh", "-c", "echo $LOCKRUN_NAME ")
+    first = lockrun("--uri", file_uri, "-v", "--", "sh", "-c", "echo $LOCKRUN_NAME")
+    again = lockrun("--uri", file_uri, "--", "sh", "-c", "echo $LOCKRUN_NAME")
+    other = lockrun("--uri", file_uri, "--", "sh", "-c", "echo $LOCKRUN_NAME ")
     assert first.stdout == again.stdout
     assert first.stdout != other.stdout
     assert first.stdout.startswith("sh-")
@@ -356,12 +341,12 @@ def test_default_name_is_derived_from_the_command(files: str) -> None:
 
 
 def test_verbose_reports_waiting_acquiring_and_releasing(
-    files: str, name: str, held: Callable[..., Held]
+    file_uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """-v says who holds the lock while waiting, then acquired and released."""
-    holder = held("--uri", files, "-n", name)
-    waiter = start("--uri", files, "-n", name, "-v", "-w", "forever", "--", "true")
-    wait_for(lambda: queue_length(files, name) == 1, what="the waiter")
+    holder = held("--uri", file_uri, "-n", name)
+    waiter = start("--uri", file_uri, "-n", name, "-v", "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(file_uri, name) == 1, what="the waiter")
     holder.finish()
     _, stderr = waiter.communicate(timeout=30)
     lines = stderr.splitlines()
@@ -398,14 +383,14 @@ def test_status_usage_errors() -> None:
     assert lockrun("status", "--frob").returncode == ExitCode.USAGE
 
 
-def test_a_command_called_status_runs_after_the_separator(files: str, tmp_path: Path) -> None:
+def test_a_command_called_status_runs_after_the_separator(file_uri: str, tmp_path: Path) -> None:
     """`lockrun -- status` runs a command named status, not the subcommand."""
     script = tmp_path / "status"
     script.write_text("#!/bin/sh\necho ran-status\n")
     script.chmod(0o755)
     result = lockrun(
         "--uri",
-        files,
+        file_uri,
         "--",
         "status",
         env=os.environ | {"PATH": f"{tmp_path}:{os.environ['PATH']}"},
@@ -413,23 +398,23 @@ def test_a_command_called_status_runs_after_the_separator(files: str, tmp_path: 
     assert result.stdout == "ran-status\n"
 
 
-def test_namespaces_partition_names(files: str, name: str, held: Callable[..., Held]) -> None:
+def test_namespaces_partition_names(file_uri: str, name: str, held: Callable[..., Held]) -> None:
     """The same name in two namespaces is two locks; in one namespace it is one."""
-    holder = held("--uri", files, "-n", name, "--namespace", "a")
-    assert lockrun("--uri", files, "-n", name, "--namespace", "b", "--", "true").returncode == 0
-    assert lockrun("--uri", files, "-n", name, "--namespace", "a", "--", "true").returncode == 75
-    assert name in lockrun("status", "--uri", files, "--namespace", "a").stdout
-    assert name not in lockrun("status", "--uri", files, "--namespace", "b").stdout
+    holder = held("--uri", file_uri, "-n", name, "--namespace", "a")
+    assert lockrun("--uri", file_uri, "-n", name, "--namespace", "b", "--", "true").returncode == 0
+    assert lockrun("--uri", file_uri, "-n", name, "--namespace", "a", "--", "true").returncode == 75
+    assert name in lockrun("status", "--uri", file_uri, "--namespace", "a").stdout
+    assert name not in lockrun("status", "--uri", file_uri, "--namespace", "b").stdout
     holder.finish()
 
 
 # -- the file backend's own promises ----------------------------------------------------
 
 
-def test_flock1_and_lockrun_exclude_each_other(files: str, name: str, tmp_path: Path) -> None:
+def test_flock1_and_lockrun_exclude_each_other(file_uri: str, name: str, tmp_path: Path) -> None:
     """With one slot, lockrun and flock(1) on NAME.lock exclude each other."""
     lock_file = tmp_path / "locks" / f"{name}.lock"
-    assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 0
+    assert lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == 0
     ready = tmp_path / "ready"
     flock = subprocess.Popen(
         ["flock", str(lock_file), "sh", "-c", f"touch {ready}; exec sleep 30"],
@@ -437,23 +422,23 @@ def test_flock1_and_lockrun_exclude_each_other(files: str, name: str, tmp_path: 
     )
     try:
         wait_for(ready.exists, what="flock(1)")
-        assert lockrun("--uri", files, "-n", name, "--", "true").returncode == 75
+        assert lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == 75
     finally:
         os.killpg(flock.pid, signal.SIGKILL)  # flock(1) and the sleep holding its fd
         flock.wait()
-    wait_for(lambda: lockrun("--uri", files, "-n", name, "--", "true").returncode == 0)
+    wait_for(lambda: lockrun("--uri", file_uri, "-n", name, "--", "true").returncode == 0)
     # The command inherits the locked fd, as under flock(1); with --close it does not.
     fds = "for fd in /proc/self/fd/*; do readlink $fd; done; true"
-    inherited = lockrun("--uri", files, "-n", name, "--", "sh", "-c", fds)
+    inherited = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", fds)
     assert str(lock_file) in inherited.stdout.splitlines()
-    closed = lockrun("--uri", files, "-n", name, "--close", "--", "sh", "-c", fds)
+    closed = lockrun("--uri", file_uri, "-n", name, "--close", "--", "sh", "-c", fds)
     assert closed.returncode == 0
     assert str(lock_file) not in closed.stdout.splitlines()
 
 
-def test_lock_files_are_never_deleted(files: str, name: str, tmp_path: Path) -> None:
-    """After runs, the lock, slot, gate and fence files stay (unlink races split waiters)."""
-    assert lockrun("--uri", files, "-n", name, "-s", "2", "--", "true").returncode == 0
+def test_lock_files_are_never_deleted(file_uri: str, name: str, tmp_path: Path) -> None:
+    """After runs, the lock, slot, gate and fence file_uri stay (unlink races split waiters)."""
+    assert lockrun("--uri", file_uri, "-n", name, "-s", "2", "--", "true").returncode == 0
     left = sorted(path.name for path in (tmp_path / "locks").iterdir())
     assert left == [f"{name}.fence", f"{name}.gate", f"{name}.lock", f"{name}~1.lock"]
     assert (tmp_path / "locks" / f"{name}.lock").read_bytes() == b""
@@ -494,11 +479,10 @@ def test_lock_directory_that_is_not_writable_is_refused() -> None:
         os.rmdir(shared)
 
 
-def test_signals_ignored_by_the_caller_stay_ignored(files: str, name: str) -> None:
+def test_signals_ignored_by_the_caller_stay_ignored(file_uri: str, name: str) -> None:
     """Under nohup or `trap '' HUP INT`, the command inherits the ignored HUP and INT."""
-    run = (
-        f"exec {sys.executable} -m lockrun --uri {files} -n {name} -- grep SigIgn /proc/self/status"
-    )
+    lockrun_ = f"{sys.executable} -m lockrun --uri {file_uri} -n {name}"
+    run = f"exec {lockrun_} -- grep SigIgn /proc/self/status"
     result = subprocess.run(
         ["sh", "-c", f"trap '' HUP INT; {run}"], capture_output=True, text=True, check=False
     )
@@ -518,14 +502,16 @@ time.sleep(30)
 
 
 def test_a_late_term_does_not_replace_the_commands_status(
-    files: str, name: str, tmp_path: Path
+    file_uri: str, name: str, tmp_path: Path
 ) -> None:
     """A second TERM arriving as the command ends leaves lockrun with the command's status."""
     script = tmp_path / "late.py"
     script.write_text(LATE_TERM)
     for attempt in range(10):
         ready = tmp_path / f"ready-{attempt}"
-        process = start("--uri", files, "-n", name, "--", sys.executable, str(script), str(ready))
+        process = start(
+            "--uri", file_uri, "-n", name, "--", sys.executable, str(script), str(ready)
+        )
         wait_for(ready.exists, what="the command")
         for _ in range(2):  # the second one lands while lockrun is finishing
             process.send_signal(signal.SIGTERM)

@@ -12,7 +12,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, finish, lockrun, queue_length, start, unmeasured, wait_for
+from conftest import Held, finish, gone, lockrun, queue_length, start, unmeasured, wait_for
 
 from lockrun import Lock, LockBusy
 
@@ -27,15 +27,6 @@ UNTIL = "while [ ! -e"  # a shell loop that ends once a file appears
 def queued(uri: str, name: str, count: int) -> bool:
     """Return whether exactly *count* waiters queue for *name*."""
     return queue_length(uri, name) == count
-
-
-def alive(pid: int) -> bool:
-    """Return whether *pid* runs (a zombie does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
-    except FileNotFoundError:
-        return False
 
 
 def test_second_holder_is_refused(uri: str, name: str, held: Callable[..., Held]) -> None:
@@ -287,13 +278,13 @@ def _kill_and_check(
         str(pid_file),
         stdout=subprocess.PIPE,
     )
-    if alive(first_command):  # it kept the inherited lock fd: it must finish first
+    if not gone(first_command):  # it kept the inherited lock fd: it must finish first
         go.touch()
     out, _ = second.communicate(timeout=30)
     assert second.returncode == 0
     assert out.strip() == "alone"
     go.touch()
-    wait_for(lambda: not alive(first_command), what="the first command to end")
+    wait_for(lambda: gone(first_command), what="the first command to end")
 
 
 def test_status_lists_holders_and_waiters(uri: str, name: str, held: Callable[..., Held]) -> None:

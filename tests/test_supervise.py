@@ -13,7 +13,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import lockrun, start, wait_for
+from conftest import gone, lockrun, one_line, start, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -162,12 +162,6 @@ LAUNCHER = (
 
 
 @pytest.fixture
-def file_uri(tmp_path: Path) -> str:
-    """Return a file: URI private to this test."""
-    return f"file://{tmp_path}/locks"
-
-
-@pytest.fixture
 def reaper() -> Iterator[list[subprocess.Popen[str]]]:
     """Return a list of processes to kill (if still running) and reap at teardown."""
     processes: list[subprocess.Popen[str]] = []
@@ -228,23 +222,6 @@ def state(pid: int) -> str:
             return stat.read().rsplit(b")", 1)[1].split()[0].decode()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return ""
-
-
-def gone(pid: int) -> bool:
-    """Return whether *pid* has ended (a zombie awaiting its new parent counts as ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return state(pid) in {"", "Z"}
-
-
-def one_line(stderr: str) -> str:
-    """Assert lockrun said exactly one ``lockrun: …`` line, and return it."""
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("lockrun: "), stderr
-    return lines[0]
 
 
 # -- exit statuses (SPEC §2) ----------------------------------------------------------------

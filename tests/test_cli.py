@@ -79,19 +79,24 @@ def test_a_name_of_255_bytes_is_accepted(file_uri: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def on_private_tmpfs(mount: Path, size: str, then: str) -> subprocess.CompletedProcess[str]:
+    """Run shell commands *then* on a fresh tmpfs at *mount* (with ``locks/``), privately."""
+    mount.mkdir()
+    setup = f"mount -t tmpfs -o size={size} none {mount} && mkdir {mount}/locks"
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"{setup} && {then}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 @needs_root
 def test_read_only_lock_directory_exits_69(tmp_path: Path, name: str) -> None:
     """A lock directory on a read-only file system is an unavailable backend (69)."""
     mount = tmp_path / "ro"
-    mount.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=1m none {mount} && mkdir {mount}/locks"
-        f" && mount -o remount,ro {mount}"
-        f" && exec {sys.executable} -m lockrun --uri file://{mount}/locks -n {name} -- true"
-    )
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False
-    )
+    lockrun_ = f"{sys.executable} -m lockrun --uri file://{mount}/locks -n {name} -- true"
+    result = on_private_tmpfs(mount, "1m", f"mount -o remount,ro {mount} && exec {lockrun_}")
     assert result.returncode == ExitCode.UNAVAILABLE
     assert "read-only file system" in one_line(result.stderr)
 
@@ -100,17 +105,14 @@ def test_read_only_lock_directory_exits_69(tmp_path: Path, name: str) -> None:
 def test_full_file_system_exits_69_and_leaves_the_lock_free(tmp_path: Path, name: str) -> None:
     """A full lock file system is an unavailable backend (69), and nothing stays locked."""
     mount = tmp_path / "full"
-    mount.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=4k none {mount} && mkdir {mount}/locks"
-        f" && touch {mount}/locks/{name}.lock {mount}/locks/{name}.fence"
+    locks = f"{mount}/locks"
+    then = (
+        f"touch {locks}/{name}.lock {locks}/{name}.fence"
         f" && (dd if=/dev/zero of={mount}/fill bs=4k count=4 2>/dev/null; true)"
-        f" && {sys.executable} -m lockrun --uri file://{mount}/locks -n {name} -- true;"
-        f" echo status=$?; flock -n {mount}/locks/{name}.lock echo free"
+        f" && {sys.executable} -m lockrun --uri file://{locks} -n {name} -- true;"
+        f" echo status=$?; flock -n {locks}/{name}.lock echo free"
     )
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False
-    )
+    result = on_private_tmpfs(mount, "4k", then)
     assert "status=69" in result.stdout, result
     assert "free" in result.stdout
     assert "No space left on device" in one_line(result.stderr)

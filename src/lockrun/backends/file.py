@@ -242,10 +242,11 @@ class FileBackend:
     def _path(self, filename: str) -> str:
         return os.path.join(self.directory, filename)
 
-    def _wake_name(self, base: str, slot: int) -> str:
+    def _wake_names(self, base: str, slots: int) -> list[str]:
+        """Name each slot's wake-up socket: this directory's inode and the lock's base."""
         info = os.fstat(self._dir_fd)
         digest = _sha256(f"{info.st_dev}:{info.st_ino}/{base}")
-        return f"lockrun-file/{digest[:40]}/{slot}"
+        return [f"lockrun-file/{digest[:40]}/{slot}" for slot in range(slots)]
 
     def acquire(self, request: Request, deadline: float | None) -> FileLease | None:
         """Take one slot of *request*, queueing FIFO in the kernel until *deadline*."""
@@ -296,6 +297,7 @@ class FileBackend:
         from lockrun.backends import abstract  # noqa: PLC0415 - semaphores only
 
         fds = [self._open(_slot_file(base, slot)) for slot in range(slots)]
+        wake_names = self._wake_names(base, slots)
         winner = None
         pause = abstract.TRANSITION
         try:
@@ -303,11 +305,11 @@ class FileBackend:
                 for slot, fd in enumerate(fds):
                     if try_flock(fd):
                         winner = slot
-                        return slot, fd, abstract.bind_listener(self._wake_name(base, slot))
+                        return slot, fd, abstract.bind_listener(wake_names[slot])
                 wait = abstract.remaining(deadline)
                 if wait == 0:
                     return None
-                conns = [abstract.connect_to(self._wake_name(base, slot)) for slot in range(slots)]
+                conns = [abstract.connect_to(name) for name in wake_names]
                 live = [conn for conn in conns if conn is not None]
                 if len(live) < slots:  # a holder without a wake-up socket (flock(1), a child)
                     wait, pause = min(wait, pause), min(pause * 2, _SLOW_WAKE)

@@ -220,3 +220,15 @@ def test_in_a_pipeline_the_terminal_stays_with_the_pipeline() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     # Without the hand-over the command runs in a background group: no '+' in its state.
     assert b"+" not in output.strip()
+
+
+@pytest.mark.parametrize("content", ["12345\n", "[1, 2]\n", '"text"\n', "{not json\n"])
+def test_foreign_content_in_a_lock_file_is_ignored(tmp_path: Path, name: str, content: str) -> None:
+    """A lock file holding a flock(1) user's pid or other non-record text still works."""
+    uri = f"file://{tmp_path}/locks"
+    (tmp_path / "locks").mkdir()
+    (tmp_path / "locks" / f"{name}.lock").write_text(content)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+    (tmp_path / "locks" / f"{name}.lock").write_text(content)
+    status = lockrun("status", "--uri", uri, name)
+    assert (status.returncode, status.stderr) == (0, "")

@@ -284,11 +284,11 @@ class FileBackend:
             if identity is None:
                 return
             record = _record(content)
-            if record is None or int(str(record.get("slots", request.slots))) == request.slots:
+            if record is None or record.slots == request.slots:
                 continue
             locks = _proc_locks() if locks is None else locks  # only when a record disagrees
             if locks.get(identity, _Locks([], [])).holding:
-                raise slots_mismatch(request, Holder.from_dict(record), int(str(record["slots"])))
+                raise slots_mismatch(request, record.holder, record.slots)
 
     def _take_slot(
         self, base: str, slots: int, deadline: float | None
@@ -376,9 +376,8 @@ class FileBackend:
             if record is None:
                 holders.append(describe_pid(entry.holding[0])._replace(slot=slot))
                 continue
-            holders.append(Holder.from_dict(record))
-            lock_name = str(record.get("name", lock_name))
-            slots = int(str(record.get("slots", slots)))
+            holders.append(record.holder)
+            lock_name, slots = record.name, record.slots
         gate_identity, _ = self._peek(f"{base}.gate")
         if gate_identity is not None:
             gate = locks.get(gate_identity, _Locks([], []))
@@ -421,13 +420,21 @@ def _overwrite(fd: int, data: bytes) -> None:
     os.ftruncate(fd, len(data))
 
 
-def _record(content: bytes) -> dict[str, object] | None:
+class _Record(NamedTuple):
+    holder: Holder
+    name: str
+    slots: int
+
+
+def _record(content: bytes) -> _Record | None:
+    """Parse a slot file's holder record; None for anything else (a flock(1) user's pid…)."""
     try:
-        record = json.loads(content)
-        Holder.from_dict(record)
-    except ValueError:
+        data = json.loads(content)
+        if not isinstance(data, dict):
+            return None
+        return _Record(Holder.from_dict(data), str(data["name"]), int(str(data["slots"])))
+    except (ValueError, KeyError):
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _namespace_of(base: str) -> str:

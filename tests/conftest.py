@@ -12,14 +12,17 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from servers import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
-# Every backend the conformance suite runs against; #3–#5 each add one entry and a fixture.
-BACKENDS = ("file", "abstract")
+# Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.
+BACKENDS = ("file", "abstract", "redis")
+# Leases short enough that a killed holder frees its slot within a test's patience.
+TEST_TTL = "5"
 
 
 @pytest.fixture(autouse=True)
@@ -59,12 +62,34 @@ def file_uri(tmp_path: Path) -> str:
     return f"file://{tmp_path}/locks"
 
 
+@pytest.fixture(scope="session")
+def redis_uri() -> Iterator[str]:
+    """Return the URI of the session's Redis: LOCKRUN_TEST_REDIS_URL or a server of our own."""
+    if url := os.environ.get("LOCKRUN_TEST_REDIS_URL"):
+        yield url
+        return
+    server = RedisServer()
+    yield server.uri
+    server.close()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """Return a Redis of this test's own, to restart, flush or reconfigure."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture(params=BACKENDS)
-def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Return a URI for each backend, private to this test."""
+def uri(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Return a URI for each backend, private to this test (or to its unique lock names)."""
     if request.param == "file":
         return f"file://{tmp_path}/locks"
-    return f"abstract:test-{uuid.uuid4().hex[:8]}"
+    if request.param == "abstract":
+        return f"abstract:test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("LOCKRUN_TTL", TEST_TTL)
+    return str(request.getfixturevalue(f"{request.param}_uri"))
 
 
 def unmeasured() -> dict[str, str]:

@@ -12,7 +12,17 @@ import textwrap
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, finish, gone, lockrun, queue_length, start, unmeasured, wait_for
+from conftest import (
+    TEST_TTL,
+    Held,
+    finish,
+    gone,
+    lockrun,
+    queue_length,
+    start,
+    unmeasured,
+    wait_for,
+)
 
 from lockrun import Lock, LockBusy
 
@@ -375,7 +385,7 @@ def test_lock_is_held_from_another_python_process(uri: str, name: str, tmp_path:
     script = textwrap.dedent(f"""
         import pathlib, time
         from lockrun import Lock
-        with Lock({name!r}, uri={uri!r}):
+        with Lock({name!r}, uri={uri!r}, ttl={TEST_TTL}):
             pathlib.Path({str(ready)!r}).touch()
             time.sleep(30)
     """)

@@ -7,11 +7,13 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
 
 from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
 from lockrun.errors import (
+    BackendUnavailable,
     CommandNotExecutable,
     CommandNotFound,
     Interrupted,
@@ -108,10 +110,13 @@ class Lock:
         self.slots = slots
         self.wait = wait
         self.ttl = ttl
-        self._held: list[tuple[Backend, Lease]] = []
+        self._held: list[tuple[Backend, Lease, _Renewer | None]] = []
 
     def acquire(self) -> Lease:
-        """Take a slot, waiting as configured; raise `LockBusy` if none came free."""
+        """Take a slot, waiting as configured; raise `LockBusy` if none came free.
+
+        A lease of a remote backend is renewed every ttl/3 by a thread until `release`.
+        """
         backend = open_backend(parse_uri(self.uri))
         request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
         try:
@@ -119,16 +124,25 @@ class Lock:
         except BaseException:
             backend.close()
             raise
-        self._held.append((backend, lease))
+        renewer = None if lease.ttl is None else _Renewer(lease)
+        self._held.append((backend, lease, renewer))
         return lease
 
     def release(self) -> None:
-        """Release the most recently acquired slot."""
-        backend, lease = self._held.pop()
+        """Release the most recently acquired slot.
+
+        Raises `LeaseLost` if a renewal found the lease gone while it was held: the code
+        under the lock may have overlapped with another holder's.
+        """
+        backend, lease, renewer = self._held.pop()
         try:
+            if renewer is not None:
+                renewer.stop()
             lease.release()
         finally:
             backend.close()
+        if renewer is not None and renewer.lost is not None:
+            raise renewer.lost
 
     def __enter__(self) -> Lease:
         """Acquire and return the lease."""
@@ -152,6 +166,38 @@ class Lock:
                 return function(*args, **kwargs)
 
         return locked
+
+
+class _Renewer(threading.Thread):
+    """Renews an API lease every ttl/3; remembers a loss for `Lock.release` to raise."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(name="lockrun-renewer", daemon=True)
+        self.lease = lease
+        self.lost: LeaseLost | None = None
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        every = (self.lease.ttl or 0.0) / 3
+        confirmed = now()
+        while not self.stopping.wait(every):
+            try:
+                self.lease.refresh()
+            except LeaseLost as err:
+                self.lost = err
+                return
+            except BackendUnavailable as err:
+                if now() - confirmed >= (self.lease.ttl or 0.0):
+                    self.lost = LeaseLost(f"lease could not be confirmed: {err}")
+                    return
+                every = 1.0
+            else:
+                confirmed, every = now(), (self.lease.ttl or 0.0) / 3
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join()
 
 
 class Options(NamedTuple):
@@ -189,7 +235,7 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
         verbose(f"lock name {name} (derived from the command; set it with --name)")
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
     with _interruptible(name) as waiting:
-        backend = open_backend(uri)
+        backend = open_backend(uri, warn=log)
         # Only the file backend's lock fds go to the command and keep the lock if we die;
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
         guardian = Guardian() if options.close or uri.scheme != "file" else None

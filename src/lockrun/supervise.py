@@ -43,6 +43,10 @@ _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (aesthetics.md §5.6).
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
+# The share of a lease held in reserve when it cannot be confirmed: KILL is due this much
+# before the service may give the slot away. A refresh that hangs may overrun the stop time
+# by its own timeout, which the remote backends keep within this share (redis.timeout_for).
+_MARGIN: Final = 0.1
 
 
 class Limits(NamedTuple):
@@ -214,6 +218,7 @@ class _Watch:
         self.reaped = False
         start = now()
         self.confirmed = start  # when the last successful refresh was sent
+        self.doubt: BackendUnavailable | None = None  # why the lease is unconfirmed, if it is
         self.next_refresh = start + limits.refresh_every
         self.time_limit = None if limits.max_time is None else start + limits.max_time
         self.kill_at: float | None = None
@@ -258,6 +263,9 @@ class _Watch:
 
     def _refresh(self) -> None:
         sent = now()
+        if self.doubt is not None and sent >= self._stop_at():  # no time left to ask again
+            self._give_up(self.doubt)
+            return
         try:
             self.lease.refresh()
         except LeaseLost as err:
@@ -267,18 +275,28 @@ class _Watch:
             self._unconfirmed(err, sent)
         else:
             self.confirmed = sent
+            self.doubt = None
             self.next_refresh = sent + self.limits.refresh_every
+
+    def _stop_at(self) -> float:
+        """When an unconfirmed lease must be given up, so KILL lands before the lease ends."""
+        ttl = self.lease.ttl
+        if ttl is None:
+            return self.confirmed
+        return self.confirmed + ttl * (1 - _MARGIN) - self.limits.kill_after
 
     def _unconfirmed(self, err: BackendUnavailable, sent: float) -> None:
         """Keep asking; stop the command while KILL can still land before the lease ends."""
-        ttl = self.lease.ttl
-        stop_at = sent if ttl is None else self.confirmed + ttl - self.limits.kill_after
-        if sent >= stop_at:
-            self.next_refresh = float("inf")
-            self._begin_stop(LeaseLost(f"lease could not be confirmed: {err}"))
+        self.doubt = err
+        if now() >= self._stop_at():
+            self._give_up(err)
         else:
             self.log(f"lease not confirmed ({err}); retrying")
-            self.next_refresh = min(sent + _RETRY, stop_at)
+            self.next_refresh = min(sent + _RETRY, self._stop_at())
+
+    def _give_up(self, err: BackendUnavailable) -> None:
+        self.next_refresh = float("inf")
+        self._begin_stop(LeaseLost(f"lease could not be confirmed: {err}"))
 
     def _begin_stop(self, failure: LeaseLost | TimedOut) -> None:
         if self.failure is None:

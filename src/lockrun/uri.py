@@ -59,6 +59,6 @@ def unquote(text: str) -> str:
 
 
 def redact(text: str) -> str:
-    """Replace the password of a URI (and of any ``password=`` query item) with ``***``."""
+    """Replace the password of a URI (and of any ``…password=`` query item) with ``***``."""
     text = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", text)
-    return re.sub(r"(?i)((?:^|[?&])password=)[^&]*", r"\1***", text)
+    return re.sub(r"(?i)((?:^|[?&])\w*password=)[^&]*", r"\1***", text)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 from lockrun.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from lockrun.uri import LockURI
 
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
     "file": ("lockrun.backends.file", None),
     "abstract": ("lockrun.backends.abstract", None),
+    "redis": ("lockrun.backends.redis", None),
+    "rediss": ("lockrun.backends.redis", None),
+    "unix": ("lockrun.backends.redis", None),
+    "redis+sentinel": ("lockrun.backends.redis", None),
 }
 
 
@@ -190,8 +194,11 @@ def next_fence(previous: bytes) -> int:
     return max(last + 1, time.time_ns() // 1000)
 
 
-def open_backend(uri: LockURI) -> Backend:
-    """Return a backend for *uri*, importing its driver only now."""
+def open_backend(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> Backend:
+    """Return a backend for *uri*, importing its driver only now.
+
+    *warn* gets one-line warnings about the service (Python's `warnings` by default).
+    """
     module_name, extra = SCHEMES[uri.scheme]
     try:
         module = importlib.import_module(module_name)
@@ -199,5 +206,11 @@ def open_backend(uri: LockURI) -> Backend:
         hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
         msg = f"{uri.scheme}: needs the {err.name} module: {hint}"
         raise ConfigError(msg) from err
-    backend: Backend = module.connect(uri)
+    backend: Backend = module.connect(uri, warn=warn or _warn)
     return backend
+
+
+def _warn(message: str) -> None:
+    import warnings  # noqa: PLC0415 - only the Python API warns this way
+
+    warnings.warn(message, RuntimeWarning, stacklevel=4)

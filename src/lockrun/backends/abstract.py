@@ -34,7 +34,7 @@ from lockrun.names import escape, unescape
 from lockrun.timing import now
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from lockrun.uri import LockURI
 
@@ -45,7 +45,7 @@ GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is on
 _MAX_BASE: Final = 70  # 107-byte sun_path minus the longest suffix we append
 
 
-def connect(uri: LockURI) -> AbstractBackend:
+def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> AbstractBackend:  # noqa: ARG001
     """Return the abstract-socket backend; refuse where abstract sockets don't exist."""
     if not sys.platform.startswith("linux"):
         msg = f"abstract: needs Linux abstract UNIX sockets; this is {sys.platform}; use file:"

@@ -36,7 +36,7 @@ from lockrun.timing import now
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from lockrun.uri import LockURI
 
@@ -64,7 +64,7 @@ def default_directory() -> str:
     return "/run/lock/lockrun" if uid == 0 else f"/tmp/lockrun-{uid}"  # noqa: S108
 
 
-def connect(uri: LockURI) -> FileBackend:
+def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> FileBackend:  # noqa: ARG001
     """Open (and if needed create) the lock directory of a ``file:`` URI."""
     if uri.netloc not in {"", "localhost"}:
         msg = f"file: URIs name a local directory, not host {uri.netloc!r}"

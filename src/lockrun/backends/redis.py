@@ -1,0 +1,597 @@
+"""Redis: a first-in first-out lease semaphore in Lua (algorithms.md §2.2).
+
+Every lock is a handful of keys under one hash tag, ``lockrun:{NS/NAME}:…``, so Redis
+Cluster keeps them in one slot. Holders are a sorted set of acquisition tokens scored by
+lease expiry on the *server's* clock; waiters queue in a sorted set by ticket and each
+blocks in BLPOP on its own wake list, which the scripts push to when a slot is the
+waiter's to take. Every script is idempotent per token (redis-py and networks retry), reaps
+the leases and waits that ran out, and sets a TTL on every key, so a crashed holder or
+waiter blocks nobody beyond its lease and nothing stays behind after the last user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis
+from redis import exceptions as errors
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
+from lockrun.timing import now
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from redis.commands.core import Script
+
+    from lockrun.uri import LockURI
+
+DEFAULT_PORT: Final = 6379
+SENTINEL_PORT: Final = 26379
+PREFIX: Final = "lockrun"
+_STATUS_TTL: Final = 30.0  # timeouts for `lockrun status`, which holds nothing
+_TLS_OPTIONS: Final = frozenset(
+    {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
+)
+_OPTIONS: Final = {
+    "redis": frozenset({"db"}),
+    "rediss": frozenset({"db"}) | _TLS_OPTIONS,
+    "unix": frozenset({"db", "username", "password"}),
+    "redis+sentinel": frozenset({"db", "sentinel_username", "sentinel_password"}) | _TLS_OPTIONS,
+}
+_KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
+
+
+def timeout_for(ttl: float) -> float:
+    """Return how long one call may take (connect included) before the server counts as gone.
+
+    Tied to the lease so an unanswered renewal is noticed with most of the lease left.
+    """
+    return min(5.0, max(0.25, ttl / 10))
+
+
+# -- the scripts -----------------------------------------------------------------------------
+# KEYS: holders queue waiters ticket fence owners info n (see README "What lockrun stores")
+# ARGV: key prefix, token, N, lease ms, holder JSON, mode
+# Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
+# is stored, because Lua's own tostring() would round a 16-digit integer (pitfall 27).
+
+_PRELUDE: Final = """
+local holders, queue, waiters, ticket, fence, owners, info, cfg = unpack(KEYS)
+local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+local function forget(tokens)
+  if #tokens == 0 then return end
+  for _, key in ipairs({holders, queue, waiters}) do redis.call('ZREM', key, unpack(tokens)) end
+  redis.call('HDEL', owners, unpack(tokens))
+  redis.call('HDEL', info, unpack(tokens))
+  for _, gone in ipairs(tokens) do redis.call('DEL', prefix .. ':wake:' .. gone) end
+end
+
+local function reap()
+  forget(redis.call('ZRANGEBYSCORE', holders, '-inf', now))
+  forget(redis.call('ZRANGEBYSCORE', waiters, '-inf', now))
+end
+
+local function wake(slots, except)
+  local free = slots - redis.call('ZCARD', holders)
+  if free <= 0 then return end
+  for _, next in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do
+    local key = prefix .. ':wake:' .. next
+    if next ~= except and redis.call('LLEN', key) == 0 then
+      redis.call('RPUSH', key, 1)
+      redis.call('PEXPIRE', key, ttl)
+    end
+  end
+end
+
+local function tidy()
+  local last = 0
+  for _, key in ipairs({holders, waiters}) do
+    local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    if #top > 0 then last = math.max(last, tonumber(top[2])) end
+  end
+  if last == 0 then
+    redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg)
+    redis.call('PEXPIRE', fence, 86400000)
+    return
+  end
+  local keep = math.floor(last - now) + 60000
+  for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg}) do
+    redis.call('PEXPIRE', key, keep)
+  end
+  redis.call('PEXPIRE', fence, math.max(keep, 86400000))
+end
+"""
+
+# → {1, slot, fence} granted; {0, rank, ms until the first lease ends} queued (or, in 'try'
+# mode, not queued); {-1, N in use, 0} when live users of the name have another N.
+_ACQUIRE: Final = (
+    _PRELUDE
+    + """
+reap()
+local mine = redis.call('HGET', owners, token)
+if mine then
+  local slot, stamp = string.match(mine, '(%d+) (%d+)')
+  return {1, tonumber(slot), tonumber(stamp)}
+end
+local configured = tonumber(redis.call('GET', cfg) or n)
+if configured ~= n and redis.call('ZCARD', holders) + redis.call('ZCARD', queue) > 0 then
+  return {-1, configured, 0}
+end
+redis.call('SET', cfg, n)
+local free = n - redis.call('ZCARD', holders)
+local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
+if rank < free then
+  local used = {}
+  for _, owner in ipairs(redis.call('HVALS', owners)) do
+    used[tonumber(string.match(owner, '^(%d+)'))] = true
+  end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  local stamp = redis.call('INCR', fence)
+  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  if stamp < micros then
+    stamp = micros
+    redis.call('SET', fence, string.format('%d', stamp))
+  end
+  forget({token})
+  redis.call('ZADD', holders, now + ttl, token)
+  redis.call('HSET', owners, token, slot .. ' ' .. string.format('%d', stamp))
+  redis.call('HSET', info, token, ARGV[5])
+  wake(n, token)
+  tidy()
+  return {1, slot, stamp}
+end
+if ARGV[6] ~= 'try' then
+  if not redis.call('ZSCORE', queue, token) then
+    redis.call('ZADD', queue, redis.call('INCR', ticket), token)
+  end
+  redis.call('ZADD', waiters, now + ttl, token)
+  redis.call('HSET', info, token, ARGV[5])
+end
+tidy()
+local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
+local until_free = ttl
+if #first > 0 then until_free = tonumber(first[2]) - now end
+return {0, rank, until_free}
+"""
+)
+
+# → 1 extended, 0 lost. An expired lease is lost even before anyone reaped it.
+_RENEW: Final = (
+    _PRELUDE
+    + """
+local expiry = redis.call('ZSCORE', holders, token)
+if not expiry or tonumber(expiry) <= now then return 0 end
+redis.call('ZADD', holders, 'XX', now + ttl, token)
+tidy()
+return 1
+"""
+)
+
+# Releases a slot or leaves the queue, whichever the token has; wakes who may go next.
+_RELEASE: Final = (
+    _PRELUDE
+    + """
+local held = redis.call('ZSCORE', holders, token)
+forget({token})
+reap()
+wake(tonumber(redis.call('GET', cfg) or n), '')
+tidy()
+if held then return 1 end
+return 0
+"""
+)
+
+# Read-only: {server ms, N, holders+expiry, queue, owners, info, waiters+expiry}.
+_STATUS: Final = (
+    _PRELUDE
+    + """
+return {now, redis.call('GET', cfg) or '',
+        redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES'), redis.call('ZRANGE', queue, 0, -1),
+        redis.call('HGETALL', owners), redis.call('HGETALL', info),
+        redis.call('ZRANGE', waiters, 0, -1, 'WITHSCORES')}
+"""
+)
+
+
+# -- URIs --------------------------------------------------------------------------------------
+
+
+class Settings(NamedTuple):
+    """Where the server is and how to log in, from a redis:, rediss:, unix: or sentinel URI."""
+
+    where: str  # the URI without its password, for messages
+    kwargs: Mapping[str, Any]  # for redis.Redis, or for Sentinel.master_for
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    sentinel_kwargs: Mapping[str, Any] = {}
+
+
+def parse(uri: LockURI) -> Settings:
+    """Translate a lock URI into redis-py settings; raise `ConfigError` for a bad one."""
+    parts = urlsplit(uri.text)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(query) - _OPTIONS[uri.scheme])
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIONS[uri.scheme])) or "none"
+        msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
+        raise ConfigError(msg)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    kwargs: dict[str, object] = {
+        "username": unquote(username) or query.pop("username", None),
+        "password": unquote(password) or query.pop("password", None),
+    }
+    path = unquote(parts.path)
+    if uri.scheme == "unix":
+        if not path:
+            msg = f"{uri.redacted}: expected unix:///path/to/redis.sock"
+            raise ConfigError(msg)
+        kwargs["unix_socket_path"] = path
+        db = query.pop("db", "0")
+    elif uri.scheme == "redis+sentinel":
+        service, _, db = path.strip("/").partition("/")
+        if not service:
+            msg = f"{uri.redacted}: expected redis+sentinel://HOST[:PORT],…/SERVICE[/DB]"
+            raise ConfigError(msg)
+        sentinels = tuple(_address(uri, host, SENTINEL_PORT) for host in hosts.split(","))
+        kwargs |= _tls(uri, query)
+        db = query.pop("db", db or "0")
+        kwargs["db"] = _db(uri, db)
+        sentinel = {
+            "username": query.pop("sentinel_username", None),
+            "password": query.pop("sentinel_password", None),
+        }
+        return Settings(uri.redacted, kwargs, sentinels, service, sentinel)
+    else:
+        kwargs["host"], kwargs["port"] = _address(uri, hosts, DEFAULT_PORT)
+        db = query.pop("db", path.strip("/") or "0")
+        if uri.scheme == "rediss":
+            kwargs |= _tls(uri, query)
+    kwargs["db"] = _db(uri, db)
+    return Settings(uri.redacted, kwargs)
+
+
+def _address(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
+    host, port = text or "localhost", default_port
+    if match := re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:]*)(?::(\d*))?", host):
+        host = match[1] or match[3] or "localhost"
+        port_text = match[2] if match[1] else match[4]
+        if port_text:
+            port = int(port_text)
+    if not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
+        msg = f"{uri.redacted}: port {port} is out of range"
+        raise ConfigError(msg)
+    return host, port
+
+
+def _db(uri: LockURI, text: str) -> int:
+    if not text.isdigit():
+        msg = f"{uri.redacted}: database {text!r} is not a number (redis://HOST/0 … /15)"
+        raise ConfigError(msg)
+    return int(text)
+
+
+def _tls(uri: LockURI, query: dict[str, str]) -> dict[str, object]:
+    tls: dict[str, object] = {"ssl": True}
+    for option in _TLS_OPTIONS & set(query):
+        tls[option] = query.pop(option)
+    if "ssl_check_hostname" in tls:
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"] in {"1", "true", "yes", "on"}
+    if tls.get("ssl_cert_reqs", "required") not in {"none", "optional", "required"}:
+        msg = f"{uri.redacted}: ssl_cert_reqs must be none, optional or required"
+        raise ConfigError(msg)
+    return tls
+
+
+def key_prefix(namespace: str, name: str) -> str:
+    """Return the common prefix of a lock's keys: ``lockrun:{NS/NAME}``.
+
+    Bytes that would split the hash tag, the namespace from the name, or a SCAN pattern are
+    percent-escaped; everything else (UTF-8 included) stays readable in redis-cli.
+    """
+    return f"{PREFIX}:{{{_escape(namespace)}/{_escape(name)}}}"
+
+
+def _escape(text: str) -> str:
+    return _KEY_UNSAFE.sub(lambda match: f"%{ord(match[0]):02X}", text)
+
+
+def _pairs(flat: list[str]) -> dict[str, str]:
+    """Turn a flat Redis reply [k1, v1, k2, v2, …] into a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _keys(prefix: str) -> list[str]:
+    return [
+        f"{prefix}:{part}"
+        for part in ("holders", "queue", "waiters", "ticket", "fence", "owners", "info", "n")
+    ]
+
+
+# -- the backend -------------------------------------------------------------------------------
+
+
+def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> RedisBackend:
+    """Check *uri*; the connection is made by the first call (its timeouts follow the ttl)."""
+    return RedisBackend(parse(uri), warn or (lambda _line: None))
+
+
+class RedisBackend:
+    """One connection to a Redis server (or to the primary that Sentinel names)."""
+
+    def __init__(self, settings: Settings, warn: Callable[[str], None]) -> None:
+        """Remember *settings*; *warn* gets one-line warnings (an eviction policy)."""
+        self.settings = settings
+        self.warn = warn
+        self._client: redis.Redis | None = None
+        self.timeout = timeout_for(_STATUS_TTL)
+        self._scripts: dict[str, Script] = {}
+
+    def client(self, ttl: float) -> redis.Redis:
+        """Return the client, made on first use with timeouts fitting leases of *ttl*."""
+        if self._client is None:
+            self.timeout = timeout_for(ttl)
+            options: dict[str, Any] = {
+                "socket_timeout": self.timeout,
+                "socket_connect_timeout": self.timeout,
+                "decode_responses": True,
+                "driver_info": None,  # no CLIENT SETINFO round trips on connect
+            }
+            # No hidden retries: a retried BLPOP could outlive the lease (pitfall 8);
+            # lockrun's own loops decide when to ask again.
+            no_retries = Retry(NoBackoff(), 0)
+            settings = self.settings
+            if settings.sentinels:
+                sentinel_options = {
+                    key: value for key, value in settings.sentinel_kwargs.items() if value
+                }
+                sentinel = Sentinel(  # type: ignore[no-untyped-call]
+                    settings.sentinels, sentinel_kwargs=options | sentinel_options, **options
+                )
+                self._client = sentinel.master_for(  # type: ignore[no-untyped-call]
+                    settings.service, **settings.kwargs, **options, retry=no_retries
+                )
+            else:
+                self._client = redis.Redis(**settings.kwargs, **options, retry=no_retries)
+            self._scripts = {
+                name: self._client.register_script(text)
+                for name, text in (
+                    ("acquire", _ACQUIRE),
+                    ("renew", _RENEW),
+                    ("release", _RELEASE),
+                    ("status", _STATUS),
+                )
+            }
+        return self._client
+
+    def call(self, script: str, claim: Claim, *args: str | int) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run one of our scripts for *claim*; translate redis-py's errors."""
+        try:
+            return self._scripts[script](
+                keys=_keys(claim.prefix),
+                args=[claim.prefix, claim.token, claim.slots, claim.ttl_ms, *args],
+            )
+        except errors.RedisError as err:
+            raise self.failure(err) from err
+
+    def failure(self, err: errors.RedisError) -> LockrunError:  # noqa: PLR0911 - one per kind
+        """Translate a redis-py error into one line, naming the server but no password."""
+        where = self.settings.where
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if isinstance(err, errors.ReadOnlyError):
+            return BackendUnavailable(
+                f"{where} is a read-only replica; point --uri at the primary "
+                "(or use redis+sentinel://)"
+            )
+        if isinstance(err, errors.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):
+            return BackendUnavailable(f"{where}: authentication failed: {text}")
+        if isinstance(err, errors.NoPermissionError):
+            return BackendUnavailable(f"{where}: the Redis user lacks a permission: {text}")
+        if "DB index is out of range" in text:
+            return ConfigError(f"{where}: no such database on this server: {text}")
+        if isinstance(err, errors.TimeoutError):
+            return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
+        if isinstance(err, errors.ConnectionError):
+            return BackendUnavailable(f"{where}: {text}")
+        if isinstance(err, errors.InvalidResponse) or "Protocol error" in text:
+            return BackendUnavailable(f"{where} does not answer like a Redis server ({text})")
+        return BackendUnavailable(f"{where}: {text}")
+
+    def check_eviction(self, client: redis.Redis) -> None:
+        """Warn once when the server may evict lock keys under memory pressure (pitfall 25)."""
+        try:
+            config = client.config_get("maxmemory*")
+        except errors.ResponseError:  # managed Redis often forbids CONFIG: nothing to say
+            return
+        except errors.RedisError as err:
+            raise self.failure(err) from err
+        policy = config.get("maxmemory-policy", "noeviction")
+        if config.get("maxmemory", "0") != "0" and policy != "noeviction":
+            self.warn(
+                f"warning: {self.settings.where} has maxmemory-policy {policy}: under memory "
+                "pressure it may evict lock keys and let a second holder in; use noeviction"
+            )
+
+    def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
+        """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
+        client = self.client(request.ttl)
+        self.check_eviction(client)
+        claim = Claim(
+            key_prefix(request.namespace, request.name),
+            secrets.token_hex(10),
+            request.slots,
+            max(1, round(request.ttl * 1000)),
+        )
+        record = json.dumps(request.holder.to_dict())
+        mode = "try" if deadline is not None and deadline <= now() else "wait"
+        try:
+            while True:
+                granted, number, until_free = self.call("acquire", claim, record, mode)
+                if granted == 1:
+                    return RedisLease(self, claim, slot=number, fence=until_free)
+                if granted == -1:
+                    raise self.mismatch(request, claim.prefix, number)  # noqa: TRY301
+                remaining = None if deadline is None else deadline - now()
+                if remaining is not None and remaining <= 0:
+                    self.leave(claim)
+                    return None
+                # Bounded sleeps: the wake list is only a hint (P2), and asking again renews
+                # our place in the queue, which lapses after a ttl without word from us.
+                block = min(until_free / 1000 + 0.002, request.ttl / 3)
+                if remaining is not None:
+                    block = min(block, remaining)
+                self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
+        except BaseException:
+            self.leave(claim)
+            raise
+
+    def sleep(self, key: str, seconds: float) -> None:
+        """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""
+        assert self._client is not None  # noqa: S101 - acquire() made it
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
+            connection.read_response(timeout=seconds + self.timeout)
+        except errors.RedisError as err:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise self.failure(err) from err
+        except BaseException:
+            connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may be on its way: never reuse this connection
+            raise
+        finally:
+            pool.release(connection)
+
+    def leave(self, claim: Claim) -> None:
+        """Give up a slot or a place in the queue; best effort, as both lapse by themselves."""
+        with contextlib.suppress(LockrunError):
+            self.call("release", claim)
+
+    def mismatch(self, request: Request, prefix: str, slots: int) -> ConfigError:
+        """Return the --slots mismatch error, naming a live user of the other N."""
+        users = self.status(request.namespace, request.name)
+        people = [person for state in users for person in (*state.holders, *state.waiters)]
+        if people:
+            return slots_mismatch(request, people[0], slots)
+        return ConfigError(
+            f"{request.name} is in use with --slots {slots} at {prefix}; all users of a name "
+            f"must agree, and this one has --slots {request.slots}"
+        )
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """Report holders and waiters of *name*, or of every lock in *namespace*."""
+        client = self.client(_STATUS_TTL)
+        if name is not None:
+            prefixes = [key_prefix(namespace, name)]
+        else:
+            pattern = f"{PREFIX}:{{{_escape(namespace)}/*}}:info"
+            try:
+                prefixes = sorted(
+                    key.removesuffix(":info") for key in client.scan_iter(match=pattern, count=1000)
+                )
+            except errors.RedisError as err:
+                raise self.failure(err) from err
+        states = []
+        for prefix in prefixes:
+            state = self.state(namespace, name, prefix)
+            if state is not None:
+                states.append(state)
+        return states
+
+    def state(self, namespace: str, name: str | None, prefix: str) -> LockState | None:
+        """Read one lock's keys in one consistent snapshot; None if nobody holds or waits.
+
+        A *name* asked for by the user is reported even when free.
+        """
+        reply = self.call("status", Claim(prefix, "", 1, 1))
+        server_ms, slots = int(reply[0]), str(reply[1])
+        holders, queue, owners, info, waiters = (
+            _pairs(reply[2]),
+            list(reply[3]),
+            _pairs(reply[4]),
+            _pairs(reply[5]),
+            _pairs(reply[6]),
+        )
+
+        def person(token: str, expires_ms: str | None) -> Holder:
+            try:
+                holder = Holder.from_dict(json.loads(info[token]))
+            except (KeyError, ValueError):
+                holder = Holder("?", 0, "?", ())
+            slot = int(owners[token].split()[0]) if token in owners else None
+            expires = None if expires_ms is None else float(expires_ms) / 1000
+            return holder._replace(slot=slot, expires=expires)
+
+        held = tuple(
+            person(token, expiry) for token, expiry in holders.items() if float(expiry) > server_ms
+        )
+        waiting = tuple(
+            person(token, None)
+            for token in queue
+            if token in waiters and float(waiters[token]) > server_ms
+        )
+        if name is None:
+            if not held and not waiting:
+                return None
+            name = unquote(prefix.partition("/")[2].removesuffix("}"))
+        return LockState(namespace, name, prefix, int(slots) if slots else None, held, waiting)
+
+    def close(self) -> None:
+        """Drop the connection."""
+        if self._client is not None:
+            self._client.close()
+            self._client.connection_pool.disconnect()
+            self._client = None
+
+
+class Claim(NamedTuple):
+    """One acquisition: the lock's key prefix, our random token, N, and the lease in ms."""
+
+    prefix: str
+    token: str
+    slots: int
+    ttl_ms: int
+
+
+class RedisLease:
+    """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends."""
+
+    fds: tuple[int, ...] = ()
+
+    def __init__(self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int) -> None:
+        """Describe the slot *claim* holds."""
+        self.backend = backend
+        self.claim = claim
+        self.slot = slot
+        self.fence: int | None = fence
+        self.ttl: float | None = claim.ttl_ms / 1000
+        self.released = False
+
+    def refresh(self) -> None:
+        """Extend the lease by a ttl; `LeaseLost` if it ended or Redis lost it."""
+        if self.backend.call("renew", self.claim) != 1:
+            msg = (
+                "the Redis lease is gone (expired, evicted, FLUSHALL, or a restart or failover "
+                "that lost it)"
+            )
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Give the slot back and wake the next waiter; silent if the lease was lost."""
+        if not self.released:
+            self.released = True
+            self.backend.leave(self.claim)

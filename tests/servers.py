@@ -1,0 +1,139 @@
+"""Throwaway database servers for the backend tests (research/aesthetics.md §4).
+
+Each server lives in its own short temp directory and, where it can, listens on a unix socket
+only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` points
+the tests at an existing server instead. A missing server binary skips the backend's tests
+with the reason, except under ``CI=true``, where it fails them (SPEC §6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import TYPE_CHECKING, Final
+
+import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+REDIS_SERVER: Final = "redis-server"
+
+
+def unavailable(reason: str) -> None:
+    """Skip the test with *reason*; under CI=true a missing server is a failure instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and {reason}")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    """Return a loopback TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A redis-server of our own, on a unix socket (and a loopback port when asked)."""
+
+    def __init__(self, *options: str, port: int = 0) -> None:
+        """Start the server with extra *options*; `port` 0 means unix socket only."""
+        if shutil.which(REDIS_SERVER) is None:
+            unavailable(f"{REDIS_SERVER} is not installed")
+        self.directory = tempfile.mkdtemp(prefix="lr-redis-")
+        self.socket = os.path.join(self.directory, "redis.sock")
+        self.port = port
+        self.options = options
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def uri(self) -> str:
+        """The lock URI of this server."""
+        return f"unix://{self.socket}"
+
+    @property
+    def tcp_uri(self) -> str:
+        """The redis:// URI of this server's loopback port."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it answers PING."""
+        command: Sequence[str] = (
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--unixsocket",
+            self.socket,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.directory,
+            "--logfile",
+            os.path.join(self.directory, "redis.log"),
+            *self.options,
+        )
+        self.process = subprocess.Popen(command)
+        deadline = time.monotonic() + 10
+        while not self.ping():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.stop()
+                pytest.fail(f"redis-server did not start: {log}")
+            time.sleep(0.005)
+
+    def ping(self) -> bool:
+        """Return whether the server answers PING on its socket."""
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.settimeout(1)
+            try:
+                probe.connect(self.socket)
+                probe.sendall(b"PING\r\n")
+                return probe.recv(64).startswith(b"+PONG")
+            except OSError:
+                return False
+
+    def command(self, *args: str) -> str:
+        """Run redis-cli against the server and return what it printed."""
+        result = subprocess.run(
+            ["redis-cli", "-s", self.socket, *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return result.stdout.strip()
+
+    def log(self) -> str:
+        """Return the server's log."""
+        with contextlib.suppress(OSError), open(os.path.join(self.directory, "redis.log")) as log:
+            return log.read()
+        return ""
+
+    def stop(self) -> None:
+        """Stop the server (its data is gone: nothing is saved)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(10)
+            self.process = None
+
+    def restart(self) -> None:
+        """Kill the server and start an empty one in its place."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

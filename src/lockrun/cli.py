@@ -74,7 +74,8 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
     metavar="URI",
     default=DEFAULT_URI,
     show_default=True,
-    help="Lock service: file:[///DIR], abstract:[PREFIX].",
+    help="Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
+    "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE.",
 )
 @click.option(
     "-s",

@@ -148,7 +148,7 @@ if rank < free then
   end
   forget({token})
   redis.call('ZADD', holders, now + ttl, token)
-  redis.call('HSET', owners, token, slot .. ' ' .. string.format('%d', stamp))
+  redis.call('HSET', owners, token, string.format('%d %d %d', slot, stamp, now))
   redis.call('HSET', info, token, ARGV[5])
   wake(n, token)
   tidy()
@@ -532,9 +532,12 @@ class RedisBackend:
                 holder = Holder.from_dict(json.loads(info[token]))
             except (KeyError, ValueError):
                 holder = Holder("?", 0, "?", ())
-            slot = int(owners[token].split()[0]) if token in owners else None
-            expires = None if expires_ms is None else float(expires_ms) / 1000
-            return holder._replace(slot=slot, expires=expires)
+            if expires_ms is None or token not in owners:
+                return holder
+            slot, _fence, granted_ms = owners[token].split()
+            return holder._replace(
+                slot=int(slot), since=int(granted_ms) / 1000, expires=float(expires_ms) / 1000
+            )
 
         held = tuple(
             person(token, expiry) for token, expiry in holders.items() if float(expiry) > server_ms

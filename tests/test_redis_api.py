@@ -1,0 +1,44 @@
+"""The Python API on Redis: leases renewed in the background, and a lost lease reported."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from lockrun import Lock, LockBusy
+from lockrun.errors import LeaseLost
+
+if TYPE_CHECKING:
+    from servers import RedisServer
+
+
+def test_api_lease_outlives_its_ttl_while_the_block_runs(redis_uri: str, name: str) -> None:
+    """A block that runs for several ttls keeps the lock: a background thread renews it."""
+    with Lock(name, uri=redis_uri, ttl=1):
+        time.sleep(2.5)
+        with pytest.raises(LockBusy), Lock(name, uri=redis_uri, ttl=1):
+            pass
+    with Lock(name, uri=redis_uri, ttl=1) as lease:
+        assert lease.slot == 0
+
+
+def test_api_reports_a_lease_lost_while_the_block_ran(redis_server: RedisServer, name: str) -> None:
+    """FLUSHALL during the block: leaving it raises LeaseLost, and the name is free again."""
+    lock = Lock(name, uri=redis_server.uri, ttl=1.5)
+    lock.acquire()
+    redis_server.command("FLUSHALL")
+    time.sleep(1.5)  # more than ttl/3: a renewal has found the lease gone
+    with pytest.raises(LeaseLost, match="lease is gone"):
+        lock.release()
+    with Lock(name, uri=redis_server.uri) as lease:
+        assert lease.slot == 0
+
+
+def test_api_release_stops_renewing(redis_uri: str, name: str) -> None:
+    """Leaving the block stops and joins the renewal thread; nothing runs on afterwards."""
+    with Lock(name, uri=redis_uri, ttl=1):
+        assert "lockrun-renewer" in {thread.name for thread in threading.enumerate()}
+    assert "lockrun-renewer" not in {thread.name for thread in threading.enumerate()}

@@ -115,8 +115,9 @@ local function tidy()
 end
 """
 
-# → {1, slot, fence} granted; {0, rank, ms until the first lease ends} queued (or, in 'try'
-# mode, not queued); {-1, N in use, 0} when live users of the name have another N.
+# → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
+# queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
+# have another N.
 _ACQUIRE: Final = (
     _PRELUDE
     + """
@@ -162,9 +163,16 @@ if ARGV[6] ~= 'try' then
   redis.call('HSET', info, token, ARGV[5])
 end
 tidy()
+-- Sleep at most until the first lease, or the place of a waiter ahead of us, runs out.
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
 local until_free = ttl
 if #first > 0 then until_free = tonumber(first[2]) - now end
+if ARGV[6] ~= 'try' and rank > 0 then
+  for _, ahead in ipairs(redis.call('ZRANGE', queue, 0, rank - 1)) do
+    local lapse = redis.call('ZSCORE', waiters, ahead)
+    if lapse then until_free = math.min(until_free, tonumber(lapse) - now) end
+  end
+end
 return {0, rank, until_free}
 """
 )

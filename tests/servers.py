@@ -89,7 +89,7 @@ class RedisServer:
         while not self.ping():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = self.log()
-                self.stop()
+                self.close()
                 pytest.fail(f"redis-server did not start: {log}")
             time.sleep(0.005)
 
@@ -100,7 +100,7 @@ class RedisServer:
             try:
                 probe.connect(self.socket)
                 probe.sendall(b"PING\r\n")
-                return probe.recv(64).startswith(b"+PONG")
+                return probe.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up, maybe locked
             except OSError:
                 return False
 

@@ -117,7 +117,7 @@ class Lock:
 
         A lease of a remote backend is renewed every ttl/3 by a thread until `release`.
         """
-        backend = open_backend(parse_uri(self.uri))
+        backend = open_backend(parse_uri(self.uri), ttl=self.ttl)
         request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
         try:
             lease = acquire(backend, request, self.wait)
@@ -235,7 +235,7 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
         verbose(f"lock name {name} (derived from the command; set it with --name)")
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
     with _interruptible(name) as waiting:
-        backend = open_backend(uri, warn=log)
+        backend = open_backend(uri, ttl=options.ttl, warn=log)
         # Only the file backend's lock fds go to the command and keep the lock if we die;
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
         guardian = Guardian() if options.close or uri.scheme != "file" else None
@@ -259,7 +259,10 @@ def _hold_and_run(
     started = now()
     if options.verbose and options.wait != 0 and (holders := describe_holders(backend, request)):
         verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
-    lease = acquire(backend, request, options.wait)
+    try:
+        lease = acquire(backend, request, options.wait)
+    except BackendUnavailable as err:  # SPEC §2: the line names the lock
+        raise BackendUnavailable(f"{request.name}: {err}") from err
     held_since = now()
     # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
     # it runs, and one that comes after it ended must not rewrite its exit status.

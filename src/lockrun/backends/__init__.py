@@ -194,9 +194,12 @@ def next_fence(previous: bytes) -> int:
     return max(last + 1, time.time_ns() // 1000)
 
 
-def open_backend(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> Backend:
+def open_backend(
+    uri: LockURI, *, ttl: float | None = None, warn: Callable[[str], None] | None = None
+) -> Backend:
     """Return a backend for *uri*, importing its driver only now.
 
+    A lease-based backend fits its timeouts to leases of *ttl* seconds (None: its default).
     *warn* gets one-line warnings about the service (Python's `warnings` by default).
     """
     module_name, extra = SCHEMES[uri.scheme]
@@ -206,7 +209,7 @@ def open_backend(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> 
         hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
         msg = f"{uri.scheme}: needs the {err.name} module: {hint}"
         raise ConfigError(msg) from err
-    backend: Backend = module.connect(uri, warn=warn or _warn)
+    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn)
     return backend
 
 

@@ -45,7 +45,12 @@ GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is on
 _MAX_BASE: Final = 70  # 107-byte sun_path minus the longest suffix we append
 
 
-def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> AbstractBackend:  # noqa: ARG001
+def connect(
+    uri: LockURI,
+    *,
+    ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
+    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
+) -> AbstractBackend:
     """Return the abstract-socket backend; refuse where abstract sockets don't exist."""
     if not sys.platform.startswith("linux"):
         msg = f"abstract: needs Linux abstract UNIX sockets; this is {sys.platform}; use file:"

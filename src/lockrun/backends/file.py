@@ -64,7 +64,12 @@ def default_directory() -> str:
     return "/run/lock/lockrun" if uid == 0 else f"/tmp/lockrun-{uid}"  # noqa: S108
 
 
-def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> FileBackend:  # noqa: ARG001
+def connect(
+    uri: LockURI,
+    *,
+    ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
+    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
+) -> FileBackend:
     """Open (and if needed create) the lock directory of a ``file:`` URI."""
     if uri.netloc not in {"", "localhost"}:
         msg = f"file: URIs name a local directory, not host {uri.netloc!r}"

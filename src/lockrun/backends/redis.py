@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
@@ -22,7 +23,7 @@ import redis
 from redis import exceptions as errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from lockrun.backends import Holder, LockState, Request, slots_mismatch
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
@@ -38,10 +39,11 @@ if TYPE_CHECKING:
 DEFAULT_PORT: Final = 6379
 SENTINEL_PORT: Final = 26379
 PREFIX: Final = "lockrun"
-_STATUS_TTL: Final = 30.0  # timeouts for `lockrun status`, which holds nothing
+DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _TLS_OPTIONS: Final = frozenset(
     {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 )
+_TLS_FILES: Final = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
 _OPTIONS: Final = {
     "redis": frozenset({"db"}),
     "rediss": frozenset({"db"}) | _TLS_OPTIONS,
@@ -230,7 +232,11 @@ class Settings(NamedTuple):
 
 def parse(uri: LockURI) -> Settings:
     """Translate a lock URI into redis-py settings; raise `ConfigError` for a bad one."""
-    parts = urlsplit(uri.text)
+    try:
+        parts = urlsplit(uri.text)
+    except ValueError as err:  # e.g. an unclosed [IPv6 bracket
+        msg = f"{uri.redacted}: {err}"
+        raise ConfigError(msg) from None
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = sorted(set(query) - _OPTIONS[uri.scheme])
     if unknown:
@@ -256,9 +262,9 @@ def parse(uri: LockURI) -> Settings:
             msg = f"{uri.redacted}: expected redis+sentinel://HOST[:PORT],…/SERVICE[/DB]"
             raise ConfigError(msg)
         sentinels = tuple(_address(uri, host, SENTINEL_PORT) for host in hosts.split(","))
-        kwargs |= _tls(uri, query)
-        db = query.pop("db", db or "0")
-        kwargs["db"] = _db(uri, db)
+        if _TLS_OPTIONS & set(query):  # the primary speaks TLS only when the URI says so
+            kwargs |= _tls(uri, query)
+        kwargs["db"] = _db(uri, _one_db(uri, db, query))
         sentinel = {
             "username": query.pop("sentinel_username", None),
             "password": query.pop("sentinel_password", None),
@@ -266,7 +272,7 @@ def parse(uri: LockURI) -> Settings:
         return Settings(uri.redacted, kwargs, sentinels, service, sentinel)
     else:
         kwargs["host"], kwargs["port"] = _address(uri, hosts, DEFAULT_PORT)
-        db = query.pop("db", path.strip("/") or "0")
+        db = _one_db(uri, path.strip("/"), query)
         if uri.scheme == "rediss":
             kwargs |= _tls(uri, query)
     kwargs["db"] = _db(uri, db)
@@ -274,16 +280,26 @@ def parse(uri: LockURI) -> Settings:
 
 
 def _address(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
-    host, port = text or "localhost", default_port
-    if match := re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:]*)(?::(\d*))?", host):
-        host = match[1] or match[3] or "localhost"
-        port_text = match[2] if match[1] else match[4]
-        if port_text:
-            port = int(port_text)
+    """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]``."""
+    match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
+    if match is None:
+        msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT], not {text!r}"
+        raise ConfigError(msg)
+    host = match[1] or match[3] or "localhost"
+    port_text = match[2] if match[1] else match[4]
+    port = int(port_text) if port_text else default_port
     if not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
         msg = f"{uri.redacted}: port {port} is out of range"
         raise ConfigError(msg)
     return host, port
+
+
+def _one_db(uri: LockURI, in_path: str, query: dict[str, str]) -> str:
+    """Return the database named in the path or in ``?db=``, refusing both at once."""
+    if in_path and "db" in query:
+        msg = f"{uri.redacted}: the database is given twice, in the path and as ?db="
+        raise ConfigError(msg)
+    return query.pop("db", in_path or "0")
 
 
 def _db(uri: LockURI, text: str) -> int:
@@ -295,8 +311,11 @@ def _db(uri: LockURI, text: str) -> int:
 
 def _tls(uri: LockURI, query: dict[str, str]) -> dict[str, object]:
     tls: dict[str, object] = {"ssl": True}
-    for option in _TLS_OPTIONS & set(query):
-        tls[option] = query.pop(option)
+    for option in sorted(_TLS_OPTIONS & set(query)):
+        tls[option] = value = query.pop(option)
+        if option in _TLS_FILES and not os.access(value, os.R_OK):
+            msg = f"{uri.redacted}: {option} {value}: no such readable file"
+            raise ConfigError(msg)
     if "ssl_check_hostname" in tls:
         tls["ssl_check_hostname"] = tls["ssl_check_hostname"] in {"1", "true", "yes", "on"}
     if tls.get("ssl_cert_reqs", "required") not in {"none", "optional", "required"}:
@@ -333,26 +352,35 @@ def _keys(prefix: str) -> list[str]:
 # -- the backend -------------------------------------------------------------------------------
 
 
-def connect(uri: LockURI, *, warn: Callable[[str], None] | None = None) -> RedisBackend:
-    """Check *uri*; the connection is made by the first call (its timeouts follow the ttl)."""
-    return RedisBackend(parse(uri), warn or (lambda _line: None))
+def connect(
+    uri: LockURI, *, ttl: float | None = None, warn: Callable[[str], None] | None = None
+) -> RedisBackend:
+    """Check *uri*; the first call connects, with timeouts that fit leases of *ttl*."""
+    return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))
 
 
 class RedisBackend:
     """One connection to a Redis server (or to the primary that Sentinel names)."""
 
-    def __init__(self, settings: Settings, warn: Callable[[str], None]) -> None:
+    def __init__(self, settings: Settings, ttl: float, warn: Callable[[str], None]) -> None:
         """Remember *settings*; *warn* gets one-line warnings (an eviction policy)."""
         self.settings = settings
         self.warn = warn
         self._client: redis.Redis | None = None
-        self.timeout = timeout_for(_STATUS_TTL)
+        self.ttl = ttl
         self._scripts: dict[str, Script] = {}
 
-    def client(self, ttl: float) -> redis.Redis:
-        """Return the client, made on first use with timeouts fitting leases of *ttl*."""
+    @property
+    def timeout(self) -> float:
+        """How long any one call (connect included) may take."""
+        return timeout_for(self.ttl)
+
+    def client(self, ttl: float | None = None) -> redis.Redis:
+        """Return the client, with timeouts that fit leases of *ttl* (remade for another)."""
+        if ttl is not None and ttl != self.ttl:
+            self.close()
+            self.ttl = ttl
         if self._client is None:
-            self.timeout = timeout_for(ttl)
             options: dict[str, Any] = {
                 "socket_timeout": self.timeout,
                 "socket_connect_timeout": self.timeout,
@@ -368,7 +396,9 @@ class RedisBackend:
                     key: value for key, value in settings.sentinel_kwargs.items() if value
                 }
                 sentinel = Sentinel(  # type: ignore[no-untyped-call]
-                    settings.sentinels, sentinel_kwargs=options | sentinel_options, **options
+                    settings.sentinels,
+                    sentinel_kwargs=options | sentinel_options | {"retry": no_retries},
+                    **options,
                 )
                 self._client = sentinel.master_for(  # type: ignore[no-untyped-call]
                     settings.service, **settings.kwargs, **options, retry=no_retries
@@ -400,6 +430,17 @@ class RedisBackend:
         """Translate a redis-py error into one line, naming the server but no password."""
         where = self.settings.where
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if isinstance(err, MasterNotFoundError):
+            sentinels = ",".join(f"{host}:{port}" for host, port in self.settings.sentinels)
+            return BackendUnavailable(
+                f"{where}: no sentinel at {sentinels} named a reachable primary for "
+                f"{self.settings.service!r}"
+            )
+        if "NOAUTH" in text or "HELLO must be called" in text:
+            return BackendUnavailable(
+                f"{where}: the server requires a password; put it in the URI "
+                "(or in LOCKRUN_URI, to keep it out of ps)"
+            )
         if isinstance(err, errors.ReadOnlyError):
             return BackendUnavailable(
                 f"{where} is a read-only replica; point --uri at the primary "
@@ -502,7 +543,7 @@ class RedisBackend:
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""
-        client = self.client(_STATUS_TTL)
+        client = self.client()
         if name is not None:
             prefixes = [key_prefix(namespace, name)]
         else:

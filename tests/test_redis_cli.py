@@ -1,0 +1,871 @@
+"""The Redis backend through the real CLI: bad input, warnings, status, Sentinel, TLS, secrets.
+
+Every server here is a real redis-server (or redis-server --sentinel) of the test's own, on a
+unix socket or a loopback port; the "servers" that are not Redis are sockets this file owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Self
+from urllib.parse import unquote
+
+import pytest
+from conftest import Held, finish, lockrun, one_line, queue_length, start, wait_for
+from servers import RedisServer, free_port, unavailable
+
+from lockrun import ConfigError, ExitCode
+from lockrun.backends.redis import key_prefix, parse
+from lockrun.uri import parse_uri
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+    from types import TracebackType
+
+SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
+# --ttl 3 makes every Redis call give up after min(5, max(0.25, 3/10)) = 0.3 s.
+SHORT_TTL = "3"
+# However slow a shared CI machine is, a 0.3 s timeout must not take this long.
+PATIENCE = 5.0
+ME = pwd.getpwuid(os.geteuid()).pw_name
+HOST = os.uname().nodename
+
+
+def secret_free(result: subprocess.CompletedProcess[str], *secrets: str) -> None:
+    """Assert that none of *secrets* (nor their percent-encodings) was printed anywhere."""
+    for secret in secrets:
+        for form in {secret, secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")}:
+            assert form not in result.stdout, result.stdout
+            assert form not in result.stderr, result.stderr
+
+
+def timed_lockrun(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run lockrun and return its result and how many seconds it took."""
+    began = time.monotonic()
+    result = lockrun(*args, timeout=30)
+    return result, time.monotonic() - began
+
+
+def password_server(password: str) -> RedisServer:
+    """Return a Redis with a loopback port that requires *password*.
+
+    The password is set once the server runs: RedisServer's readiness PING has none.
+    """
+    server = RedisServer(port=free_port())
+    try:
+        server.command("CONFIG", "SET", "requirepass", password)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+class Listener:
+    """A loopback TCP port of our own: answers each connection with *reply*, or never (None)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        """Listen on a free loopback port and serve from a thread until `close`."""
+        self.reply = reply
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.05)
+        self.port: int = self.server.getsockname()[1]
+        self.silent: list[socket.socket] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.serve, name="not-redis", daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        """Accept until told to stop; keep silent connections open, answer and close others."""
+        while not self.stopping.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed under us
+                return
+            if self.reply is None:
+                self.silent.append(connection)  # accepted, read from by nobody, never answered
+                continue
+            with connection, contextlib.suppress(OSError):
+                connection.settimeout(2)
+                connection.recv(4096)  # the client's first command (or TLS hello)
+                connection.sendall(self.reply)
+
+    def close(self) -> None:
+        """Stop the thread and close every socket."""
+        self.stopping.set()
+        self.thread.join(5)
+        for connection in self.silent:
+            connection.close()
+        self.server.close()
+
+    def __enter__(self) -> Self:
+        """Return the running listener."""
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close it, whatever happened."""
+        self.close()
+
+
+@pytest.fixture(scope="module")
+def tcp_server() -> Iterator[RedisServer]:
+    """Return a plain Redis with a loopback port, shared by this module's tests."""
+    server = RedisServer(port=free_port())
+    yield server
+    server.close()
+
+
+# -- A. bad input: unreachable, refused, misconfigured, not Redis at all ------------------------
+
+
+def test_a_refused_connection_exits_69_quickly(name: str) -> None:
+    """Nobody on the port: 69 with one line naming the server, well within the timeout."""
+    uri = f"redis://127.0.0.1:{free_port()}/0"
+    result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    line = one_line(result.stderr)
+    assert uri in line
+    assert "refused" in line.lower()
+    assert elapsed < PATIENCE
+
+
+def test_a_missing_unix_socket_exits_69(tmp_path: Path, name: str) -> None:
+    """unix: to a socket that does not exist is unavailable, not a traceback."""
+    uri = f"unix://{tmp_path}/nothing.sock"
+    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    assert "nothing.sock" in one_line(result.stderr)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "rediss"])
+def test_a_server_that_never_answers_exits_69_within_the_ttls_timeout(
+    scheme: str, name: str
+) -> None:
+    """A port that accepts and stays silent costs one timeout (ttl/10 = 0.3 s), not a hang.
+
+    With rediss:// the silence comes during the TLS handshake, under the connect timeout.
+    """
+    with Listener(None) as listener:
+        uri = f"{scheme}://127.0.0.1:{listener.port}/0"
+        args = ("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+        result, elapsed = timed_lockrun(*args)
+    assert result.returncode == ExitCode.UNAVAILABLE
+    line = one_line(result.stderr)
+    assert "no answer within 0.3s" in line
+    assert elapsed < PATIENCE
+
+
+def test_verbose_waiting_keeps_the_timeouts_of_the_ttl(name: str) -> None:
+    """-v with --wait first asks who holds the lock; that call must not widen the timeouts.
+
+    The timeouts are what keeps an unanswered renewal within the lease's safety margin
+    (supervise._MARGIN), so they must follow --ttl whichever call makes the connection.
+    """
+    with Listener(None) as listener:
+        uri = f"redis://127.0.0.1:{listener.port}/0"
+        args = ("-v", "--wait", "1", "--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+        result, elapsed = timed_lockrun(*args)
+    assert result.returncode == ExitCode.UNAVAILABLE
+    line = one_line(result.stderr)
+    assert elapsed < PATIENCE
+    assert "no answer within 0.3s" in line, "timeouts set by the status query, not by --ttl"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"HTTP/1.1 400 Bad Request\r\n\r\n", os.urandom(256), b"\x00\xff\x13not-resp\r\n"],
+    ids=["http", "random-bytes", "binary-garbage"],
+)
+def test_a_server_that_is_not_redis_exits_69(reply: bytes, name: str) -> None:
+    """An HTTP server or random bytes on the port: 69 and one line, whatever the bytes."""
+    with Listener(reply) as listener:
+        uri = f"redis://127.0.0.1:{listener.port}/0"
+        result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true", timeout=30)
+    assert result.returncode == ExitCode.UNAVAILABLE
+    assert f"127.0.0.1:{listener.port}" in one_line(result.stderr)
+
+
+def test_passwords_are_checked_and_never_printed(name: str) -> None:
+    """Wrong or missing password: 69, one line, no password; the right one (either form) runs."""
+    server = password_server(SECRET)
+    try:
+        tcp = f"127.0.0.1:{server.port}"
+        for uri in (
+            f"redis://:wrong-pw-1@{tcp}/0",
+            f"redis://default:wrong-pw-1@{tcp}/0",
+            f"{server.uri}?password=wrong-pw-1",
+            f"redis://{tcp}/0",
+        ):
+            result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+            assert result.returncode == ExitCode.UNAVAILABLE, uri
+            line = one_line(result.stderr)
+            assert "authentication failed" in line or "requires a password" in line, line
+            secret_free(result, SECRET, "wrong-pw-1")
+        for uri in (f"redis://:{SECRET}@{tcp}/0", f"{server.uri}?password={SECRET}"):
+            result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
+            assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", ""), uri
+    finally:
+        server.close()
+
+
+def test_a_percent_encoded_password_is_decoded(name: str) -> None:
+    """A password with @ : / is written %-encoded in the URI and reaches Redis decoded."""
+    secret = "p@ss:w/rd"  # noqa: S105 - a throwaway server's
+    server = password_server(secret)
+    try:
+        encoded = secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")
+        uri = f"redis://:{encoded}@127.0.0.1:{server.port}/0"
+        result = lockrun("-v", "--uri", uri, "-n", name, "--", "true")
+        assert result.returncode == 0, result.stderr
+        secret_free(result, secret)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [("~*", "&*", "+@all", "-@scripting"), ("~app:*", "&*", "+@all")],
+    ids=["no-scripting", "other-keys-only"],
+)
+def test_a_redis_user_without_permission_exits_69(rules: tuple[str, ...], name: str) -> None:
+    """An ACL user that may not run scripts, or not touch lockrun's keys: 69, one line."""
+    server = RedisServer("--user", "locky", "on", ">pw-locky", *rules)
+    try:
+        uri = f"{server.uri}?username=locky&password=pw-locky"
+        for args in (("--uri", uri, "-n", name, "--", "true"), ("status", "--uri", uri, name)):
+            result = lockrun(*args)
+            assert result.returncode == ExitCode.UNAVAILABLE, args
+            assert "lacks a permission" in one_line(result.stderr)
+            secret_free(result, "pw-locky")
+        assert server.command("KEYS", "*") == ""
+    finally:
+        server.close()
+
+
+def test_the_database_number_is_checked(tcp_server: RedisServer, name: str) -> None:
+    """/abc and ?db=x are bad URIs (78); /16 and ?db=99 do not exist on a 16-db server (78)."""
+    tcp = f"127.0.0.1:{tcp_server.port}"
+    for uri, needle in (
+        (f"redis://{tcp}/abc", "'abc' is not a number"),
+        (f"{tcp_server.uri}?db=x", "'x' is not a number"),
+        (f"redis://{tcp}/16", "no such database"),
+        (f"redis://{tcp}/99", "no such database"),
+        (f"{tcp_server.uri}?db=99", "no such database"),
+    ):
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert result.returncode == ExitCode.CONFIG, uri
+        assert needle in one_line(result.stderr)
+    result = lockrun("--uri", f"redis://{tcp}/15", "-n", name, "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (
+        tcp_server.command("-n", "15", "KEYS", "lockrun:*") == f"lockrun:{{default/{name}}}:fence"
+    )
+
+
+@pytest.mark.parametrize(
+    ("uri", "needle"),
+    [
+        ("redis://127.0.0.1:1/0?foo=1", "unknown option 'foo'"),
+        ("redis://127.0.0.1:1/0?ssl_ca_certs=/ca.pem", "unknown option 'ssl_ca_certs'"),
+        ("unix:///tmp/r.sock?timeout=3", "unknown option 'timeout'"),
+        ("redis+sentinel://127.0.0.1:1/m?password=x", "unknown option 'password'"),
+        ("redis://:hunter2@127.0.0.1:1/0?password=x", "unknown option 'password'"),
+        ("rediss://127.0.0.1:1?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        ("redis://127.0.0.1:99999/0", "port 99999 is out of range"),
+        ("redis://127.0.0.1:0/0", "port 0 is out of range"),
+        ("redis://127.0.0.1:abc/0", "abc"),
+        ("redis://127.0.0.1:1:2/0", "1:2"),
+        ("redis://[::1/0", "::1"),
+        ("redis://127.0.0.1:1/0/1", "'0/1' is not a number"),
+        ("unix://", "expected unix:///path"),
+        ("redis+sentinel://127.0.0.1:1", "SERVICE"),
+    ],
+)
+def test_bad_redis_uris_exit_78(uri: str, needle: str, name: str) -> None:
+    """Unknown options, malformed ports and paths are configuration errors: 78, one line."""
+    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert needle in one_line(result.stderr)
+    secret_free(result, "hunter2")
+
+
+def test_rediss_to_a_plain_port_exits_69(tcp_server: RedisServer, name: str) -> None:
+    """TLS to a server that does not speak it is unavailable (69), one line."""
+    uri = f"rediss://127.0.0.1:{tcp_server.port}/0"
+    result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    assert uri in one_line(result.stderr)
+    assert elapsed < PATIENCE
+
+
+def make_certificates(directory: Path) -> None:
+    """Write a CA, a server and a client certificate signed by it, and an unrelated CA."""
+    if shutil.which("openssl") is None:
+        unavailable("openssl is not installed")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(
+            ["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30
+        )
+
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    for ca in ("ca", "other-ca"):
+        openssl(
+            "req",
+            "-x509",
+            *new_key,
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.crt",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=lockrun test {ca}",
+        )
+    (directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for leaf in ("server", "client"):
+        openssl(
+            "req", *new_key, "-keyout", f"{leaf}.key", "-out", f"{leaf}.csr", "-subj", f"/CN={leaf}"
+        )
+        extensions = ("-extfile", "server.ext") if leaf == "server" else ()
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{leaf}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{leaf}.crt",
+            "-days",
+            "2",
+            *extensions,
+        )
+
+
+def test_tls(tmp_path: Path, name: str) -> None:
+    """rediss:// with our CA and client certificate runs; other set-ups exit 69, one line.
+
+    A wrong CA, no CA (the system's), no client certificate, and plain redis:// to the TLS
+    port are all unavailable; ssl_cert_reqs=none skips the server's certificate check.
+    """
+    make_certificates(tmp_path)
+    port = free_port()
+    try:
+        server = RedisServer(
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(tmp_path / "server.crt"),
+            "--tls-key-file",
+            str(tmp_path / "server.key"),
+            "--tls-ca-cert-file",
+            str(tmp_path / "ca.crt"),
+            "--tls-auth-clients",
+            "yes",
+        )
+    except pytest.fail.Exception as err:
+        if "tls" not in str(err).lower():
+            raise
+        pytest.skip(f"this redis-server has no TLS support: {err}")
+    try:
+        base = f"rediss://127.0.0.1:{port}/0"
+        ca, other = tmp_path / "ca.crt", tmp_path / "other-ca.crt"
+        client = f"ssl_certfile={tmp_path}/client.crt&ssl_keyfile={tmp_path}/client.key"
+        result = lockrun(
+            "--ttl",
+            SHORT_TTL,
+            "--uri",
+            f"{base}?ssl_ca_certs={ca}&{client}",
+            "-n",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "echo $LOCKRUN_FENCE",
+        )
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout) > 0
+        for uri, needle in (
+            (f"{base}?ssl_ca_certs={other}&{client}", "certificate verify failed"),
+            (f"{base}?{client}", "certificate verify failed"),
+            (f"{base}?ssl_ca_certs={ca}", ""),
+            (f"redis://127.0.0.1:{port}/0", ""),
+        ):
+            result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+            assert result.returncode == ExitCode.UNAVAILABLE, uri
+            assert needle in one_line(result.stderr).lower()
+        result = lockrun("--uri", f"{base}?ssl_cert_reqs=none&{client}", "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+    finally:
+        server.close()
+
+
+def test_a_read_only_replica_exits_69(name: str) -> None:
+    """Pointed at a replica, lockrun says so and exits 69; nothing is written anywhere."""
+    master = RedisServer("--repl-diskless-sync-delay", "0", port=free_port())
+    replica = None
+    try:
+        replica = RedisServer("--replicaof", "127.0.0.1", str(master.port))
+        connected = replica
+        wait_for(
+            lambda: "master_link_status:up" in connected.command("INFO", "replication"),
+            timeout=10,
+            what="the replica to sync",
+        )
+        result = lockrun("--uri", replica.uri, "-n", name, "--", "echo", "ran")
+        assert result.returncode == ExitCode.UNAVAILABLE
+        assert result.stdout == ""
+        assert "read-only replica" in one_line(result.stderr)
+        assert master.command("KEYS", "*") == ""
+    finally:
+        if replica is not None:
+            replica.close()
+        master.close()
+
+
+# -- B. an eviction policy that could drop lock keys ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("maxmemory", "policy", "warns"),
+    [
+        ("100mb", "allkeys-lru", True),
+        ("100mb", "volatile-ttl", True),
+        ("100mb", "noeviction", False),
+        ("0", "allkeys-lru", False),
+    ],
+)
+def test_an_evicting_server_gets_one_warning(
+    redis_server: RedisServer, name: str, maxmemory: str, policy: str, warns: bool
+) -> None:
+    """With maxmemory and an evicting policy the command runs and stderr has one warning."""
+    redis_server.command("CONFIG", "SET", "maxmemory", maxmemory)
+    redis_server.command("CONFIG", "SET", "maxmemory-policy", policy)
+    result = lockrun("--uri", redis_server.uri, "-n", name, "--", "echo", "ran")
+    assert (result.returncode, result.stdout) == (0, "ran\n")
+    if warns:
+        line = one_line(result.stderr)
+        assert f"maxmemory-policy {policy}" in line
+        assert "warning" in line
+    else:
+        assert result.stderr == ""
+
+
+# -- C. lockrun status against Redis ----------------------------------------------------------
+
+
+def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
+    redis_server: RedisServer, held: Callable[..., Held], name: str, tmp_path: Path
+) -> None:
+    """The JSON, the table and the listing show holder and queue; -v names the holder."""
+    uri = redis_server.uri
+    order = tmp_path / "order"
+    holder = held("--uri", uri, "-n", name, "--ttl", "5")
+    waiting = ("--uri", uri, "-n", name, "--ttl", "5", "--wait", "30")
+    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
+    second = None
+    err = ""
+    try:
+        wait_for(lambda: queue_length(uri, name) == 1, what="the first waiter")
+        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
+        wait_for(lambda: queue_length(uri, name) == 2, what="the second waiter")
+
+        result = lockrun("status", "--uri", uri, "--json", name)
+        assert result.returncode == 0, result.stderr
+        [state] = json.loads(result.stdout)
+        assert (state["name"], state["namespace"], state["slots"]) == (name, "default", 1)
+        [owner] = state["holders"]
+        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
+        assert owner["argv"][:2] == ["sh", "-c"]
+        assert owner["slot"] == 0
+        assert time.time() < owner["expires"] <= time.time() + 6
+        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
+        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
+            f"echo first >> {order}",
+            f"echo second >> {order}",
+        ]
+
+        table = lockrun("status", "--uri", uri, name)
+        assert table.returncode == 0, table.stderr
+        header, *rows = table.stdout.splitlines()
+        columns = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
+        assert header.split() == columns
+        assert [row.split()[1:6] for row in rows] == [
+            ["0", "holding", str(holder.process.pid), ME, HOST],
+            ["-", "waiting", str(first.pid), ME, HOST],
+            ["-", "waiting", str(second.pid), ME, HOST],
+        ]
+
+        listing = lockrun("status", "--uri", uri, "--json")
+        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
+        assert lockrun("status", "--uri", uri).stdout == table.stdout
+    finally:
+        statuses = [holder.finish(), finish(first)]
+        if second is not None:
+            _, err = second.communicate(timeout=30)
+            statuses.append(second.returncode)
+    assert statuses == [0, 0, 0], err
+    assert order.read_text() == "first\nsecond\n"
+    pattern = (
+        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\), held by {re.escape(ME)}@"
+    )
+    assert re.search(
+        rf"{pattern}{re.escape(HOST)} pid {holder.process.pid}\b", err, re.MULTILINE
+    ), err
+
+    empty = lockrun("status", "--uri", uri, "--json", name)
+    [state] = json.loads(empty.stdout)
+    assert (state["holders"], state["waiters"]) == ([], [])
+    assert json.loads(lockrun("status", "--uri", uri, "--json").stdout) == []
+    assert lockrun("status", "--uri", uri).stdout.startswith("no locks held or awaited")
+
+
+def test_status_lists_a_name_with_awkward_characters_unchanged(
+    redis_server: RedisServer, held: Callable[..., Held]
+) -> None:
+    """The key escaping is undone in the listing: the name comes back exactly as given."""
+    awkward = "a/b {c}*% d\tüñí"
+    holder = held("--uri", redis_server.uri, "-n", awkward, "--namespace", "x/y*")
+    result = lockrun("status", "--uri", redis_server.uri, "--namespace", "x/y*", "--json")
+    assert [state["name"] for state in json.loads(result.stdout)] == [awkward]
+    other = lockrun("status", "--uri", redis_server.uri, "--namespace", "x", "--json")
+    assert json.loads(other.stdout) == []
+    assert holder.finish() == 0
+
+
+# -- D. Sentinel ------------------------------------------------------------------------------
+
+
+class Sentinel:
+    """A master with a loopback port and one redis-server --sentinel that monitors it."""
+
+    def __init__(self, directory: Path) -> None:
+        """Start both; the sentinel's config goes in *directory*, which it rewrites."""
+        self.master = RedisServer(port=free_port())
+        self.port = free_port()
+        conf = directory / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\n"
+            f"sentinel monitor mymaster 127.0.0.1 {self.master.port} 1\n"
+            f"dir {directory}\nlogfile {directory}/sentinel.log\n"
+        )
+        self.process = subprocess.Popen(["redis-server", str(conf), "--sentinel"])
+        try:
+            wait_for(
+                lambda: self.answers() or self.process.poll() is not None,
+                timeout=10,
+                what="the sentinel",
+            )
+            if self.process.poll() is not None:
+                pytest.fail(
+                    f"the sentinel did not start: {(directory / 'sentinel.log').read_text()}"
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def answers(self) -> bool:
+        """Return whether the sentinel names our master."""
+        query = [
+            "redis-cli",
+            "-p",
+            str(self.port),
+            "SENTINEL",
+            "get-master-addr-by-name",
+            "mymaster",
+        ]
+        result = subprocess.run(query, capture_output=True, text=True, timeout=5, check=False)
+        return result.stdout.split() == ["127.0.0.1", str(self.master.port)]
+
+    def close(self) -> None:
+        """Kill the sentinel and the master."""
+        self.process.kill()
+        self.process.wait(10)
+        self.master.close()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[Sentinel]:
+    """Return a running Sentinel set-up, killed at teardown."""
+    setup = Sentinel(tmp_path)
+    yield setup
+    setup.close()
+
+
+def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Sentinel, name: str) -> None:
+    """redis+sentinel://…/mymaster/3 runs the command with a fence kept in db 3 of the master."""
+    uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster/3"
+    args = ("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE")
+    result = lockrun(*args)
+    assert (result.returncode, result.stderr) == (0, "")
+    fence = int(result.stdout)
+    key = f"lockrun:{{default/{name}}}:fence"
+    assert sentinel.master.command("-n", "3", "KEYS", "lockrun:*") == key
+    assert sentinel.master.command("-n", "3", "GET", key) == str(fence)
+
+
+def test_sentinel_with_an_unknown_service_exits_69(sentinel: Sentinel, name: str) -> None:
+    """A service the sentinels do not monitor is unavailable (69), one line naming it."""
+    uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/nosuch"
+    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    assert "nosuch" in one_line(result.stderr)
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["refused", "silent"])
+def test_sentinels_that_do_not_answer_exit_69_within_the_ttls_timeout(
+    silent: bool, name: str
+) -> None:
+    """No sentinel answers: 69 after about one timeout (0.3 s with --ttl 3), not after retries.
+
+    Renewals reconnect through the sentinels too, so their calls must stay within the
+    timeouts the lease's safety margin is built on, like direct connections.
+    """
+    # A refused redis:// costs start-up and no waiting: what is beyond it is the sentinel's.
+    direct = f"redis://127.0.0.1:{free_port()}/0"
+    _, baseline = timed_lockrun("--ttl", SHORT_TTL, "--uri", direct, "-n", name, "--", "true")
+    with Listener(None) as listener:
+        port = listener.port if silent else free_port()
+        uri = f"redis+sentinel://127.0.0.1:{port}/mymaster"
+        result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    one_line(result.stderr)
+    beyond = elapsed - baseline
+    assert beyond < 2.0, f"{beyond:.1f}s beyond start-up: redis-py retried the sentinel"
+
+
+def test_no_sentinel_answering_gives_a_readable_line(name: str) -> None:
+    """The line for unreachable sentinels names them, without client internals or passwords."""
+    uri = (
+        f"redis+sentinel://:pw-master@127.0.0.1:{free_port()}/mymaster"
+        "?sentinel_password=pw-sentinel"
+    )
+    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert result.returncode == ExitCode.UNAVAILABLE
+    line = one_line(result.stderr)
+    secret_free(result, "pw-master", "pw-sentinel")
+    assert "mymaster" in line
+    assert "<redis." not in line, "the message carries redis-py's repr of its client"
+
+
+# -- E. URI parsing and key names, in process ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("redis://", {"host": "localhost", "port": 6379, "db": 0, "password": None}),
+        ("redis://cache.internal", {"host": "cache.internal", "port": 6379, "db": 0}),
+        ("redis://127.0.0.1:6380/2", {"host": "127.0.0.1", "port": 6380, "db": 2}),
+        ("redis://[::1]:6380", {"host": "::1", "port": 6380, "db": 0}),
+        ("redis://[::1]/4", {"host": "::1", "port": 6379, "db": 4}),
+        ("redis://h?db=5", {"host": "h", "db": 5}),
+        ("redis://alice:pw@h", {"username": "alice", "password": "pw"}),
+        ("redis://:pw@h", {"username": None, "password": "pw"}),
+        ("redis://u%40corp:p%3Aw%2Fd%40x@h", {"username": "u@corp", "password": "p:w/d@x"}),
+        ("unix:///run/redis.sock", {"unix_socket_path": "/run/redis.sock", "db": 0}),
+        (
+            "unix:///run/redis.sock?db=3&username=u&password=p",
+            {"unix_socket_path": "/run/redis.sock", "db": 3, "username": "u", "password": "p"},
+        ),
+    ],
+)
+def test_parse_maps_uris_to_redis_py_settings(text: str, expected: dict[str, object]) -> None:
+    """Defaults, IPv6, db from the path or ?db=, unix sockets and %-decoded credentials."""
+    settings = parse(parse_uri(text))
+    assert {key: settings.kwargs.get(key) for key in expected} == expected
+    assert not settings.kwargs.get("ssl")
+    assert settings.sentinels == ()
+    assert "pw" not in settings.where.replace("//", "")
+
+
+def test_parse_maps_tls_options_to_redis_py(tmp_path: Path) -> None:
+    """rediss:// turns on TLS and hands each ssl_* option to redis-py, typed as it expects."""
+    for pem in ("ca.pem", "c.pem", "k.pem"):
+        (tmp_path / pem).write_text("")
+    query = (
+        f"ssl_ca_certs={tmp_path}/ca.pem&ssl_certfile={tmp_path}/c.pem"
+        f"&ssl_keyfile={tmp_path}/k.pem&ssl_cert_reqs=optional&ssl_check_hostname=false"
+    )
+    settings = parse(parse_uri(f"rediss://h:6390/1?{query}"))
+    assert dict(settings.kwargs) == {
+        "host": "h",
+        "port": 6390,
+        "db": 1,
+        "username": None,
+        "password": None,
+        "ssl": True,
+        "ssl_ca_certs": f"{tmp_path}/ca.pem",
+        "ssl_certfile": f"{tmp_path}/c.pem",
+        "ssl_keyfile": f"{tmp_path}/k.pem",
+        "ssl_cert_reqs": "optional",
+        "ssl_check_hostname": False,
+    }
+    assert parse(parse_uri("rediss://h?ssl_check_hostname=yes")).kwargs["ssl_check_hostname"]
+    assert parse(parse_uri("rediss://h")).kwargs["ssl"] is True
+
+
+def test_parse_sentinel_uris() -> None:
+    """Sentinel hosts (default port 26379, IPv6 too), the service, then the db; both passwords."""
+    settings = parse(
+        parse_uri("redis+sentinel://:pw@a,b:26380,[::1]/mymaster/2?sentinel_password=sp")
+    )
+    assert settings.sentinels == (("a", 26379), ("b", 26380), ("::1", 26379))
+    assert settings.service == "mymaster"
+    assert (settings.kwargs["db"], settings.kwargs["password"]) == (2, "pw")
+    assert dict(settings.sentinel_kwargs) == {"username": None, "password": "sp"}
+    assert "pw" not in settings.where.replace("//", "")
+    assert "sp" not in settings.where
+    assert parse(parse_uri("redis+sentinel://s/svc")).kwargs["db"] == 0
+    assert parse(parse_uri("redis+sentinel://s/svc?db=7")).kwargs["db"] == 7
+
+
+def test_a_sentinel_uri_without_tls_options_does_not_ask_for_tls(tmp_path: Path) -> None:
+    """Plain redis+sentinel:// talks plain Redis to the master; TLS only when asked for."""
+    assert not parse(parse_uri("redis+sentinel://s/svc")).kwargs.get("ssl")
+    (tmp_path / "ca.pem").write_text("")
+    tls = parse(parse_uri(f"redis+sentinel://s/svc?ssl_ca_certs={tmp_path}/ca.pem")).kwargs
+    assert (tls["ssl"], tls["ssl_ca_certs"]) == (True, f"{tmp_path}/ca.pem")
+
+
+def test_a_missing_tls_file_is_a_configuration_error() -> None:
+    """A CA, certificate or key file that cannot be read exits 78 naming it (not 69)."""
+    result = lockrun(
+        "--uri", "rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent/ca.pem", "--", "true"
+    )
+    assert result.returncode == ExitCode.CONFIG
+    assert "/nonexistent/ca.pem" in one_line(result.stderr)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "redis://h?foo=1",
+        "redis://h?ssl_ca_certs=/ca.pem",
+        "redis://h?password=hunter2",
+        "unix:///s.sock?ssl_certfile=/c.pem",
+        "redis+sentinel://s/svc?username=u",
+        "rediss://h?ssl_cert_reqs=maybe",
+        "redis://h/abc",
+        "redis://h:0",
+        "redis://h:65536",
+        "redis://h:abc",
+        "redis://h:1:2",
+        "redis://[::1",
+        "unix://",
+        "redis+sentinel://s",
+        "redis+sentinel://s/svc/x",
+    ],
+)
+def test_parse_rejects_bad_uris(text: str) -> None:
+    """Unknown options, bad ports, dbs, paths and services raise ConfigError (exit 78)."""
+    with pytest.raises(ConfigError) as raised:
+        parse(parse_uri(text))
+    assert "hunter2" not in str(raised.value)
+
+
+AWKWARD_PAIRS = [
+    ("a/b", "c"),
+    ("a", "b/c"),
+    ("a%2Fb", "c"),
+    ("a%2fb", "c"),
+    ("a", "b}c"),
+    ("a}", "{b"),
+    ("a", "b%7Dc"),
+    ("a", "b c"),
+    ("a", "b%20c"),
+    ("a", "b\tc"),
+    ("a", "b\nc"),
+    ("a", "b*"),
+    ("a", "b?"),
+    ("a", "[b]"),
+    ("a", "b\\"),
+    ("a", "b:c"),
+    ("ä", "ö"),
+    ("default", "x"),
+]
+
+
+def test_key_prefix_keeps_the_hash_tag_and_the_separator_intact() -> None:
+    """Keys escape what would end the hash tag, split NS from NAME or glob; no two collide.
+
+    Distinct (namespace, name) pairs get distinct prefixes, and `status` can read the
+    namespace and the name back from a key by percent-decoding.
+    """
+    assert key_prefix("default", "x") == "lockrun:{default/x}"
+    assert key_prefix("ä", "ö") == "lockrun:{ä/ö}"  # UTF-8 stays readable in redis-cli
+    prefixes = set()
+    for namespace, name in AWKWARD_PAIRS:
+        prefix = key_prefix(namespace, name)
+        assert prefix.startswith("lockrun:{")
+        assert prefix.endswith("}")
+        inside = prefix.removeprefix("lockrun:{").removesuffix("}")
+        assert inside.count("/") == 1, prefix
+        assert not set(inside) & set("{}*?[]\\ \t\n"), prefix
+        escaped_namespace, _, escaped_name = inside.partition("/")
+        assert (unquote(escaped_namespace), unquote(escaped_name)) == (namespace, name)
+        prefixes.add(prefix)
+    assert len(prefixes) == len(AWKWARD_PAIRS)
+
+
+# -- F. passwords stay out of every output and of the command's environment -------------------
+
+
+def test_a_password_reaches_no_output_and_no_environment(
+    held: Callable[..., Held], name: str
+) -> None:
+    """-v, status (table and JSON), busy lines and the command's env carry no password."""
+    server = password_server(SECRET)
+    try:
+        uri = f"redis://:{SECRET}@127.0.0.1:{server.port}/0"
+        result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
+        assert result.returncode == 0, result.stderr
+        assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
+        assert "acquired" in result.stderr
+        secret_free(result, SECRET)
+
+        from_environment = {**os.environ, "LOCKRUN_URI": uri}
+        result = lockrun("-v", "-n", name, "--", "env", env=from_environment)
+        assert result.returncode == 0, result.stderr
+        assert not [line for line in result.stdout.splitlines() if line.startswith("LOCKRUN_URI=")]
+        secret_free(result, SECRET)
+
+        holder = held("--uri", uri, "-n", name)
+        busy = lockrun("-v", "--wait", "0.2", "--uri", uri, "-n", name, "--", "true")
+        assert busy.returncode == ExitCode.BUSY
+        assert "held by" in busy.stderr
+        assert "redis://:***@" in busy.stderr
+        secret_free(busy, SECRET)
+        for args in (("--json", name), (name,), ("--json",), ()):
+            result = lockrun("status", "--uri", uri, *args)
+            assert result.returncode == 0, result.stderr
+            assert str(holder.process.pid) in result.stdout
+            secret_free(result, SECRET)
+        assert holder.finish() == 0
+
+        result = lockrun("status", "--uri", uri)
+        assert "redis://:***@" in result.stdout
+        secret_free(result, SECRET)
+    finally:
+        server.close()

@@ -86,15 +86,38 @@ local function reap()
   forget(redis.call('ZRANGEBYSCORE', waiters, '-inf', now))
 end
 
-local function wake(slots, except)
+-- Gives the lowest free slot and the next fence to *who*, keeping its holder record.
+local function grant(who)
+  local used = {}
+  for _, owner in ipairs(redis.call('HVALS', owners)) do
+    used[tonumber(string.match(owner, '^(%d+)'))] = true
+  end
+  local slot = 0
+  while used[slot] do slot = slot + 1 end
+  local stamp = redis.call('INCR', fence)
+  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  if stamp < micros then
+    stamp = micros
+    redis.call('SET', fence, string.format('%d', stamp))
+  end
+  local record = redis.call('HGET', info, who)
+  forget({who})
+  redis.call('ZADD', holders, now + ttl, who)
+  redis.call('HSET', owners, who, string.format('%d %d %d', slot, stamp, now))
+  if record then redis.call('HSET', info, who, record) end
+  return slot, stamp
+end
+
+-- Grants free slots to the head of the queue, strictly in order, and wakes those waiters:
+-- each finds its slot granted when it asks again (or loses it after a ttl if it died).
+local function wake(slots)
   local free = slots - redis.call('ZCARD', holders)
   if free <= 0 then return end
   for _, next in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do
+    grant(next)
     local key = prefix .. ':wake:' .. next
-    if next ~= except and redis.call('LLEN', key) == 0 then
-      redis.call('RPUSH', key, 1)
-      redis.call('PEXPIRE', key, ttl)
-    end
+    redis.call('RPUSH', key, 1)
+    redis.call('PEXPIRE', key, ttl)
   end
 end
 
@@ -124,36 +147,23 @@ _ACQUIRE: Final = (
     _PRELUDE
     + """
 reap()
-local mine = redis.call('HGET', owners, token)
-if mine then
-  local slot, stamp = string.match(mine, '(%d+) (%d+)')
-  return {1, tonumber(slot), tonumber(stamp)}
-end
 local configured = tonumber(redis.call('GET', cfg) or n)
 if configured ~= n and redis.call('ZCARD', holders) + redis.call('ZCARD', queue) > 0 then
   return {-1, configured, 0}
 end
 redis.call('SET', cfg, n)
-local free = n - redis.call('ZCARD', holders)
+wake(n)
+local mine = redis.call('HGET', owners, token)
+if mine then  -- granted while we slept, or a retried call: the lease runs from now
+  redis.call('ZADD', holders, 'XX', now + ttl, token)
+  local slot, stamp = string.match(mine, '(%d+) (%d+)')
+  tidy()
+  return {1, tonumber(slot), tonumber(stamp)}
+end
 local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
-if rank < free then
-  local used = {}
-  for _, owner in ipairs(redis.call('HVALS', owners)) do
-    used[tonumber(string.match(owner, '^(%d+)'))] = true
-  end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
-  local stamp = redis.call('INCR', fence)
-  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  if stamp < micros then
-    stamp = micros
-    redis.call('SET', fence, string.format('%d', stamp))
-  end
-  forget({token})
-  redis.call('ZADD', holders, now + ttl, token)
-  redis.call('HSET', owners, token, string.format('%d %d %d', slot, stamp, now))
+if rank < n - redis.call('ZCARD', holders) then  -- only when nobody queues: wake() ran
   redis.call('HSET', info, token, ARGV[5])
-  wake(n, token)
+  local slot, stamp = grant(token)
   tidy()
   return {1, slot, stamp}
 end
@@ -191,14 +201,14 @@ return 1
 """
 )
 
-# Releases a slot or leaves the queue, whichever the token has; wakes who may go next.
+# Releases a slot or leaves the queue, whichever the token has; grants to who is next.
 _RELEASE: Final = (
     _PRELUDE
     + """
 local held = redis.call('ZSCORE', holders, token)
 forget({token})
 reap()
-wake(tonumber(redis.call('GET', cfg) or n), '')
+wake(tonumber(redis.call('GET', cfg) or n))
 tidy()
 if held then return 1 end
 return 0
@@ -500,7 +510,7 @@ class RedisBackend:
                     return None
                 # Bounded sleeps: the wake list is only a hint (P2), and asking again renews
                 # our place in the queue, which lapses after a ttl without word from us.
-                block = min(until_free / 1000 + 0.002, request.ttl / 3)
+                block = min(until_free / 1000 + 0.002, request.ttl / 2)
                 if remaining is not None:
                     block = min(block, remaining)
                 self.sleep(f"{claim.prefix}:wake:{claim.token}", block)

@@ -44,8 +44,9 @@ _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
 # The share of a lease held in reserve when it cannot be confirmed: KILL is due this much
-# before the service may give the slot away. A refresh that hangs may overrun the stop time
-# by its own timeout, which the remote backends keep within this share (redis.timeout_for).
+# before the service may give the slot away. No refresh starts later than this share before
+# the stop time, and the remote backends bound a refresh to it (redis.timeout_for), so a
+# hanging one cannot delay the stop.
 _MARGIN: Final = 0.1
 
 
@@ -228,7 +229,12 @@ class _Watch:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
         try:
             while True:
-                info = signal.sigtimedwait(_WATCHED, max(0.0, self._next_timer() - now()))
+                timer = self._next_timer()
+                info = (
+                    signal.sigwaitinfo(_WATCHED)
+                    if timer == float("inf")  # all done but waiting for the command to end
+                    else signal.sigtimedwait(_WATCHED, max(0.0, timer - now()))
+                )
                 if info is None:
                     self._on_timer()
                 elif info.si_signo == signal.SIGCHLD:
@@ -263,8 +269,11 @@ class _Watch:
 
     def _refresh(self) -> None:
         sent = now()
-        if self.doubt is not None and sent >= self._stop_at():  # no time left to ask again
-            self._give_up(self.doubt)
+        if self.doubt is not None and sent >= self._last_ask():  # no time left to ask again
+            if sent >= self._stop_at():
+                self._give_up(self.doubt)
+            else:
+                self.next_refresh = self._stop_at()
             return
         try:
             self.lease.refresh()
@@ -285,14 +294,20 @@ class _Watch:
             return self.confirmed
         return self.confirmed + ttl * (1 - _MARGIN) - self.limits.kill_after
 
+    def _last_ask(self) -> float:
+        """Return the last moment to start a refresh that, if it hangs, still ends by the stop."""
+        ttl = self.lease.ttl
+        return self._stop_at() - (0.0 if ttl is None else ttl * _MARGIN)
+
     def _unconfirmed(self, err: BackendUnavailable, sent: float) -> None:
         """Keep asking; stop the command while KILL can still land before the lease ends."""
         self.doubt = err
         if now() >= self._stop_at():
             self._give_up(err)
-        else:
-            self.log(f"lease not confirmed ({err}); retrying")
-            self.next_refresh = min(sent + _RETRY, self._stop_at())
+            return
+        self.log(f"lease not confirmed ({err}); retrying")
+        retry = sent + _RETRY
+        self.next_refresh = retry if retry <= self._last_ask() else self._stop_at()
 
     def _give_up(self, err: BackendUnavailable) -> None:
         self.next_refresh = float("inf")

@@ -54,11 +54,12 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 
 def timeout_for(ttl: float) -> float:
-    """Return how long one call may take (connect included) before the server counts as gone.
+    """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
 
-    Tied to the lease so an unanswered renewal is noticed with most of the lease left.
+    A twentieth of the lease: a renewal that must reconnect gives up within a tenth of it,
+    the reserve the supervisor keeps (`supervise._MARGIN`), for a ttl of 2 s or more.
     """
-    return min(5.0, max(0.25, ttl / 10))
+    return min(5.0, max(0.1, ttl / 20))
 
 
 # -- the scripts -----------------------------------------------------------------------------
@@ -86,8 +87,8 @@ local function reap()
   forget(redis.call('ZRANGEBYSCORE', waiters, '-inf', now))
 end
 
--- Gives the lowest free slot and the next fence to *who*, keeping its holder record.
-local function grant(who)
+-- Gives the lowest free slot and the next fence to *who* until *expiry*, keeping its record.
+local function grant(who, expiry)
   local used = {}
   for _, owner in ipairs(redis.call('HVALS', owners)) do
     used[tonumber(string.match(owner, '^(%d+)'))] = true
@@ -102,19 +103,20 @@ local function grant(who)
   end
   local record = redis.call('HGET', info, who)
   forget({who})
-  redis.call('ZADD', holders, now + ttl, who)
+  redis.call('ZADD', holders, expiry, who)
   redis.call('HSET', owners, who, string.format('%d %d %d', slot, stamp, now))
   if record then redis.call('HSET', info, who, record) end
   return slot, stamp
 end
 
--- Grants free slots to the head of the queue, strictly in order, and wakes those waiters:
--- each finds its slot granted when it asks again (or loses it after a ttl if it died).
+-- Grants free slots to the head of the queue, strictly in order, and wakes those waiters.
+-- Each finds its slot granted when it asks again; until then the slot is held only as long
+-- as the waiter's place would have been, so a waiter that died frees it on that schedule.
 local function wake(slots)
   local free = slots - redis.call('ZCARD', holders)
   if free <= 0 then return end
   for _, next in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do
-    grant(next)
+    grant(next, tonumber(redis.call('ZSCORE', waiters, next)) or now + ttl)
     local key = prefix .. ':wake:' .. next
     redis.call('RPUSH', key, 1)
     redis.call('PEXPIRE', key, ttl)
@@ -163,7 +165,7 @@ end
 local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
 if rank < n - redis.call('ZCARD', holders) then  -- only when nobody queues: wake() ran
   redis.call('HSET', info, token, ARGV[5])
-  local slot, stamp = grant(token)
+  local slot, stamp = grant(token, now + ttl)
   tidy()
   return {1, slot, stamp}
 end

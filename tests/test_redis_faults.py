@@ -611,3 +611,37 @@ def test_slots_mismatch_exits_78_naming_the_holder(
     assert "--slots 3" in line
     assert holder.finish() == 0
     assert lockrun("--uri", redis_uri, "-n", name, "-s", "2", "--", "true").returncode == 0
+
+
+@pytest.mark.timeout(40)
+def test_a_queued_waiter_rides_out_a_server_restart(
+    redis_server: RedisServer, name: str, held: Callable[..., Held]
+) -> None:
+    """A waiter queued when Redis restarts reconnects and gets the lock (no 69).
+
+    The restart loses every lease: the old holder is stopped (76) and the waiter's fence is
+    still larger than the old holder's.
+    """
+    uri = redis_server.uri
+    holder = held("--uri", uri, "-n", name, *LEASE)
+    waiter = start(
+        "--uri",
+        uri,
+        "-n",
+        name,
+        *LEASE,
+        "-w",
+        "forever",
+        "--",
+        "sh",
+        "-c",
+        "echo $LOCKRUN_FENCE",
+        stdout=subprocess.PIPE,
+    )
+    wait_for(lambda: waiter_pids(uri, name) == [waiter.pid], what="the waiter to queue")
+    redis_server.restart()
+    out, err = waiter.communicate(timeout=TTL + SLACK + 10)
+    assert waiter.returncode == 0, err
+    assert int(out) > holder.fence
+    holder.process.communicate(timeout=TTL + SLACK)
+    assert holder.process.returncode == 76

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from lockrun.uri import LockURI
 
 DEFAULT_PORT: Final = 6379
+_RECONNECT: Final = 1.0  # a queued waiter that lost the server asks again this often
 SENTINEL_PORT: Final = 26379
 PREFIX: Final = "lockrun"
 DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
@@ -499,26 +501,52 @@ class RedisBackend:
         )
         record = json.dumps(request.holder.to_dict())
         mode = "try" if deadline is not None and deadline <= now() else "wait"
+        heard: float | None = None  # when the server last answered; None: not yet
         try:
             while True:
-                granted, number, until_free = self.call("acquire", claim, record, mode)
-                if granted == 1:
-                    return RedisLease(self, claim, slot=number, fence=until_free)
-                if granted == -1:
-                    raise self.mismatch(request, claim.prefix, number)  # noqa: TRY301
-                remaining = None if deadline is None else deadline - now()
-                if remaining is not None and remaining <= 0:
-                    self.leave(claim)
-                    return None
-                # Bounded sleeps: the wake list is only a hint (P2), and asking again renews
-                # our place in the queue, which lapses after a ttl without word from us.
-                block = min(until_free / 1000 + 0.002, request.ttl / 2)
-                if remaining is not None:
-                    block = min(block, remaining)
-                self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
+                try:
+                    granted, number, until_free = self.call("acquire", claim, record, mode)
+                    heard = now()
+                    if granted == 1:
+                        return RedisLease(self, claim, slot=number, fence=until_free)
+                    if granted == -1:
+                        raise self.mismatch(request, claim.prefix, number)
+                    remaining = None if deadline is None else deadline - now()
+                    if remaining is not None and remaining <= 0:
+                        self.leave(claim)
+                        return None
+                    # Bounded sleeps: the wake list is only a hint (P2), and asking again
+                    # renews our place in the queue, which lapses after a ttl without word.
+                    block = min(until_free / 1000 + 0.002, request.ttl / 2)
+                    if remaining is not None:
+                        block = min(block, remaining)
+                    self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
+                except BackendUnavailable as err:
+                    self.ride_out(err, heard, request.ttl, deadline)
         except BaseException:
             self.leave(claim)
             raise
+
+    @staticmethod
+    def ride_out(
+        err: BackendUnavailable, heard: float | None, ttl: float, deadline: float | None
+    ) -> None:
+        """Pause before asking again after a lost connection while queued; else raise *err*.
+
+        A waiter already in the queue rides out a restart, a failover or a blip for up to a
+        ttl (its place may lapse meanwhile; it then queues again). Failing to get in at
+        all, or a refusal such as a wrong password, is reported at once (69).
+        """
+        cause = err.__cause__
+        transient = isinstance(cause, errors.ConnectionError | errors.TimeoutError) and not (
+            isinstance(cause, errors.AuthenticationError | errors.AuthorizationError)
+        )
+        current = now()
+        if not transient or heard is None or current - heard > ttl:
+            raise err
+        if deadline is not None and current >= deadline:
+            raise err
+        time.sleep(min(_RECONNECT, ttl / 10))
 
     def sleep(self, key: str, seconds: float) -> None:
         """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""

@@ -257,9 +257,13 @@ def _hold_and_run(
     waiting: _Waiting,
 ) -> int:
     started = now()
-    if options.verbose and options.wait != 0 and (holders := describe_holders(backend, request)):
-        verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
     try:
+        if (
+            options.verbose
+            and options.wait != 0
+            and (holders := describe_holders(backend, request))
+        ):
+            verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
         lease = acquire(backend, request, options.wait)
     except BackendUnavailable as err:  # SPEC §2: the line names the lock
         raise BackendUnavailable(f"{request.name}: {err}") from err

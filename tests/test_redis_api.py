@@ -37,6 +37,16 @@ def test_api_reports_a_lease_lost_while_the_block_ran(redis_server: RedisServer,
         assert lease.slot == 0
 
 
+def test_api_reports_a_lease_it_could_not_confirm(redis_server: RedisServer, name: str) -> None:
+    """The server gone for longer than the ttl: leaving the block raises LeaseLost."""
+    lock = Lock(name, uri=redis_server.uri, ttl=1)
+    lock.acquire()
+    redis_server.stop()
+    time.sleep(2.5)  # renewals fail for more than a ttl
+    with pytest.raises(LeaseLost, match="could not be confirmed"):
+        lock.release()
+
+
 def test_api_release_stops_renewing(redis_uri: str, name: str) -> None:
     """Leaving the block stops and joins the renewal thread; nothing runs on afterwards."""
     with Lock(name, uri=redis_uri, ttl=1):

@@ -229,10 +229,10 @@ def _exit(status: int) -> NoReturn:
     are flushed; everything lockrun holds was released before this point.
     """
     atexit._run_exitfuncs()  # noqa: SLF001 - what interpreter shutdown would call first
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr):  # pragma: no cover - coverage saved its data
         with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed stream
             stream.flush()
-    os._exit(status)
+    os._exit(status)  # pragma: no cover
 
 
 def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:

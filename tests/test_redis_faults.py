@@ -645,3 +645,33 @@ def test_a_queued_waiter_rides_out_a_server_restart(
     assert int(out) > holder.fence
     holder.process.communicate(timeout=TTL + SLACK)
     assert holder.process.returncode == 76
+
+
+@pytest.mark.timeout(40)
+def test_a_paused_holder_stops_its_command_when_it_resumes(
+    redis_server: RedisServer, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """A holder frozen past its lease: on SIGCONT it stops its command and exits 76.
+
+    While lockrun is stopped another holder gets in, with a larger fence.
+
+    The overlap while lockrun is frozen is what no lease can prevent (README "Pauses");
+    the fence is what lets the resource tell the two holders apart.
+    """
+    victim = Victim(tmp_path)
+    process = victim.start(spawn, "--uri", redis_server.uri, *LEASE, "-n", name)
+    process.send_signal(signal.SIGSTOP)
+    try:
+        later = lockrun(
+            "--uri", redis_server.uri, *LEASE, "-n", name, "-w", "forever",
+            "--", "sh", "-c", "echo $LOCKRUN_FENCE",
+        )  # fmt: skip
+        assert later.returncode == 0, later.stderr
+        assert int(later.stdout) > victim.fence
+    finally:
+        process.send_signal(signal.SIGCONT)
+    status = process.wait(timeout=KILL_AFTER + SLACK + 10)
+    _, err = process.communicate(timeout=10)
+    assert victim.term_file.exists(), "the command was not sent TERM"
+    assert gone(victim.pid)
+    check_lost(status, err, name)

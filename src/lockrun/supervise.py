@@ -204,6 +204,17 @@ def _own_foreground_terminal() -> bool:
     return True
 
 
+def _genuine(info: signal.struct_siginfo) -> bool:
+    """Tell a received signal from garbage.
+
+    When a stop and continue (SIGSTOP, a frozen VM) interrupt a wait whose time then runs
+    out, CPython 3.11's sigtimedwait returns the uninitialised siginfo of a wait that got
+    nothing. A real one carries a watched signal and a kernel si_code (SI_USER, SI_KERNEL,
+    SI_QUEUE, SI_TKILL, CLD_*: all within -64 … 128).
+    """
+    return info.si_signo in _WATCHED and -64 <= info.si_code <= 128  # noqa: PLR2004
+
+
 class _Watch:
     """The supervision loop's state: timers, the stop sequence, and the outcome."""
 
@@ -235,7 +246,7 @@ class _Watch:
                     if timer == float("inf")  # all done but waiting for the command to end
                     else signal.sigtimedwait(_WATCHED, max(0.0, timer - now()))
                 )
-                if info is None:
+                if info is None or not _genuine(info):
                     self._on_timer()
                 elif info.si_signo == signal.SIGCHLD:
                     status = self._reap()

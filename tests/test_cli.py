@@ -51,6 +51,7 @@ def test_a_signalled_command_gives_128_plus_n(file_uri: str, name: str) -> None:
         (["--wait", "-1", "--", "true"], "invalid duration '-1'"),
         (["--ttl", "forever", "--", "true"], "invalid duration 'forever'"),
         (["--ttl", "0", "--", "true"], "--ttl must be more than 0"),
+        (["--ttl", "2d", "--", "true"], "--ttl must be more than 0 and at most 1d"),
         (["--max-time", "soon", "--", "true"], "invalid duration 'soon'"),
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
         (["--slots", "0", "--", "true"], "0 is not in the range x>=1"),

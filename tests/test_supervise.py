@@ -97,7 +97,7 @@ sys.exit(10 + count)
 # Runs the real supervisor in a fresh process with a lease whose refresh fails on demand:
 # once MARKER exists, refresh raises what MODE says. Prints nothing; writes a JSON record.
 SUPERVISOR = """
-import json, os, sys
+import json, os, sys, time
 from lockrun.errors import BackendUnavailable, LeaseLost
 from lockrun.supervise import Limits, supervise
 from lockrun.timing import now
@@ -122,6 +122,8 @@ class FailingLease:
                 raise LeaseLost("the lock was taken over")
             if mode == "error":
                 raise RuntimeError("a bug in the backend")
+            if mode == "hang":  # a backend call that never returns
+                time.sleep(3600)
             raise BackendUnavailable("connection refused")
         if record["failed"] is not None and record["recovered"] is None:
             record["recovered"] = asked
@@ -499,6 +501,25 @@ def test_unconfirmable_lease_stops_command_before_it_expires(
     termed = float(term.read_text())
     assert record["failed"] <= termed < record["confirmed"] + ttl
     assert record["finished"] - outage < ttl + 5.0
+
+
+@pytest.mark.parametrize("mode", ["unavailable", "hang"])
+def test_kill_lands_before_the_lease_ends_even_with_a_long_grace(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]], mode: str
+) -> None:
+    """KILL lands before the lease ends even when --kill-after is longer than the lease.
+
+    The command ignores TERM and the refresh fails or hangs: it is still dead before the
+    last confirmation + ttl, and lockrun exits 76.
+    """
+    ttl, kill_after = 2.0, 5.0
+    process = supervised(mode, ttl, kill_after, "ignore")
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert record["outcome"] == "lost"
+    assert record["reaped"]
+    assert record["finished"] < record["confirmed"] + ttl
 
 
 def test_lease_confirmed_again_keeps_command(

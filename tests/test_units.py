@@ -103,6 +103,16 @@ def test_uris_parse_and_reject() -> None:
         ),
         ("file:///tmp/x", "file:///tmp/x"),
         ("redis://user@host", "redis://user@host"),
+        ("redis://:hunter@2secret@127.0.0.1:1/0", "redis://:***@127.0.0.1:1/0"),
+        ("redis://admin:AbC/dEf+Gh==@host/0", "redis://admin:***@host/0"),
+        (
+            "redis+sentinel://:pw@a,b/svc?sentinel_password=sp",
+            "redis+sentinel://:***@a,b/svc?sentinel_password=***",
+        ),
+        (
+            "mysql://root@localhost/x?unix_socket=/tmp/a@b",
+            "mysql://root@localhost/x?unix_socket=/tmp/a@b",
+        ),
     ],
 )
 def test_redaction_hides_passwords(uri: str, safe: str) -> None:

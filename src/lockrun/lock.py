@@ -81,6 +81,18 @@ def clock_time(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", local)
 
 
+MAX_TTL: Final = 86400.0  # a lease is renewed while it is held; a longer one only delays
+# the recovery from a crash, and Redis cannot express much more in ms
+
+
+def check_ttl(ttl: float, what: str = "ttl") -> float:
+    """Return *ttl* if it is a usable lease length (0 < ttl ≤ 1 day), else raise `UsageError`."""
+    if not 0 < ttl <= MAX_TTL:
+        msg = f"{what} must be more than 0 and at most 1d, not {format_duration(ttl)}"
+        raise UsageError(msg)
+    return ttl
+
+
 class Lock:
     """A named lock (or one slot of an N-slot semaphore) as context manager and decorator.
 
@@ -109,7 +121,7 @@ class Lock:
             raise UsageError(msg)
         self.slots = slots
         self.wait = wait
-        self.ttl = ttl
+        self.ttl = check_ttl(ttl)
         self._held: list[tuple[Backend, Lease, _Renewer | None]] = []
 
     def acquire(self) -> Lease:
@@ -124,8 +136,13 @@ class Lock:
         except BaseException:
             backend.close()
             raise
-        renewer = None if lease.ttl is None else _Renewer(lease)
-        self._held.append((backend, lease, renewer))
+        try:
+            renewer = None if lease.ttl is None else _Renewer(lease)
+            self._held.append((backend, lease, renewer))
+        except BaseException:  # e.g. Ctrl-C right after the grant: leave nothing held
+            lease.release()
+            backend.close()
+            raise
         return lease
 
     def release(self) -> None:
@@ -225,9 +242,7 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
     if options.close and uri.scheme != "file":
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
         raise UsageError(msg)
-    if options.ttl <= 0:
-        msg = "--ttl must be more than 0"
-        raise UsageError(msg)
+    check_ttl(options.ttl, "--ttl")
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
     verbose = log if options.verbose else lambda _line: None
@@ -267,12 +282,14 @@ def _hold_and_run(
         lease = acquire(backend, request, options.wait)
     except BackendUnavailable as err:  # SPEC §2: the line names the lock
         raise BackendUnavailable(f"{request.name}: {err}") from err
-    held_since = now()
+    held_since = started  # for the message only; set again at once
     # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
-    # it runs, and one that comes after it ended must not rewrite its exit status.
-    with _deferred(_INTERRUPTS):
-        waiting.over = True
-        try:
+    # it runs, and one that comes after it ended must not rewrite its exit status. One that
+    # lands before they are deferred still finds the slot released by the finally below.
+    try:
+        held_since = now()
+        with _deferred(_INTERRUPTS):
+            waiting.over = True
             fence = "" if lease.fence is None else f", fence {lease.fence}"
             verbose(
                 f"acquired {request.name} slot {lease.slot} of {request.slots} "
@@ -284,12 +301,12 @@ def _hold_and_run(
                 return supervise(argv, lease, limits, env=env, pass_fds=lease.fds, log=verbose)
             guardian.keep(lease.fds)
             return supervise(argv, lease, limits, env=env, guardian=guardian, log=verbose)
-        except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
-            # SPEC §2: every lockrun-made status line names the lock.
-            raise type(err)(f"{request.name}: {err}") from err
-        finally:
-            lease.release()
-            verbose(f"released {request.name} after {format_duration(now() - held_since)}")
+    except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
+        # SPEC §2: every lockrun-made status line names the lock.
+        raise type(err)(f"{request.name}: {err}") from err
+    finally:
+        lease.release()
+        verbose(f"released {request.name} after {format_duration(now() - held_since)}")
 
 
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Run the command while the lock is held: spawn, forward signals, keep the lease, reap.
 
-One thread, no Python signal handlers: the signals we care about are blocked and taken
-one at a time from `sigtimedwait`, whose timeout doubles as the lease-refresh and
---max-time timer (aesthetics.md §5.6).
+No Python signal handlers: the signals we care about are blocked and taken one at a time
+from `sigtimedwait`, whose timeout doubles as the lease-refresh and --max-time timer
+(aesthetics.md §5.6). Lease refreshes run in a short-lived thread each, so a backend that
+hangs cannot hold up a stop the lease needs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from typing import TYPE_CHECKING, Final, NamedTuple, NoReturn
 
 from lockrun.errors import (
@@ -43,10 +45,10 @@ _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (aesthetics.md §5.6).
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
+_POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally ~1 ms)
 # The share of a lease held in reserve when it cannot be confirmed: KILL is due this much
-# before the service may give the slot away. No refresh starts later than this share before
-# the stop time, and the remote backends bound a refresh to it (redis.timeout_for), so a
-# hanging one cannot delay the stop.
+# before the service may give the slot away (clock drift, scheduling). Refreshes run in a
+# thread, so one that hangs cannot delay the stop.
 _MARGIN: Final = 0.1
 
 
@@ -74,12 +76,18 @@ class Guardian:
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
         ours, theirs = socket.socketpair()
-        self.pid = os.fork()
-        if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
-            _guard(theirs, ours)
-        theirs.close()
-        self._socket = ours
-        os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
+        # A handler that raises (lock._interruptible) must not run inside fork's at-fork
+        # callbacks, where Python would print and drop the exception: hold the signals.
+        saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            self.pid = os.fork()
+            if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
+                _guard(theirs, ours)
+            theirs.close()
+            self._socket = ours
+            os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def keep(self, fds: Sequence[int]) -> None:
         """Hand the guardian copies of *fds* to hold until it stands down."""
@@ -105,6 +113,7 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
         os.setpgid(0, 0)
         for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signo, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         kept = []
         while True:
             message, fds, _, _ = socket.recv_fds(ours, 16, 16)
@@ -215,6 +224,23 @@ def _genuine(info: signal.struct_siginfo) -> bool:
     return info.si_signo in _WATCHED and -64 <= info.si_code <= 128  # noqa: PLR2004
 
 
+class _Ask(threading.Thread):
+    """One lease refresh, run beside the loop so a hanging backend cannot delay a stop."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(name="lockrun-refresh", daemon=True)
+        self.lease = lease
+        self.sent = now()
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.lease.refresh()
+        except BaseException as err:  # noqa: BLE001 - handed to the loop, which decides
+            self.error = err
+
+
 class _Watch:
     """The supervision loop's state: timers, the stop sequence, and the outcome."""
 
@@ -231,6 +257,7 @@ class _Watch:
         start = now()
         self.confirmed = start  # when the last successful refresh was sent
         self.doubt: BackendUnavailable | None = None  # why the lease is unconfirmed, if it is
+        self.asking: _Ask | None = None
         self.next_refresh = start + limits.refresh_every
         self.time_limit = None if limits.max_time is None else start + limits.max_time
         self.kill_at: float | None = None
@@ -260,75 +287,86 @@ class _Watch:
             raise
 
     def _next_timer(self) -> float:
-        timers = [self.next_refresh]
-        if self.time_limit is not None and self.failure is None:
-            timers.append(self.time_limit)
+        timers = []
+        if self.failure is None:
+            if self.asking is not None:
+                timers.append(now() + _POLL)
+            else:
+                timers.append(self.next_refresh)
+            if self.doubt is not None:
+                timers.append(self._term_due())
+            if self.time_limit is not None:
+                timers.append(self.time_limit)
         if self.kill_at is not None:
             timers.append(self.kill_at)
-        return min(timers)
+        return min(timers, default=float("inf"))
 
     def _on_timer(self) -> None:
         current = now()
         if self.kill_at is not None and current >= self.kill_at:
             self._signal_group(signal.SIGKILL)
             self.kill_at = None
-        if self.time_limit is not None and current >= self.time_limit and self.failure is None:
+        if self.failure is not None:
+            return
+        if self.time_limit is not None and current >= self.time_limit:
             limit = format_duration(self.limits.max_time or 0.0)
             self._begin_stop(TimedOut(f"--max-time {limit} expired; stopped the command"))
-        if current >= self.next_refresh:
-            self._refresh()
-
-    def _refresh(self) -> None:
-        sent = now()
-        if self.doubt is not None and sent >= self._last_ask():  # no time left to ask again
-            if sent >= self._stop_at():
-                self._give_up(self.doubt)
-            else:
-                self.next_refresh = self._stop_at()
             return
-        try:
-            self.lease.refresh()
-        except LeaseLost as err:
-            self.next_refresh = float("inf")
-            self._begin_stop(err)
-        except BackendUnavailable as err:
-            self._unconfirmed(err, sent)
-        else:
-            self.confirmed = sent
-            self.doubt = None
-            self.next_refresh = sent + self.limits.refresh_every
+        if self._collect(current):
+            return
+        if self.doubt is not None and current >= self._term_due():
+            # The lease may still be ours: the grace must not outlast it.
+            lost = LeaseLost(f"lease could not be confirmed: {self.doubt}")
+            self._begin_stop(lost, kill_by=self._deadline())
+        elif self.asking is None and current >= self.next_refresh:
+            self.asking = _Ask(self.lease)
 
-    def _stop_at(self) -> float:
-        """When an unconfirmed lease must be given up, so KILL lands before the lease ends."""
+    def _collect(self, current: float) -> bool:
+        """Take the outcome of a finished refresh (True: the lease is lost, stop begun).
+
+        A refresh that hangs counts as a doubt after a second.
+        """
+        ask = self.asking
+        if ask is None:
+            return False
+        if ask.is_alive():
+            if current - ask.sent >= _RETRY and self.doubt is None:
+                self.doubt = BackendUnavailable(f"no answer for {current - ask.sent:.1f}s")
+            return False
+        self.asking = None
+        if ask.error is None:
+            self.confirmed, self.doubt = ask.sent, None
+            self.next_refresh = ask.sent + self.limits.refresh_every
+        elif isinstance(ask.error, LeaseLost):
+            self._begin_stop(ask.error)
+            return True
+        elif isinstance(ask.error, BackendUnavailable):
+            self.doubt = ask.error
+            self.log(f"lease not confirmed ({ask.error}); retrying")
+            self.next_refresh = ask.sent + _RETRY
+        else:
+            raise ask.error  # a bug: status 70, after _stop_now
+        return False
+
+    def _deadline(self) -> float:
+        """When KILL must have landed unless the lease is confirmed again (a tenth early)."""
         ttl = self.lease.ttl
         if ttl is None:
             return self.confirmed
-        return self.confirmed + ttl * (1 - _MARGIN) - self.limits.kill_after
+        return self.confirmed + ttl * (1 - _MARGIN)
 
-    def _last_ask(self) -> float:
-        """Return the last moment to start a refresh that, if it hangs, still ends by the stop."""
-        ttl = self.lease.ttl
-        return self._stop_at() - (0.0 if ttl is None else ttl * _MARGIN)
+    def _term_due(self) -> float:
+        """When a doubted lease is given up: --kill-after before the deadline."""
+        return self._deadline() - self.limits.kill_after
 
-    def _unconfirmed(self, err: BackendUnavailable, sent: float) -> None:
-        """Keep asking; stop the command while KILL can still land before the lease ends."""
-        self.doubt = err
-        if now() >= self._stop_at():
-            self._give_up(err)
-            return
-        self.log(f"lease not confirmed ({err}); retrying")
-        retry = sent + _RETRY
-        self.next_refresh = retry if retry <= self._last_ask() else self._stop_at()
-
-    def _give_up(self, err: BackendUnavailable) -> None:
-        self.next_refresh = float("inf")
-        self._begin_stop(LeaseLost(f"lease could not be confirmed: {err}"))
-
-    def _begin_stop(self, failure: LeaseLost | TimedOut) -> None:
+    def _begin_stop(self, failure: LeaseLost | TimedOut, *, kill_by: float | None = None) -> None:
+        """TERM the group now, KILL after --kill-after (or at *kill_by*, if that is sooner)."""
         if self.failure is None:
             self.failure = failure
             self._signal_group(signal.SIGTERM)
             self.kill_at = now() + self.limits.kill_after
+            if kill_by is not None:
+                self.kill_at = min(self.kill_at, max(kill_by, now()))
 
     def _signal_group(self, signo: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -60,5 +60,6 @@ def unquote(text: str) -> str:
 
 def redact(text: str) -> str:
     """Replace the password of a URI (and of any ``…password=`` query item) with ``***``."""
-    text = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", text)
+    # A password ends at the last @ of the authority; it may hold @ or / itself, unescaped.
+    text = re.sub(r"(//[^/@:?#]*:)[^?#]*@", r"\1***@", text)
     return re.sub(r"(?i)((?:^|[?&])\w*password=)[^&]*", r"\1***", text)

@@ -297,7 +297,7 @@ def _address(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
     """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]``."""
     match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
     if match is None:
-        msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT], not {text!r}"
+        msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT] after the last @"
         raise ConfigError(msg)
     host = match[1] or match[3] or "localhost"
     port_text = match[2] if match[1] else match[4]
@@ -552,7 +552,10 @@ class RedisBackend:
         """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""
         assert self._client is not None  # noqa: S101 - acquire() made it
         pool = self._client.connection_pool
-        connection = pool.get_connection()
+        try:
+            connection = pool.get_connection()  # may connect again, and fail
+        except errors.RedisError as err:
+            raise self.failure(err) from err
         try:
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)

@@ -505,19 +505,23 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    granted, number, until_free = self.call("acquire", claim, record, mode)
+                    granted, number, extra = self.call("acquire", claim, record, mode)
                     heard = now()
-                    if granted == 1:
-                        return RedisLease(self, claim, slot=number, fence=until_free)
-                    if granted == -1:
+                    if granted == 1:  # number: our slot; extra: our fence
+                        return RedisLease(self, claim, slot=number, fence=extra)
+                    if granted == -1:  # number: the N the live users of the name have
                         raise self.mismatch(request, claim.prefix, number)
+                    # number: our place in the queue; extra: ms until a lease, or a place
+                    # ahead of ours, may lapse
+                    if mode == "try":
+                        return None  # nothing was queued
                     remaining = None if deadline is None else deadline - now()
                     if remaining is not None and remaining <= 0:
                         self.leave(claim)
                         return None
                     # Bounded sleeps: the wake list is only a hint (P2), and asking again
                     # renews our place in the queue, which lapses after a ttl without word.
-                    block = min(until_free / 1000 + 0.002, request.ttl / 2)
+                    block = min(extra / 1000 + 0.002, request.ttl / 2)
                     if remaining is not None:
                         block = min(block, remaining)
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)

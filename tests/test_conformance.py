@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import TYPE_CHECKING
 
 import pytest
@@ -398,3 +399,31 @@ def test_lock_is_held_from_another_python_process(uri: str, name: str, tmp_path:
         process.wait()
     assert lockrun("--uri", uri, "-n", name, "-w", "10", "--", "true").returncode == 0
     assert os.environ.get("LOCKRUN_NAME") is None
+
+
+def test_python_api_threads_release_their_own_slots(uri: str, name: str) -> None:
+    """One Lock used from two threads: a release gives back the releasing thread's slot."""
+    lock = Lock(name, uri=uri, slots=2)
+    mine = lock.acquire()
+    theirs: list[int] = []
+    acquired, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        theirs.append(lock.acquire().slot)
+        acquired.set()
+        done.wait(30)
+        lock.release()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert acquired.wait(30)
+        lock.release()  # ours, not the other thread's more recent one
+        with Lock(name, uri=uri, slots=2) as again:
+            assert again.slot == mine.slot
+            with pytest.raises(LockBusy), Lock(name, uri=uri, slots=2):
+                pass
+    finally:
+        done.set()
+        thread.join(30)
+    assert theirs == [1 - mine.slot]

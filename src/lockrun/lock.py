@@ -122,7 +122,7 @@ class Lock:
         self.slots = slots
         self.wait = wait
         self.ttl = check_ttl(ttl)
-        self._held: list[tuple[Backend, Lease, _Renewer | None]] = []
+        self._local = threading.local()  # each thread releases what it acquired
 
     def acquire(self) -> Lease:
         """Take a slot, waiting as configured; raise `LockBusy` if none came free.
@@ -138,7 +138,7 @@ class Lock:
             raise
         try:
             renewer = None if lease.ttl is None else _Renewer(lease)
-            self._held.append((backend, lease, renewer))
+            self._held().append((backend, lease, renewer))
         except BaseException:  # e.g. Ctrl-C right after the grant: leave nothing held
             lease.release()
             backend.close()
@@ -151,7 +151,7 @@ class Lock:
         Raises `LeaseLost` if a renewal found the lease gone while it was held: the code
         under the lock may have overlapped with another holder's.
         """
-        backend, lease, renewer = self._held.pop()
+        backend, lease, renewer = self._held().pop()
         try:
             if renewer is not None:
                 renewer.stop()
@@ -160,6 +160,15 @@ class Lock:
             backend.close()
         if renewer is not None and renewer.lost is not None:
             raise renewer.lost
+
+    def _held(self) -> list[tuple[Backend, Lease, _Renewer | None]]:
+        """Return the calling thread's leases, most recent last."""
+        held: list[tuple[Backend, Lease, _Renewer | None]]
+        try:
+            held = self._local.held
+        except AttributeError:
+            held = self._local.held = []
+        return held
 
     def __enter__(self) -> Lease:
         """Acquire and return the lease."""

@@ -13,10 +13,6 @@ import contextlib
 import selectors
 import socket
 import threading
-from typing import TYPE_CHECKING, Self
-
-if TYPE_CHECKING:
-    from types import TracebackType
 
 
 class Proxy:
@@ -52,19 +48,6 @@ class Proxy:
         for sock in [self._listener, *self._peers]:
             sock.close()
         self._selector.close()
-
-    def __enter__(self) -> Self:
-        """Return the running proxy."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Close the proxy."""
-        self.close()
 
     def _serve(self) -> None:
         while not self._stopping.is_set():

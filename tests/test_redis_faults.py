@@ -102,7 +102,7 @@ def tcp_redis() -> Iterator[RedisServer]:
 @pytest.fixture
 def proxy(tcp_redis: RedisServer) -> Iterator[Proxy]:
     """Return a proxy in front of `tcp_redis`'s TCP port, closed at teardown."""
-    with Proxy(("127.0.0.1", tcp_redis.port)) as running:
+    with contextlib.closing(Proxy(("127.0.0.1", tcp_redis.port))) as running:
         yield running
 
 

@@ -58,8 +58,8 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 def timeout_for(ttl: float) -> float:
     """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
 
-    A twentieth of the lease: a renewal that must reconnect gives up within a tenth of it,
-    the reserve the supervisor keeps (`supervise._MARGIN`), for a ttl of 2 s or more.
+    A twentieth of the lease: a renewal that must reconnect fails within a tenth of it, so
+    the supervisor can ask again several times before it must give the lease up.
     """
     return min(5.0, max(0.1, ttl / 20))
 
@@ -389,11 +389,8 @@ class RedisBackend:
         """How long any one call (connect included) may take."""
         return timeout_for(self.ttl)
 
-    def client(self, ttl: float | None = None) -> redis.Redis:
-        """Return the client, with timeouts that fit leases of *ttl* (remade for another)."""
-        if ttl is not None and ttl != self.ttl:
-            self.close()
-            self.ttl = ttl
+    def client(self) -> redis.Redis:
+        """Return the client, made on first use, with timeouts that fit the backend's ttl."""
         if self._client is None:
             options: dict[str, Any] = {
                 "socket_timeout": self.timeout,
@@ -491,7 +488,7 @@ class RedisBackend:
 
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
-        client = self.client(request.ttl)
+        client = self.client()
         self.check_eviction(client)
         claim = Claim(
             key_prefix(request.namespace, request.name),

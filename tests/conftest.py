@@ -12,7 +12,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from servers import RedisServer
+from servers import MariaServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
 # Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.
-BACKENDS = ("file", "abstract", "redis")
+BACKENDS = ("file", "abstract", "redis", "mysql")
 # Leases short enough that a killed holder frees its slot within a test's patience.
 TEST_TTL = "5"
 
@@ -77,6 +77,25 @@ def redis_uri() -> Iterator[str]:
 def redis_server() -> Iterator[RedisServer]:
     """Return a Redis of this test's own, to restart, flush or reconfigure."""
     server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def mysql_uri() -> Iterator[str]:
+    """Return the URI of the session's MariaDB: LOCKRUN_TEST_MYSQL_URL or a server of our own."""
+    if url := os.environ.get("LOCKRUN_TEST_MYSQL_URL"):
+        yield url
+        return
+    server = MariaServer("--max-connections=500")
+    yield server.uri
+    server.close()
+
+
+@pytest.fixture
+def maria_server() -> Iterator[MariaServer]:
+    """Return a MariaDB of this test's own, on a socket and a loopback port, to kill or stop."""
+    server = MariaServer(port=free_port())
     yield server
     server.close()
 

@@ -1,9 +1,10 @@
 """Throwaway database servers for the backend tests (research/aesthetics.md §4).
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
-only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` points
-the tests at an existing server instead. A missing server binary skips the backend's tests
-with the reason, except under ``CI=true``, where it fails them (SPEC §6).
+only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
+``LOCKRUN_TEST_MYSQL_URL`` point the tests at existing servers instead. A missing server
+binary skips the backend's tests with the reason, except under ``CI=true``, where it fails
+them (SPEC §6).
 """
 
 from __future__ import annotations
@@ -130,6 +131,123 @@ class RedisServer:
 
     def restart(self) -> None:
         """Kill the server and start an empty one in its place."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+MARIADBD: Final = "mariadbd"
+MARIADB_INSTALL: Final = "mariadb-install-db"
+
+
+class MariaServer:
+    """A mariadbd of our own: a fresh data directory, a unix socket, TCP only when asked."""
+
+    def __init__(self, *options: str, port: int = 0) -> None:
+        """Initialise a data directory (~0.5 s) and start the server with extra *options*."""
+        if shutil.which(MARIADBD) is None or shutil.which(MARIADB_INSTALL) is None:
+            unavailable(f"{MARIADBD} or {MARIADB_INSTALL} is not installed")
+        self.directory = tempfile.mkdtemp(prefix="lr-maria-")
+        self.socket = os.path.join(self.directory, "mysqld.sock")
+        self.port = port
+        self.options = options
+        self.process: subprocess.Popen[bytes] | None = None
+        subprocess.run(
+            (
+                MARIADB_INSTALL,
+                "--no-defaults",
+                f"--datadir={self.directory}/data",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+                "--user=root",
+            ),
+            capture_output=True,
+            check=True,
+            timeout=120,
+        )
+        self.start()
+        self.command("CREATE DATABASE lockrun")
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def uri(self) -> str:
+        """The lock URI of this server's socket, database ``lockrun``."""
+        return f"mysql://root@localhost/lockrun?unix_socket={self.socket}"
+
+    @property
+    def tcp_uri(self) -> str:
+        """The mysql:// URI of this server's loopback port."""
+        return f"mysql://root@127.0.0.1:{self.port}/lockrun"
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it answers."""
+        network = ("--bind-address=127.0.0.1", f"--port={self.port}") if self.port else ()
+        self.process = subprocess.Popen(
+            (
+                MARIADBD,
+                "--no-defaults",
+                f"--datadir={self.directory}/data",
+                f"--socket={self.socket}",
+                *(network or ("--skip-networking",)),
+                "--user=root",
+                "--innodb-buffer-pool-size=16M",
+                f"--log-error={self.directory}/err.log",
+                *self.options,
+            )
+        )
+        deadline = time.monotonic() + 30
+        while not self.ping():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.close()
+                pytest.fail(f"mariadbd did not start: {log}")
+            time.sleep(0.02)
+
+    def ping(self) -> bool:
+        """Return whether the server accepts a connection on its socket."""
+        result = subprocess.run(
+            ("mariadb-admin", "--no-defaults", "-S", self.socket, "-uroot", "ping"),
+            capture_output=True,
+            check=False,
+            timeout=10,
+        )
+        return result.returncode == 0
+
+    def command(self, sql: str) -> str:
+        """Run *sql* with the mariadb client as root and return what it printed (tab-separated)."""
+        result = subprocess.run(
+            ("mariadb", "--no-defaults", "-S", self.socket, "-uroot", "-N", "-B", "-e", sql),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return result.stdout.strip()
+
+    def log(self) -> str:
+        """Return the server's error log."""
+        with contextlib.suppress(OSError), open(os.path.join(self.directory, "err.log")) as log:
+            return log.read()
+        return ""
+
+    def stop(self) -> None:
+        """Kill the server (its data stays for a restart)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(30)
+            self.process = None
+
+    def restart(self) -> None:
+        """Kill the server and start it again on the same data: every session and lock is gone."""
         self.stop()
         self.start()
 

@@ -24,7 +24,8 @@ from conftest import Held, finish, lockrun, one_line, queue_length, start, wait_
 from servers import RedisServer, free_port, unavailable
 
 from lockrun import ConfigError, ExitCode
-from lockrun.backends.redis import key_prefix, parse, timeout_for
+from lockrun.backends import timeout_for
+from lockrun.backends.redis import key_prefix, parse
 from lockrun.uri import parse_uri
 
 if TYPE_CHECKING:

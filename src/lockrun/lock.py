@@ -259,7 +259,7 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
         verbose(f"lock name {name} (derived from the command; set it with --name)")
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
     with _interruptible(name) as waiting:
-        backend = open_backend(uri, ttl=options.ttl, warn=log)
+        backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         # Only the file backend's lock fds go to the command and keep the lock if we die;
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
         guardian = Guardian() if options.close or uri.scheme != "file" else None

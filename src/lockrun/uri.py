@@ -50,6 +50,21 @@ def parse_uri(text: str) -> LockURI:
     )
 
 
+def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
+    """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]`` of *uri*; no host means localhost."""
+    match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
+    if match is None:
+        msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT] after the last @"
+        raise ConfigError(msg)
+    host = match[1] or match[3] or "localhost"
+    port_text = match[2] if match[1] else match[4]
+    port = int(port_text) if port_text else default_port
+    if not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
+        msg = f"{uri.redacted}: port {port} is out of range"
+        raise ConfigError(msg)
+    return host, port
+
+
 def unquote(text: str) -> str:
     """Decode %XX escapes (as UTF-8, like urllib.parse.unquote)."""
     if "%" not in text:

@@ -28,6 +28,8 @@ SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
     "rediss": ("lockrun.backends.redis", None),
     "unix": ("lockrun.backends.redis", None),
     "redis+sentinel": ("lockrun.backends.redis", None),
+    "mysql": ("lockrun.backends.mysql", None),
+    "mariadb": ("lockrun.backends.mysql", None),
 }
 
 
@@ -194,13 +196,27 @@ def next_fence(previous: bytes) -> int:
     return max(last + 1, time.time_ns() // 1000)
 
 
+def timeout_for(ttl: float) -> float:
+    """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
+
+    A twentieth of the lease: a renewal that must reconnect fails within a tenth of it, so
+    the supervisor can ask again several times before it must give the lease up.
+    """
+    return min(5.0, max(0.1, ttl / 20))
+
+
 def open_backend(
-    uri: LockURI, *, ttl: float | None = None, warn: Callable[[str], None] | None = None
+    uri: LockURI,
+    *,
+    ttl: float | None = None,
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> Backend:
     """Return a backend for *uri*, importing its driver only now.
 
     A lease-based backend fits its timeouts to leases of *ttl* seconds (None: its default).
-    *warn* gets one-line warnings about the service (Python's `warnings` by default).
+    *warn* gets one-line warnings about the service (Python's `warnings` by default), *note*
+    what `-v` shows (nothing by default).
     """
     module_name, extra = SCHEMES[uri.scheme]
     try:
@@ -209,7 +225,7 @@ def open_backend(
         hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
         msg = f"{uri.scheme}: needs the {err.name} module: {hint}"
         raise ConfigError(msg) from err
-    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn)
+    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
     return backend
 
 

@@ -50,6 +50,7 @@ def connect(
     *,
     ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
     warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
+    note: Callable[[str], None] | None = None,  # noqa: ARG001 - or to note
 ) -> AbstractBackend:
     """Return the abstract-socket backend; refuse where abstract sockets don't exist."""
     if not sys.platform.startswith("linux"):

@@ -69,6 +69,7 @@ def connect(
     *,
     ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
     warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
+    note: Callable[[str], None] | None = None,  # noqa: ARG001 - or to note
 ) -> FileBackend:
     """Open (and if needed create) the lock directory of a ``file:`` URI."""
     if uri.netloc not in {"", "localhost"}:

@@ -26,9 +26,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
+from lockrun.uri import host_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -53,15 +54,6 @@ _OPTIONS: Final = {
     "redis+sentinel": frozenset({"db", "sentinel_username", "sentinel_password"}) | _TLS_OPTIONS,
 }
 _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
-
-
-def timeout_for(ttl: float) -> float:
-    """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
-
-    A twentieth of the lease: a renewal that must reconnect fails within a tenth of it, so
-    the supervisor can ask again several times before it must give the lease up.
-    """
-    return min(5.0, max(0.1, ttl / 20))
 
 
 # -- the scripts -----------------------------------------------------------------------------
@@ -275,7 +267,7 @@ def parse(uri: LockURI) -> Settings:
         if not service:
             msg = f"{uri.redacted}: expected redis+sentinel://HOST[:PORT],…/SERVICE[/DB]"
             raise ConfigError(msg)
-        sentinels = tuple(_address(uri, host, SENTINEL_PORT) for host in hosts.split(","))
+        sentinels = tuple(host_port(uri, host, SENTINEL_PORT) for host in hosts.split(","))
         if _TLS_OPTIONS & set(query):  # the primary speaks TLS only when the URI says so
             kwargs |= _tls(uri, query)
         kwargs["db"] = _db(uri, _one_db(uri, db, query))
@@ -285,27 +277,12 @@ def parse(uri: LockURI) -> Settings:
         }
         return Settings(uri.redacted, kwargs, sentinels, service, sentinel)
     else:
-        kwargs["host"], kwargs["port"] = _address(uri, hosts, DEFAULT_PORT)
+        kwargs["host"], kwargs["port"] = host_port(uri, hosts, DEFAULT_PORT)
         db = _one_db(uri, path.strip("/"), query)
         if uri.scheme == "rediss":
             kwargs |= _tls(uri, query)
     kwargs["db"] = _db(uri, db)
     return Settings(uri.redacted, kwargs)
-
-
-def _address(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
-    """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]``."""
-    match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
-    if match is None:
-        msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT] after the last @"
-        raise ConfigError(msg)
-    host = match[1] or match[3] or "localhost"
-    port_text = match[2] if match[1] else match[4]
-    port = int(port_text) if port_text else default_port
-    if not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
-        msg = f"{uri.redacted}: port {port} is out of range"
-        raise ConfigError(msg)
-    return host, port
 
 
 def _one_db(uri: LockURI, in_path: str, query: dict[str, str]) -> str:
@@ -367,7 +344,11 @@ def _keys(prefix: str) -> list[str]:
 
 
 def connect(
-    uri: LockURI, *, ttl: float | None = None, warn: Callable[[str], None] | None = None
+    uri: LockURI,
+    *,
+    ttl: float | None = None,
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,  # noqa: ARG001 - nothing for -v alone
 ) -> RedisBackend:
     """Check *uri*; the first call connects, with timeouts that fit leases of *ttl*."""
     return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))

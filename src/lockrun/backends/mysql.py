@@ -1,0 +1,718 @@
+"""MySQL and MariaDB: user locks (GET_LOCK) as a first-in first-out semaphore.
+
+algorithms.md §2.3 has the measurements behind this design.
+
+Names are digests, so a lock is the same on MySQL and MariaDB whatever the name's length,
+case or characters: ``lr:`` and 40 hex digits of SHA-256(namespace NUL name), then ``:0`` …
+``:N-1`` for the slots and ``:gate`` for the queue of a semaphore.
+
+Mutex (N = 1): GET_LOCK on slot 0, which the server grants in arrival order.
+Semaphore (N > 1): waiters queue on the gate. Its holder takes the first free slot or, when
+none is, waits on every slot at once, on its own connection for slot 0 and on a helper
+connection for each other slot, keeps the first slot it gets and KILLs the other
+connections, which frees whatever they got meanwhile. Only the head of the queue holds N
+connections; nobody polls.
+
+A slot lives with its session: the server frees it when the connection closes, or after the
+session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
+ttl/3 with ``IS_USED_LOCK(slot) = CONNECTION_ID()`` and never reconnects: a session that
+failed once has lost its locks (pitfall 19).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import selectors
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pymysql
+from pymysql.constants import COMMAND, ER
+
+from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
+from lockrun.timing import now
+from lockrun.uri import host_port
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+
+    from lockrun.uri import LockURI
+
+DEFAULT_PORT: Final = 3306
+DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
+_OPTIONS: Final = frozenset(
+    {"unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "read_default_file", "charset"}
+)
+_FILES: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key", "read_default_file"})
+# The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
+# MariaDB returns NULL at once (pitfall 20). A wait this long is asked again when it ends.
+_FOREVER: Final = 31_536_000
+_PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
+FENCES: Final = "lockrun_fence"
+HOLDERS: Final = "lockrun_holders"
+_TABLES: Final = (
+    f"""CREATE TABLE IF NOT EXISTS {FENCES} (
+      lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
+      fence BIGINT UNSIGNED NOT NULL
+    ) ENGINE=InnoDB""",
+    f"""CREATE TABLE IF NOT EXISTS {HOLDERS} (
+      lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+      slot INT UNSIGNED NOT NULL,
+      slots INT UNSIGNED NOT NULL,
+      connection_id BIGINT UNSIGNED NOT NULL,
+      namespace VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+      name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+      holder TEXT CHARACTER SET utf8mb4 NOT NULL,
+      PRIMARY KEY (lock_key, slot)
+    ) ENGINE=InnoDB""",
+)
+# The server's clock in µs seeds the fence, so it keeps rising if the table is ever lost.
+_MICROS: Final = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
+_NEXT_FENCE: Final = (
+    f"INSERT INTO {FENCES} (lock_key, fence) VALUES (%s, LAST_INSERT_ID({_MICROS})) "
+    f"ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(GREATEST(fence + 1, {_MICROS}))"
+)
+_RECORD: Final = (
+    f"REPLACE INTO {HOLDERS} (lock_key, slot, slots, connection_id, namespace, name, holder) "
+    "VALUES (%s, %s, %s, CONNECTION_ID(), %s, %s, %s)"
+)
+# A live holder of the name with another N (its session still holds the slot it recorded).
+_MISMATCH: Final = (
+    f"SELECT slots, holder FROM {HOLDERS} WHERE lock_key = %s AND slots <> %s "
+    "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id LIMIT 1"
+)
+# No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
+_NO_TABLES: Final = frozenset(
+    {
+        ER.DBACCESS_DENIED_ERROR,
+        ER.TABLEACCESS_DENIED_ERROR,
+        ER.NO_DB_ERROR,
+        ER.OPTION_PREVENTS_STATEMENT,
+        ER.SPECIFIC_ACCESS_DENIED_ERROR,
+        ER.OPEN_AS_READONLY,
+        ER.CANT_CREATE_TABLE,
+    }
+)
+# What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
+_WAITING: Final = re.compile(
+    r"SELECT GET_LOCK\('(?P<key>lr:[0-9a-f]{40}):(?P<part>gate|\d+)', [0-9.]+\) "
+    r"/\* lockrun (?P<json>\{.*\}) \*/",
+    re.DOTALL,
+)
+
+
+class Settings(NamedTuple):
+    """Where the server is and how to log in, from a mysql: or mariadb: URI."""
+
+    where: str  # the URI without its password, for messages
+    kwargs: Mapping[str, Any]  # for pymysql.connect
+
+
+def parse(uri: LockURI) -> Settings:
+    """Translate a lock URI into PyMySQL settings; raise `ConfigError` for a bad one."""
+    try:
+        parts = urlsplit(uri.text)
+    except ValueError as err:  # e.g. an unclosed [IPv6 bracket
+        msg = f"{uri.redacted}: {err}"
+        raise ConfigError(msg) from None
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(query) - _OPTIONS)
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIONS))
+        msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
+        raise ConfigError(msg)
+    for option in sorted(_FILES & set(query)):
+        path = query[option] = os.path.expanduser(query[option])
+        if not os.access(path, os.R_OK):
+            msg = f"{uri.redacted}: {option} {path}: no such readable file"
+            raise ConfigError(msg)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    database = unquote(parts.path.strip("/"))
+    if "/" in database:
+        msg = f"{uri.redacted}: expected mysql://[USER[:PASSWORD]@]HOST[:PORT][/DATABASE]"
+        raise ConfigError(msg)
+    kwargs: dict[str, object] = {
+        "user": unquote(username) or None,
+        "password": unquote(password),
+        "database": database or None,
+        "charset": query.pop("charset", "utf8mb4"),
+    }
+    if hosts:
+        kwargs["host"], kwargs["port"] = host_port(uri, hosts, DEFAULT_PORT)
+    kwargs |= {option: value for option, value in query.items() if value}
+    if "ssl_ca" in kwargs:  # a CA to check the server against: check its name too
+        kwargs["ssl_verify_identity"] = True
+    try:
+        pymysql.charset.charset_by_name(str(kwargs["charset"]))
+    except KeyError:
+        msg = f"{uri.redacted}: unknown charset {kwargs['charset']!r}"
+        raise ConfigError(msg) from None
+    return Settings(uri.redacted, kwargs)
+
+
+def lock_key(namespace: str, name: str) -> str:
+    r"""Return the GET_LOCK name of (namespace, name) without its ``:slot`` or ``:gate``.
+
+    In SQL: ``CONCAT('lr:', LEFT(SHA2(CONCAT(namespace, '\\0', name), 256), 40))``.
+    """
+    digest = hashlib.sha256(f"{namespace}\0{name}".encode()).hexdigest()
+    return f"lr:{digest[:40]}"
+
+
+def connect(
+    uri: LockURI,
+    *,
+    ttl: float | None = None,
+    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - nothing to warn of yet
+    note: Callable[[str], None] | None = None,
+) -> MySQLBackend:
+    """Check *uri*; sessions are opened on use, with timeouts that fit leases of *ttl*."""
+    return MySQLBackend(parse(uri), ttl or DEFAULT_TTL, note or (lambda _line: None))
+
+
+class Session:
+    """One server session, with a timeout per statement and no reconnects, ever."""
+
+    def __init__(self, connection: pymysql.Connection[Any], timeout: float) -> None:
+        """Wrap an open *connection* whose statements answer within *timeout* seconds."""
+        # Typed Any: the selector wait and per-statement timeouts use PyMySQL's internals.
+        self.connection: Any = connection
+        self.timeout = timeout
+        self.id: int = self.connection.thread_id()  # type: ignore[no-untyped-call]
+        self.mariadb = "mariadb" in self.connection.get_server_info().lower()  # type: ignore[no-untyped-call]
+
+    def fileno(self) -> int:
+        """Return the socket's descriptor."""
+        return self._socket().fileno()
+
+    def _socket(self) -> socket.socket:
+        sock: socket.socket | None = self.connection._sock  # noqa: SLF001 - PyMySQL has no accessor
+        if sock is None:
+            raise pymysql.err.InterfaceError(0, "the session is closed")
+        return sock
+
+    def _limit(self, timeout: float | None) -> None:
+        # PyMySQL applies its read timeout per packet; set it per statement instead.
+        self.connection._read_timeout = timeout  # noqa: SLF001
+        self.connection._write_timeout = self.timeout  # noqa: SLF001
+
+    def one(self, sql: str, args: object = None, *, timeout: float | None = 0) -> Any:  # noqa: ANN401 - a column's value
+        """Run *sql* and return the first column of its first row (None if no row).
+
+        *timeout* 0 means the session's own; None waits as long as the server takes.
+        """
+        row = self.row(sql, args, timeout=timeout)
+        return None if row is None else row[0]
+
+    def row(self, sql: str, args: object = None, *, timeout: float | None = 0) -> Any:  # noqa: ANN401 - a row
+        """Run *sql* and return its first row, or None."""
+        self._limit(self.timeout if timeout == 0 else timeout)
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, args)
+            return cursor.fetchone()
+
+    def rows(self, sql: str, args: object = None) -> tuple[Any, ...]:
+        """Run *sql* and return every row."""
+        self._limit(self.timeout)
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, args)
+            return tuple(cursor.fetchall())
+
+    def insert(self, sql: str, args: object) -> int:
+        """Run an INSERT and return LAST_INSERT_ID() as the server reported it."""
+        self._limit(self.timeout)
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, args)
+            return int(cursor.lastrowid)
+
+    def send(self, sql: str) -> None:
+        """Send *sql* without waiting for the answer; `receive` reads it."""
+        self._limit(self.timeout)
+        self.connection._execute_command(COMMAND.COM_QUERY, sql)  # noqa: SLF001 - see receive
+
+    def receive(self) -> Any:  # noqa: ANN401 - a column's value
+        """Read the answer to what `send` sent: the first column of its first row.
+
+        Split from sending so one thread can wait on several sessions with a selector.
+        """
+        self._limit(self.timeout)  # the socket is readable: the answer is on its way
+        self.connection._read_query_result()  # noqa: SLF001
+        rows = self.connection._result.rows  # noqa: SLF001
+        return rows[0][0] if rows else None
+
+    def close(self) -> None:
+        """Say goodbye (COM_QUIT: the server frees our locks) and close; never raises."""
+        with contextlib.suppress(pymysql.err.Error, OSError):
+            if self.connection.open:
+                self.connection.close()
+
+    def abandon(self) -> None:
+        """Hang up at once, even while a statement runs in another thread; never raises.
+
+        shutdown() reaches the server even if other processes (the guardian) share the
+        socket; the server then ends the session and frees its locks.
+        """
+        with contextlib.suppress(pymysql.err.Error, OSError):
+            self._socket().shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            self.connection._force_close()  # noqa: SLF001 - close() would send COM_QUIT
+
+
+class MySQLBackend:
+    """Sessions on one MySQL or MariaDB server."""
+
+    def __init__(self, settings: Settings, ttl: float, note: Callable[[str], None]) -> None:
+        """Remember *settings*; *note* gets what `-v` shows (no fence, and why)."""
+        self.settings = settings
+        self.ttl = ttl
+        self.note = note
+        self.timeout = timeout_for(ttl)
+        self.checked = False  # whether the server was found usable (not a Galera node)
+        self.tables: bool | None = None  # whether lockrun's tables are usable; None: unknown
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def session(self) -> Session:
+        """Open a session whose locks the server frees after it idled for a lease."""
+        where = self.settings.where
+        try:
+            connection = pymysql.connect(
+                **self.settings.kwargs,
+                autocommit=True,
+                connect_timeout=self.timeout,
+                read_timeout=self.timeout,
+                write_timeout=self.timeout,
+            )
+        except pymysql.err.Error as err:
+            raise self.failure(err) from err
+        except Exception as err:  # PyMySQL's parser choking on a stranger
+            msg = f"{where} does not answer like a MySQL or MariaDB server ({err!r})"
+            raise BackendUnavailable(msg) from err
+        session = Session(connection, self.timeout)
+        try:
+            self._keepalive(session)
+            # A stalled holder keeps its locks only as long as its lease (pitfall 21); no
+            # statement time limit may cut a long GET_LOCK short.
+            limit = "max_statement_time" if session.mariadb else "max_execution_time"
+            session.row(
+                f"SET SESSION wait_timeout = {max(1, math.ceil(self.ttl))}, SESSION {limit} = 0"
+            )
+            if not self.checked:
+                self._check(session)
+        except pymysql.err.Error as err:
+            session.abandon()
+            raise self.failure(err) from err
+        except BaseException:
+            session.abandon()
+            raise
+        return session
+
+    def _keepalive(self, session: Session) -> None:
+        """Let TCP find a vanished server within about a ttl while we wait on it."""
+        sock = session._socket()  # noqa: SLF001 - our own class
+        if sock.family == socket.AF_UNIX:
+            return
+        idle = max(1, int(self.ttl / 3))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+    def _check(self, session: Session) -> None:
+        """Refuse a Galera node: its user locks are local to the node (pitfall 20)."""
+        row = session.row("SHOW VARIABLES LIKE 'wsrep\\_on'")
+        if row is not None and str(row[1]).upper() == "ON":
+            msg = (
+                f"{self.settings.where} is a Galera cluster node (wsrep_on=ON): its GET_LOCK "
+                "locks are local to that node, so lockrun cannot exclude across the cluster; "
+                "point --uri at a server outside the cluster"
+            )
+            raise ConfigError(msg)
+        self.checked = True
+
+    def failure(self, err: pymysql.err.Error) -> LockrunError:
+        """Translate a PyMySQL error into one line, naming the server but no password."""
+        where = self.settings.where
+        code = err.args[0] if err.args and isinstance(err.args[0], int) else 0
+        text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
+        if code == ER.ACCESS_DENIED_ERROR:
+            return BackendUnavailable(f"{where}: authentication failed: {text}")
+        if code == ER.BAD_DB_ERROR:
+            return ConfigError(f"{where}: no such database on this server: {text}")
+        if code == ER.CON_COUNT_ERROR:
+            return BackendUnavailable(
+                f"{where}: the server has no free connection (max_connections): {text}"
+            )
+        if "timed out" in text:
+            return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
+        if isinstance(err, pymysql.err.InternalError) and "sequence" in text:
+            return BackendUnavailable(f"{where} does not answer like a MySQL server ({text})")
+        return BackendUnavailable(f"{where}: {text}")
+
+    # -- acquiring -----------------------------------------------------------------------
+
+    def acquire(self, request: Request, deadline: float | None) -> MySQLLease | None:
+        """Wait in the server's queue until a slot is ours, or *deadline* passes."""
+        key = lock_key(request.namespace, request.name)
+        tag = _tag(request, secrets.token_hex(8))
+        opened: list[Session] = []  # every session this acquisition opened
+        try:
+            slot, holder = self._take(request.slots, key, deadline, tag, opened)
+            lease = None if holder is None else self._grant(holder, request, key, slot)
+        except BaseException as err:
+            for session in opened:  # mid-statement, maybe: hang up rather than say goodbye
+                session.abandon()
+            if isinstance(err, pymysql.err.Error):
+                raise self.failure(err) from err
+            raise
+        for session in opened:
+            if lease is None or session is not lease.session:
+                session.close()  # frees the gate and anything a loser got
+        return lease
+
+    def _take(
+        self, slots: int, key: str, deadline: float | None, tag: str, opened: list[Session]
+    ) -> tuple[int, Session | None]:
+        """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
+        first = self.session()
+        opened.append(first)
+        if slots == 1:
+            return (0, first) if self._wait(first, f"{key}:0", deadline, tag) else (-1, None)
+        if deadline is not None and deadline <= now():  # one try: the gate would not help
+            slot = first.one(_first_free(key, slots))
+            return (slot, first) if slot >= 0 else (-1, None)
+        if not self._wait(first, f"{key}:gate", deadline, tag):
+            return -1, None
+        slot = first.one(_first_free(key, slots))
+        if slot < 0:
+            slot, holder = self._wait_any(first, key, slots, deadline, tag, opened)
+            if holder is not first:
+                return slot, holder  # killing our first session let the gate go
+        first.one("SELECT RELEASE_LOCK(%s)", (f"{key}:gate",))
+        return slot, first
+
+    def _wait(self, session: Session, lock: str, deadline: float | None, tag: str) -> bool:
+        """Wait in *lock*'s queue on *session* until we hold it (True) or *deadline* passes."""
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - now())
+            seconds = _FOREVER if remaining is None else remaining
+            # The answer may take as long as the wait; TCP keepalive watches the server.
+            patience = None if remaining is None else remaining + self.timeout
+            got = session.one(_get_lock(lock, seconds, tag), timeout=patience)
+            if got == 1:
+                return True
+            if got is None:  # an error, or KILL QUERY from outside
+                msg = f"{self.settings.where}: the wait for {lock} was cancelled on the server"
+                raise BackendUnavailable(msg)
+            if remaining is not None and now() >= deadline:  # type: ignore[operator]
+                return False
+
+    def _wait_any(
+        self,
+        first: Session,
+        key: str,
+        slots: int,
+        deadline: float | None,
+        tag: str,
+        opened: list[Session],
+    ) -> tuple[int, Session | None]:
+        """As head of the queue, wait on every slot at once; keep the first slot we get."""
+        waiting: dict[Session, int] = {first: 0}
+        for slot in range(1, slots):
+            helper = self.session()
+            opened.append(helper)
+            waiting[helper] = slot
+        with selectors.DefaultSelector() as selector:
+            for session, slot in waiting.items():
+                remaining = None if deadline is None else max(0.0, deadline - now())
+                session.send(
+                    _get_lock(f"{key}:{slot}", _FOREVER if remaining is None else remaining, tag)
+                )
+                selector.register(session.fileno(), selectors.EVENT_READ, session)
+            while waiting:
+                remaining = None if deadline is None else max(0.0, deadline - now())
+                ready = selector.select(None if remaining is None else remaining + self.timeout)
+                if not ready:
+                    msg = f"{self.settings.where}: no answer to GET_LOCK in time"
+                    raise BackendUnavailable(msg)
+                for selected, _ in ready:
+                    session = selected.data
+                    slot = waiting.pop(session)
+                    selector.unregister(session.fileno())
+                    got = session.receive()
+                    if got == 1:
+                        self._cancel(session, waiting)
+                        return slot, session
+                    if got is None:
+                        msg = f"{self.settings.where}: the wait for slot {slot} was cancelled"
+                        raise BackendUnavailable(msg)
+                    if deadline is None:  # a year went by: wait on
+                        session.send(_get_lock(f"{key}:{slot}", _FOREVER, tag))
+                        selector.register(session.fileno(), selectors.EVENT_READ, session)
+                        waiting[session] = slot
+        return -1, None
+
+    def _cancel(self, winner: Session, losers: Iterable[Session]) -> None:
+        """From *winner*, end the other waiting sessions: their waits and any slot they got."""
+        for loser in losers:
+            with contextlib.suppress(pymysql.err.OperationalError, pymysql.err.InternalError):
+                winner.one("KILL %s", (loser.id,))  # unknown thread: it is gone already
+            loser.abandon()
+
+    def _grant(self, session: Session, request: Request, key: str, slot: int) -> MySQLLease:
+        """Record the holder, draw a fence, and refuse a live user with another N."""
+        lease = MySQLLease(self, session, key, slot, self._fence(session, request, key, slot))
+        if self.tables:
+            other = session.row(_MISMATCH, (key, request.slots))
+            if other is not None:
+                lease.release()
+                raise _mismatch(request, int(other[0]), str(other[1]))
+        return lease
+
+    def _fence(self, session: Session, request: Request, key: str, slot: int) -> int | None:
+        """Record the holder and return a new fence; None where the tables are out of reach."""
+        if self.tables is False:
+            return None
+        try:
+            try:
+                return self._record(session, request, key, slot)
+            except pymysql.err.ProgrammingError as err:
+                if err.args[0] != ER.NO_SUCH_TABLE:
+                    raise
+                for statement in _TABLES:
+                    session.one(statement)
+                return self._record(session, request, key, slot)
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if err.args[0] not in _NO_TABLES:
+                raise
+            self.tables = False
+            self.note(
+                f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
+                f"{self.settings.where} ({err.args[1]}); LOCKRUN_FENCE stays unset"
+            )
+            return None
+
+    def _record(self, session: Session, request: Request, key: str, slot: int) -> int:
+        record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
+        session.one(_RECORD, (key, slot, request.slots, request.namespace, request.name, record))
+        self.tables = True
+        return session.insert(_NEXT_FENCE, (key,))
+
+    # -- status --------------------------------------------------------------------------
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """Report holders and waiters of *name*, or of every lock in *namespace*."""
+        session = self.session()
+        try:
+            waiters = _waiters(session)
+            if name is None:
+                names = set(self._recorded(session, namespace))
+                names |= {waiter.name for waiter in waiters if waiter.namespace == namespace}
+                states = [self._state(session, namespace, each, waiters) for each in sorted(names)]
+                return [state for state in states if state.holders or state.waiters]
+            return [self._state(session, namespace, name, waiters)]
+        except pymysql.err.Error as err:
+            raise self.failure(err) from err
+        finally:
+            session.close()
+
+    def _recorded(self, session: Session, namespace: str) -> list[str]:
+        """Return the names lockrun's table has holders of (none without the table)."""
+        try:
+            rows = session.rows(
+                f"SELECT DISTINCT name FROM {HOLDERS} WHERE namespace = %s", (namespace,)
+            )
+        except (pymysql.err.ProgrammingError, pymysql.err.OperationalError):
+            return []
+        return [str(row[0]) for row in rows]
+
+    def _state(
+        self, session: Session, namespace: str, name: str, waiters: list[_Waiter]
+    ) -> LockState:
+        """Read one lock: who holds which slot (IS_USED_LOCK, our records), who waits."""
+        key = lock_key(namespace, name)
+        queue = [waiter for waiter in waiters if waiter.lock.startswith(f"{key}:")]
+        records: dict[int, tuple[int, int, str]] = {}  # slot → (N, connection, holder JSON)
+        with contextlib.suppress(pymysql.err.ProgrammingError, pymysql.err.OperationalError):
+            for slot, slots, connection, holder in session.rows(
+                f"SELECT slot, slots, connection_id, holder FROM {HOLDERS} WHERE lock_key = %s",
+                (key,),
+            ):
+                records[int(slot)] = (int(slots), int(connection), str(holder))
+        known = {slots for slots, _, _ in records.values()} | {waiter.slots for waiter in queue}
+        probed = max(known, default=_PROBED_SLOTS)
+        used = session.row(
+            "SELECT " + ", ".join(f"IS_USED_LOCK('{key}:{slot}')" for slot in range(probed))
+        )
+        holders = [
+            self._holder(session, slot, int(connection), records.get(slot))
+            for slot, connection in enumerate(used)
+            if connection is not None
+        ]
+        # The head waits on the slots (one line per slot), the others on the gate.
+        queue.sort(key=lambda waiter: waiter.lock.endswith(":gate"))
+        people = {waiter.token: waiter.holder for waiter in queue}  # dicts keep the order
+        return LockState(
+            namespace, name, key, max(known, default=None), tuple(holders), tuple(people.values())
+        )
+
+    @staticmethod
+    def _holder(
+        session: Session, slot: int, connection: int, record: tuple[int, int, str] | None
+    ) -> Holder:
+        """Describe the session *connection* that holds *slot*, from our record if it is its."""
+        if record is not None and record[1] == connection:
+            with contextlib.suppress(ValueError):
+                return Holder.from_dict(json.loads(record[2]))._replace(slot=slot)
+        row = session.row(
+            "SELECT USER, HOST FROM information_schema.PROCESSLIST WHERE ID = %s", (connection,)
+        )
+        user, host = ("?", "?") if row is None else (str(row[0]), str(row[1]))
+        return Holder(f"{host} (connection {connection})", 0, user, (), slot=slot)
+
+    def close(self) -> None:
+        """Nothing to drop: every session belongs to a lease or to one call."""
+
+
+class _Waiter(NamedTuple):
+    """A lockrun waiter as its GET_LOCK's comment describes it in the processlist."""
+
+    lock: str
+    token: str
+    namespace: str
+    name: str
+    slots: int
+    holder: Holder
+
+
+def _waiters(session: Session) -> list[_Waiter]:
+    """Return every lockrun waiter the processlist shows, longest waiting first."""
+    rows = session.rows(
+        "SELECT ID, TIME, INFO FROM information_schema.PROCESSLIST "
+        "WHERE ID <> CONNECTION_ID() AND INFO LIKE 'SELECT GET\\_LOCK(''lr:%'"
+    )
+    waiters = []
+    for _, _, info in sorted(rows, key=lambda row: (-int(row[1] or 0), int(row[0]))):
+        match = _WAITING.fullmatch(str(info))
+        if match is None:
+            continue
+        try:
+            who = json.loads(match["json"])  # "*\\/" is JSON for "*/"
+            waiters.append(
+                _Waiter(
+                    f"{match['key']}:{match['part']}",
+                    str(who["token"]),
+                    str(who["namespace"]),
+                    str(who["name"]),
+                    int(who["slots"]),
+                    Holder.from_dict(who["holder"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError):  # not ours after all
+            continue
+    return waiters
+
+
+def _tag(request: Request, token: str) -> str:
+    """Return the comment a waiter's GET_LOCK carries: who waits, for `lockrun status`."""
+    identity = {
+        "token": token,
+        "namespace": request.namespace,
+        "name": request.name,
+        "slots": request.slots,
+        "holder": request.holder.to_dict(),
+    }
+    return "/* lockrun " + json.dumps(identity).replace("*/", "*\\/") + " */"
+
+
+def _get_lock(lock: str, seconds: float, tag: str) -> str:
+    # Only hex digits, a colon and "gate" ever reach the quotes.
+    return f"SELECT GET_LOCK('{lock}', {seconds:.3f}) {tag}"
+
+
+def _first_free(key: str, slots: int) -> str:
+    """Return a statement that takes the first free slot (CASE stops at the first) or -1."""
+    tries = " ".join(f"WHEN GET_LOCK('{key}:{slot}', 0) = 1 THEN {slot}" for slot in range(slots))
+    return f"SELECT CASE {tries} ELSE -1 END"
+
+
+def _mismatch(request: Request, slots: int, record: str) -> ConfigError:
+    try:
+        return slots_mismatch(request, Holder.from_dict(json.loads(record)), slots)
+    except ValueError:
+        return ConfigError(
+            f"{request.name} is held with --slots {slots}; all users of a name must agree, "
+            f"and this one has --slots {request.slots}"
+        )
+
+
+class MySQLLease:
+    """A slot held by a server session, proven every ttl/3 and never reconnected."""
+
+    def __init__(
+        self, backend: MySQLBackend, session: Session, key: str, slot: int, fence: int | None
+    ) -> None:
+        """Describe *slot* of *key*, held by *session*."""
+        self.backend = backend
+        self.session = session
+        self.lock = f"{key}:{slot}"
+        self.key = key
+        self.slot = slot
+        self.fence = fence
+        self.ttl: float | None = backend.ttl
+        self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
+        self.released = False
+        self._busy = threading.Lock()  # one statement at a time on the session
+
+    def refresh(self) -> None:
+        """Prove the slot is still ours; `LeaseLost` if the session or the slot is gone."""
+        with self._busy:
+            if self.released:
+                return
+            try:
+                ours = self.session.one(
+                    "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()",
+                    (self.lock,),
+                    timeout=(self.ttl or DEFAULT_TTL) / 3,
+                )
+            except pymysql.err.Error as err:
+                self.session.abandon()
+                text = err.args[1] if len(err.args) > 1 else err
+                msg = f"the session holding the lock ended ({text}); its locks are gone"
+                raise LeaseLost(msg) from err
+        if ours != 1:
+            msg = "the server no longer gives this session the lock"
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Give the slot back (the next waiter gets it at once) and end the session."""
+        if self.released:
+            return
+        self.released = True
+        if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
+            self.session.abandon()
+            return
+        try:
+            self.session.one("SELECT RELEASE_LOCK(%s)", (self.lock,))
+            if self.backend.tables:
+                self.session.one(
+                    f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s "
+                    "AND connection_id = CONNECTION_ID()",
+                    (self.key, self.slot),
+                )
+        except pymysql.err.Error:
+            self.session.abandon()  # the server frees what a lost session held
+        finally:
+            self.session.close()
+            self._busy.release()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pymysql
-from pymysql.constants import COMMAND, ER
+from pymysql.constants import COMMAND, CR, ER
 
 from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
@@ -57,6 +57,7 @@ _FILES: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key", "read_default_file"}
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (pitfall 20). A wait this long is asked again when it ends.
 _FOREVER: Final = 31_536_000
+_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
 HOLDERS: Final = "lockrun_holders"
@@ -101,6 +102,17 @@ _NO_TABLES: Final = frozenset(
         ER.SPECIFIC_ACCESS_DENIED_ERROR,
         ER.OPEN_AS_READONLY,
         ER.CANT_CREATE_TABLE,
+    }
+)
+# A connection lost or ended under us: server gone, restarted, shutting down, KILLed.
+_LOST: Final = frozenset(
+    {
+        CR.CR_CONN_HOST_ERROR,
+        CR.CR_SERVER_GONE_ERROR,
+        CR.CR_SERVER_LOST,
+        ER.SERVER_SHUTDOWN,
+        ER.QUERY_INTERRUPTED,
+        1927,  # MariaDB's ER_CONNECTION_KILLED
     }
 )
 # What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
@@ -363,104 +375,128 @@ class MySQLBackend:
     # -- acquiring -----------------------------------------------------------------------
 
     def acquire(self, request: Request, deadline: float | None) -> MySQLLease | None:
-        """Wait in the server's queue until a slot is ours, or *deadline* passes."""
+        """Wait in the server's queue until a slot is ours, or *deadline* passes.
+
+        A waiter that loses its connection (a server restart, a failover) connects and
+        queues again, for up to a ttl; failing to get in at all is reported at once.
+        """
         key = lock_key(request.namespace, request.name)
         tag = _tag(request, secrets.token_hex(8))
-        opened: list[Session] = []  # every session this acquisition opened
+        lost: float | None = None  # when the connection of a queued attempt was lost
+        while True:
+            attempt = _Attempt(key, request.slots, deadline, tag)
+            try:
+                return self._attempt(attempt, request)
+            except (pymysql.err.Error, BackendUnavailable) as err:
+                failure = self.failure(err) if isinstance(err, pymysql.err.Error) else err
+                if not _transient(err) or (not attempt.queued and lost is None):
+                    raise failure from err
+                lost = now() if attempt.queued else lost
+                assert lost is not None  # noqa: S101 - for mypy: set above or earlier
+                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
+                    raise failure from err
+                time.sleep(min(_RECONNECT, self.ttl / 10))
+
+    def _attempt(self, attempt: _Attempt, request: Request) -> MySQLLease | None:
+        """Queue once; close every session but the holder's, whatever happens."""
         try:
-            slot, holder = self._take(request.slots, key, deadline, tag, opened)
-            lease = None if holder is None else self._grant(holder, request, key, slot)
-        except BaseException as err:
-            for session in opened:  # mid-statement, maybe: hang up rather than say goodbye
+            slot, holder = self._take(attempt)
+            lease = None if holder is None else self._grant(holder, request, attempt.key, slot)
+        except BaseException:
+            for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
-            if isinstance(err, pymysql.err.Error):
-                raise self.failure(err) from err
             raise
-        for session in opened:
+        for session in attempt.opened:
             if lease is None or session is not lease.session:
                 session.close()  # frees the gate and anything a loser got
         return lease
 
-    def _take(
-        self, slots: int, key: str, deadline: float | None, tag: str, opened: list[Session]
-    ) -> tuple[int, Session | None]:
+    def _open(self, attempt: _Attempt) -> Session:
+        session = self.session()
+        attempt.opened.append(session)
+        return session
+
+    def _take(self, attempt: _Attempt) -> tuple[int, Session | None]:
         """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
-        first = self.session()
-        opened.append(first)
-        if slots == 1:
-            return (0, first) if self._wait(first, f"{key}:0", deadline, tag) else (-1, None)
+        key, deadline = attempt.key, attempt.deadline
+        first = self._open(attempt)
+        if attempt.slots == 1:
+            return (0, first) if self._wait(first, f"{key}:0", attempt) else (-1, None)
         if deadline is not None and deadline <= now():  # one try: the gate would not help
-            slot = first.one(_first_free(key, slots))
+            slot = first.one(_first_free(key, attempt.slots))
             return (slot, first) if slot >= 0 else (-1, None)
-        if not self._wait(first, f"{key}:gate", deadline, tag):
+        if not self._wait(first, f"{key}:gate", attempt):
             return -1, None
-        slot = first.one(_first_free(key, slots))
+        slot = first.one(_first_free(key, attempt.slots))
         if slot < 0:
-            slot, holder = self._wait_any(first, key, slots, deadline, tag, opened)
+            slot, holder = self._wait_any(first, attempt)
             if holder is not first:
                 return slot, holder  # killing our first session let the gate go
         first.one("SELECT RELEASE_LOCK(%s)", (f"{key}:gate",))
         return slot, first
 
-    def _wait(self, session: Session, lock: str, deadline: float | None, tag: str) -> bool:
-        """Wait in *lock*'s queue on *session* until we hold it (True) or *deadline* passes."""
+    def _wait(self, session: Session, lock: str, attempt: _Attempt) -> bool:
+        """Wait in *lock*'s queue on *session* until we hold it (True) or the deadline passes.
+
+        One long GET_LOCK: asking again would put us at the back of the queue. While it
+        runs the server never hears from us; TCP keepalive finds a server that vanished.
+        """
+        deadline = attempt.deadline
         while True:
             remaining = None if deadline is None else max(0.0, deadline - now())
+            attempt.queued = attempt.queued or remaining != 0
             seconds = _FOREVER if remaining is None else remaining
-            # The answer may take as long as the wait; TCP keepalive watches the server.
             patience = None if remaining is None else remaining + self.timeout
-            got = session.one(_get_lock(lock, seconds, tag), timeout=patience)
+            got = session.one(_get_lock(lock, seconds, attempt.tag), timeout=patience)
             if got == 1:
                 return True
-            if got is None:  # an error, or KILL QUERY from outside
+            if got is None:  # KILL QUERY from outside, or an error
                 msg = f"{self.settings.where}: the wait for {lock} was cancelled on the server"
                 raise BackendUnavailable(msg)
-            if remaining is not None and now() >= deadline:  # type: ignore[operator]
+            if deadline is not None and now() >= deadline:
                 return False
 
-    def _wait_any(
-        self,
-        first: Session,
-        key: str,
-        slots: int,
-        deadline: float | None,
-        tag: str,
-        opened: list[Session],
-    ) -> tuple[int, Session | None]:
-        """As head of the queue, wait on every slot at once; keep the first slot we get."""
-        waiting: dict[Session, int] = {first: 0}
-        for slot in range(1, slots):
-            helper = self.session()
-            opened.append(helper)
-            waiting[helper] = slot
+    def _wait_any(self, first: Session, attempt: _Attempt) -> tuple[int, Session | None]:
+        """As head of the queue, wait on every slot at once; keep the first slot we get.
+
+        Only the head waits on slots, so it asks in pieces of ttl/3 without losing its
+        place: a head that stalls (SIGSTOP, a frozen VM) then idles, and its wait_timeout
+        lets the queue go on within a lease.
+        """
+        key, deadline = attempt.key, attempt.deadline
+        sessions = [first] + [self._open(attempt) for _ in range(1, attempt.slots)]
+        piece = self.ttl / 3
         with selectors.DefaultSelector() as selector:
-            for session, slot in waiting.items():
-                remaining = None if deadline is None else max(0.0, deadline - now())
-                session.send(
-                    _get_lock(f"{key}:{slot}", _FOREVER if remaining is None else remaining, tag)
-                )
-                selector.register(session.fileno(), selectors.EVENT_READ, session)
-            while waiting:
-                remaining = None if deadline is None else max(0.0, deadline - now())
-                ready = selector.select(None if remaining is None else remaining + self.timeout)
+
+            def ask(slot: int) -> None:
+                remaining = piece if deadline is None else max(0.0, deadline - now())
+                sessions[slot].send(_get_lock(f"{key}:{slot}", min(piece, remaining), attempt.tag))
+                selector.register(sessions[slot].fileno(), selectors.EVENT_READ, slot)
+
+            for slot in range(attempt.slots):
+                ask(slot)
+            pending = attempt.slots
+            while pending:
+                ready = selector.select(piece + self.timeout)
                 if not ready:
-                    msg = f"{self.settings.where}: no answer to GET_LOCK in time"
+                    msg = f"{self.settings.where}: no answer to GET_LOCK within {piece:g}s"
                     raise BackendUnavailable(msg)
                 for selected, _ in ready:
-                    session = selected.data
-                    slot = waiting.pop(session)
-                    selector.unregister(session.fileno())
-                    got = session.receive()
+                    slot = selected.data
+                    selector.unregister(selected.fileobj)
+                    pending -= 1
+                    got = sessions[slot].receive()
                     if got == 1:
-                        self._cancel(session, waiting)
-                        return slot, session
+                        self._cancel(
+                            sessions[slot], [s for s in sessions if s is not sessions[slot]]
+                        )
+                        return slot, sessions[slot]
                     if got is None:
                         msg = f"{self.settings.where}: the wait for slot {slot} was cancelled"
                         raise BackendUnavailable(msg)
-                    if deadline is None:  # a year went by: wait on
-                        session.send(_get_lock(f"{key}:{slot}", _FOREVER, tag))
-                        selector.register(session.fileno(), selectors.EVENT_READ, session)
-                        waiting[session] = slot
+                    if deadline is None or now() < deadline:
+                        ask(slot)
+                        pending += 1
         return -1, None
 
     def _cancel(self, winner: Session, losers: Iterable[Session]) -> None:
@@ -583,6 +619,25 @@ class MySQLBackend:
 
     def close(self) -> None:
         """Nothing to drop: every session belongs to a lease or to one call."""
+
+
+class _Attempt:
+    """One pass through the queue: what it waits for and the sessions it opened."""
+
+    def __init__(self, key: str, slots: int, deadline: float | None, tag: str) -> None:
+        self.key = key
+        self.slots = slots
+        self.deadline = deadline
+        self.tag = tag
+        self.opened: list[Session] = []
+        self.queued = False  # whether it got as far as waiting in the server's queue
+
+
+def _transient(err: BaseException | None) -> bool:
+    """Whether *err* is a lost connection that a waiter may ride out (not a refusal)."""
+    if isinstance(err, BackendUnavailable):
+        return "cancelled on the server" in str(err) or _transient(err.__cause__)
+    return isinstance(err, pymysql.err.OperationalError) and err.args[0] in _LOST
 
 
 class _Waiter(NamedTuple):

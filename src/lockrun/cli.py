@@ -77,7 +77,8 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
     default=DEFAULT_URI,
     show_default=True,
     help="Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
-    "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE.",
+    "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE, mysql://[USER@]HOST[:PORT]/DB, "
+    "mariadb://….",
 )
 @click.option(
     "-s",

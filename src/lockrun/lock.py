@@ -16,6 +16,7 @@ from lockrun.errors import (
     BackendUnavailable,
     CommandNotExecutable,
     CommandNotFound,
+    ConfigError,
     Interrupted,
     LeaseLost,
     LockBusy,
@@ -289,8 +290,8 @@ def _hold_and_run(
         ):
             verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
         lease = acquire(backend, request, options.wait)
-    except BackendUnavailable as err:  # SPEC §2: the line names the lock
-        raise BackendUnavailable(f"{request.name}: {err}") from err
+    except (BackendUnavailable, ConfigError) as err:  # SPEC §2: the line names the lock
+        raise type(err)(f"{request.name}: {err}") from err
     held_since = started  # for the message only; set again at once
     # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
     # it runs, and one that comes after it ended must not rewrite its exit status. One that

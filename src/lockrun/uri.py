@@ -51,7 +51,10 @@ def parse_uri(text: str) -> LockURI:
 
 
 def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
-    """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]`` of *uri*; no host means localhost."""
+    """Split ``HOST[:PORT]`` or ``[IPV6][:PORT]`` of *uri*; no host means localhost.
+
+    Without a port, *default_port* (0: let the driver decide).
+    """
     match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
     if match is None:
         msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT] after the last @"
@@ -59,7 +62,7 @@ def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
     host = match[1] or match[3] or "localhost"
     port_text = match[2] if match[1] else match[4]
     port = int(port_text) if port_text else default_port
-    if not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
+    if port_text and not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
         msg = f"{uri.redacted}: port {port} is out of range"
         raise ConfigError(msg)
     return host, port
@@ -75,6 +78,7 @@ def unquote(text: str) -> str:
 
 def redact(text: str) -> str:
     """Replace the password of a URI (and of any ``…password=`` query item) with ``***``."""
-    # A password ends at the last @ of the authority; it may hold @ or / itself, unescaped.
-    text = re.sub(r"(//[^/@:?#]*:)[^?#]*@", r"\1***@", text)
+    # A password runs to the last @ of the whole text: unescaped, it may hold @, /, ? or #,
+    # which end the authority for a parser. Hiding too much is the safe mistake.
+    text = re.sub(r"(//[^/@:?#]*:).*@", r"\1***@", text, flags=re.DOTALL)
     return re.sub(r"(?i)((?:^|[?&])\w*password=)[^&]*", r"\1***", text)

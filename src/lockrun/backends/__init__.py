@@ -177,7 +177,7 @@ class Backend(Protocol):
 def slots_mismatch(request: Request, holder: Holder, slots: int) -> ConfigError:
     """Return the error for a live *holder* that uses *request*'s name with other *slots*."""
     return ConfigError(
-        f"{request.name} is held with --slots {slots} by {holder.user}@{holder.host} pid "
+        f"held with --slots {slots} by {holder.user}@{holder.host} pid "
         f"{holder.pid}; all users of a name must agree, and this one has --slots {request.slots}"
     )
 

@@ -21,6 +21,7 @@ failed once has lost its locks (pitfall 19).
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import hashlib
 import json
@@ -30,6 +31,7 @@ import re
 import secrets
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
@@ -39,7 +41,13 @@ import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
 from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
-from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
+from lockrun.errors import (
+    BackendUnavailable,
+    ConfigError,
+    Interrupted,
+    LeaseLost,
+    LockrunError,
+)
 from lockrun.timing import now
 from lockrun.uri import host_port
 
@@ -143,11 +151,7 @@ def parse(uri: LockURI) -> Settings:
         allowed = ", ".join(sorted(_OPTIONS))
         msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
         raise ConfigError(msg)
-    for option in sorted(_FILES & set(query)):
-        path = query[option] = os.path.expanduser(query[option])
-        if not os.access(path, os.R_OK):
-            msg = f"{uri.redacted}: {option} {path}: no such readable file"
-            raise ConfigError(msg)
+    _check_files(uri, query)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     database = unquote(parts.path.strip("/"))
@@ -161,16 +165,60 @@ def parse(uri: LockURI) -> Settings:
         "charset": query.pop("charset", "utf8mb4"),
     }
     if hosts:
-        kwargs["host"], kwargs["port"] = host_port(uri, hosts, DEFAULT_PORT)
+        host, port = host_port(uri, hosts, 0)  # no port: the option file's, else 3306
+        kwargs["host"] = host
+        if port:
+            kwargs["port"] = port
     kwargs |= {option: value for option, value in query.items() if value}
     if "ssl_ca" in kwargs:  # a CA to check the server against: check its name too
         kwargs["ssl_verify_identity"] = True
+    _check_tls(uri, kwargs)
+    charset = str(kwargs["charset"])
+    with contextlib.suppress(KeyError):  # PyMySQL returns None for an unknown one, or raised
+        if pymysql.charset.charset_by_name(charset) is not None:
+            return Settings(uri.redacted, kwargs)
+    msg = f"{uri.redacted}: unknown charset {charset!r}"
+    raise ConfigError(msg)
+
+
+def _check_files(uri: LockURI, query: dict[str, str]) -> None:
+    """Expand ``~`` in the file options and make sure each names a readable file."""
+    for option in sorted(_FILES & set(query)):
+        path = query[option] = os.path.expanduser(query[option])
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            msg = f"{uri.redacted}: {option} {path}: no such readable file"
+            raise ConfigError(msg)
+    if "read_default_file" in query:
+        _check_option_file(uri, query["read_default_file"])
+
+
+def _check_option_file(uri: LockURI, path: str) -> None:
+    """Refuse an option file PyMySQL cannot read, naming the line but none of its text."""
+    parser = configparser.RawConfigParser(strict=False, allow_no_value=True)
     try:
-        pymysql.charset.charset_by_name(str(kwargs["charset"]))
-    except KeyError:
-        msg = f"{uri.redacted}: unknown charset {kwargs['charset']!r}"
+        parser.read(path)
+    except configparser.Error as err:
+        line = getattr(err, "lineno", None)
+        where = f" line {line}" if line else ""
+        msg = f"{uri.redacted}: read_default_file {path}{where}: not a MySQL option file"
         raise ConfigError(msg) from None
-    return Settings(uri.redacted, kwargs)
+
+
+def _check_tls(uri: LockURI, kwargs: Mapping[str, object]) -> None:
+    """Load the TLS files now, so a bad one is a configuration error (78), not the server's."""
+    if "ssl_key" in kwargs and "ssl_cert" not in kwargs:
+        msg = f"{uri.redacted}: ssl_key needs ssl_cert (the client certificate it belongs to)"
+        raise ConfigError(msg)
+    option = "ssl_ca"
+    try:
+        context = ssl.create_default_context(cafile=kwargs.get("ssl_ca"))  # type: ignore[arg-type]
+        if "ssl_cert" in kwargs:
+            option = "ssl_cert"
+            context.load_cert_chain(kwargs["ssl_cert"], kwargs.get("ssl_key"))  # type: ignore[arg-type]
+    except (ssl.SSLError, OSError) as err:
+        reason = getattr(err, "reason", None) or err.strerror or type(err).__name__
+        msg = f"{uri.redacted}: {option} {kwargs.get(option)}: unusable ({reason})"
+        raise ConfigError(msg) from None
 
 
 def lock_key(namespace: str, name: str) -> str:
@@ -309,7 +357,7 @@ class MySQLBackend:
         except pymysql.err.Error as err:
             raise self.failure(err) from err
         except Exception as err:  # PyMySQL's parser choking on a stranger
-            msg = f"{where} does not answer like a MySQL or MariaDB server ({err!r})"
+            msg = f"{where} does not answer like a MySQL or MariaDB server"
             raise BackendUnavailable(msg) from err
         session = Session(connection, self.timeout)
         try:
@@ -369,7 +417,7 @@ class MySQLBackend:
         if "timed out" in text:
             return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
         if isinstance(err, pymysql.err.InternalError) and "sequence" in text:
-            return BackendUnavailable(f"{where} does not answer like a MySQL server ({text})")
+            return BackendUnavailable(f"{where} does not answer like a MySQL or MariaDB server")
         return BackendUnavailable(f"{where}: {text}")
 
     # -- acquiring -----------------------------------------------------------------------
@@ -384,9 +432,9 @@ class MySQLBackend:
         tag = _tag(request, secrets.token_hex(8))
         lost: float | None = None  # when the connection of a queued attempt was lost
         while True:
-            attempt = _Attempt(key, request.slots, deadline, tag)
+            attempt = _Attempt(request, key, deadline, tag)
             try:
-                return self._attempt(attempt, request)
+                return self._attempt(attempt)
             except (pymysql.err.Error, BackendUnavailable) as err:
                 failure = self.failure(err) if isinstance(err, pymysql.err.Error) else err
                 if not _transient(err) or (not attempt.queued and lost is None):
@@ -397,19 +445,38 @@ class MySQLBackend:
                     raise failure from err
                 time.sleep(min(_RECONNECT, self.ttl / 10))
 
-    def _attempt(self, attempt: _Attempt, request: Request) -> MySQLLease | None:
+    def _attempt(self, attempt: _Attempt) -> MySQLLease | None:
         """Queue once; close every session but the holder's, whatever happens."""
         try:
             slot, holder = self._take(attempt)
-            lease = None if holder is None else self._grant(holder, request, attempt.key, slot)
-        except BaseException:
+            lease = None if holder is None else self._grant(holder, attempt, slot)
+        except BaseException as err:
             for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
+            if not isinstance(err, pymysql.err.Error | LockrunError) or isinstance(
+                err, Interrupted
+            ):
+                self._end(attempt.opened)
             raise
         for session in attempt.opened:
             if lease is None or session is not lease.session:
                 session.close()  # frees the gate and anything a loser got
         return lease
+
+    def _end(self, sessions: list[Session]) -> None:
+        """KILL *sessions* we hung up on, so their waits leave the queue now.
+
+        The server notices a hang-up during GET_LOCK only about once a second; an
+        interrupted waiter should leave nothing behind at all (best effort).
+        """
+        with contextlib.suppress(LockrunError, pymysql.err.Error):
+            session = self.session()
+            try:
+                for gone in sessions:
+                    with contextlib.suppress(pymysql.err.Error):
+                        session.one("KILL %s", (gone.id,))
+            finally:
+                session.close()
 
     def _open(self, attempt: _Attempt) -> Session:
         session = self.session()
@@ -420,6 +487,7 @@ class MySQLBackend:
         """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
         key, deadline = attempt.key, attempt.deadline
         first = self._open(attempt)
+        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
         if attempt.slots == 1:
             return (0, first) if self._wait(first, f"{key}:0", attempt) else (-1, None)
         if deadline is not None and deadline <= now():  # one try: the gate would not help
@@ -477,7 +545,8 @@ class MySQLBackend:
                 ask(slot)
             pending = attempt.slots
             while pending:
-                ready = selector.select(piece + self.timeout)
+                # After a SIGSTOP the wait returns empty, its time spent: look once more.
+                ready = selector.select(piece + self.timeout) or selector.select(0)
                 if not ready:
                     msg = f"{self.settings.where}: no answer to GET_LOCK within {piece:g}s"
                     raise BackendUnavailable(msg)
@@ -506,15 +575,33 @@ class MySQLBackend:
                 winner.one("KILL %s", (loser.id,))  # unknown thread: it is gone already
             loser.abandon()
 
-    def _grant(self, session: Session, request: Request, key: str, slot: int) -> MySQLLease:
-        """Record the holder, draw a fence, and refuse a live user with another N."""
-        lease = MySQLLease(self, session, key, slot, self._fence(session, request, key, slot))
-        if self.tables:
-            other = session.row(_MISMATCH, (key, request.slots))
-            if other is not None:
-                lease.release()
-                raise _mismatch(request, int(other[0]), str(other[1]))
+    def _grant(self, session: Session, attempt: _Attempt, slot: int) -> MySQLLease:
+        """Record the holder, draw a fence, and refuse a live user with another N.
+
+        Checking after recording ourselves catches two users of different N who got in at
+        the same moment: the later check of the two sees the other's record.
+        """
+        fence = self._fence(session, attempt.request, attempt.key, slot)
+        lease = MySQLLease(self, session, attempt.key, slot, fence)
+        try:
+            self._refuse_mismatch(session, attempt)
+        except ConfigError:
+            lease.release()
+            raise
         return lease
+
+    def _refuse_mismatch(self, session: Session, attempt: _Attempt) -> None:
+        """Raise `ConfigError` if a live holder of the name uses another N (needs the tables)."""
+        if self.tables is False:
+            return
+        try:
+            other = session.row(_MISMATCH, (attempt.key, attempt.slots))
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if err.args[0] in _NO_TABLES or err.args[0] == ER.NO_SUCH_TABLE:
+                return  # nobody recorded anything: _fence finds out and says so
+            raise
+        if other is not None:
+            raise _mismatch(attempt.request, int(other[0]), str(other[1]))
 
     def _fence(self, session: Session, request: Request, key: str, slot: int) -> int | None:
         """Record the holder and return a new fence; None where the tables are out of reach."""
@@ -624,9 +711,10 @@ class MySQLBackend:
 class _Attempt:
     """One pass through the queue: what it waits for and the sessions it opened."""
 
-    def __init__(self, key: str, slots: int, deadline: float | None, tag: str) -> None:
+    def __init__(self, request: Request, key: str, deadline: float | None, tag: str) -> None:
+        self.request = request
         self.key = key
-        self.slots = slots
+        self.slots = request.slots
         self.deadline = deadline
         self.tag = tag
         self.opened: list[Session] = []
@@ -653,12 +741,13 @@ class _Waiter(NamedTuple):
 
 def _waiters(session: Session) -> list[_Waiter]:
     """Return every lockrun waiter the processlist shows, longest waiting first."""
+    waited = "TIME_MS" if session.mariadb else "TIME"  # MySQL knows whole seconds only
     rows = session.rows(
-        "SELECT ID, TIME, INFO FROM information_schema.PROCESSLIST "
+        f"SELECT ID, {waited}, INFO FROM information_schema.PROCESSLIST "
         "WHERE ID <> CONNECTION_ID() AND INFO LIKE 'SELECT GET\\_LOCK(''lr:%'"
     )
     waiters = []
-    for _, _, info in sorted(rows, key=lambda row: (-int(row[1] or 0), int(row[0]))):
+    for _, _, info in sorted(rows, key=lambda row: (-float(row[1] or 0), int(row[0]))):
         match = _WAITING.fullmatch(str(info))
         if match is None:
             continue
@@ -707,7 +796,7 @@ def _mismatch(request: Request, slots: int, record: str) -> ConfigError:
         return slots_mismatch(request, Holder.from_dict(json.loads(record)), slots)
     except ValueError:
         return ConfigError(
-            f"{request.name} is held with --slots {slots}; all users of a name must agree, "
+            f"held with --slots {slots}; all users of a name must agree, "
             f"and this one has --slots {request.slots}"
         )
 
@@ -736,10 +825,13 @@ class MySQLLease:
             if self.released:
                 return
             try:
+                # No answer within the lease: the server has freed the slot by then. A
+                # shorter timeout would hang up while the slot may still be ours, and the
+                # supervisor stops a command whose check hangs on its own schedule.
                 ours = self.session.one(
                     "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()",
                     (self.lock,),
-                    timeout=(self.ttl or DEFAULT_TTL) / 3,
+                    timeout=self.backend.ttl,
                 )
             except pymysql.err.Error as err:
                 self.session.abandon()

@@ -562,7 +562,7 @@ class RedisBackend:
         if people:
             return slots_mismatch(request, people[0], slots)
         return ConfigError(
-            f"{request.name} is in use with --slots {slots} at {prefix}; all users of a name "
+            f"in use with --slots {slots} at {prefix}; all users of a name "
             f"must agree, and this one has --slots {request.slots}"
         )
 

@@ -2,8 +2,10 @@
 
 Run it from the repository root as ``python bench/bench.py [--quick]``. It prints one
 plain-text report measured in this one run; a missed target is a MISS line, not a failure.
-The Redis sections run against a redis-server of the bench's own on a loopback TCP port
-(skipped, with the reason, when redis-server is not installed or does not start).
+The Redis sections run against a redis-server of the bench's own on a loopback TCP port,
+the MySQL sections against a throwaway mariadbd of its own (a fresh data directory, a
+loopback TCP port and a unix socket); each is skipped, with the reason, when its server is
+not installed or does not start, and is stopped and removed at the end whatever happens.
 The exit status is 1 only when something broke (lockrun crashed, hung or exited with a
 status it should not have); every such problem is listed at the end with its command line.
 """
@@ -15,6 +17,8 @@ import contextlib
 import json
 import os
 import platform
+import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -27,7 +31,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Final, Literal, NoReturn, Self
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, Literal, NoReturn, Protocol, Self
+
+import pymysql
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -60,8 +66,17 @@ WIDTH: Final = 100
 REDIS_SERVER: Final = "redis-server"
 REDIS_START: Final = 10.0  # seconds to answer PING
 REDIS_PROBE: Final = 1  # the bench's own connection, counted in INFO clients
+MARIADBD: Final = "mariadbd"
+MARIADB_INSTALL: Final = "mariadb-install-db"
+MYSQL_INSTALL: Final = 120.0  # seconds for mariadb-install-db (~1 s)
+MYSQL_START: Final = 30.0  # seconds to accept a connection on its socket
+MYSQL_PROBE: Final = 1  # the bench's own session, counted in Threads_connected
+MYSQL_DATABASE: Final = "lockrun"
+USER_LOCK: Final = "User lock"  # PROCESSLIST STATE of a session waiting inside GET_LOCK
+# What a lockrun waiter puts after its GET_LOCK: who waits, with lockrun's pid.
+WAITER_TAG: Final = re.compile(r"/\* lockrun (\{.*\}) \*/\s*\Z", re.DOTALL)
 
-Kind = Literal["file", "abstract", "redis", "flock"]
+Kind = Literal["file", "abstract", "redis", "mysql", "mysql-socket", "flock"]
 SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (
     ("file", 1),
     ("file", 3),
@@ -69,6 +84,8 @@ SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (
     ("abstract", 3),
 )
 REDIS_SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (("redis", 1), ("redis", 3))
+MYSQL_SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (("mysql", 1), ("mysql", 3))
+MYSQL_KINDS: Final[frozenset[Kind]] = frozenset({"mysql", "mysql-socket"})
 
 
 class Broken(Exception):
@@ -89,6 +106,11 @@ class Plan:
     redis_handoff_trials: int  # enough for a p99 in the full run
     redis_idle_waiters: int
     redis_idle_window: float
+    mysql_startup_runs: int
+    mysql_handoff_trials: int
+    mysql_idle_waiters: int  # with --slots 1 and with --slots 3
+    mysql_idle_window: float
+    mysql_socket: bool  # also time handoffs through the unix socket, for reference
 
 
 FULL: Final = Plan(
@@ -102,6 +124,11 @@ FULL: Final = Plan(
     redis_handoff_trials=100,
     redis_idle_waiters=200,
     redis_idle_window=10.0,
+    mysql_startup_runs=30,
+    mysql_handoff_trials=100,
+    mysql_idle_waiters=100,
+    mysql_idle_window=10.0,
+    mysql_socket=True,
 )
 QUICK: Final = Plan(
     startup_runs=15,
@@ -114,6 +141,11 @@ QUICK: Final = Plan(
     redis_handoff_trials=5,
     redis_idle_waiters=30,
     redis_idle_window=2.0,
+    mysql_startup_runs=5,
+    mysql_handoff_trials=5,
+    mysql_idle_waiters=15,
+    mysql_idle_window=1.0,
+    mysql_socket=False,
 )
 
 
@@ -127,6 +159,7 @@ class Bench:
     problems: list[str] = field(default_factory=list)
     scenarios: int = 0
     redis: RedisServer | None = None  # set while the Redis sections run
+    mysql: MariaServer | None = None  # set while the MySQL sections run
 
     def scenario_dir(self, label: str) -> Path:
         """Return a fresh directory for one scenario."""
@@ -170,6 +203,10 @@ def make_target(bench: Bench, kind: Kind, scenario: Path) -> Target:
     directory.mkdir(exist_ok=True)
     if kind == "redis":
         return Target(kind, directory, redis_server(bench).uri, f"{NAME}-{scenario.name}")
+    if kind in MYSQL_KINDS:
+        server = mysql_server(bench)
+        uri = server.uri if kind == "mysql" else server.socket_uri
+        return Target(kind, directory, uri, f"{NAME}-{scenario.name}")
     uri = f"abstract:bench{os.getpid()}-{scenario.name}" if kind == "abstract" else ""
     return Target(kind, directory, uri or f"file://{directory}")
 
@@ -287,18 +324,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def run_seconds(pid: int) -> float:
-    """Return the time *pid*'s main thread spent on a CPU, to the ns (/proc/PID/schedstat)."""
-    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+def run_seconds(pid: int, task: int | None = None) -> float:
+    """Return the time *pid*'s main thread (or *task*) spent on a CPU, to the ns (schedstat)."""
+    return int((proc_dir(pid, task) / "schedstat").read_text().split()[0]) / 1e9
 
 
-def context_switches(pid: int) -> int:
-    """Return how often *pid* was switched out (voluntary or not): its wake-ups, roughly."""
+def context_switches(pid: int, task: int | None = None) -> int:
+    """Return how often *pid* (or its thread *task*) was switched out: its wake-ups, roughly."""
     total = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in (proc_dir(pid, task) / "status").read_text().splitlines():
         if "ctxt_switches:" in line:
             total += int(line.split()[-1])
     return total
+
+
+def proc_dir(pid: int, task: int | None = None) -> Path:
+    """Return /proc/PID, or /proc/PID/task/TASK for one thread of it."""
+    return Path(f"/proc/{pid}") if task is None else Path(f"/proc/{pid}/task/{task}")
 
 
 def flock_pids(directory: Path) -> set[int]:
@@ -361,6 +403,28 @@ def abstract_waiters(bench: Bench, target: Target) -> set[int]:
     return {int(waiter["pid"]) for state in states for waiter in state["waiters"]}
 
 
+def queued_pids(bench: Bench, target: Target, wanted: set[int]) -> set[int]:
+    """Return which of *wanted* are queued for *target*'s lock right now."""
+    if target.kind == "abstract":
+        return abstract_waiters(bench, target) & wanted
+    if target.kind == "redis":
+        return blocked_pids(redis_server(bench), wanted)
+    if target.kind in MYSQL_KINDS:
+        return mysql_server(bench).waiting_pids(target.name) & wanted
+    return flock_pids(target.directory) & wanted
+
+
+def queue_pause(kind: Kind, waiters: int) -> float:
+    """Return how long to pause between two looks at the queue of *waiters* of *kind*."""
+    if kind == "abstract":  # `lockrun status` costs a process start
+        return 0.02 if waiters == 1 else 0.25
+    if kind == "redis":
+        return 0.005 if waiters == 1 else 0.1
+    if kind in MYSQL_KINDS:  # one PROCESSLIST query on the bench's open session
+        return 0.002 if waiters == 1 else 0.05
+    return 0.002  # /proc/locks is cheap to read
+
+
 def wait_queued(
     bench: Bench,
     procs: Processes,
@@ -370,18 +434,10 @@ def wait_queued(
 ) -> None:
     """Return once every one of *waiters* is queued for the lock (blocked, or head of a gate)."""
     wanted = {proc.pid for proc in waiters}
-    pause = 0.002  # /proc/locks is cheap to read; `lockrun status` costs a process start
-    if target.kind == "abstract":
-        pause = 0.02 if len(wanted) == 1 else 0.25
-    elif target.kind == "redis":
-        pause = 0.005 if len(wanted) == 1 else 0.1
+    pause = queue_pause(target.kind, len(wanted))
 
     def queued() -> set[int]:
-        if target.kind == "abstract":
-            return abstract_waiters(bench, target) & wanted
-        if target.kind == "redis":
-            return blocked_pids(redis_server(bench), wanted)
-        return flock_pids(target.directory) & wanted
+        return queued_pids(bench, target, wanted)
 
     def done() -> bool:
         return any(proc.poll() is not None for proc in waiters) or len(queued()) == len(wanted)
@@ -641,6 +697,21 @@ class Usage:
 NOTHING: Final = Usage(0.0, 0.0, 0)
 
 
+def threads_usage(pid: int) -> Usage:
+    """Sample a multi-threaded *pid*: its CPU, and its live threads' run time and switches.
+
+    mariadbd runs a thread per connection plus InnoDB's own; the main thread alone says
+    nothing. A thread that ends between two samples takes its share of the exact numbers
+    with it (the CPU column, the process's own, keeps it).
+    """
+    total = Usage(cpu_seconds(pid), 0.0, 0)
+    for entry in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            task = int(entry)
+            total += Usage(0.0, run_seconds(pid, task), context_switches(pid, task))
+    return total
+
+
 def family_usage(pids: Iterable[int]) -> dict[int, Usage]:
     """Sample *pids*, which must be alive, and their children (a guardian), which may go."""
     usage = {pid: Usage.of(pid) for pid in pids}
@@ -658,18 +729,30 @@ def spent(before: dict[int, Usage], after: dict[int, Usage]) -> Usage:
     return total
 
 
+class LockServer(Protocol):
+    """A lock server of the bench's own, as the idle scenarios measure it."""
+
+    def usage(self) -> Usage:
+        """Sample the server's process now."""
+        ...
+
+    def clients(self) -> tuple[int, int]:
+        """Return how many clients are connected, not counting the probe, and how many wait."""
+        ...
+
+
 @dataclass(frozen=True)
 class ServerLoad:
     """What the lock server spent over the idle window, and the connections it counted."""
 
     usage: Usage
-    connected: int  # INFO clients' connected_clients at the window's end, without our probe
-    blocked: int  # of which blocked (in BLPOP)
+    connected: int  # its clients at the window's end, without our probe
+    blocked: int  # of which blocked (in BLPOP, or inside GET_LOCK)
 
     @classmethod
-    def since(cls, server: RedisServer, start: Usage) -> ServerLoad:
+    def since(cls, server: LockServer, start: Usage) -> ServerLoad:
         """Measure *server* now: its CPU since *start* and its clients."""
-        usage = Usage.of(server.pid) - start
+        usage = server.usage() - start
         return cls(usage, *server.clients())
 
 
@@ -687,11 +770,12 @@ class IdleResult:
 def idle_scenario(bench: Bench, kind: Kind, slots: int, waiters: int, window: float) -> IdleResult:
     """Hold *slots* slots, queue the waiters, measure their CPU over the window, drain.
 
-    With a redis target, the server's CPU over the same window and its clients are measured too.
+    With a server's target (redis, mysql), the server's CPU over the same window and its
+    clients are measured too.
     """
     scenario = bench.scenario_dir(f"idle-{kind}-{slots}")
     target = make_target(bench, kind, scenario)
-    server = bench.redis if kind == "redis" else None
+    server = lock_server(bench, kind)
     with Processes(scenario) as procs:
         go = start_holders(bench, procs, target, slots, IDLE_POLL)
         queue = [
@@ -702,7 +786,7 @@ def idle_scenario(bench: Bench, kind: Kind, slots: int, waiters: int, window: fl
         time.sleep(0.3)  # let the last starters finish whatever they do after queueing
         pids = [proc.pid for proc in queue]
         before = family_usage(pids)
-        server_start = None if server is None else Usage.of(server.pid)
+        server_start = None if server is None else server.usage()
         time.sleep(window)
         after = family_usage(pids)
         load = None
@@ -717,6 +801,15 @@ def idle_scenario(bench: Bench, kind: Kind, slots: int, waiters: int, window: fl
         return result
     poll_until(lambda: server.clients()[0] == 0, 2.0, 0.01)  # a close reaches it a bit later
     return replace(result, left=server.clients()[0])
+
+
+def lock_server(bench: Bench, kind: Kind) -> LockServer | None:
+    """Return the server a target of *kind* locks on, None for the local backends."""
+    if kind == "redis":
+        return redis_server(bench)
+    if kind in MYSQL_KINDS:
+        return mysql_server(bench)
+    return None
 
 
 def idle_row(what: str, usage: Usage, window: float) -> None:
@@ -838,7 +931,7 @@ def overtaken(granted: Sequence[int]) -> int:
 
 
 class Unavailable(Exception):
-    """The Redis sections cannot run here; the message says why."""
+    """The Redis or MySQL sections cannot run here; the message says why."""
 
 
 def free_port() -> int:
@@ -897,6 +990,10 @@ class RedisServer:
     def uri(self) -> str:
         """The lock URI that reaches the server over TCP, like a real deployment."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def usage(self) -> Usage:
+        """Sample the server now (its main thread does the work)."""
+        return Usage.of(self.pid)
 
     def ping(self) -> bool:
         """Tell whether the server answers PING."""
@@ -1089,6 +1186,336 @@ def redis_fifo_section(bench: Bench) -> None:
     fifo_cases(bench, REDIS_SCENARIOS)
 
 
+# -- (i) to (l) MySQL ----------------------------------------------------------------------
+
+
+@dataclass
+class MariaServer:
+    """A throwaway mariadbd of the bench's own: a fresh data directory, TCP and a socket."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    directory: Path
+    probe: pymysql.Connection[Any] | None = None  # the bench's session, on the unix socket
+    ready_in: float = 0.0  # seconds from mariadb-install-db to the first session
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        return self.process.pid
+
+    @property
+    def socket(self) -> Path:
+        """The server's unix socket."""
+        return self.directory / "mysqld.sock"
+
+    @property
+    def uri(self) -> str:
+        """The lock URI that reaches the server over TCP, like a real deployment."""
+        return f"mysql://root@127.0.0.1:{self.port}/{MYSQL_DATABASE}"
+
+    @property
+    def socket_uri(self) -> str:
+        """The lock URI that reaches the server over its unix socket."""
+        return f"mysql://root@localhost/{MYSQL_DATABASE}?unix_socket={self.socket}"
+
+    def query(self, sql: str, args: object = None) -> tuple[tuple[Any, ...], ...]:
+        """Run *sql* on the bench's own session (opened on first use); return every row."""
+        try:
+            if self.probe is None:
+                self.probe = pymysql.connect(
+                    unix_socket=str(self.socket),
+                    user="root",
+                    password="",
+                    autocommit=True,
+                    connect_timeout=5,
+                    read_timeout=10,
+                    write_timeout=10,
+                )
+            with self.probe.cursor() as cursor:
+                cursor.execute(sql, args)
+                return tuple(cursor.fetchall())
+        except pymysql.err.Error as err:
+            self.close_probe()
+            msg = f"mariadbd on {self.socket}: {err}"
+            raise Broken(msg) from err
+
+    def close_probe(self) -> None:
+        """Close the bench's session, if open; never raises."""
+        probe, self.probe = self.probe, None
+        if probe is not None:
+            with contextlib.suppress(pymysql.err.Error, OSError):
+                probe.close()
+
+    def ready(self) -> bool:
+        """Tell whether the server accepts a session on its socket."""
+        with contextlib.suppress(Broken):
+            return self.query("SELECT 1") == ((1,),)
+        return False
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the server answers (True), or exits or *timeout* passes (False)."""
+        poll_until(lambda: self.process.poll() is not None or self.ready(), timeout, 0.01)
+        return self.process.poll() is None and self.ready()
+
+    def version(self) -> str:
+        """Return the server's version string."""
+        return str(self.query("SELECT VERSION()")[0][0])
+
+    def usage(self) -> Usage:
+        """Sample the server now: all its threads (one per connection, InnoDB's own)."""
+        return threads_usage(self.pid)
+
+    def clients(self) -> tuple[int, int]:
+        """Return how many sessions are connected, not counting the probe, and how many wait."""
+        connected = self.query("SHOW GLOBAL STATUS LIKE 'Threads\\_connected'")[0][1]
+        waiting = self.query(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = %s", (USER_LOCK,)
+        )[0][0]
+        return int(connected) - MYSQL_PROBE, int(waiting)
+
+    def waiting_pids(self, name: str) -> set[int]:
+        """Return the pids of the lockrun processes with a session blocked in GET_LOCK on *name*.
+
+        Such a session's STATE is 'User lock', and its statement carries the waiter's
+        `/* lockrun {json} */` tag: lock name and holder pid. The head of a semaphore's
+        queue waits on the slots, the others on the gate: all are queued.
+        """
+        rows = self.query(
+            "SELECT INFO FROM information_schema.PROCESSLIST WHERE STATE = %s AND INFO LIKE %s",
+            (USER_LOCK, "%/* lockrun %"),
+        )
+        pids = set()
+        for (info,) in rows:
+            match = WAITER_TAG.search(str(info))
+            if match is None:
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                who = json.loads(match[1])
+                if who["name"] == name:
+                    pids.add(int(who["holder"]["pid"]))
+        return pids
+
+    def log(self) -> str:
+        """Return the last lines the server (or mariadb-install-db) wrote."""
+        text = ""
+        for name in ("install.log", "stderr", "err.log"):
+            with contextlib.suppress(OSError):
+                text += (self.directory / name).read_text(errors="replace")
+        return " | ".join(text.strip().splitlines()[-3:])
+
+    def kill(self) -> None:
+        """Kill the server: it is thrown away, nothing to flush."""
+        self.close_probe()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        """Kill the server and remove its directory."""
+        self.kill()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_mysql(directory: Path) -> MariaServer:
+    """Make a data directory and start mariadbd on it; `Unavailable` if it can't."""
+    began = time.monotonic()
+    server_binary, install_binary = shutil.which(MARIADBD), shutil.which(MARIADB_INSTALL)
+    if server_binary is None or install_binary is None:
+        missing = MARIADBD if server_binary is None else MARIADB_INSTALL
+        msg = f"{missing} is not installed (not found on PATH)"
+        raise Unavailable(msg)
+    directory.mkdir()
+    user = pwd.getpwuid(os.geteuid()).pw_name  # root, as a rule; the server runs as us
+    install = [install_binary, "--no-defaults", f"--datadir={directory / 'data'}"]
+    install += ["--auth-root-authentication-method=normal", "--skip-test-db", f"--user={user}"]
+    with (directory / "install.log").open("wb") as log:
+        try:
+            status = subprocess.run(
+                install,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=MYSQL_INSTALL,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            status = -1
+    if status != 0:
+        text = (directory / "install.log").read_text(errors="replace").strip().splitlines()
+        msg = f"{MARIADB_INSTALL} failed (status {status}): {' | '.join(text[-3:])}"
+        raise Unavailable(msg)
+    for _ in range(3):  # someone else may bind the free port before the server does
+        server = launch_mysql(server_binary, directory, free_port(), user)
+        try:
+            if server.wait_ready(MYSQL_START):
+                server.query(f"CREATE DATABASE {MYSQL_DATABASE}")
+                server.ready_in = time.monotonic() - began
+                return server
+        except Broken as err:
+            server.stop()
+            raise Unavailable(str(err)) from err
+        except BaseException:  # Ctrl-C, TERM: no server of ours outlives the bench
+            server.stop()
+            raise
+        server.kill()
+        if "already in use" not in server.log():
+            break
+    msg = f"{MARIADBD} did not accept a session on {server.socket}: {server.log()}"
+    raise Unavailable(msg)
+
+
+def launch_mysql(binary: str, directory: Path, port: int, user: str) -> MariaServer:
+    """Start mariadbd on *port* and a socket in *directory*, without waiting for it."""
+    (directory / "tmp").mkdir(exist_ok=True)
+    command = [binary, "--no-defaults", f"--datadir={directory / 'data'}"]
+    command += [f"--socket={directory / 'mysqld.sock'}", "--bind-address=127.0.0.1"]
+    command += [f"--port={port}", f"--user={user}", "--innodb-buffer-pool-size=16M"]
+    command += ["--max-connections=400", f"--log-error={directory / 'err.log'}"]
+    # Its temporary tables (a PROCESSLIST query makes one) stay inside its directory too.
+    command += [f"--tmpdir={directory / 'tmp'}"]
+    with (directory / "stderr").open("ab") as errors:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            start_new_session=True,
+        )
+    return MariaServer(process, port, directory)
+
+
+def mysql_sections(bench: Bench) -> None:
+    """Report (i) to (l) for the mysql backend, measured against a mariadbd of our own."""
+    try:
+        server = start_mysql(bench.root / "mysql")
+    except (Unavailable, OSError) as err:
+        section("(i) to (l) MySQL: skipped")
+        row("mysql backend", f"skipped: {err}")
+        return
+    bench.mysql = server
+    try:
+        sections = (
+            mysql_startup_section,
+            mysql_handoff_section,
+            mysql_idle_section,
+            mysql_fifo_section,
+        )
+        for run in sections:
+            timed(bench, run)
+    finally:
+        bench.mysql = None
+        server.stop()
+
+
+def mysql_server(bench: Bench) -> MariaServer:
+    """Return the running server of the MySQL sections."""
+    if bench.mysql is None:
+        msg = "no mariadbd is running"
+        raise Broken(msg)
+    return bench.mysql
+
+
+def mysql_startup_section(bench: Bench) -> None:
+    """Report (i): `lockrun --uri mysql://… -- true` against importing click and pymysql."""
+    runs = bench.plan.mysql_startup_runs
+    server = mysql_server(bench)
+    section(f"(i) MySQL startup: median wall time of {runs} runs each")
+    try:
+        row("server", f"mariadbd {server.version()}, {server.uri}")
+    except Broken as err:
+        bench.broke("mysql startup", err)
+        return
+    row("server start", f"{server.ready_in:.1f} s: a fresh data directory, then a session")
+    target = make_target(bench, "mysql", bench.scenario_dir("startup-mysql"))
+    lockrun, drivers, click = (
+        "lockrun --uri mysql://… -- true",
+        "python -c 'import click, pymysql'",
+        "python -c 'import click'",
+    )
+    commands = {
+        lockrun: target.argv(bench.lockrun, ["true"]),
+        drivers: [sys.executable, "-c", "import click, pymysql"],
+        click: [sys.executable, "-c", "import click"],
+    }
+    medians = startup_medians(bench, commands, runs, "mysql startup")
+    if medians is None:
+        return
+    ratio = medians[lockrun] / medians[drivers]
+    row(
+        "lockrun / import click, pymysql",
+        f"{ratio:5.2f}x",
+        f"<= {STARTUP_TARGET}x",
+        verdict(ratio <= STARTUP_TARGET),
+    )
+    row("lockrun / import click", f"{medians[lockrun] / medians[click]:5.2f}x")
+
+
+def mysql_handoff_section(bench: Bench) -> None:
+    """Report (j): handoff latency through MySQL over TCP (and a socket), against flock(1)."""
+    trials = bench.plan.mysql_handoff_trials
+    section(f"(j) MySQL handoff: holder's command exits -> waiter's starts, {trials} trials")
+    labels: dict[Kind, str] = {
+        "mysql": "lockrun, mysql backend (TCP)",
+        "mysql-socket": "lockrun, mysql backend (socket)",
+        "flock": "flock(1) on a file",
+    }
+    if not bench.plan.mysql_socket:
+        del labels["mysql-socket"]
+    results, broken = handoff_trials(bench, labels, trials)
+    mysql_ms, flock_ms = results["mysql"], results["flock"]
+    if "mysql" not in broken:
+        row(labels["mysql"], describe_tail(mysql_ms))
+        slowest = "  ".join(f"{value:.2f}" for value in sorted(mysql_ms, reverse=True)[:3])
+        row("mysql: slowest three", f"{slowest} ms")
+    if "mysql-socket" not in labels:
+        row("mysql backend (socket)", "skipped with --quick")
+    elif "mysql-socket" not in broken:
+        row(labels["mysql-socket"], describe_tail(results["mysql-socket"]))
+    if "flock" not in broken:
+        row(labels["flock"], describe_ms(flock_ms))
+    if not {"mysql", "flock"} & broken:
+        server_verdict("mysql", mysql_ms, statistics.median(flock_ms))
+
+
+def mysql_idle_section(bench: Bench) -> None:
+    """Report (k): idle waiters' and server's CPU, connections and drain, N = 1 and 3."""
+    waiters, window = bench.plan.mysql_idle_waiters, bench.plan.mysql_idle_window
+    section(
+        f"(k) MySQL idle waiters: {waiters} waiters (-w forever) on a held name, {window:.0f} s"
+    )
+    for slots in (1, 3):
+        result = idle_case(bench, "mysql", slots, waiters, window)
+        if result is None or result.server is None:
+            continue
+        what = f"--slots {slots}"
+        children = result.processes - waiters
+        idle_row(f"{what}: {waiters} waiters + children", result.usage, window)
+        per_waiter = f"{result.usage.run * 1000 / waiters:.3f} ms CPU (exact), "
+        per_waiter += f"{result.usage.switches / waiters:.1f} wakeups; {children} children"
+        row(f"{what}: per waiter", per_waiter)
+        server = result.server
+        idle_row(f"{what}: mariadbd, same window", server.usage, window)
+        # MariaDB and MySQL wake each session waiting in GET_LOCK once a second to see if
+        # its client is still connected: the server's cost grows with the queue.
+        each = f"{server.usage.run * 1000 / waiters / window:.3f} ms CPU/s, "
+        each += f"{server.usage.switches / waiters / window:.2f} wakeups/s"
+        row(f"{what}: mariadbd per waiter", each)
+        # One session per waiter, and N - 1 more for the head, which waits on every slot.
+        theirs, expected = server.connected - slots, waiters + slots - 1
+        holders = "1 holder" if slots == 1 else f"{slots} holders"
+        numbers = f"{server.connected} = {theirs} + {holders}; {server.blocked} in GET_LOCK"
+        row(f"{what}: sessions", numbers, f"<= {expected}", verdict(theirs <= expected))
+        drained = f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left"
+        row(f"{what}: after release, drain", drained)
+
+
+def mysql_fifo_section(bench: Bench) -> None:
+    """Report (l): FIFO order through MySQL, with one slot and with three."""
+    section(f"(l) MySQL FIFO: {fifo_setup(bench)}")
+    fifo_cases(bench, MYSQL_SCENARIOS)
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -1184,6 +1611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections = (startup_section, handoff_section, idle_section, fifo_section)
         run_sections(bench, quick, sections)
         redis_sections(bench)
+        mysql_sections(bench)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return summary(bench, began)

@@ -356,8 +356,13 @@ class _Watch:
         return self.confirmed + ttl * (1 - _MARGIN)
 
     def _term_due(self) -> float:
-        """When a doubted lease is given up: --kill-after before the deadline."""
-        return self._deadline() - self.limits.kill_after
+        """When a doubted lease is given up: --kill-after before the deadline.
+
+        A --kill-after longer than half the lease is shortened to that, so a refresh that
+        hangs for a moment does not stop the command at once.
+        """
+        ttl = self.lease.ttl or 0.0
+        return self._deadline() - min(self.limits.kill_after, ttl * (1 - _MARGIN) / 2)
 
     def _begin_stop(self, failure: LeaseLost | TimedOut, *, kill_by: float | None = None) -> None:
         """TERM the group now, KILL after --kill-after (or at *kill_by*, if that is sooner)."""

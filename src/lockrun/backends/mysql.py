@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import configparser
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -40,7 +41,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
+from lockrun.backends import Holder, LockState, Request, slots_mismatch
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
@@ -94,6 +95,9 @@ _NEXT_FENCE: Final = (
 _RECORD: Final = (
     f"REPLACE INTO {HOLDERS} (lock_key, slot, slots, connection_id, namespace, name, holder) "
     "VALUES (%s, %s, %s, CONNECTION_ID(), %s, %s, %s)"
+)
+_FORGET: Final = (
+    f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s AND connection_id = CONNECTION_ID()"
 )
 # A live holder of the name with another N (its session still holds the slot it recorded).
 _MISMATCH: Final = (
@@ -221,6 +225,16 @@ def _check_tls(uri: LockURI, kwargs: Mapping[str, object]) -> None:
         raise ConfigError(msg) from None
 
 
+def timeout_for(ttl: float) -> float:
+    """Return the timeout of a connect, and of a statement, for leases of *ttl* seconds.
+
+    A tenth of the lease, at least a second: statements commit to disk, and a busy server
+    takes longer than Redis (whose timeout is a twentieth). A check on the holding session
+    waits a whole lease instead (`MySQLLease.refresh`).
+    """
+    return min(5.0, max(1.0, ttl / 10))
+
+
 def lock_key(namespace: str, name: str) -> str:
     r"""Return the GET_LOCK name of (namespace, name) without its ``:slot`` or ``:gate``.
 
@@ -239,6 +253,27 @@ def connect(
 ) -> MySQLBackend:
     """Check *uri*; sessions are opened on use, with timeouts that fit leases of *ttl*."""
     return MySQLBackend(parse(uri), ttl or DEFAULT_TTL, note or (lambda _line: None))
+
+
+class _Connection(pymysql.connections.Connection):
+    """PyMySQL's connection, minus 40 ms of loading the system's CA store for nothing.
+
+    Without TLS options PyMySQL still tries TLS ("preferred") but verifies nothing, so a
+    bare context does the same job (bench/bench.py, section i).
+    """
+
+    def _create_ssl_ctx(self, sslp: object) -> ssl.SSLContext:
+        if sslp:
+            return super()._create_ssl_ctx(sslp)  # type: ignore[no-any-return,misc]
+        return _unverified_context()
+
+
+@functools.cache
+def _unverified_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class Session:
@@ -347,7 +382,7 @@ class MySQLBackend:
         """Open a session whose locks the server frees after it idled for a lease."""
         where = self.settings.where
         try:
-            connection = pymysql.connect(
+            connection = _Connection(
                 **self.settings.kwargs,
                 autocommit=True,
                 connect_timeout=self.timeout,
@@ -446,10 +481,16 @@ class MySQLBackend:
                 time.sleep(min(_RECONNECT, self.ttl / 10))
 
     def _attempt(self, attempt: _Attempt) -> MySQLLease | None:
-        """Queue once; close every session but the holder's, whatever happens."""
+        """Queue once; close every session but the holder's, whatever happens.
+
+        The gate is let go only after the grant drew its fence, so fences (and starts)
+        follow the order of the queue.
+        """
         try:
             slot, holder = self._take(attempt)
             lease = None if holder is None else self._grant(holder, attempt, slot)
+            if lease is not None and attempt.gate is lease.session:
+                lease.session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:gate",))
         except BaseException as err:
             for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
@@ -460,7 +501,7 @@ class MySQLBackend:
             raise
         for session in attempt.opened:
             if lease is None or session is not lease.session:
-                session.close()  # frees the gate and anything a loser got
+                session.close()  # frees the gate, and anything a loser got
         return lease
 
     def _end(self, sessions: list[Session]) -> None:
@@ -495,13 +536,11 @@ class MySQLBackend:
             return (slot, first) if slot >= 0 else (-1, None)
         if not self._wait(first, f"{key}:gate", attempt):
             return -1, None
+        attempt.gate = first
         slot = first.one(_first_free(key, attempt.slots))
-        if slot < 0:
-            slot, holder = self._wait_any(first, attempt)
-            if holder is not first:
-                return slot, holder  # killing our first session let the gate go
-        first.one("SELECT RELEASE_LOCK(%s)", (f"{key}:gate",))
-        return slot, first
+        if slot >= 0:
+            return slot, first
+        return self._wait_any(first, attempt)
 
     def _wait(self, session: Session, lock: str, attempt: _Attempt) -> bool:
         """Wait in *lock*'s queue on *session* until we hold it (True) or the deadline passes.
@@ -556,9 +595,7 @@ class MySQLBackend:
                     pending -= 1
                     got = sessions[slot].receive()
                     if got == 1:
-                        self._cancel(
-                            sessions[slot], [s for s in sessions if s is not sessions[slot]]
-                        )
+                        self._cancel(sessions[slot], sessions)
                         return slot, sessions[slot]
                     if got is None:
                         msg = f"{self.settings.where}: the wait for slot {slot} was cancelled"
@@ -568,12 +605,27 @@ class MySQLBackend:
                         pending += 1
         return -1, None
 
-    def _cancel(self, winner: Session, losers: Iterable[Session]) -> None:
-        """From *winner*, end the other waiting sessions: their waits and any slot they got."""
-        for loser in losers:
-            with contextlib.suppress(pymysql.err.OperationalError, pymysql.err.InternalError):
-                winner.one("KILL %s", (loser.id,))  # unknown thread: it is gone already
-            loser.abandon()
+    def _cancel(self, winner: Session, sessions: Iterable[Session]) -> None:
+        """From *winner*, end the other sessions' waits, and any slot they got meanwhile.
+
+        Helpers are KILLed. The first session keeps the gate until the grant is done, so
+        only its query is: it then answers NULL (or 1, if it got slot 0 first; closing
+        it after the grant frees that too).
+        """
+        first, *helpers = sessions
+        for loser in helpers:
+            if loser is not winner:
+                with contextlib.suppress(pymysql.err.OperationalError, pymysql.err.InternalError):
+                    winner.one("KILL %s", (loser.id,))  # unknown thread: gone already
+                loser.abandon()
+        if first is not winner:
+            winner.one("KILL QUERY %s", (first.id,))
+            try:
+                first.receive()
+            except pymysql.err.Error:  # not the NULL that MariaDB answers: end it all
+                first.abandon()
+                with contextlib.suppress(pymysql.err.Error):
+                    winner.one("KILL %s", (first.id,))
 
     def _grant(self, session: Session, attempt: _Attempt, slot: int) -> MySQLLease:
         """Record the holder, draw a fence, and refuse a live user with another N.
@@ -586,6 +638,8 @@ class MySQLBackend:
         try:
             self._refuse_mismatch(session, attempt)
         except ConfigError:
+            with contextlib.suppress(pymysql.err.Error):  # a refusal leaves no row behind
+                session.one(_FORGET, (attempt.key, slot))
             lease.release()
             raise
         return lease
@@ -654,7 +708,9 @@ class MySQLBackend:
         """Return the names lockrun's table has holders of (none without the table)."""
         try:
             rows = session.rows(
-                f"SELECT DISTINCT name FROM {HOLDERS} WHERE namespace = %s", (namespace,)
+                f"SELECT DISTINCT name FROM {HOLDERS} WHERE namespace = %s "
+                "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id",
+                (namespace,),
             )
         except (pymysql.err.ProgrammingError, pymysql.err.OperationalError):
             return []
@@ -718,6 +774,7 @@ class _Attempt:
         self.deadline = deadline
         self.tag = tag
         self.opened: list[Session] = []
+        self.gate: Session | None = None  # the session that holds the gate, if any
         self.queued = False  # whether it got as far as waiting in the server's queue
 
 
@@ -850,14 +907,10 @@ class MySQLLease:
         if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
             self.session.abandon()
             return
+        # The holder's row stays: it no longer counts once the slot is free, and the next
+        # holder replaces it without waiting for a DELETE of ours to commit.
         try:
             self.session.one("SELECT RELEASE_LOCK(%s)", (self.lock,))
-            if self.backend.tables:
-                self.session.one(
-                    f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s "
-                    "AND connection_id = CONNECTION_ID()",
-                    (self.key, self.slot),
-                )
         except pymysql.err.Error:
             self.session.abandon()  # the server frees what a lost session held
         finally:

@@ -266,7 +266,7 @@ def test_parse_expands_the_tilde_of_read_default_file(
         (f"mysql://u:{SECRET}@db:0/app", "port 0 is out of range"),
         (f"mysql://u:{SECRET}@db:abc/app", "HOST[:PORT]"),
         (f"mysql://u:{SECRET}@db:1:2/app", "HOST[:PORT]"),
-        (f"mysql://u:{SECRET}@[::1/app", "IPv6"),
+        (f"mysql://u:{SECRET}@[::1/app", "[IPV6][:PORT]"),
         (f"mariadb://u:{SECRET}@db/app?sslmode=require", "unknown option 'sslmode'"),
     ],
 )

@@ -68,6 +68,16 @@ def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
     return host, port
 
 
+def query_items(text: str) -> dict[str, str]:
+    """Decode ``a=1&b=2`` as urllib.parse.parse_qsl does (``+`` is a space), last one wins."""
+    items = {}
+    for item in text.split("&"):
+        if item:
+            key, _, value = item.partition("=")
+            items[unquote(key.replace("+", " "))] = unquote(value.replace("+", " "))
+    return items
+
+
 def unquote(text: str) -> str:
     """Decode %XX escapes (as UTF-8, like urllib.parse.unquote)."""
     if "%" not in text:

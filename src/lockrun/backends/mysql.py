@@ -29,14 +29,12 @@ import json
 import math
 import os
 import re
-import secrets
 import selectors
 import socket
 import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
@@ -50,7 +48,7 @@ from lockrun.errors import (
     LockrunError,
 )
 from lockrun.timing import now
-from lockrun.uri import host_port
+from lockrun.uri import host_port, query_items, unquote
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
@@ -144,21 +142,16 @@ class Settings(NamedTuple):
 
 def parse(uri: LockURI) -> Settings:
     """Translate a lock URI into PyMySQL settings; raise `ConfigError` for a bad one."""
-    try:
-        parts = urlsplit(uri.text)
-    except ValueError as err:  # e.g. an unclosed [IPv6 bracket
-        msg = f"{uri.redacted}: {err}"
-        raise ConfigError(msg) from None
-    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    query = query_items(uri.query)
     unknown = sorted(set(query) - _OPTIONS)
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS))
         msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
         raise ConfigError(msg)
     _check_files(uri, query)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
+    userinfo, _, hosts = uri.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
-    database = unquote(parts.path.strip("/"))
+    database = uri.path.strip("/")
     if "/" in database:
         msg = f"{uri.redacted}: expected mysql://[USER[:PASSWORD]@]HOST[:PORT][/DATABASE]"
         raise ConfigError(msg)
@@ -464,7 +457,7 @@ class MySQLBackend:
         queues again, for up to a ttl; failing to get in at all is reported at once.
         """
         key = lock_key(request.namespace, request.name)
-        tag = _tag(request, secrets.token_hex(8))
+        tag = _tag(request, os.urandom(8).hex())
         lost: float | None = None  # when the connection of a queued attempt was lost
         while True:
             attempt = _Attempt(request, key, deadline, tag)

@@ -9,9 +9,9 @@ case or characters: ``lr:`` and 40 hex digits of SHA-256(namespace NUL name), th
 Mutex (N = 1): GET_LOCK on slot 0, which the server grants in arrival order.
 Semaphore (N > 1): waiters queue on the gate. Its holder takes the first free slot or, when
 none is, waits on every slot at once, on its own connection for slot 0 and on a helper
-connection for each other slot, keeps the first slot it gets and KILLs the other
-connections, which frees whatever they got meanwhile. Only the head of the queue holds N
-connections; nobody polls.
+connection for each other slot, keeps the first slot it gets and KILLs the helpers, which
+frees whatever they got meanwhile. It lets the gate go once its fence is drawn, so grants
+follow the queue. Only the head of the queue holds N connections; nobody polls.
 
 A slot lives with its session: the server frees it when the connection closes, or after the
 session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 
     from lockrun.uri import LockURI
 
-DEFAULT_PORT: Final = 3306
 DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _OPTIONS: Final = frozenset(
     {"unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "read_default_file", "charset"}
@@ -231,7 +230,7 @@ def timeout_for(ttl: float) -> float:
 def lock_key(namespace: str, name: str) -> str:
     r"""Return the GET_LOCK name of (namespace, name) without its ``:slot`` or ``:gate``.
 
-    In SQL: ``CONCAT('lr:', LEFT(SHA2(CONCAT(namespace, '\\0', name), 256), 40))``.
+    In SQL: ``CONCAT('lr:', LEFT(SHA2(CONCAT(namespace, '\0', name), 256), 40))``.
     """
     digest = hashlib.sha256(f"{namespace}\0{name}".encode()).hexdigest()
     return f"lr:{digest[:40]}"

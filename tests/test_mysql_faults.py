@@ -26,6 +26,7 @@ import pymysql
 import pytest
 from conftest import Held, finish, gone, lockrun, one_line, start, unmeasured, wait_for
 from proxy import Proxy
+from test_redis_faults import Victim, check_lost
 
 from lockrun.backends.mysql import lock_key, parse
 from lockrun.uri import parse_uri
@@ -46,17 +47,6 @@ LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
 # The server frees an idle session's locks after wait_timeout = ceil(ttl); lockrun must not
 # let anyone in much earlier than that (a tenth: timer and clock granularity).
 EARLY: Final = 0.9
-
-
-def check_lost(status: int, err: str, name: str) -> str:
-    """Assert lockrun exited 76 with one line naming the lock; return the line."""
-    assert status == 76, err
-    line = one_line(err)
-    assert line.startswith(f"lockrun: {name}: "), line
-    return line
-
-
-# -- the server's view, through a session of our own ---------------------------------------------
 
 
 def connect(uri: str) -> pymysql.Connection[Any]:
@@ -156,43 +146,6 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         for stream in (process.stdout, process.stderr):
             if stream is not None:
                 stream.close()
-
-
-class Victim:
-    """A `sh` command that publishes its pid and fence, logs TERM, and loops until killed."""
-
-    def __init__(self, directory: Path, *, exit_on_term: bool = True) -> None:
-        """Describe the script; *exit_on_term* False makes it survive TERM (only KILL ends it)."""
-        self.pid_file = directory / "victim.pid"
-        self.term_file = directory / "victim.term"
-        on_term = f"date +%s%N > {self.term_file}" + ("; exit 0" if exit_on_term else "")
-        # The shell reports its TERMed `sleep` ("Terminated") on stderr: keep that out of
-        # lockrun's, which must hold exactly one line.
-        self.script = (
-            f"exec 2>>{directory / 'victim.err'}; trap '{on_term}' TERM; "
-            f'echo "$$ $LOCKRUN_FENCE" > {self.pid_file}.tmp; '
-            f"mv {self.pid_file}.tmp {self.pid_file}; "
-            "while :; do sleep 0.05; done"
-        )
-        self.pid = 0
-        self.fence = 0
-
-    def start(
-        self, spawn: Callable[..., subprocess.Popen[str]], *options: str
-    ) -> subprocess.Popen[str]:
-        """Start ``lockrun OPTIONS -- sh -c SCRIPT`` and wait until the command runs."""
-        process = spawn(*options, "--", "sh", "-c", self.script)
-        wait_for(lambda: self.pid_file.exists() or process.poll() is not None, what="the command")
-        if not self.pid_file.exists():
-            _, err = process.communicate(timeout=10)
-            pytest.fail(f"the command did not start (status {process.returncode}): {err}")
-        pid, fence = self.pid_file.read_text().split()
-        self.pid, self.fence = int(pid), int(fence)
-        return process
-
-    def term_time(self) -> float:
-        """Return the Unix time the command's TERM trap ran."""
-        return int(self.term_file.read_text()) / 1e9
 
 
 # A command that logs its pid, fence and start (Unix ns) in its log, then a heartbeat every

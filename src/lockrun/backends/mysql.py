@@ -590,7 +590,10 @@ class MySQLBackend:
                         self._cancel(sessions[slot], sessions)
                         return slot, sessions[slot]
                     if got is None:
-                        msg = f"{self.settings.where}: the wait for slot {slot} was cancelled"
+                        msg = (
+                            f"{self.settings.where}: the wait for slot {slot} was cancelled "
+                            "on the server"
+                        )
                         raise BackendUnavailable(msg)
                     if deadline is None or now() < deadline:
                         ask(slot)

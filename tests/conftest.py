@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 from servers import MariaServer, RedisServer, free_port
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
@@ -213,3 +215,72 @@ def held(tmp_path: Path) -> Iterator[Callable[..., Held]]:
     for holder in started:
         if holder.process.poll() is None:
             holder.finish()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Return `start`, remembering each process to SIGKILL at teardown if it still runs."""
+    started: list[subprocess.Popen[str]] = []
+
+    def factory(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+        process = start(*args, **kwargs)
+        started.append(process)
+        return process
+
+    yield factory
+    for process in started:
+        if process.poll() is None:
+            process.kill()  # its guardian then SIGKILLs the command's group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(10)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+# Holds its slot until SLOTS run at once (or 2 s passed), then logs [start, end, slot].
+INTERVAL = """
+import os, pathlib, sys, time
+start = time.monotonic_ns()
+active = pathlib.Path(sys.argv[2], str(os.getpid()))
+active.touch()
+deadline = time.monotonic() + 2  # hold until N run at once, if the lock allows it
+while len(list(active.parent.iterdir())) < int(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.005)
+time.sleep(0.02)
+active.unlink()
+end = time.monotonic_ns()
+with open(sys.argv[1], "a") as log:
+    log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
+"""
+
+
+def interval_log(
+    tmp_path: Path, options: Sequence[str], *, slots: int, rounds: int, workers: int = 8
+) -> tuple[int, set[int], int]:
+    """Run *workers* loops of *rounds* semaphore runs; return (runs, slots seen, most at once).
+
+    Each run is ``lockrun OPTIONS -s SLOTS -w forever`` around a command that logs its
+    interval.
+
+    The oracle is the commands' own log, not lockrun's word.
+    """
+    log, active = tmp_path / "intervals", tmp_path / "active"
+    active.mkdir()
+    script = tmp_path / "interval.py"
+    script.write_text(INTERVAL)
+    lockrun_argv = shlex.join([*LOCKRUN, *options, "-s", str(slots), "-w", "forever", "--"])
+    command = shlex.join([sys.executable, str(script), str(log), str(active), str(slots)])
+    loop = f"for i in $(seq {rounds}); do {lockrun_argv} {command} || exit 1; done"
+    started = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(workers)]
+    assert [worker.wait(300) for worker in started] == [0] * workers
+    events, seen = [], set()
+    for line in log.read_text().splitlines():
+        begin, end, slot = line.split()
+        seen.add(int(slot))
+        events += [(int(begin), 1), (int(end), -1)]
+    running = peak = 0
+    for _, change in sorted(events):  # at one instant an end comes before a start
+        running += change
+        peak = max(peak, running)
+    return len(events) // 2, seen, peak

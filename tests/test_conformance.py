@@ -18,6 +18,7 @@ from conftest import (
     Held,
     finish,
     gone,
+    interval_log,
     lockrun,
     queue_length,
     start,
@@ -180,45 +181,12 @@ def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     assert counter.read_text().strip() == "400"
 
 
-INTERVAL = """
-import os, pathlib, sys, time
-start = time.monotonic_ns()
-active = pathlib.Path(sys.argv[2], str(os.getpid()))
-active.touch()
-deadline = time.monotonic() + 2  # hold until three run at once, if the lock allows it
-while len(list(active.parent.iterdir())) < 3 and time.monotonic() < deadline:
-    time.sleep(0.005)
-time.sleep(0.02)
-active.unlink()
-end = time.monotonic_ns()
-with open(sys.argv[1], "a") as log:
-    log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
-"""
-
-
 @pytest.mark.timeout(300)
 def test_semaphore_never_exceeds_its_slots(uri: str, name: str, tmp_path: Path) -> None:
     """With --slots 3, an interval log never shows more than 3 at once, and shows 3."""
-    log, active = tmp_path / "intervals", tmp_path / "active"
-    active.mkdir()
-    script = tmp_path / "interval.py"
-    script.write_text(INTERVAL)
-    loop = (
-        f"for i in $(seq 4); do {sys.executable} -m lockrun --uri {uri} -n {name} -s 3"
-        f" -w forever -- {sys.executable} {script} {log} {active} || exit 1; done"
-    )
-    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(8)]
-    assert [worker.wait(300) for worker in workers] == [0] * 8
-    events = []
-    for line in log.read_text().splitlines():
-        begin, end, slot = line.split()
-        assert slot in {"0", "1", "2"}
-        events += [(int(begin), 1), (int(end), -1)]
-    running = peak = 0
-    for _, change in sorted(events, key=lambda event: (event[0], event[1])):
-        running += change
-        peak = max(peak, running)
-    assert len(events) == 64
+    runs, slots, peak = interval_log(tmp_path, ("--uri", uri, "-n", name), slots=3, rounds=4)
+    assert slots <= {0, 1, 2}
+    assert runs == 32
     assert peak == 3
 
 

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import pymysql
 import pytest
-from conftest import Held, finish, gone, lockrun, one_line, start, unmeasured, wait_for
+from conftest import (
+    Held,
+    finish,
+    gone,
+    interval_log,
+    lockrun,
+    one_line,
+    wait_for,
+)
 from proxy import Proxy
 from test_redis_faults import Victim, check_lost
 
@@ -32,7 +40,7 @@ from lockrun.backends.mysql import lock_key, parse
 from lockrun.uri import parse_uri
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
     from pathlib import Path
 
     from servers import MariaServer
@@ -125,27 +133,6 @@ def slot_locks(key: str, slots: int) -> list[str]:
 
 
 # -- commands and their evidence -----------------------------------------------------------------
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Return `start`, remembering each process to SIGKILL at teardown (stopped or not)."""
-    started: list[subprocess.Popen[str]] = []
-
-    def factory(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
-        process = start(*args, **kwargs)
-        started.append(process)
-        return process
-
-    yield factory
-    for process in started:
-        if process.poll() is None:
-            process.kill()  # its guardian then SIGKILLs the command's group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
 
 
 # A command that logs its pid, fence and start (Unix ns) in its log, then a heartbeat every
@@ -822,46 +809,13 @@ def test_mutex_on_a_three_slot_name_exits_78_naming_the_holder(
         assert holder.finish() == 0
 
 
-# Holds its slot until two run at once (or a second passed), then logs [start, end, slot].
-INTERVAL: Final = """
-import os, pathlib, sys, time
-start = time.monotonic_ns()
-active = pathlib.Path(sys.argv[2], str(os.getpid()))
-active.touch()
-deadline = time.monotonic() + 1
-while len(list(active.parent.iterdir())) < 2 and time.monotonic() < deadline:
-    time.sleep(0.005)
-time.sleep(0.02)
-active.unlink()
-end = time.monotonic_ns()
-with open(sys.argv[1], "a") as log:
-    log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
-"""
-
-
 @pytest.mark.timeout(120)
 def test_two_slots_never_hold_three(mysql_uri: str, name: str, tmp_path: Path) -> None:
     """8 processes × 3 acquisitions of -s 2 -w forever: never 3 at once, 2 at once at least once."""
-    log, active = tmp_path / "intervals", tmp_path / "active"
-    active.mkdir()
-    script = tmp_path / "interval.py"
-    script.write_text(INTERVAL)
-    loop = (
-        f"for i in 1 2 3; do {sys.executable} -m lockrun --uri '{mysql_uri}' {' '.join(CALM)}"
-        f" -n {name} -s 2 -w forever -- {sys.executable} {script} {log} {active} || exit 1; done"
-    )
-    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(8)]
-    assert [worker.wait(100) for worker in workers] == [0] * 8
-    events = []
-    for line in log.read_text().splitlines():
-        begin, end, slot = line.split()
-        assert slot in {"0", "1"}
-        events += [(int(begin), 1), (int(end), -1)]
-    running = peak = 0
-    for _, change in sorted(events):
-        running += change
-        peak = max(peak, running)
-    assert len(events) == 48
+    options = ("--uri", mysql_uri, *CALM, "-n", name)
+    runs, slots, peak = interval_log(tmp_path, options, slots=2, rounds=3)
+    assert slots <= {0, 1}
+    assert runs == 24
     assert peak == 2
 
 

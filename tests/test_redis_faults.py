@@ -71,27 +71,6 @@ print("overlap" if state not in {"Z", "X", "gone"} else "alone", started)
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Return `start`, remembering each process to SIGKILL at teardown if it still runs."""
-    started: list[subprocess.Popen[str]] = []
-
-    def factory(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
-        process = start(*args, **kwargs)
-        started.append(process)
-        return process
-
-    yield factory
-    for process in started:
-        if process.poll() is None:
-            process.kill()  # its guardian then SIGKILLs the command's group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
-
-
-@pytest.fixture
 def tcp_redis() -> Iterator[RedisServer]:
     """Return a Redis of this test's own that also listens on a loopback TCP port."""
     server = RedisServer(port=free_port())

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 import pytest
 
@@ -41,8 +41,63 @@ def free_port() -> int:
         return port
 
 
-class RedisServer:
-    """A redis-server of our own, on a unix socket (and a loopback port when asked)."""
+class _Server:
+    """What both throwaway servers share: a directory, a process and its log file."""
+
+    directory: str
+    process: subprocess.Popen[bytes] | None
+    LOG: ClassVar[str]  # the log's file name in the directory
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it answers."""
+        raise NotImplementedError
+
+    def ping(self) -> bool:
+        """Return whether the server answers."""
+        raise NotImplementedError
+
+    def _launch(self, command: Sequence[str], *, patience: float, pause: float) -> None:
+        """Run *command* and wait until `ping` answers; fail the test with the log if not."""
+        self.process = subprocess.Popen(command)
+        deadline = time.monotonic() + patience
+        while not self.ping():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.close()
+                pytest.fail(f"{command[0]} did not start: {log}")
+            time.sleep(pause)
+
+    def log(self) -> str:
+        """Return the server's log."""
+        with contextlib.suppress(OSError), open(os.path.join(self.directory, self.LOG)) as log:
+            return log.read()
+        return ""
+
+    def stop(self) -> None:
+        """Kill the server."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(30)
+            self.process = None
+
+    def restart(self) -> None:
+        """Kill the server and start it again: every connection, and what it held, is gone."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RedisServer(_Server):
+    """A redis-server of our own, on a unix socket (and a loopback port when asked).
+
+    It saves nothing: a restart starts empty.
+    """
+
+    LOG = "redis.log"
 
     def __init__(self, *options: str, port: int = 0) -> None:
         """Start the server with extra *options*; `port` 0 means unix socket only."""
@@ -82,17 +137,10 @@ class RedisServer:
             "--dir",
             self.directory,
             "--logfile",
-            os.path.join(self.directory, "redis.log"),
+            os.path.join(self.directory, self.LOG),
             *self.options,
         )
-        self.process = subprocess.Popen(command)
-        deadline = time.monotonic() + 10
-        while not self.ping():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
-                self.close()
-                pytest.fail(f"redis-server did not start: {log}")
-            time.sleep(0.005)
+        self._launch(command, patience=10, pause=0.005)
 
     def ping(self) -> bool:
         """Return whether the server answers PING on its socket."""
@@ -116,36 +164,18 @@ class RedisServer:
         )
         return result.stdout.strip()
 
-    def log(self) -> str:
-        """Return the server's log."""
-        with contextlib.suppress(OSError), open(os.path.join(self.directory, "redis.log")) as log:
-            return log.read()
-        return ""
-
-    def stop(self) -> None:
-        """Stop the server (its data is gone: nothing is saved)."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(10)
-            self.process = None
-
-    def restart(self) -> None:
-        """Kill the server and start an empty one in its place."""
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        """Stop the server and remove its directory."""
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
 
 MARIADBD: Final = "mariadbd"
 MARIADB_INSTALL: Final = "mariadb-install-db"
 
 
-class MariaServer:
-    """A mariadbd of our own: a fresh data directory, a unix socket, TCP only when asked."""
+class MariaServer(_Server):
+    """A mariadbd of our own: a fresh data directory, a unix socket, TCP only when asked.
+
+    Its data stays across a restart.
+    """
+
+    LOG = "err.log"
 
     def __init__(self, *options: str, port: int = 0) -> None:
         """Initialise a data directory (~0.5 s) and start the server with extra *options*."""
@@ -191,26 +221,18 @@ class MariaServer:
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers."""
         network = ("--bind-address=127.0.0.1", f"--port={self.port}") if self.port else ()
-        self.process = subprocess.Popen(
-            (
-                MARIADBD,
-                "--no-defaults",
-                f"--datadir={self.directory}/data",
-                f"--socket={self.socket}",
-                *(network or ("--skip-networking",)),
-                "--user=root",
-                "--innodb-buffer-pool-size=16M",
-                f"--log-error={self.directory}/err.log",
-                *self.options,
-            )
+        command = (
+            MARIADBD,
+            "--no-defaults",
+            f"--datadir={self.directory}/data",
+            f"--socket={self.socket}",
+            *(network or ("--skip-networking",)),
+            "--user=root",
+            "--innodb-buffer-pool-size=16M",
+            f"--log-error={self.directory}/{self.LOG}",
+            *self.options,
         )
-        deadline = time.monotonic() + 90  # a loaded 2-core machine can take its time
-        while not self.ping():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
-                self.close()
-                pytest.fail(f"mariadbd did not start: {log}")
-            time.sleep(0.02)
+        self._launch(command, patience=90, pause=0.02)  # a loaded 2-core machine is slow
 
     def ping(self) -> bool:
         """Return whether the server accepts a connection on its socket."""
@@ -235,26 +257,3 @@ class MariaServer:
             check=True,
         )
         return result.stdout.strip()
-
-    def log(self) -> str:
-        """Return the server's error log."""
-        with contextlib.suppress(OSError), open(os.path.join(self.directory, "err.log")) as log:
-            return log.read()
-        return ""
-
-    def stop(self) -> None:
-        """Kill the server (its data stays for a restart)."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(30)
-            self.process = None
-
-    def restart(self) -> None:
-        """Kill the server and start it again on the same data: every session and lock is gone."""
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        """Stop the server and remove its directory."""
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)

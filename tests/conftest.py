@@ -14,7 +14,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from servers import MariaServer, RedisServer, free_port
+from servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
 # Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.
-BACKENDS = ("file", "abstract", "redis", "mysql")
+BACKENDS = ("file", "abstract", "redis", "mysql", "postgres")
 # Leases short enough that a killed holder frees its slot within a test's patience.
 TEST_TTL = "5"
 
@@ -98,6 +98,25 @@ def mysql_uri() -> Iterator[str]:
 def maria_server() -> Iterator[MariaServer]:
     """Return a MariaDB of this test's own, on a socket and a loopback port, to kill or stop."""
     server = MariaServer(port=free_port())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_uri() -> Iterator[str]:
+    """Return the URI of the session's PostgreSQL: LOCKRUN_TEST_POSTGRES_URL or our own."""
+    if url := os.environ.get("LOCKRUN_TEST_POSTGRES_URL"):
+        yield url
+        return
+    server = PostgresServer("max_connections=400")
+    yield server.uri
+    server.close()
+
+
+@pytest.fixture
+def pg_server() -> Iterator[PostgresServer]:
+    """Return a PostgreSQL of this test's own, on a socket and a loopback port, to kill or stop."""
+    server = PostgresServer(port=free_port())
     yield server
     server.close()
 

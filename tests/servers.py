@@ -2,7 +2,8 @@
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
 only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
-``LOCKRUN_TEST_MYSQL_URL`` point the tests at existing servers instead. A missing server
+``LOCKRUN_TEST_MYSQL_URL`` and ``LOCKRUN_TEST_POSTGRES_URL`` point the tests at existing
+servers instead. A missing server
 binary skips the backend's tests with the reason, except under ``CI=true``, where it fails
 them (SPEC §6).
 """
@@ -10,8 +11,10 @@ them (SPEC §6).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -251,6 +254,165 @@ class MariaServer(_Server):
         """Run *sql* with the mariadb client as root and return what it printed (tab-separated)."""
         result = subprocess.run(
             ("mariadb", "--no-defaults", "-S", self.socket, "-uroot", "-N", "-B", "-e", sql),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return result.stdout.strip()
+
+
+def postgres_bin(program: str) -> str:
+    """Return the path of a PostgreSQL server program (Debian keeps them off PATH)."""
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{program}")) or [
+        shutil.which(program) or ""
+    ]
+    if not found[-1]:
+        unavailable(f"PostgreSQL's {program} is not installed")
+    return found[-1]
+
+
+def _postgres_user() -> str | None:
+    """Return the user to run PostgreSQL's programs as: ``postgres`` when we are root.
+
+    initdb and postgres refuse to run as root; Popen(user=) makes the child itself the
+    server, so that our signals reach it (runuser would not pass SIGQUIT on).
+    """
+    return "postgres" if os.geteuid() == 0 else None
+
+
+class PostgresServer(_Server):
+    """A PostgreSQL of our own: a fresh cluster, a unix socket, TCP only when asked.
+
+    The superuser ``lockrun`` logs in without a password; every other role needs its
+    password (scram-sha-256). Its data stays across a restart.
+    """
+
+    LOG = "postgres.log"
+
+    def __init__(self, *options: str, port: int = 0) -> None:
+        """Initialise a cluster (~0.5 s) and start it with extra ``-c`` *options*."""
+        self.directory = tempfile.mkdtemp(prefix="lr-pg-")
+        self.port = port or 5432  # also names the socket file, which is in our directory
+        self.tcp = bool(port)
+        self.options = options
+        self.process: subprocess.Popen[bytes] | None = None
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres")
+        subprocess.run(
+            (postgres_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "lockrun"),
+            capture_output=True,
+            check=True,
+            timeout=120,
+            user=_postgres_user(),
+        )
+        with open(os.path.join(self.data, "pg_hba.conf"), "w") as hba:
+            hba.write(
+                "local all lockrun trust\n"
+                "host all lockrun 127.0.0.1/32 trust\n"
+                "local all all scram-sha-256\n"
+                "host all all 127.0.0.1/32 scram-sha-256\n"
+            )
+        self.start()
+        self.command("CREATE DATABASE lockrun")
+
+    @property
+    def data(self) -> str:
+        """The cluster's data directory."""
+        return os.path.join(self.directory, "data")
+
+    @property
+    def pid(self) -> int:
+        """The postmaster's process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def uri(self) -> str:
+        """The lock URI of this server's socket, database ``lockrun``."""
+        return f"postgresql://lockrun@/lockrun?host={self.directory}&port={self.port}"
+
+    @property
+    def tcp_uri(self) -> str:
+        """The postgresql:// URI of this server's loopback port."""
+        return f"postgresql://lockrun@127.0.0.1:{self.port}/lockrun"
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it answers."""
+        command = (
+            postgres_bin("postgres"),
+            "-D",
+            self.data,
+            "-k",
+            self.directory,
+            "-p",
+            str(self.port),
+            "-c",
+            f"listen_addresses={'127.0.0.1' if self.tcp else ''}",
+            "-c",
+            "fsync=off",
+            "-c",
+            "logging_collector=off",
+            *(arg for option in self.options for arg in ("-c", option)),
+        )
+        log = open(os.path.join(self.directory, self.LOG), "ab")  # noqa: SIM115 - the server's
+        with log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=_postgres_user(),
+            )
+        deadline = time.monotonic() + 60
+        while not self.ping():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                text = self.log()
+                self.close()
+                pytest.fail(f"postgres did not start: {text}")
+            time.sleep(0.02)
+
+    def ping(self) -> bool:
+        """Return whether the server accepts connections on its socket."""
+        result = subprocess.run(
+            (postgres_bin("pg_isready"), "-q", "-h", self.directory, "-p", str(self.port)),
+            check=False,
+            timeout=10,
+        )
+        return result.returncode == 0
+
+    def stop(self) -> None:
+        """Stop at once (SIGQUIT: every session ends, nothing is saved; recovery on start)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGQUIT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+            self.process = None
+
+    def command(self, sql: str, *, user: str = "lockrun", database: str = "lockrun") -> str:
+        """Run *sql* with psql and return what it printed (unaligned, ``|``-separated)."""
+        result = subprocess.run(
+            (
+                postgres_bin("psql"),
+                "-X",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                self.directory,
+                "-p",
+                str(self.port),
+                "-U",
+                user,
+                "-d",
+                "postgres" if sql == "CREATE DATABASE lockrun" else database,
+                "-c",
+                sql,
+            ),
             capture_output=True,
             text=True,
             timeout=30,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -173,7 +174,8 @@ def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     script = tmp_path / "increment.sh"
     script.write_text(COUNTER)
     loop = (
-        f"for i in $(seq 25); do {sys.executable} -m lockrun --uri {uri} -n {name} -w forever"
+        f"for i in $(seq 25); do {sys.executable} -m lockrun --uri {shlex.quote(uri)} -n {name}"
+        " -w forever"
         f" -- sh {script} {counter} || exit 1; done"
     )
     workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(16)]

@@ -30,6 +30,8 @@ SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
     "redis+sentinel": ("lockrun.backends.redis", None),
     "mysql": ("lockrun.backends.mysql", None),
     "mariadb": ("lockrun.backends.mysql", None),
+    "postgresql": ("lockrun.backends.postgres", "postgres"),
+    "postgres": ("lockrun.backends.postgres", "postgres"),
 }
 
 
@@ -221,9 +223,10 @@ def open_backend(
     module_name, extra = SCHEMES[uri.scheme]
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:  # the driver, not our module
+    except ImportError as err:  # the driver, not our module: missing, or without libpq
         hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
-        msg = f"{uri.scheme}: needs the {err.name} module: {hint}"
+        what = f"the {err.name} module" if isinstance(err, ModuleNotFoundError) else err
+        msg = f"{uri.scheme}: needs {what}: {hint}"
         raise ConfigError(msg) from err
     backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
     return backend

@@ -1,0 +1,962 @@
+"""PostgreSQL: session advisory locks as a first-in first-out semaphore (psycopg 3).
+
+algorithms.md §2.4 has the measurements behind this design.
+
+Keys are signed 64-bit: the first 8 bytes, big-endian, of SHA-256(namespace NUL name NUL
+part), where part is ``0`` … ``N-1`` for the slots and ``gate`` for the queue of a
+semaphore (never ``hashtext``: 32 bits collide). pg_locks shows key k as ``classid = k >> 32``
+and ``objid = k & 0xffffffff`` (both unsigned), ``objsubid = 1``.
+
+Mutex (N = 1): pg_advisory_lock on slot 0, which the server grants in arrival order; one
+``lock_timeout`` bounds the wait (asking again would put us at the back of the queue).
+Semaphore (N > 1): waiters queue on the gate. Its holder takes the first free slot or, when
+none is, waits on every slot at once, on its own session for slot 0 and on a helper session
+for each other slot, in pieces of ttl/3; it keeps the first slot it gets, terminates the
+helpers (which frees whatever they got meanwhile), and lets the gate go once its fence is
+drawn, so grants follow the queue. Only the head of the queue holds N sessions; nobody polls.
+
+A slot lives with its session: the server frees it when the connection ends, or once the
+session idled for its ``idle_session_timeout``, which is the lease. The holder proves
+ownership in pg_locks every ttl/3 and never reconnects (no pools, pitfall 19). Every holder
+also takes the shared int-pair lock (hash32(namespace NUL name), N), which tells users of
+another N apart. Statements carry a ``/* lockrun {json} */`` comment naming who runs them,
+which `lockrun status` reads back from pg_stat_activity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import select
+import selectors
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+import psycopg
+from psycopg import pq
+
+from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.errors import BackendUnavailable, ConfigError, Interrupted, LeaseLost, LockrunError
+from lockrun.timing import now
+from lockrun.uri import query_items, unquote
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    from lockrun.uri import LockURI
+
+DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
+_MAX_LOCK_TIMEOUT: Final = 2_147_483_647  # ms: the largest lock_timeout; 0 would mean none
+_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
+_PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
+_V13: Final = 130000  # pg_current_xact_id()
+_V14: Final = 140000  # idle_session_timeout, client_connection_check_interval, waitstart
+_CHECK_CLIENT: Final = "1s"  # how often a waiting server session looks for its client (14+)
+_TAG_BYTES: Final = 900  # pg_stat_activity keeps 1024 bytes of a statement by default
+# SQLSTATEs
+_LOCK_NOT_AVAILABLE: Final = "55P03"  # lock_timeout
+_QUERY_CANCELED: Final = "57014"
+# A session ended under us: server shut down or restarted, backend terminated, idle too long.
+_ENDED: Final = frozenset({"57P01", "57P02", "57P03", "57P05"})
+# libpq's words for a refusal → what lockrun says (libpq gives no SQLSTATE for these)
+_FAILURES: Final[tuple[tuple[str, type[LockrunError], str], ...]] = (
+    (
+        r"authentication failed|no password supplied",
+        BackendUnavailable,
+        "{where}: authentication failed: {text}",
+    ),
+    (r'database ".*" does not exist', ConfigError, "{where}: no such database: {text}"),
+    (
+        r"too many clients|connection slots are reserved",
+        BackendUnavailable,
+        "{where}: the server has no free connection (max_connections): {text}",
+    ),
+    (
+        r"ssl negotiation|expected authentication request|invalid length of startup packet",
+        BackendUnavailable,
+        "{where} does not answer like a PostgreSQL server",
+    ),
+)
+_TAGGED: Final = re.compile(r"/\* lockrun (?P<json>\{.*\}) \*/", re.DOTALL)
+
+
+def lock_key(namespace: str, name: str, part: str | int) -> int:
+    r"""Return the advisory-lock key of a slot (*part* 0 … N-1) or of ``"gate"``.
+
+    In SQL: ``('x' || left(encode(sha256(convert_to(namespace, 'UTF8') || '\\x00'::bytea
+    || convert_to(name, 'UTF8') || '\\x00'::bytea || convert_to(part, 'UTF8')), 'hex'),
+    16))::bit(64)::bigint``.
+    """
+    digest = hashlib.sha256(f"{namespace}\0{name}\0{part}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def slots_key(namespace: str, name: str) -> int:
+    """Return the int4 half of the shared lock (key, N) that every holder of the name takes."""
+    digest = hashlib.sha256(f"{namespace}\0{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "big", signed=True)
+
+
+def _halves(key: int) -> tuple[int, int]:
+    """Return pg_locks' (classid, objid) of a bigint key."""
+    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
+    return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+def timeout_for(ttl: float) -> float:
+    """Return the timeout of a statement for leases of *ttl* seconds (as MySQL's: 1–5 s)."""
+    return min(5.0, max(1.0, ttl / 10))
+
+
+class Settings(NamedTuple):
+    """Where the server is, from a postgresql: or postgres: URI, which libpq reads as it is."""
+
+    where: str  # the URI without its password, for messages
+    conninfo: str
+    secrets: tuple[str, ...]  # password spellings that must never reach a message
+
+
+def parse(uri: LockURI) -> Settings:
+    """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one."""
+    userinfo = uri.netloc.rpartition("@")[0]
+    password = userinfo.partition(":")[2] if ":" in userinfo else ""
+    password = password or query_items(uri.query).get("password", "")
+    secrets = tuple({password, unquote(password)} - {""})
+    settings = Settings(uri.redacted, uri.text, secrets)
+    try:
+        psycopg.conninfo.conninfo_to_dict(uri.text)
+    except psycopg.Error as err:
+        reason = _one_line(settings, str(err))
+        msg = f"{uri.redacted}: not a libpq connection URI: {reason}"
+        raise ConfigError(msg) from None
+    return settings
+
+
+def _one_line(settings: Settings, text: str) -> str:
+    """Squeeze a libpq message into one line and drop any quoted part near a password."""
+    text = " ".join(text.split()).removeprefix("connection failed: ")
+
+    def hide(match: re.Match[str]) -> str:
+        quoted = match[0]
+        for secret in settings.secrets:
+            pieces = {secret[i : i + 3] for i in range(max(1, len(secret) - 2))}
+            if secret in quoted or any(piece in quoted for piece in pieces):
+                return '"…"'
+        return quoted
+
+    return re.sub(r'"[^"]*"', hide, text)
+
+
+def connect(
+    uri: LockURI,
+    *,
+    ttl: float | None = None,
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
+) -> PostgresBackend:
+    """Check *uri*; sessions are opened on use, with timeouts that fit leases of *ttl*."""
+    return PostgresBackend(
+        parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None), note or (lambda _line: None)
+    )
+
+
+class PgError(Exception):
+    """A statement failed; *sqlstate* is None when the connection itself failed."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        """Keep the server's one-line *message* and its SQLSTATE."""
+        super().__init__(message)
+        self.message = message
+        self.sqlstate = sqlstate
+
+
+class NoAnswer(PgError):
+    """A statement got no answer in time; the session is no longer usable."""
+
+
+def _ready(fd: int, timeout: float | None, events: int = select.POLLIN) -> bool:
+    """Return whether *fd* is ready for *events* (or hung up) within *timeout* seconds."""
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(None if timeout is None else max(0, timeout * 1000)))
+
+
+class Session:
+    """One server session, spoken to through libpq's asynchronous calls, never reconnected.
+
+    psycopg's cursors block without a timeout; libpq's own send/receive lets every
+    statement have one, and lets the head of a queue wait on several sessions at once.
+    """
+
+    def __init__(self, connection: psycopg.Connection[tuple[object, ...]], tag: str) -> None:
+        """Wrap an open *connection*; every statement carries *tag* (who runs it)."""
+        self.connection = connection
+        self.pgconn = connection.pgconn
+        self.tag = tag
+        self.pid = 0  # the server process, as pg_backend_pid() says (a pooler hides it)
+
+    def fileno(self) -> int:
+        """Return the socket's descriptor."""
+        return self.pgconn.socket
+
+    def send(self, sql: str, *params: object) -> None:
+        """Send *sql* ($1, $2 … for *params*, as text) without waiting for the answer."""
+        try:
+            values = [None if value is None else str(value).encode() for value in params]
+            self.pgconn.send_query_params(f"{sql} {self.tag}".encode(), values or None)
+            while self.pgconn.flush():  # rarely: a statement larger than the socket takes
+                if not _ready(self.fileno(), 5.0, select.POLLOUT):
+                    msg = "the server takes no more of our statement"
+                    raise NoAnswer(msg)
+        except psycopg.OperationalError as err:
+            raise PgError(_first_line(str(err))) from err
+
+    def ready(self) -> bool:
+        """Read what arrived; return whether the whole answer is in (never blocks)."""
+        try:
+            self.pgconn.consume_input()
+        except psycopg.OperationalError as err:
+            raise PgError(_first_line(str(err))) from err
+        return not self.pgconn.is_busy()
+
+    def receive(self, timeout: float | None) -> list[tuple[str | None, ...]]:
+        """Wait up to *timeout* seconds (None: as long as it takes) for the rows of `send`."""
+        deadline = None if timeout is None else now() + timeout
+        while self.pgconn.is_busy():
+            left = None if deadline is None else deadline - now()
+            if (left is not None and left <= 0) or not _ready(self.fileno(), left):
+                raise NoAnswer(f"no answer within {timeout:g}s")
+            self.ready()
+        rows: list[tuple[str | None, ...]] = []
+        error: PgError | None = None
+        while (result := self.pgconn.get_result()) is not None:
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                state = result.error_field(pq.DiagnosticField.SQLSTATE)
+                text = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
+                message = (text or result.error_message or b"the statement failed").decode()
+                error = PgError(_first_line(message), state.decode() if state else None)
+            elif result.status == pq.ExecStatus.TUPLES_OK:
+                rows = [
+                    tuple(_text(result.get_value(row, col)) for col in range(result.nfields))
+                    for row in range(result.ntuples)
+                ]
+        if error is not None:
+            raise error
+        if self.pgconn.status != pq.ConnStatus.OK:
+            raise PgError(_first_line(self.pgconn.get_error_message() or "the connection ended"))
+        return rows
+
+    def rows(
+        self, sql: str, *params: object, timeout: float | None
+    ) -> list[tuple[str | None, ...]]:
+        """Run *sql* and return every row."""
+        self.send(sql, *params)
+        return self.receive(timeout)
+
+    def one(self, sql: str, *params: object, timeout: float | None) -> str | None:
+        """Run *sql* and return the first column of its first row (None if no row)."""
+        rows = self.rows(sql, *params, timeout=timeout)
+        return rows[0][0] if rows else None
+
+    def close(self) -> None:
+        """Say goodbye: the server ends the session and frees its locks; never raises."""
+        with contextlib.suppress(Exception):
+            self.connection.close()
+
+    def abandon(self) -> None:
+        """Hang up at once, even while a statement runs in another thread; never raises.
+
+        shutdown() reaches the server even if other processes (the guardian) share the
+        socket; the server then ends the session and frees its locks.
+        """
+        with (
+            contextlib.suppress(OSError, ValueError),
+            socket.socket(fileno=os.dup(self.fileno())) as sock,
+        ):
+            sock.shutdown(socket.SHUT_RDWR)
+        self.close()
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def _first_line(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return " ".join(text.split()).removeprefix("ERROR: ").removeprefix("FATAL: ")
+
+
+class _Keys:
+    """The keys of one name: its slots, its gate, and the shared (name, N) lock."""
+
+    def __init__(self, namespace: str, name: str, slots: int) -> None:
+        self.slots = [lock_key(namespace, name, slot) for slot in range(slots)]
+        self.gate = lock_key(namespace, name, "gate")
+        self.agreed = slots_key(namespace, name)
+
+
+class PostgresBackend:
+    """Sessions on one PostgreSQL server (or a pooler in session mode)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        ttl: float,
+        warn: Callable[[str], None],
+        note: Callable[[str], None],
+    ) -> None:
+        """Remember *settings*; *warn* and *note* get one-line remarks (stderr, -v)."""
+        self.settings = settings
+        self.ttl = ttl
+        self.warn = warn
+        self.note = note
+        self.timeout = timeout_for(ttl)
+        self.version = 0  # server_version_num, once a session told it
+        self.checked = False  # whether the server was found usable (a primary, no pooler)
+        self.durable = True  # whether fences can be made durable (pg_logical_emit_message)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def session(self, tag: str = "/* lockrun */") -> Session:
+        """Open a session whose locks the server frees after it idled for a lease."""
+        idle = max(1, int(self.ttl / 3))
+        try:
+            connection = psycopg.Connection.connect(
+                self.settings.conninfo,
+                autocommit=True,
+                connect_timeout=max(2, math.ceil(self.timeout)),
+                client_encoding="UTF8",
+                # TCP keepalive finds a vanished server while we wait on it (TCP only).
+                keepalives=1,
+                keepalives_idle=idle,
+                keepalives_interval=max(1, idle // 3),
+                keepalives_count=3,
+            )
+        except psycopg.Error as err:
+            raise self.failure(err) from err
+        session = Session(connection, tag)
+        try:
+            self._setup(session, connection.info.server_version)
+            if connection.info.backend_pid != session.pid and not self.checked:
+                self._check_pooler(session)
+            self.checked = True
+        except PgError as err:
+            session.abandon()
+            raise self.failure(err) from err
+        except BaseException:
+            session.abandon()
+            raise
+        return session
+
+    def _setup(self, session: Session, version: int) -> None:
+        """Set the lease and the waits' limits on *session*, learn its pid, refuse a standby.
+
+        No statement timeout may cut a long wait short; a stalled holder keeps its locks
+        only as long as its lease (idle_session_timeout, PostgreSQL 14+).
+        """
+        lease = f"{max(1, math.ceil(self.ttl * 1000))}ms"
+        idle = max(1, int(self.ttl / 3))
+        settings = [
+            ("statement_timeout", "0"),
+            ("lock_timeout", "0"),
+            ("idle_in_transaction_session_timeout", "0"),
+            ("tcp_keepalives_idle", str(idle)),
+            ("tcp_keepalives_interval", str(max(1, idle // 3))),
+            ("tcp_keepalives_count", "3"),
+        ]
+        if version >= _V14:
+            settings += [
+                ("idle_session_timeout", lease),
+                ("client_connection_check_interval", _CHECK_CLIENT),
+            ]
+        elif not self.version:
+            self.warn(
+                f"{self.settings.where}: PostgreSQL {version // 10000} has no "
+                "idle_session_timeout (14+), so a stalled holder keeps its lock until its "
+                "connection breaks"
+            )
+        self.version = version
+        calls = ", ".join(f"set_config('{name}', '{value}', false)" for name, value in settings)
+        row = session.rows(
+            f"SELECT pg_backend_pid(), pg_is_in_recovery(), {calls}", timeout=self.timeout
+        )[0]
+        session.pid = int(row[0] or 0)
+        if row[1] == "t":
+            msg = (
+                f"{self.settings.where} is a standby (in recovery): its advisory locks are "
+                "its own; point --uri at the primary (target_session_attrs=read-write)"
+            )
+            raise BackendUnavailable(msg)
+
+    def _check_pooler(self, session: Session) -> None:
+        """Refuse a pooler that shares server sessions between clients (pitfall 22).
+
+        Something between us and the server answered with its own process id. In session
+        pooling our server session is ours alone; in transaction pooling the session we
+        just used goes back to the pool, and a second client is handed it at once.
+        """
+        other = self.session_raw()
+        try:
+            theirs = other.one("SELECT pg_backend_pid()", timeout=self.timeout)
+            ours = session.one("SELECT pg_backend_pid()", timeout=self.timeout)
+        except PgError as err:  # statement pooling refuses more, or we were cut off
+            shared = f"it refused a second client ({err.message})"
+        else:
+            shared = "" if theirs != ours and ours == str(session.pid) else "shared"
+        finally:
+            other.close()
+        if shared:
+            msg = (
+                f"{self.settings.where} is a connection pooler in transaction or statement "
+                "mode (PgBouncer?): session advisory locks do not survive it; connect to "
+                "PostgreSQL directly or through session pooling"
+            )
+            raise ConfigError(msg)
+        self.note(f"{self.settings.where}: a pooler in session mode; its sessions hold locks")
+
+    def session_raw(self) -> Session:
+        """Open a plain session (no setup): to probe a pooler."""
+        try:
+            connection = psycopg.Connection.connect(
+                self.settings.conninfo,
+                autocommit=True,
+                connect_timeout=max(2, math.ceil(self.timeout)),
+            )
+        except psycopg.Error as err:
+            raise self.failure(err) from err
+        return Session(connection, "/* lockrun */")
+
+    def failure(self, err: psycopg.Error | PgError) -> LockrunError:
+        """Translate a failure into one line, naming the server but no password."""
+        where = self.settings.where
+        text = _one_line(self.settings, getattr(err, "message", None) or str(err))
+        if isinstance(err, psycopg.ProgrammingError):  # libpq refused the URI
+            return ConfigError(f"{where}: not a libpq connection URI: {text}")
+        if isinstance(err, psycopg.errors.ConnectionTimeout | NoAnswer):
+            return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
+        for pattern, kind, what in _FAILURES:
+            if re.search(pattern, text, re.IGNORECASE):
+                return kind(what.format(where=where, text=text))
+        return BackendUnavailable(f"{where}: {text}")
+
+    # -- acquiring -----------------------------------------------------------------------
+
+    def acquire(self, request: Request, deadline: float | None) -> PostgresLease | None:
+        """Wait in the server's queue until a slot is ours, or *deadline* passes.
+
+        A waiter that loses its connection (a server restart, a failover) connects and
+        queues again, for up to a ttl; failing to get in at all is reported at once.
+        """
+        keys = _Keys(request.namespace, request.name, request.slots)
+        token = os.urandom(8).hex()
+        lost: float | None = None  # when the connection of a queued attempt was lost
+        while True:
+            attempt = _Attempt(request, keys, deadline, token)
+            try:
+                return self._attempt(attempt)
+            except (PgError, BackendUnavailable) as err:
+                failure = self.failure(err) if isinstance(err, PgError) else err
+                if not _transient(err) or (not attempt.queued and lost is None):
+                    raise failure from err
+                lost = now() if attempt.queued else lost
+                assert lost is not None  # noqa: S101 - for mypy: set above or earlier
+                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
+                    raise failure from err
+                time.sleep(min(_RECONNECT, self.ttl / 10))
+
+    def _attempt(self, attempt: _Attempt) -> PostgresLease | None:
+        """Queue once; close every session but the holder's, whatever happens.
+
+        The gate is let go only after the grant drew its fence, so fences (and starts)
+        follow the order of the queue.
+        """
+        try:
+            slot, holder = self._take(attempt)
+            lease = None if holder is None else self._grant(holder, attempt, slot)
+            if lease is not None and attempt.gate is lease.session:
+                lease.session.rows(
+                    "SELECT pg_advisory_unlock($1::bigint)", attempt.keys.gate, timeout=self.timeout
+                )
+        except BaseException as err:
+            for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
+                session.abandon()
+            if not isinstance(err, PgError | LockrunError) or isinstance(err, Interrupted):
+                self._end(attempt.opened)
+            raise
+        for session in attempt.opened:
+            if lease is None or session is not lease.session:
+                session.close()  # frees the gate, and anything a loser got
+        return lease
+
+    def _end(self, sessions: Iterable[Session]) -> None:
+        """Terminate server sessions we hung up on, so their waits leave the queue now.
+
+        A waiting server session notices a hang-up only at its next client check (a
+        second on 14+, else when granted); an interrupted waiter should leave nothing.
+        """
+        pids = [session.pid for session in sessions if session.pid]
+        if not pids:
+            return
+        with contextlib.suppress(LockrunError, PgError):
+            session = self.session()
+            try:
+                session.rows(
+                    "SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid",
+                    "{" + ",".join(map(str, pids)) + "}",
+                    timeout=self.timeout,
+                )
+            finally:
+                session.close()
+
+    def _open(self, attempt: _Attempt) -> Session:
+        session = self.session(attempt.tag)
+        attempt.opened.append(session)
+        return session
+
+    def _take(self, attempt: _Attempt) -> tuple[int, Session | None]:
+        """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
+        keys, deadline = attempt.keys, attempt.deadline
+        first = self._open(attempt)
+        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
+        once = deadline is not None and deadline <= now()
+        if attempt.slots == 1 and once:
+            got = first.one(
+                "SELECT pg_try_advisory_lock($1::bigint)", keys.slots[0], timeout=self.timeout
+            )
+            return (0, first) if got == "t" else (-1, None)
+        if attempt.slots == 1:
+            return (0, first) if self._wait(first, keys.slots[0], attempt) else (-1, None)
+        if once:  # one try: the gate would not help
+            slot = int(first.one(_first_free(keys), timeout=self.timeout) or -1)
+            return (slot, first) if slot >= 0 else (-1, None)
+        if not self._wait(first, keys.gate, attempt):
+            return -1, None
+        attempt.gate = first
+        slot = int(first.one(_first_free(keys), timeout=self.timeout) or -1)
+        if slot >= 0:
+            return slot, first
+        return self._wait_any(first, attempt)
+
+    def _wait(self, session: Session, key: int, attempt: _Attempt) -> bool:
+        """Wait in *key*'s queue on *session* until we hold it (True) or the deadline passes.
+
+        One wait bounded by lock_timeout: asking again would put us at the back of the
+        queue. While it runs the server never hears from us; TCP keepalive finds a server
+        that vanished, and the server checks every second that we are still there.
+        """
+        deadline = attempt.deadline
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - now())
+            attempt.queued = attempt.queued or remaining != 0
+            patience = None if remaining is None else remaining + self.timeout
+            try:
+                session.rows(_wait_for(remaining), key, timeout=patience)
+            except PgError as err:
+                if err.sqlstate == _LOCK_NOT_AVAILABLE:
+                    if deadline is not None and now() >= deadline:
+                        return False
+                    continue  # a wait longer than lock_timeout can say: ask again
+                if err.sqlstate == _QUERY_CANCELED:
+                    msg = f"{self.settings.where}: the wait for {key} was cancelled on the server"
+                    raise BackendUnavailable(msg) from err
+                raise
+            return True
+
+    def _wait_any(self, first: Session, attempt: _Attempt) -> tuple[int, Session | None]:
+        """As head of the queue, wait on every slot at once; keep the first slot we get.
+
+        Only the head waits on slots, so it asks in pieces of ttl/3 without losing its
+        place: a head that stalls (SIGSTOP, a frozen VM) then idles, and its
+        idle_session_timeout lets the queue go on within a lease.
+        """
+        keys, deadline = attempt.keys, attempt.deadline
+        sessions = [first] + [self._open(attempt) for _ in range(1, attempt.slots)]
+        piece = self.ttl / 3
+        with selectors.DefaultSelector() as selector:
+
+            def ask(slot: int) -> None:
+                remaining = piece if deadline is None else max(0.0, deadline - now())
+                sessions[slot].send(_wait_for(min(piece, remaining)), keys.slots[slot])
+                selector.register(sessions[slot].fileno(), selectors.EVENT_READ, slot)
+
+            for slot in range(attempt.slots):
+                ask(slot)
+            pending = attempt.slots
+            while pending:
+                # After a SIGSTOP the wait returns empty, its time spent: look once more.
+                ready = selector.select(piece + self.timeout) or selector.select(0)
+                if not ready:
+                    msg = f"{self.settings.where}: no answer to pg_advisory_lock within {piece:g}s"
+                    raise BackendUnavailable(msg)
+                for selected, _ in ready:
+                    slot = selected.data
+                    if not sessions[slot].ready():
+                        continue  # part of the answer
+                    selector.unregister(selected.fileobj)
+                    pending -= 1
+                    if self._granted(sessions[slot], slot):
+                        self._cancel(sessions[slot], sessions)
+                        return slot, sessions[slot]
+                    if deadline is None or now() < deadline:
+                        ask(slot)
+                        pending += 1
+        return -1, None
+
+    def _granted(self, session: Session, slot: int) -> bool:
+        """Read the answer of a head's wait on *slot*: True if it got it, False if it timed out."""
+        try:
+            session.receive(0)
+        except PgError as err:
+            if err.sqlstate == _LOCK_NOT_AVAILABLE:
+                return False
+            if err.sqlstate == _QUERY_CANCELED:
+                msg = f"{self.settings.where}: the wait for slot {slot} was cancelled on the server"
+                raise BackendUnavailable(msg) from err
+            raise
+        return True
+
+    def _cancel(self, winner: Session, sessions: Sequence[Session]) -> None:
+        """From *winner*, end the other sessions' waits, and any slot they got meanwhile.
+
+        Helpers are terminated. The first session keeps the gate until the grant is done,
+        so only its statement is cancelled: it then fails, or holds slot 0 too, which
+        closing it after the grant frees.
+        """
+        first, *helpers = sessions
+        losers = [helper for helper in helpers if helper is not winner]
+        if losers:
+            winner.rows(
+                "SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid",
+                "{" + ",".join(str(loser.pid) for loser in losers) + "}",
+                timeout=self.timeout,
+            )
+            for loser in losers:
+                loser.abandon()
+        if first is not winner:
+            winner.rows("SELECT pg_cancel_backend($1)", first.pid, timeout=self.timeout)
+            try:
+                first.receive(self.timeout)
+            except PgError as err:
+                if err.sqlstate not in {_QUERY_CANCELED, _LOCK_NOT_AVAILABLE}:
+                    raise
+
+    def _grant(self, session: Session, attempt: _Attempt, slot: int) -> PostgresLease:
+        """Draw a fence, name the session, take the shared (name, N) lock, check N.
+
+        Checking after taking it catches two users of different N who got in at the same
+        moment: the later check of the two sees the other's lock.
+        """
+        request = attempt.request
+        holder = request.holder._replace(slot=slot, since=time.time())
+        session.tag = _tag(request, attempt.token, holder)
+        lease = PostgresLease(self, session, attempt.keys.slots[slot], slot, None)
+        try:
+            lease.fence = self._fence(session, request, slot)
+            self._refuse_mismatch(session, attempt)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _fence(self, session: Session, request: Request, slot: int) -> int:
+        """Return a new fence: the id of a transaction of ours, made durable.
+
+        Transaction ids only grow, cluster-wide. A transaction that wrote nothing commits
+        without waiting for its record to reach disk, so a crash could hand its id out
+        again; a logical message (prefix ``lockrun``) is the smallest write that makes the
+        commit wait for the disk.
+        """
+        current = "pg_current_xact_id()::text::bigint" if self.version >= _V13 else "txid_current()"
+        durable = ", pg_logical_emit_message(true, 'lockrun', '')" if self.durable else ""
+        statement = (
+            f"SELECT {current}, set_config('application_name', $1, false), "
+            f"pg_try_advisory_lock_shared($2::int, $3::int){durable}"
+        )
+        args = (
+            _application_name(request.name, slot),
+            slots_key(request.namespace, request.name),
+            request.slots,
+        )
+        try:
+            fence = session.one(statement, *args, timeout=self.timeout)
+        except PgError as err:
+            if not self.durable or err.sqlstate is None or err.sqlstate in _ENDED:
+                raise
+            self.durable = False  # not allowed here (a managed service, say)
+            self.note(
+                f"{self.settings.where}: fences are transaction ids that a server crash may "
+                f"repeat: pg_logical_emit_message is not allowed ({err.message})"
+            )
+            return self._fence(session, request, slot)
+        return int(fence or 0)
+
+    def _refuse_mismatch(self, session: Session, attempt: _Attempt) -> None:
+        """Raise `ConfigError` if a live holder of the name uses another N."""
+        rows = session.rows(
+            "SELECT l.objid, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 2 "
+            "AND l.granted AND l.classid = ($1::bigint & 4294967295)::oid "
+            "AND l.objid <> $2::oid AND l.database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1",
+            attempt.keys.agreed,
+            attempt.slots,
+            timeout=self.timeout,
+        )
+        if rows:
+            slots, query = int(rows[0][0] or 0), rows[0][1] or ""
+            who = _tagged(query)
+            if who is not None:
+                raise slots_mismatch(attempt.request, who.holder, slots)
+            msg = (
+                f"held with --slots {slots}; all users of a name must agree, "
+                f"and this one has --slots {attempt.slots}"
+            )
+            raise ConfigError(msg)
+
+    # -- status --------------------------------------------------------------------------
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """Report holders and waiters of *name*, or of every lock in *namespace*."""
+        session = self.session()
+        try:
+            if name is not None:
+                return [self._state(session, namespace, name)]
+            rows = session.rows(
+                "SELECT query FROM pg_stat_activity WHERE query LIKE '%/* lockrun {%' "
+                "AND pid <> pg_backend_pid()",
+                timeout=self.timeout,
+            )
+            tagged = (_tagged(row[0] or "") for row in rows)
+            names = {who.name for who in tagged if who is not None and who.namespace == namespace}
+            states = [self._state(session, namespace, each) for each in sorted(names)]
+            return [state for state in states if state.holders or state.waiters]
+        except PgError as err:
+            raise self.failure(err) from err
+        finally:
+            session.close()
+
+    def _state(self, session: Session, namespace: str, name: str) -> LockState:
+        """Read one lock from pg_locks and pg_stat_activity: who holds which slot, who waits."""
+        keys = _Keys(namespace, name, _PROBED_SLOTS)
+        parts = {key: slot for slot, key in enumerate(keys.slots)} | {keys.gate: -1}
+        waited = "extract(epoch FROM l.waitstart)" if self.version >= _V14 else "NULL"
+        rows = session.rows(
+            "SELECT l.objsubid, (l.classid::bigint << 32) | l.objid::bigint, l.objid, "
+            f"l.granted, l.pid, {waited}, a.usename, host(a.client_addr), "
+            "extract(epoch FROM a.backend_start), a.query FROM pg_locks l "
+            "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND ((l.objsubid = 1 "
+            "AND (l.classid::bigint << 32) | l.objid::bigint = ANY($1::bigint[])) "
+            "OR (l.objsubid = 2 AND l.classid = ($2::bigint & 4294967295)::oid)) "
+            "ORDER BY 6, l.pid",
+            "{" + ",".join(map(str, parts)) + "}",
+            keys.agreed,
+            timeout=self.timeout,
+        )
+        known: set[int] = set()
+        holders: list[Holder] = []
+        head: dict[str, Holder] = {}  # the gate's holder, waiting on the slots
+        queue: dict[str, Holder] = {}  # waiting on the gate or on slot 0 (N = 1)
+        for subid, key, objid, granted, pid, _, user, client, started, query in rows:
+            who = _tagged(query or "")
+            if who is not None:
+                known.add(who.slots)
+            if subid == "2":
+                known.add(int(objid or 0))
+                continue
+            slot = parts[int(key or 0)]
+            person = who.holder if who is not None else _stranger(pid, user, client, started)
+            token = who.token if who is not None else str(pid)
+            if granted == "t" and slot >= 0:
+                holders.append(person._replace(slot=slot))
+            elif granted != "t" and (slot < 0 or who is None or who.slots == 1):
+                queue.setdefault(token, person)
+            elif granted != "t":
+                head.setdefault(token, person)
+        slots = max(known, default=None)
+        where = f"advisory key {keys.slots[0]}" + (
+            f", gate {keys.gate}" if slots and slots > 1 else ""
+        )
+        waiters = tuple(head.values()) + tuple(v for k, v in queue.items() if k not in head)
+        return LockState(namespace, name, where, slots, tuple(holders), waiters)
+
+    def close(self) -> None:
+        """Nothing to drop: every session belongs to a lease or to one call."""
+
+
+class _Attempt:
+    """One pass through the queue: what it waits for and the sessions it opened."""
+
+    def __init__(self, request: Request, keys: _Keys, deadline: float | None, token: str) -> None:
+        self.request = request
+        self.keys = keys
+        self.slots = request.slots
+        self.deadline = deadline
+        self.token = token
+        self.tag = _tag(request, token, request.holder)
+        self.opened: list[Session] = []
+        self.gate: Session | None = None  # the session that holds the gate, if any
+        self.queued = False  # whether it got as far as waiting in the server's queue
+
+
+def _transient(err: BaseException | None) -> bool:
+    """Whether *err* is a lost connection that a waiter may ride out (not a refusal)."""
+    if isinstance(err, BackendUnavailable):
+        return "cancelled on the server" in str(err) or _transient(err.__cause__)
+    return (
+        isinstance(err, PgError)
+        and not isinstance(err, NoAnswer)
+        and (err.sqlstate is None or err.sqlstate in _ENDED)
+    )
+
+
+def _wait_for(seconds: float | None) -> str:
+    """Return a statement that waits for $1 at most *seconds* (None: forever).
+
+    lock_timeout is set in FROM, which runs before the target list; 0 would mean forever.
+    """
+    limit = 0 if seconds is None else min(_MAX_LOCK_TIMEOUT, max(1, math.ceil(seconds * 1000)))
+    return (
+        f"SELECT pg_advisory_lock($1::bigint) FROM set_config('lock_timeout', '{limit}ms', false)"
+    )
+
+
+def _first_free(keys: _Keys) -> str:
+    """Return a statement that takes the first free slot (CASE stops at the first) or -1."""
+    tries = " ".join(
+        f"WHEN pg_try_advisory_lock({key}) THEN {slot}" for slot, key in enumerate(keys.slots)
+    )
+    return f"SELECT CASE {tries} ELSE -1 END"
+
+
+def _application_name(name: str, slot: int) -> str:
+    """Return ``lockrun:NAME:SLOT`` in the 63 bytes PostgreSQL keeps, cut at a character."""
+    suffix = f":{slot}"
+    room = 63 - len("lockrun:") - len(suffix)
+    cut = name.encode()[:room].decode(errors="ignore")
+    return f"lockrun:{cut}{suffix}"
+
+
+class _Who(NamedTuple):
+    """A lockrun session as its statements' comment describes it."""
+
+    token: str
+    namespace: str
+    name: str
+    slots: int
+    holder: Holder
+
+
+def _tag(request: Request, token: str, holder: Holder) -> str:
+    """Return the comment every statement of a session carries: who runs it, for status.
+
+    ``/`` is escaped (valid JSON) so the text can neither end nor nest the comment; a long
+    command line is cut so the whole fits the 1024 bytes pg_stat_activity keeps.
+    """
+    argv = holder.argv
+    while True:
+        identity = {
+            "token": token,
+            "namespace": request.namespace,
+            "name": request.name,
+            "slots": request.slots,
+            "holder": holder._replace(argv=argv).to_dict(),
+        }
+        text = json.dumps(identity).replace("/", "\\/")
+        if len(text) <= _TAG_BYTES or not argv:
+            return f"/* lockrun {text} */"
+        argv = argv[: len(argv) // 2]
+
+
+def _tagged(query: str) -> _Who | None:
+    """Read the comment `_tag` wrote back from a statement; None if it is not ours."""
+    match = _TAGGED.search(query)
+    if match is None:
+        return None
+    try:
+        who = json.loads(match["json"])
+        return _Who(
+            str(who["token"]),
+            str(who["namespace"]),
+            str(who["name"]),
+            int(who["slots"]),
+            Holder.from_dict(who["holder"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _stranger(pid: str | None, user: str | None, client: str | None, started: str | None) -> Holder:
+    """Describe a session whose statements we may not read (another role's)."""
+    where = client or "local socket"
+    since = float(started) if started else None
+    return Holder(f"{where} (backend {pid})", 0, user or "?", (), since=since)
+
+
+class PostgresLease:
+    """A slot held by a server session, proven every ttl/3 and never reconnected."""
+
+    def __init__(
+        self, backend: PostgresBackend, session: Session, key: int, slot: int, fence: int | None
+    ) -> None:
+        """Describe *slot* (advisory *key*), held by *session*."""
+        self.backend = backend
+        self.session = session
+        self.key = key
+        self.slot = slot
+        self.fence = fence
+        self.ttl: float | None = backend.ttl
+        self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
+        self.released = False
+        self._busy = threading.Lock()  # one statement at a time on the session
+
+    def refresh(self) -> None:
+        """Prove the slot is still ours in pg_locks; `LeaseLost` if the session or it is gone."""
+        classid, objid = _halves(self.key)
+        with self._busy:
+            if self.released:
+                return
+            try:
+                # No answer within the lease: the server has ended the session by then. A
+                # shorter timeout would hang up while the slot may still be ours, and the
+                # supervisor stops a command whose check hangs on its own schedule.
+                held = self.session.one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND pid = pg_backend_pid() AND objsubid = 1 "
+                    "AND classid = $1::oid AND objid = $2::oid",
+                    classid,
+                    objid,
+                    timeout=self.backend.ttl,
+                )
+            except PgError as err:
+                self.session.abandon()
+                msg = f"the session holding the lock ended ({err.message}); its locks are gone"
+                raise LeaseLost(msg) from err
+        if held != "1":
+            msg = "the server no longer gives this session the lock"
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Give the slot back (the next waiter gets it at once) and end the session."""
+        if self.released:
+            return
+        self.released = True
+        if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
+            self.session.abandon()
+            return
+        try:
+            # Sent, not awaited: the server unlocks before it reads our goodbye.
+            self.session.send("SELECT pg_advisory_unlock_all()")
+        except PgError:
+            self.session.abandon()  # the server frees what a lost session held
+        finally:
+            self.session.close()
+            self._busy.release()

@@ -78,7 +78,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
     show_default=True,
     help="Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
     "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE, mysql://[USER@]HOST[:PORT]/DB, "
-    "mariadb://….",
+    "mariadb://…, postgresql://[USER@]HOST[:PORT]/DB (any libpq URI), postgres://….",
 )
 @click.option(
     "-s",

@@ -808,9 +808,15 @@ class _Attempt:
 
 
 def _transient(err: BaseException | None) -> bool:
-    """Whether *err* is a lost connection that a waiter may ride out (not a refusal)."""
+    """Whether *err* is a lost connection that a waiter may ride out (not a refusal).
+
+    A server that restarts refuses connections, or says it is starting up, for a while.
+    """
     if isinstance(err, BackendUnavailable):
         return "cancelled on the server" in str(err) or _transient(err.__cause__)
+    if isinstance(err, psycopg.OperationalError):
+        text = str(err)
+        return not any(re.search(pattern, text, re.IGNORECASE) for pattern, _, _ in _FAILURES)
     return (
         isinstance(err, PgError)
         and not isinstance(err, NoAnswer)

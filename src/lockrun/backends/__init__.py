@@ -225,7 +225,11 @@ def open_backend(
         module = importlib.import_module(module_name)
     except ImportError as err:  # the driver, not our module: missing, or without libpq
         hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
-        what = f"the {err.name} module" if isinstance(err, ModuleNotFoundError) else err
+        what = (
+            f"the {err.name} module"
+            if isinstance(err, ModuleNotFoundError)
+            else (str(err).strip() or "its driver").splitlines()[0].rstrip(".:")  # one line
+        )
         msg = f"{uri.scheme}: needs {what}: {hint}"
         raise ConfigError(msg) from err
     backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)

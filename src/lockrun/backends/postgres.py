@@ -44,7 +44,7 @@ from psycopg import pq
 from lockrun.backends import Holder, LockState, Request, slots_mismatch
 from lockrun.errors import BackendUnavailable, ConfigError, Interrupted, LeaseLost, LockrunError
 from lockrun.timing import now
-from lockrun.uri import query_items, unquote
+from lockrun.uri import unquote
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -72,6 +72,7 @@ _FAILURES: Final[tuple[tuple[str, type[LockrunError], str], ...]] = (
         "{where}: authentication failed: {text}",
     ),
     (r'database ".*" does not exist', ConfigError, "{where}: no such database: {text}"),
+    (r"invalid [\w ]*value", ConfigError, "{where}: {text}"),  # ?sslmode=bogus, ?port=x
     (
         r"too many clients|connection slots are reserved",
         BackendUnavailable,
@@ -119,19 +120,18 @@ class Settings(NamedTuple):
 
     where: str  # the URI without its password, for messages
     conninfo: str
-    secrets: tuple[str, ...]  # password spellings that must never reach a message
+    secrets: tuple[tuple[int, int], ...]  # where in conninfo passwords are
 
 
 def parse(uri: LockURI) -> Settings:
     """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one."""
-    userinfo = uri.netloc.rpartition("@")[0]
-    password = userinfo.partition(":")[2] if ":" in userinfo else ""
-    password = password or query_items(uri.query).get("password", "")
-    secrets = tuple({password, unquote(password)} - {""})
-    settings = Settings(uri.redacted, uri.text, secrets)
+    # As lockrun.uri.redact sees them: up to the last @, and any password= item.
+    spans = [match.span(1) for match in re.finditer(r"//[^/@:?#]*:(.*)@", uri.text, re.DOTALL)]
+    spans += [match.span(1) for match in re.finditer(r"[?&]password=([^&#]*)", uri.text)]
+    settings = Settings(uri.redacted, uri.text, tuple(span for span in spans if span[0] < span[1]))
     try:
         psycopg.conninfo.conninfo_to_dict(uri.text)
-    except psycopg.Error as err:
+    except (psycopg.Error, UnicodeError) as err:  # %-escapes that are not UTF-8, too
         reason = _one_line(settings, str(err))
         msg = f"{uri.redacted}: not a libpq connection URI: {reason}"
         raise ConfigError(msg) from None
@@ -139,18 +139,35 @@ def parse(uri: LockURI) -> Settings:
 
 
 def _one_line(settings: Settings, text: str) -> str:
-    """Squeeze a libpq message into one line and drop any quoted part near a password."""
-    text = " ".join(text.split()).removeprefix("connection failed: ")
+    """Squeeze a libpq message into one line with no password in it.
+
+    libpq's complaints about a URI quote the part it choked on, which may be in, or run
+    through, a password: such a part goes, and so does all quoted text when a password
+    holds a quote itself.
+    """
+    uri = settings.conninfo
+    text = " ".join(text.split()).removeprefix("connection failed: ").replace(uri, settings.where)
+    raw = [uri[start:end] for start, end in settings.secrets]
+    secrets = raw + [unquote(secret) for secret in raw]
+    if any('"' in secret for secret in secrets):
+        return re.sub(r'".*"', '"…"', text)
 
     def hide(match: re.Match[str]) -> str:
-        quoted = match[0]
-        for secret in settings.secrets:
-            pieces = {secret[i : i + 3] for i in range(max(1, len(secret) - 2))}
-            if secret in quoted or any(piece in quoted for piece in pieces):
-                return '"…"'
-        return quoted
+        quoted, at = match[1], uri.find(match[1])
+        if at >= 0:  # a piece of the URI: is it a piece of a password?
+            spans = settings.secrets
+            secret = any(at < end and start < at + len(quoted) for start, end in spans)
+        else:  # libpq's own words, or a piece it decoded
+            secret = any(_near(quoted, secret) for secret in secrets)
+        return '"…"' if secret else match[0]
 
-    return re.sub(r'"[^"]*"', hide, text)
+    return re.sub(r'"([^"]*)"', hide, text) if secrets else text
+
+
+def _near(text: str, secret: str) -> bool:
+    """Whether *text* holds *secret*, or four characters of it in a row."""
+    pieces = [secret[at : at + 4] for at in range(max(1, len(secret) - 3))]
+    return any(piece in text for piece in pieces)
 
 
 def connect(
@@ -202,14 +219,18 @@ class Session:
         self.pid = 0  # the server process, as pg_backend_pid() says (a pooler hides it)
 
     def fileno(self) -> int:
-        """Return the socket's descriptor."""
-        return self.pgconn.socket
+        """Return the socket's descriptor; `PgError` once libpq has closed it."""
+        try:
+            return self.pgconn.socket
+        except psycopg.OperationalError as err:  # the connection is lost
+            raise PgError(_first_line(str(err))) from err
 
     def send(self, sql: str, *params: object) -> None:
         """Send *sql* ($1, $2 … for *params*, as text) without waiting for the answer."""
         try:
             values = [None if value is None else str(value).encode() for value in params]
-            self.pgconn.send_query_params(f"{sql} {self.tag}".encode(), values or None)
+            # The tag first: pg_stat_activity keeps only the first 1024 bytes.
+            self.pgconn.send_query_params(f"{self.tag} {sql}".encode(), values or None)
             while self.pgconn.flush():  # rarely: a statement larger than the socket takes
                 if not _ready(self.fileno(), 5.0, select.POLLOUT):
                     msg = "the server takes no more of our statement"
@@ -276,7 +297,7 @@ class Session:
         socket; the server then ends the session and frees its locks.
         """
         with (
-            contextlib.suppress(OSError, ValueError),
+            contextlib.suppress(OSError, PgError),
             socket.socket(fileno=os.dup(self.fileno())) as sock,
         ):
             sock.shutdown(socket.SHUT_RDWR)
@@ -318,6 +339,7 @@ class PostgresBackend:
         self.warn = warn
         self.note = note
         self.timeout = timeout_for(ttl)
+        self.connect_timeout = max(2, math.ceil(self.timeout))  # libpq's least is 2 s
         self.version = 0  # server_version_num, once a session told it
         self.checked = False  # whether the server was found usable (a primary, no pooler)
         self.durable = True  # whether fences can be made durable (pg_logical_emit_message)
@@ -331,7 +353,7 @@ class PostgresBackend:
             connection = psycopg.Connection.connect(
                 self.settings.conninfo,
                 autocommit=True,
-                connect_timeout=max(2, math.ceil(self.timeout)),
+                connect_timeout=self.connect_timeout,
                 client_encoding="UTF8",
                 # TCP keepalive finds a vanished server while we wait on it (TCP only).
                 keepalives=1,
@@ -400,16 +422,21 @@ class PostgresBackend:
 
         Something between us and the server answered with its own process id. In session
         pooling our server session is ours alone; in transaction pooling the session we
-        just used goes back to the pool, and a second client is handed it at once.
+        just used goes back to the pool after each statement. A busy pool can still hide
+        that; the holder's checks then find its lock on another session and stop the
+        command (76).
         """
         other = self.session_raw()
         try:
+            # Twice in a row on ours: a pooler that hands out the longest idle server
+            # session (round robin) moves us; then the other client: one that hands out
+            # the latest (PgBouncer's default) gives it ours.
+            again = session.one("SELECT pg_backend_pid()", timeout=self.timeout)
             theirs = other.one("SELECT pg_backend_pid()", timeout=self.timeout)
-            ours = session.one("SELECT pg_backend_pid()", timeout=self.timeout)
-        except PgError as err:  # statement pooling refuses more, or we were cut off
-            shared = f"it refused a second client ({err.message})"
+        except PgError:  # statement pooling refuses more, or we were cut off
+            shared = True
         else:
-            shared = "" if theirs != ours and ours == str(session.pid) else "shared"
+            shared = again != str(session.pid) or theirs == str(session.pid)
         finally:
             other.close()
         if shared:
@@ -427,7 +454,7 @@ class PostgresBackend:
             connection = psycopg.Connection.connect(
                 self.settings.conninfo,
                 autocommit=True,
-                connect_timeout=max(2, math.ceil(self.timeout)),
+                connect_timeout=self.connect_timeout,
             )
         except psycopg.Error as err:
             raise self.failure(err) from err
@@ -439,8 +466,10 @@ class PostgresBackend:
         text = _one_line(self.settings, getattr(err, "message", None) or str(err))
         if isinstance(err, psycopg.ProgrammingError):  # libpq refused the URI
             return ConfigError(f"{where}: not a libpq connection URI: {text}")
-        if isinstance(err, psycopg.errors.ConnectionTimeout | NoAnswer):
-            return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
+        if isinstance(err, psycopg.errors.ConnectionTimeout):
+            return BackendUnavailable(f"{where}: no answer within {self.connect_timeout}s")
+        if isinstance(err, NoAnswer):
+            return BackendUnavailable(f"{where}: {text}")
         for pattern, kind, what in _FAILURES:
             if re.search(pattern, text, re.IGNORECASE):
                 return kind(what.format(where=where, text=text))
@@ -864,7 +893,8 @@ class _Who(NamedTuple):
 def _tag(request: Request, token: str, holder: Holder) -> str:
     """Return the comment every statement of a session carries: who runs it, for status.
 
-    ``/`` is escaped (valid JSON) so the text can neither end nor nest the comment; a long
+    ``/`` and ``*`` are escaped (valid JSON) so the text can neither end nor nest the
+    comment (PostgreSQL nests ``/* */``); a long
     command line is cut so the whole fits the 1024 bytes pg_stat_activity keeps.
     """
     argv = holder.argv
@@ -876,7 +906,7 @@ def _tag(request: Request, token: str, holder: Holder) -> str:
             "slots": request.slots,
             "holder": holder._replace(argv=argv).to_dict(),
         }
-        text = json.dumps(identity).replace("/", "\\/")
+        text = json.dumps(identity).replace("/", "\\/").replace("*", "\\u002a")
         if len(text) <= _TAG_BYTES or not argv:
             return f"/* lockrun {text} */"
         argv = argv[: len(argv) // 2]

@@ -1,0 +1,1328 @@
+"""The PostgreSQL backend through the real CLI: keys, URIs, bad input, poolers, standbys, status.
+
+Every server here is a real PostgreSQL (the session's, one of this module's, or a test's own);
+the "servers" that are not PostgreSQL are sockets this file owns, and the poolers are real
+PgBouncers in front of a real server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from conftest import finish, lockrun, one_line, queue_length, start, wait_for
+from servers import PostgresServer, free_port, postgres_bin, unavailable
+
+from lockrun import ConfigError, ExitCode
+from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
+from lockrun.uri import parse_uri, unquote
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from conftest import Held
+
+SECRET = "S3cr3t-pw"  # noqa: S105 - the throwaway servers' password that must never show
+# However slow a shared CI machine is, a connect that cannot succeed must not take this long.
+PATIENCE = 15.0
+ME = pwd.getpwuid(os.geteuid()).pw_name
+HOST = os.uname().nodename
+PGBOUNCER = "/usr/sbin/pgbouncer"
+COLUMNS = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
+
+
+def _readme_query() -> str:
+    """Return the README's ready psql query that lists lockrun's holders, as printed."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```sql\n(.*?)```", readme, re.DOTALL)
+    found = [block for block in blocks if block.startswith("SELECT a.application_name")]
+    assert len(found) == 1, "the README's holder query is missing"
+    return str(found[0]).strip().rstrip(";")
+
+
+README_QUERY = _readme_query()
+SERVER_KEY = (
+    r"SELECT ('x' || left(encode(sha256(convert_to(%s, 'UTF8') || '\x00'::bytea "
+    r"|| convert_to(%s, 'UTF8') || '\x00'::bytea || convert_to(part, 'UTF8')), 'hex'), "
+    r"16))::bit(64)::bigint FROM unnest(%s::text[]) WITH ORDINALITY AS parts(part, n) ORDER BY n"
+)
+SERVER_SLOTS_KEY = (
+    r"SELECT ('x' || left(encode(sha256(convert_to(%s, 'UTF8') || '\x00'::bytea "
+    r"|| convert_to(%s, 'UTF8')), 'hex'), 8))::bit(32)::int"
+)
+NAMES = [
+    ("default", "x"),
+    ("default", "nightly-etl"),
+    ("ns/with space", "a:b*c%d'e\"f\\g"),
+    ("default", "Ünïcødé ✓ 名前"),
+    ("émoji", "🔒 lock 🔑"),
+    ("default", "y" * 255),
+    ("default", "ü" * 127 + "z"),  # 255 bytes of UTF-8
+]
+
+
+def query(uri: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    """Run *sql* on the server of a lock URI and return every row."""
+    with psycopg.connect(uri, autocommit=True) as connection:
+        return connection.execute(sql, params or None).fetchall()
+
+
+def secret_free(result: subprocess.CompletedProcess[str], *secrets: str) -> None:
+    """Assert that none of *secrets* (nor their percent-encodings) was printed anywhere."""
+    for secret in secrets:
+        for form in {secret, secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")}:
+            assert form not in result.stdout, result.stdout
+            assert form not in result.stderr, result.stderr
+
+
+def timed_lockrun(*args: str, **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run lockrun and return its result and how many seconds it took."""
+    began = time.monotonic()
+    result = lockrun(*args, timeout=60, **kwargs)
+    return result, time.monotonic() - began
+
+
+def advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]:
+    """Return (slot or 'gate', granted, pid) of every advisory lock on a name's keys (N ≤ 8)."""
+    parts: list[str | int] = [*range(8), "gate"]
+    keys = {lock_key(namespace, name, part): part for part in parts}
+    rows = query(
+        uri,
+        "SELECT l.classid::bigint << 32 | l.objid::bigint, l.granted, l.pid FROM pg_locks l "
+        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
+        "AND (l.classid::bigint << 32 | l.objid::bigint) = ANY(%s)",
+        list(keys),
+    )
+    return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
+
+
+def waiting_on(uri: str, namespace: str, name: str) -> int:
+    """Return how many server sessions wait (ungranted) on a slot or the gate of a name."""
+    return sum(1 for _, granted, _ in advisory_locks(uri, namespace, name) if not granted)
+
+
+def state_of(uri: str, namespace: str, name: str, **kwargs: Any) -> dict[str, Any]:
+    """Return `lockrun status --json` for one name."""
+    result = lockrun("status", "--uri", uri, "--namespace", namespace, "--json", name, **kwargs)
+    assert result.returncode == 0, result.stderr
+    [state] = json.loads(result.stdout)
+    assert isinstance(state, dict)
+    return state
+
+
+def as_postgres() -> str | None:
+    """Return the user to run PostgreSQL's programs as: ``postgres`` when we are root."""
+    return "postgres" if os.geteuid() == 0 else None
+
+
+def postgres_dir(prefix: str) -> str:
+    """Return a new temp directory that the PostgreSQL programs' user owns."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    if os.geteuid() == 0:
+        shutil.chown(directory, "postgres")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[PostgresServer]:
+    """Return a PostgreSQL with a loopback port and password roles, shared by this module."""
+    # app (SECRET) may connect to lockrun; noconn lacks CONNECT on it; nolog may not log in.
+    server = PostgresServer(port=free_port())
+    try:
+        server.command(f"CREATE ROLE app LOGIN PASSWORD '{SECRET}'")
+        server.command("CREATE ROLE noconn LOGIN PASSWORD 'pw-noconn'")
+        server.command("CREATE ROLE nolog PASSWORD 'pw-x9q'")
+        server.command("REVOKE CONNECT ON DATABASE lockrun FROM PUBLIC")
+        server.command("GRANT CONNECT ON DATABASE lockrun TO app")
+    except BaseException:
+        server.close()
+        raise
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def no_pg_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Keep the developer's PG* settings and ~/.pgpass out of the tests."""
+    for variable in list(os.environ):
+        if variable.startswith("PG"):
+            monkeypatch.delenv(variable)
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))
+
+
+# -- A. lock keys, URIs and session names, in process ----------------------------------------
+
+
+@pytest.mark.parametrize(("namespace", "name"), NAMES)
+def test_lock_key_is_what_the_server_computes(postgres_uri: str, namespace: str, name: str) -> None:
+    """lock_key() equals the documented SQL for slots 0, 1, 2, 63 and the gate."""
+    parts: list[str | int] = [0, 1, 2, 63, "gate"]
+    keys = [lock_key(namespace, name, part) for part in parts]
+    rows = query(postgres_uri, SERVER_KEY, namespace, name, [str(part) for part in parts])
+    assert [row[0] for row in rows] == keys
+    assert all(-(2**63) <= key < 2**63 for key in keys)
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize(("namespace", "name"), NAMES)
+def test_slots_key_is_what_the_server_computes(
+    postgres_uri: str, namespace: str, name: str
+) -> None:
+    """slots_key() equals the int4 form of the same SQL (first 4 bytes of namespace NUL name)."""
+    key = slots_key(namespace, name)
+    assert -(2**31) <= key < 2**31
+    assert query(postgres_uri, SERVER_SLOTS_KEY, namespace, name) == [(key,)]
+
+
+def test_keys_are_signed_and_differ_between_namespaces() -> None:
+    """Keys use the whole signed 64-bit range; another namespace or part gives another key."""
+    keys = {lock_key("default", f"name-{index}", 0) for index in range(64)}
+    assert min(keys) < 0 < max(keys)
+    for name in ("x", "nightly-etl", "🔒"):
+        by_namespace = {lock_key(namespace, name, 0) for namespace in ("a", "b", "default", "")}
+        assert len(by_namespace) == 4
+        assert lock_key("a", name, 0) != lock_key("a", name, "gate")
+        assert slots_key("a", name) != slots_key("b", name)
+    # NUL separates the parts: moving text between namespace and name changes the key.
+    assert lock_key("ab", "c", 0) != lock_key("a", "bc", 0)
+    assert _halves(-1) == (0xFFFF_FFFF, 0xFFFF_FFFF)
+    assert _halves(lock_key("a", "x", 0)) == (
+        (lock_key("a", "x", 0) & 0xFFFF_FFFF_FFFF_FFFF) >> 32,
+        lock_key("a", "x", 0) & 0xFFFF_FFFF,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "expected"),
+    [
+        (
+            "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
+            "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
+            {"user": "lockrun", "dbname": "lockrun", "host": "/tmp/pg", "port": "5433"},
+        ),
+        (
+            "postgres:///app?host=/run/postgresql",
+            "postgres:///app?host=/run/postgresql",
+            {"dbname": "app", "host": "/run/postgresql"},
+        ),
+        (
+            "postgresql://%2Frun%2Fpostgresql/app",
+            "postgresql://%2Frun%2Fpostgresql/app",
+            {"dbname": "app", "host": "/run/postgresql"},
+        ),
+        (
+            f"postgres://u:{SECRET}@db.internal:5433/app?sslmode=require",
+            "postgres://u:***@db.internal:5433/app?sslmode=require",
+            {"user": "u", "password": SECRET, "host": "db.internal", "port": "5433"},
+        ),
+        (
+            f"postgresql://u@/app?host=/var/run/pg&password={SECRET}",
+            "postgresql://u@/app?host=/var/run/pg&password=***",
+            {"user": "u", "password": SECRET, "host": "/var/run/pg"},
+        ),
+        (
+            "postgresql://u:p%40ss%3Aw%2Frd@h/app",
+            "postgresql://u:***@h/app",
+            {"user": "u", "password": "p@ss:w/rd", "host": "h"},
+        ),
+        (
+            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+            {"host": "h1,h2", "port": "5432,5433", "target_session_attrs": "read-write"},
+        ),
+        (
+            "postgresql://[::1]:5432/app",
+            "postgresql://[::1]:5432/app",
+            {"host": "::1", "port": "5432", "dbname": "app"},
+        ),
+        ("postgresql://", "postgresql://", {}),
+    ],
+    ids=[
+        "socket-dir",
+        "postgres-scheme-socket",
+        "encoded-socket-host",
+        "password",
+        "password-in-query",
+        "encoded-password",
+        "multi-host",
+        "ipv6",
+        "bare",
+    ],
+)
+def test_parse_accepts_libpq_uris(text: str, where: str, expected: dict[str, str]) -> None:
+    """postgresql:// and postgres:// URIs reach libpq as they are; messages name no password."""
+    settings = parse(parse_uri(text))
+    assert settings.conninfo == text
+    assert settings.where == where
+    assert SECRET not in settings.where
+    parsed = psycopg.conninfo.conninfo_to_dict(settings.conninfo)
+    assert {key: parsed.get(key) for key in expected} == expected
+    hidden = [unquote(text[start:end]) for start, end in settings.secrets]
+    assert hidden == ([expected["password"]] if "password" in expected else [])
+
+
+@pytest.mark.parametrize(
+    ("text", "needle", "hidden"),
+    [
+        (f"postgresql://app:{SECRET}@h/db?foo=1", 'invalid URI query parameter: "foo"', SECRET),
+        ("postgresql://app:p@ss%zz@h/db", "invalid percent-encoded token", "p@ss%zz"),
+        (f"postgresql://app:{SECRET}%zz@h/db", "invalid percent-encoded token", SECRET),
+        (f"postgresql://app:%zz{SECRET}@h/db", "invalid percent-encoded token", SECRET),
+        (f"postgresql://app@h/db?password={SECRET}%zz", "invalid percent-encoded token", SECRET),
+        (f"postgresql://app:{SECRET}@[::1/db", 'matching "]"', SECRET),
+        (f"postgresql://app:{SECRET} x@h/db", "unexpected spaces", SECRET),
+    ],
+    ids=[
+        "unknown-parameter",
+        "partly-bad-password",
+        "bad-escape-after",
+        "bad-escape-before",
+        "bad-password-parameter",
+        "unclosed-ipv6",
+        "space",
+    ],
+)
+def test_parse_refuses_malformed_uris_without_the_password(
+    text: str, needle: str, hidden: str
+) -> None:
+    """The parser of libpq refuses them: ConfigError (78) naming no piece of the password."""
+    with pytest.raises(ConfigError) as raised:
+        parse(parse_uri(text))
+    message = str(raised.value)
+    assert "not a libpq connection URI" in message
+    assert needle in message
+    assert "\n" not in message
+    for piece in {hidden, hidden[:4], hidden[-4:], "ss%zz"}:
+        assert piece not in message, message
+
+
+def test_parse_hides_a_password_holding_a_double_quote() -> None:
+    """A malformed URI whose password has a '"' still names no part of the password."""
+    with pytest.raises(ConfigError) as raised:
+        parse(parse_uri(f'postgresql://app:pa"{SECRET}%zz@h/db'))
+    assert SECRET not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "slot"),
+    [
+        ("plain", 0),
+        ("n" * 255, 2),
+        ("ü" * 100, 0),
+        ("🔒" * 30, 12),
+        ("a" + "🔒" * 30, 0),
+        ("名前" * 40, 63),
+    ],
+    ids=["ascii", "long-ascii", "umlauts", "emoji", "emoji-offset", "cjk"],
+)
+def test_application_name_fits_63_bytes_at_a_character_boundary(name: str, slot: int) -> None:
+    """lockrun:NAME:SLOT keeps the longest prefix of NAME that fits 63 bytes, whole characters."""
+    application = _application_name(name, slot)
+    raw = application.encode()
+    assert len(raw) <= 63
+    assert application.startswith("lockrun:")
+    assert application.endswith(f":{slot}")
+    kept = application.removeprefix("lockrun:").removesuffix(f":{slot}")
+    assert name.startswith(kept)
+    if kept != name:
+        longer = f"lockrun:{name[: len(kept) + 1]}:{slot}"
+        assert len(longer.encode()) > 63
+    if len(name.encode()) + len(f"lockrun::{slot}") <= 63:
+        assert kept == name
+
+
+# -- B. what an operator sees on the server --------------------------------------------------
+
+
+def test_a_holder_shows_in_pg_locks_under_its_application_name(
+    postgres_uri: str, held: Callable[..., Held], name: str
+) -> None:
+    """The slot-0 key (classid, objid, objsubid 1) and the (hash, N) lock; the README query."""
+    key = lock_key("default", name, 0)
+    classid, objid = _halves(key)
+    holder = held("--uri", postgres_uri, "-n", name)
+    assert holder.slot == 0
+    rows = query(
+        postgres_uri,
+        "SELECT l.classid::bigint, l.objid::bigint, l.objsubid, l.mode, a.application_name, "
+        "a.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+        "AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid",
+        classid,
+        objid,
+    )
+    assert [row[:5] for row in rows] == [(classid, objid, 1, "ExclusiveLock", f"lockrun:{name}:0")]
+    pid = rows[0][5]
+    # Every holder also holds (hash32(namespace NUL name), N) shared, on the same session.
+    shared = query(
+        postgres_uri,
+        "SELECT l.objid::bigint, l.mode, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
+        "AND l.granted AND l.objsubid = 2 AND l.classid = (%s::bigint & 4294967295)::oid",
+        slots_key("default", name),
+    )
+    assert shared == [(1, "ShareLock", pid)]
+
+    readme = query(postgres_uri, README_QUERY)
+    mine = [row for row in readme if row[0] == f"lockrun:{name}:0"]
+    assert key in {row[3] for row in mine}, readme
+    for application, client, started, _ in mine:
+        assert application == f"lockrun:{name}:0"
+        assert client is None  # the session's URI is a unix socket
+        assert isinstance(started, dt.datetime)
+        assert started <= dt.datetime.now(dt.UTC)
+
+    assert holder.finish() == 0
+    assert advisory_locks(postgres_uri, "default", name) == []
+    assert not [row for row in query(postgres_uri, README_QUERY) if name in row[0]]
+
+
+@pytest.mark.parametrize("tail", ["n" * 240, "ü" * 120], ids=["ascii", "non-ascii"])
+def test_a_long_name_is_cut_to_the_application_name_postgres_keeps(
+    postgres_uri: str, held: Callable[..., Held], name: str, tail: str
+) -> None:
+    """A name of 250+ bytes: the session's application_name is lockrun:PREFIX:0, 63 bytes."""
+    long_name = f"{name}{tail}"
+    expected = _application_name(long_name, 0)
+    holder = held("--uri", postgres_uri, "-n", long_name)
+    readme = query(postgres_uri, README_QUERY)
+    [application] = {row[0] for row in readme if row[3] == lock_key("default", long_name, 0)}
+    assert len(application.encode()) <= 63
+    assert application.startswith(f"lockrun:{name}")
+    assert application.endswith(":0")
+    if tail.isascii():
+        assert application == expected
+        assert len(application) == 63
+    else:  # PostgreSQL keeps only ASCII there: other bytes become ? (15) or \xNN (16+)
+        assert "?" in application or "\\x" in application
+    assert holder.finish() == 0
+
+
+def test_a_tcp_holder_shows_its_client_address_in_the_readme_query(
+    auth_server: PostgresServer, held: Callable[..., Held], name: str
+) -> None:
+    """Over TCP the README query names 127.0.0.1 and the key of the held slot."""
+    holder = held("--uri", auth_server.tcp_uri, "-n", name)
+    readme = query(auth_server.uri, README_QUERY)
+    mine = [row for row in readme if row[0] == f"lockrun:{name}:0"]
+    assert lock_key("default", name, 0) in {row[3] for row in mine}
+    assert {str(row[1]) for row in mine} == {"127.0.0.1"}
+    assert holder.finish() == 0
+
+
+# -- C. namespaces and fences ----------------------------------------------------------------
+
+
+def test_namespaces_partition_names(
+    postgres_uri: str, held: Callable[..., Held], name: str
+) -> None:
+    """One name in namespaces a and b: both run; a second user of a's is busy (75)."""
+    holder = held("--uri", postgres_uri, "-n", name, "--namespace", "a")
+    other = lockrun(
+        "--uri", postgres_uri, "-n", name, "--namespace", "b", "--", "printenv", "LOCKRUN_NAME"
+    )
+    assert (other.returncode, other.stdout, other.stderr) == (0, f"{name}\n", "")
+    same = lockrun("--uri", postgres_uri, "-n", name, "--namespace", "a", "--", "echo", "ran")
+    assert (same.returncode, same.stdout) == (ExitCode.BUSY, "")
+    assert name in one_line(same.stderr)
+    environment = {**os.environ, "LOCKRUN_NAMESPACE": "a"}
+    also_same = lockrun("--uri", postgres_uri, "-n", name, "--", "true", env=environment)
+    assert also_same.returncode == ExitCode.BUSY
+    assert [row[:2] for row in advisory_locks(postgres_uri, "a", name)] == [("0", True)]
+    assert advisory_locks(postgres_uri, "b", name) == []  # a failed try leaves nothing
+    assert holder.finish() == 0
+
+
+def test_the_fence_is_a_transaction_id_that_only_grows(
+    postgres_uri: str, held: Callable[..., Held], name: str
+) -> None:
+    """LOCKRUN_FENCE is above pg_current_xact_id() taken before, and grows with every run."""
+    current = "SELECT pg_current_xact_id()::text::bigint"
+    [(before,)] = query(postgres_uri, current)
+    fences = []
+    for slots in ("1", "1", "2", "1"):
+        result = lockrun(
+            "--uri", postgres_uri, "-n", name, "-s", slots, "--", "printenv", "LOCKRUN_FENCE"
+        )
+        assert result.returncode == 0, result.stderr
+        fences.append(int(result.stdout))
+    assert before < fences[0]
+    assert fences == sorted(set(fences))
+    holder = held("--uri", postgres_uri, "-n", name)
+    assert holder.fence > fences[-1]
+    [(after,)] = query(postgres_uri, current)
+    assert after > holder.fence
+    assert holder.finish() == 0
+
+
+# -- D. bad input: passwords, roles, databases -----------------------------------------------
+
+
+@pytest.mark.usefixtures("no_pg_environment")
+def test_wrong_passwords_exit_69_and_are_never_printed(
+    auth_server: PostgresServer, name: str
+) -> None:
+    """A wrong, missing or unknown-user password: 69, "authentication failed", none printed."""
+    tcp = f"127.0.0.1:{auth_server.port}"
+    where = f"host={auth_server.directory}&port={auth_server.port}"
+    for uri in (
+        f"postgresql://app:wrong-pw-1@{tcp}/lockrun",
+        f"postgresql://app@{tcp}/lockrun",
+        f"postgresql://nosuch:{SECRET}@{tcp}/lockrun",
+        f"postgres://app:wrong-pw-1@/lockrun?{where}",
+        f"postgresql:///lockrun?{where}&user=app&password=wrong-pw-1",
+    ):
+        for args in (
+            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
+            ("status", "--uri", uri),
+            ("status", "--uri", uri, "--json", name),
+        ):
+            result = lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
+            line = one_line(result.stderr)
+            assert "authentication failed" in line
+            assert re.search(r"password authentication failed|no password supplied", line)
+            secret_free(result, SECRET, "wrong-pw-1")
+
+
+@pytest.mark.usefixtures("no_pg_environment")
+def test_a_password_reaches_no_output_and_no_environment(
+    auth_server: PostgresServer, held: Callable[..., Held], name: str
+) -> None:
+    """-v, busy lines, status (table and JSON) and the command's env carry no password."""
+    namespace = f"ns-{uuid.uuid4().hex[:8]}"
+    uri = f"postgresql://app:{SECRET}@127.0.0.1:{auth_server.port}/lockrun"
+    result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
+    assert result.returncode == 0, result.stderr
+    assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
+    assert "acquired" in result.stderr
+    secret_free(result, SECRET)
+
+    in_query = f"postgresql:///lockrun?host={auth_server.directory}&port={auth_server.port}"
+    for from_environment in (uri, f"{in_query}&user=app&password={SECRET}"):
+        environment = {**os.environ, "LOCKRUN_URI": from_environment}
+        result = lockrun("-v", "-n", name, "--", "env", env=environment)
+        assert result.returncode == 0, (from_environment, result.stderr)
+        assert not [line for line in result.stdout.splitlines() if line.startswith("LOCKRUN_URI=")]
+        secret_free(result, SECRET)
+    passwordless = {**os.environ, "LOCKRUN_URI": auth_server.uri}
+    result = lockrun("-n", name, "--", "env", env=passwordless)
+    assert f"LOCKRUN_URI={auth_server.uri}" in result.stdout.splitlines()
+
+    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
+    busy = lockrun(
+        "-v", "--wait", "0.2", "--uri", uri, "-n", name, "--namespace", namespace, "--", "true"
+    )
+    assert busy.returncode == ExitCode.BUSY
+    assert f"held by {ME}@{HOST} pid {holder.process.pid}" in busy.stderr
+    assert "postgresql://app:***@" in busy.stderr
+    secret_free(busy, SECRET)
+    for args in (("--json", name), (name,), ("--json",), ()):
+        result = lockrun("status", "--uri", uri, "--namespace", namespace, *args)
+        assert result.returncode == 0, result.stderr
+        assert str(holder.process.pid) in result.stdout
+        secret_free(result, SECRET)
+    assert holder.finish() == 0
+
+    result = lockrun("status", "--uri", uri, "--namespace", namespace)
+    assert result.stdout.startswith("no locks held or awaited")
+    assert "postgresql://app:***@" in result.stdout
+    secret_free(result, SECRET)
+
+
+@pytest.mark.usefixtures("no_pg_environment")
+def test_pgpassword_and_a_pgpass_file_supply_the_password(
+    auth_server: PostgresServer, tmp_path: Path, name: str
+) -> None:
+    """PGPASSWORD and PGPASSFILE reach libpq: exit 0, over TCP and the socket; none printed."""
+    tcp = f"postgresql://app@127.0.0.1:{auth_server.port}/lockrun"
+    local = f"postgresql://app@/lockrun?host={auth_server.directory}&port={auth_server.port}"
+    pgpass = tmp_path / "pgpass"
+    pgpass.write_text(
+        f"127.0.0.1:{auth_server.port}:lockrun:app:{SECRET}\n"
+        f"{auth_server.directory}:{auth_server.port}:lockrun:app:{SECRET}\n"
+    )
+    pgpass.chmod(0o600)
+    fence = ("--", "sh", "-c", "echo $LOCKRUN_FENCE")
+    for environment in ({"PGPASSWORD": SECRET}, {"PGPASSFILE": str(pgpass)}):
+        for uri in (tcp, local):
+            env = {**os.environ, **environment}
+            result = lockrun("-v", "--uri", uri, "-n", name, *fence, env=env)
+            assert result.returncode == 0, (environment, uri, result.stderr)
+            assert int(result.stdout) > 0
+            secret_free(result, SECRET)
+            status = lockrun("status", "--uri", uri, "--json", env=env)
+            assert status.returncode == 0, status.stderr
+            secret_free(status, SECRET)
+    wrong = lockrun("--uri", tcp, "-n", name, "--", "true", env={**os.environ, "PGPASSWORD": "x1"})
+    assert wrong.returncode == ExitCode.UNAVAILABLE
+    assert "authentication failed" in one_line(wrong.stderr)
+
+
+def test_an_unknown_database_exits_78_naming_it(auth_server: PostgresServer, name: str) -> None:
+    """A database the server lacks is a configuration error (78), one line naming it."""
+    for uri in (
+        f"postgresql://lockrun@127.0.0.1:{auth_server.port}/nosuchdb",
+        f"postgres://lockrun@/nosuchdb?host={auth_server.directory}&port={auth_server.port}",
+        f"postgresql://app:{SECRET}@127.0.0.1:{auth_server.port}/nosuchdb",
+    ):
+        for args in (("--uri", uri, "-n", name, "--", "echo", "ran"), ("status", "--uri", uri)):
+            result = lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
+            line = one_line(result.stderr)
+            assert "no such database" in line
+            assert '"nosuchdb"' in line
+            secret_free(result, SECRET)
+
+
+def test_a_role_without_connect_or_login_exits_69(auth_server: PostgresServer, name: str) -> None:
+    """No CONNECT on the database, or a role that may not log in: 69, one line, no password."""
+    tcp = f"127.0.0.1:{auth_server.port}"
+    local = f"host={auth_server.directory}&port={auth_server.port}"
+    for uri, needle in (
+        (f"postgresql://noconn:pw-noconn@{tcp}/lockrun", "User does not have CONNECT privilege"),
+        (
+            f"postgresql://noconn:pw-noconn@/lockrun?{local}",
+            "permission denied for database",
+        ),
+        (f"postgresql://nolog:pw-x9q@{tcp}/lockrun", 'role "nolog" is not permitted to log in'),
+    ):
+        result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
+        assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), uri
+        assert needle in one_line(result.stderr)
+        secret_free(result, "pw-noconn", "pw-x9q")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["postgresql://app:%ff%fe@127.0.0.1:{port}/lockrun", "postgresql://127.0.0.1:{port}/l%ff"],
+    ids=["password", "database"],
+)
+def test_escapes_that_are_not_utf8_exit_78(text: str, name: str) -> None:
+    """A URI whose %-escapes decode to no UTF-8 is a bad URI: 78, one line."""
+    result = lockrun("--uri", text.format(port=free_port()), "-n", name, "--", "echo", "ran")
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+    one_line(result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ("sslmode=bogus", 'invalid sslmode value: "bogus"'),
+        ("target_session_attrs=bogus", "invalid target_session_attrs value"),
+        ("port=abc", 'invalid integer value "abc"'),
+    ],
+)
+def test_an_invalid_option_value_exits_78(
+    auth_server: PostgresServer, option: str, needle: str, name: str
+) -> None:
+    """An option value libpq refuses is a bad URI (SPEC §2: 78), not an unavailable server."""
+    uri = f"postgresql://lockrun@127.0.0.1:{auth_server.port}/lockrun?{option}"
+    result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
+    assert needle in one_line(result.stderr)
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "")
+
+
+def test_a_malformed_uri_exits_78_without_the_password(name: str) -> None:
+    """Through the CLI a URI libpq cannot parse exits 78 in one line; no password shows."""
+    for uri, secrets in (
+        (f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/lockrun?foo=bar", (SECRET,)),
+        (f"postgresql://app:p@ss%zz@127.0.0.1:{free_port()}/lockrun", ("p@ss%zz", "ss%zz")),
+    ):
+        for args in (
+            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
+            ("status", "--uri", uri),
+        ):
+            result = lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
+            assert "not a libpq connection URI" in one_line(result.stderr)
+            secret_free(result, *secrets)
+
+
+# -- E. bad input: nobody there, silence, not PostgreSQL, full ---------------------------------
+
+
+class Junk:
+    """A loopback TCP port of our own: reads what the client says, answers *reply*, hangs up."""
+
+    def __init__(self, reply: bytes) -> None:
+        """Listen on a free loopback port and serve from a thread until `close`."""
+        self.reply = reply
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.05)
+        self.port: int = self.server.getsockname()[1]
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.serve, name="not-postgres", daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        """Accept until told to stop; read the startup (or SSL request), reply, close."""
+        while not self.stopping.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed under us
+                return
+            with connection, contextlib.suppress(OSError):
+                connection.settimeout(2)
+                connection.recv(4096)
+                connection.sendall(self.reply)
+
+    def close(self) -> None:
+        """Stop the thread and close the socket."""
+        self.stopping.set()
+        self.thread.join(5)
+        self.server.close()
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["closed-port", "silent-port", "no-such-host", "no-socket"],
+)
+def test_an_unreachable_server_exits_69_in_bounded_time(
+    where: str, tmp_path: Path, name: str
+) -> None:
+    """Nobody on the port, a port that never answers, no host, no socket: 69, one line, < 15 s."""
+    with contextlib.ExitStack() as stack:
+        if where == "silent-port":  # listens, and never accepts nor reads: the kernel's backlog
+            silent = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=16))
+            port, needle = silent.getsockname()[1], "no answer within"
+            uri = f"postgresql://app:{SECRET}@127.0.0.1:{port}/lockrun"
+        elif where == "closed-port":
+            port, needle = free_port(), "Connection refused"
+            uri = f"postgresql://app:{SECRET}@127.0.0.1:{port}/lockrun"
+        elif where == "no-such-host":
+            uri, needle = f"postgresql://app:{SECRET}@nonexistent.invalid/lockrun", "resolve"
+        else:
+            uri = f"postgresql://app:{SECRET}@/lockrun?host={tmp_path}&port=5999"
+            needle = f"{tmp_path}/.s.PGSQL.5999"
+        for args in (
+            ("--uri", uri, "-n", name, "--", "echo", "ran"),
+            ("-v", "--wait", "5", "--ttl", "3", "--uri", uri, "-n", name, "--", "echo", "ran"),
+            ("status", "--uri", uri, name),
+        ):
+            result, elapsed = timed_lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
+            line = one_line(result.stderr)
+            assert needle in line
+            assert "postgresql://app:***@" in line
+            secret_free(result, SECRET)
+            assert elapsed < PATIENCE
+
+
+@pytest.mark.parametrize(
+    ("reply", "needle"),
+    [
+        (b"\x00\xff\x13garbage garbage\r\n" * 8, "does not answer like a PostgreSQL server"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "does not answer like a PostgreSQL server"),
+        (b"-ERR unknown command\r\n", "does not answer like a PostgreSQL server"),
+        (b"", "server closed the connection unexpectedly"),
+    ],
+    ids=["garbage", "http", "redis-like", "hang-up"],
+)
+def test_a_server_that_is_not_postgres_exits_69(reply: bytes, needle: str, name: str) -> None:
+    """Garbage, HTTP or a Redis error on the port: 69, one line naming the server, quickly."""
+    with contextlib.closing(Junk(reply)) as junk:
+        uri = f"postgresql://app:{SECRET}@127.0.0.1:{junk.port}/lockrun"
+        for args in (("--uri", uri, "-n", name, "--", "echo", "ran"), ("status", "--uri", uri)):
+            result, elapsed = timed_lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
+            line = one_line(result.stderr)
+            assert f"127.0.0.1:{junk.port}" in line
+            assert needle in line
+            assert "internal error" not in line
+            secret_free(result, SECRET)
+            assert elapsed < PATIENCE
+
+
+def test_a_full_server_exits_69_naming_max_connections(name: str) -> None:
+    """Every connection taken (max_connections=3, none reserved): run and status exit 69."""
+    server = PostgresServer(
+        "max_connections=3", "superuser_reserved_connections=0", port=free_port()
+    )
+    taken: list[psycopg.Connection[Any]] = []
+    try:
+        assert lockrun("--uri", server.tcp_uri, "-n", name, "--", "true").returncode == 0
+        with pytest.raises(psycopg.OperationalError, match="too many clients"):  # noqa: PT012
+            while len(taken) < 10:
+                taken.append(psycopg.connect(server.tcp_uri))
+        assert len(taken) == 3
+        for args in (
+            ("--uri", server.tcp_uri, "-n", name, "--", "echo", "ran"),
+            ("--uri", server.uri, "-n", name, "-s", "2", "-w", "5", "--", "echo", "ran"),
+            ("status", "--uri", server.uri, name),
+        ):
+            result = lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
+            line = one_line(result.stderr)
+            assert "max_connections" in line
+            assert "too many clients" in line
+        taken.pop().close()
+        wait_for(
+            lambda: lockrun("--uri", server.tcp_uri, "-n", name, "--", "true").returncode == 0,
+            timeout=10,
+            what="a free connection",
+        )
+    finally:
+        for connection in taken:
+            connection.close()
+        server.close()
+
+
+# -- F. psycopg missing --------------------------------------------------------------------
+
+
+def run_without(
+    hidden: Sequence[str], *args: str, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run lockrun ARGS in a Python where the modules *hidden* cannot be imported."""
+    script = (
+        "import runpy, sys\n"
+        f"for module in {list(hidden)!r}:\n"
+        "    sys.modules[module] = None\n"
+        f"sys.argv = {['lockrun', *args]!r}\n"
+        "runpy.run_module('lockrun', run_name='__main__')\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: str) -> None:
+    """No psycopg module at all, or one without libpq: 78, one line, the pip extra to install."""
+    uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
+    args = ("--uri", uri, "-n", name, "--", "echo", "ran")
+    fake = tmp_path / "fake" / "psycopg"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no pq wrapper available")\n')
+    path = os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))
+    shadowed = {**os.environ, "PYTHONPATH": path}
+    for result, needle in (
+        (run_without(["psycopg"], *args), "postgresql: needs the psycopg module"),
+        (run_without(["psycopg"], "status", "--uri", uri), "postgresql: needs the psycopg module"),
+        (
+            lockrun(*args, env={**os.environ, "PSYCOPG_IMPL": "c"}),
+            "postgresql: needs couldn't import requested psycopg 'c' implementation",
+        ),
+        (
+            lockrun(*args, env=shadowed),
+            "postgresql: needs no pq wrapper available",
+        ),
+        (
+            lockrun("status", "--uri", f"postgres://h:{free_port()}/db", env=shadowed),
+            "postgres: needs no pq wrapper available",
+        ),
+    ):
+        assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+        line = one_line(result.stderr)
+        assert line.startswith(f"lockrun: {needle}")
+        assert line.endswith("pip install 'lockrun-cli[postgres]'")
+
+
+def test_psycopg_without_any_libpq_exits_78_in_one_line(name: str) -> None:
+    """Without psycopg_c, psycopg_binary and a loadable libpq: still one line (SPEC §6)."""
+    hidden = ["psycopg_c", "psycopg_binary", "psycopg.pq.pq_ctypes"]
+    result = run_without(
+        hidden, "--uri", f"postgresql://h:{free_port()}/db", "-n", name, "--", "true"
+    )
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+    assert "no pq wrapper available" in result.stderr
+    line = one_line(result.stderr)
+    assert line.endswith("pip install 'lockrun-cli[postgres]'")
+
+
+# -- G. PgBouncer --------------------------------------------------------------------------
+
+
+class Bouncer:
+    """A PgBouncer of our own in front of *server*, on a loopback port and a socket."""
+
+    def __init__(self, server: PostgresServer, pool_mode: str, *settings: str) -> None:
+        """Write its configuration, start it (as postgres when we are root), wait for it."""
+        if not os.path.exists(PGBOUNCER):
+            unavailable(f"{PGBOUNCER} is not installed")
+        self.directory = postgres_dir("lr-bouncer-")
+        self.port = free_port()
+        config = os.path.join(self.directory, "pgbouncer.ini")
+        with open(config, "w") as ini:
+            ini.write(
+                "[databases]\n"
+                f"* = host={server.directory} port={server.port} user=lockrun\n"
+                "[pgbouncer]\n"
+                "listen_addr = 127.0.0.1\n"
+                f"listen_port = {self.port}\n"
+                f"unix_socket_dir = {self.directory}\n"
+                "auth_type = any\n"
+                f"pool_mode = {pool_mode}\n"
+                f"logfile = {self.directory}/pgbouncer.log\n"
+                f"pidfile = {self.directory}/pgbouncer.pid\n"
+                + "".join(f"{setting}\n" for setting in settings)
+            )
+        self.process = subprocess.Popen(
+            [PGBOUNCER, config],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            user=as_postgres(),
+        )
+        deadline = time.monotonic() + 30
+        while not self.accepts():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.close()
+                pytest.fail(f"pgbouncer did not start: {log}")
+            time.sleep(0.02)
+
+    @property
+    def uri(self) -> str:
+        """The lock URI of the pooler's loopback port, database ``lockrun``."""
+        return f"postgresql://lockrun@127.0.0.1:{self.port}/lockrun"
+
+    def accepts(self) -> bool:
+        """Return whether the pooler accepts TCP connections."""
+        with socket.socket() as probe:
+            probe.settimeout(1)
+            return probe.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def log(self) -> str:
+        """Return the pooler's log."""
+        with contextlib.suppress(OSError), open(f"{self.directory}/pgbouncer.log") as log:
+            return log.read()
+        return ""
+
+    def close(self) -> None:
+        """Stop the pooler and remove its directory."""
+        if self.process.poll() is None:
+            self.process.terminate()  # SIGTERM: PgBouncer's immediate shutdown
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def bouncer(auth_server: PostgresServer) -> Iterator[Callable[..., Bouncer]]:
+    """Return a factory of PgBouncers in front of the module's server, stopped at teardown."""
+    started: list[Bouncer] = []
+
+    def factory(pool_mode: str, *settings: str) -> Bouncer:
+        pooler = Bouncer(auth_server, pool_mode, *settings)
+        started.append(pooler)
+        return pooler
+
+    yield factory
+    for pooler in started:
+        pooler.close()
+
+
+@pytest.mark.parametrize("pool_mode", ["transaction", "statement"])
+def test_a_pooler_in_transaction_or_statement_mode_exits_78(
+    bouncer: Callable[..., Bouncer], pool_mode: str, name: str
+) -> None:
+    """Session advisory locks do not survive transaction or statement pooling: 78, one line."""
+    pooler = bouncer(pool_mode)
+    for args in (
+        ("--uri", pooler.uri, "-n", name, "--", "echo", "ran"),
+        ("--uri", pooler.uri, "-n", name, "-s", "3", "-w", "5", "--", "echo", "ran"),
+        ("status", "--uri", pooler.uri),
+    ):
+        result = lockrun(*args)
+        assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
+        line = one_line(result.stderr)
+        assert "connection pooler in transaction or statement mode" in line
+        assert pooler.uri in line
+
+
+def test_a_pooler_in_session_mode_holds_locks(
+    bouncer: Callable[..., Bouncer],
+    auth_server: PostgresServer,
+    held: Callable[..., Held],
+    name: str,
+) -> None:
+    """Session pooling gives each client its own server session: runs (0), excludes (75)."""
+    pooler = bouncer("session")
+    result = lockrun("-v", "--uri", pooler.uri, "-n", name, "--", "printenv", "LOCKRUN_FENCE")
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) > 0
+    assert "a pooler in session mode" in result.stderr
+    holder = held("--uri", pooler.uri, "-n", name)
+    for uri in (pooler.uri, auth_server.tcp_uri):  # through the pooler, and straight to the server
+        busy = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
+        assert (busy.returncode, busy.stdout) == (ExitCode.BUSY, ""), busy.stderr
+        assert f"pid {holder.process.pid}" in one_line(busy.stderr)
+    [state] = json.loads(lockrun("status", "--uri", pooler.uri, "--json", name).stdout)
+    assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
+    assert holder.finish() == 0
+    again = lockrun("--uri", pooler.uri, "-n", name, "--", "echo", "ran")
+    assert (again.returncode, again.stdout) == (0, "ran\n"), again.stderr
+
+
+def test_transaction_pooling_with_round_robin_is_refused(
+    bouncer: Callable[..., Bouncer], name: str
+) -> None:
+    """Transaction pooling is refused (78) however PgBouncer hands out its server sessions."""
+    pooler = bouncer("transaction", "server_round_robin = 1")
+    clients = [psycopg.connect(pooler.uri) for _ in range(2)]
+    try:  # two transactions at once: the pool keeps two idle server sessions
+        for client in clients:
+            client.execute("SELECT 1")
+    finally:
+        for client in clients:
+            client.commit()
+            client.close()
+    result = lockrun("--uri", pooler.uri, "-n", name, "--", "echo", "ran")
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+
+
+# -- H. lockrun status -----------------------------------------------------------------------
+
+
+def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
+    postgres_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
+) -> None:
+    """The JSON, the table and the listing show holder and queue; -v names the holder."""
+    uri = postgres_uri
+    namespace = f"ns-{uuid.uuid4().hex[:8]}"
+    order = tmp_path / "order"
+    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
+    waiting = ("--uri", uri, "-n", name, "--namespace", namespace, "--wait", "forever")
+    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
+    second = None
+    err = ""
+    try:
+        wait_for(lambda: waiting_on(uri, namespace, name) == 1, what="waiter 1")
+        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
+        wait_for(lambda: waiting_on(uri, namespace, name) == 2, what="waiter 2")
+
+        state = state_of(uri, namespace, name)
+        assert (state["name"], state["namespace"], state["slots"]) == (name, namespace, 1)
+        assert state["where"] == f"advisory key {lock_key(namespace, name, 0)}"
+        [owner] = state["holders"]
+        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
+        assert owner["argv"][:2] == ["sh", "-c"]
+        assert owner["slot"] == 0
+        assert time.time() - 60 < owner["since"] <= time.time()
+        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
+        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
+            f"echo first >> {order}",
+            f"echo second >> {order}",
+        ]
+        assert {waiter["user"] for waiter in state["waiters"]} == {ME}
+        assert queue_length(uri, name) == 0  # another namespace: default has none of it
+
+        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
+        assert table.returncode == 0, table.stderr
+        header, *rows = table.stdout.splitlines()
+        assert header.split() == COLUMNS
+        assert [row.split()[:6] for row in rows] == [
+            [name, "0", "holding", str(holder.process.pid), ME, HOST],
+            [name, "-", "waiting", str(first.pid), ME, HOST],
+            [name, "-", "waiting", str(second.pid), ME, HOST],
+        ]
+
+        listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
+        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
+        everything = lockrun("status", "--uri", uri, "--namespace", namespace)
+        assert everything.stdout == table.stdout
+        elsewhere = lockrun("status", "--uri", uri, "--namespace", f"{namespace}-x", "--json")
+        assert json.loads(elsewhere.stdout) == []
+    finally:
+        statuses = [holder.finish(), finish(first)]
+        if second is not None:
+            _, err = second.communicate(timeout=30)
+            statuses.append(second.returncode)
+    assert statuses == [0, 0, 0], err
+    assert order.read_text() == "first\nsecond\n"
+    assert re.search(
+        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\), held by "
+        rf"{re.escape(ME)}@{re.escape(HOST)} pid {holder.process.pid}\b",
+        err,
+        re.MULTILINE,
+    ), err
+    assert_free(uri, namespace, name)
+
+
+def assert_free(uri: str, namespace: str, name: str) -> None:
+    """Assert that `status` shows *name* free and does not list it; nothing left on the server."""
+    free = state_of(uri, namespace, name)
+    assert (free["holders"], free["waiters"]) == ([], [])
+    listing = lockrun("status", "--uri", uri, "--namespace", namespace)
+    assert (listing.returncode, listing.stderr) == (0, "")
+    assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
+    assert advisory_locks(uri, namespace, name) == []
+
+
+def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
+    postgres_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
+) -> None:
+    """--slots 3: three holders on distinct slots; the head waits on every slot but shows once."""
+    uri = postgres_uri
+    namespace = f"ns-{uuid.uuid4().hex[:8]}"
+    order = tmp_path / "order"
+    options = ("--uri", uri, "-n", name, "--namespace", namespace, "--slots", "3")
+    holders = [held(*options) for _ in range(3)]
+    assert sorted(holder.slot for holder in holders) == [0, 1, 2]
+    assert [holder.fence for holder in holders] == sorted({holder.fence for holder in holders})
+    script = f'echo "$0 $LOCKRUN_SLOT" >> {order}'
+    head = start(*options, "--wait", "forever", "--", "sh", "-c", script, "head")
+    second = None
+    try:
+        # The head holds the gate and waits on slots 0, 1 and 2 through three sessions.
+        wait_for(lambda: waiting_on(uri, namespace, name) == 3, what="the head on every slot")
+        second = start(*options, "--wait", "forever", "--", "sh", "-c", script, "second")
+        wait_for(lambda: waiting_on(uri, namespace, name) == 4, what="the second on the gate")
+        locks = advisory_locks(uri, namespace, name)
+        assert [part for part, granted, _ in locks if not granted] == ["0", "1", "2", "gate"]
+
+        state = state_of(uri, namespace, name)
+        assert state["slots"] == 3
+        key, gate = lock_key(namespace, name, 0), lock_key(namespace, name, "gate")
+        assert state["where"] == f"advisory key {key}, gate {gate}"
+        assert sorted((owner["slot"], owner["pid"]) for owner in state["holders"]) == sorted(
+            (holder.slot, holder.process.pid) for holder in holders
+        )
+        assert [waiter["pid"] for waiter in state["waiters"]] == [head.pid, second.pid]
+        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
+        roles = [row.split()[1:4] for row in table.stdout.splitlines()[1:]]
+        assert sorted(roles[:3]) == [
+            [str(holder.slot), "holding", str(holder.process.pid)]
+            for holder in sorted(holders, key=lambda holder: holder.slot)
+        ]
+        assert roles[3:] == [["-", "waiting", str(head.pid)], ["-", "waiting", str(second.pid)]]
+
+        [freed] = [holder for holder in holders if holder.slot == 1]
+        assert freed.finish() == 0
+        assert finish(head) == 0
+        assert finish(second) == 0
+    finally:
+        for holder in holders:
+            if holder.process.poll() is None:
+                holder.finish()
+        for waiter in (head, second):
+            if waiter is not None and waiter.poll() is None:
+                waiter.kill()
+                waiter.communicate(timeout=30)
+    assert order.read_text() == "head 1\nsecond 1\n"
+    assert_free(uri, namespace, name)
+
+
+AWKWARD = [
+    "with spaces and 'single' \"double\" quotes",
+    "a*/b */ -- d; SELECT 1 *",
+    "100% _LIKE_ \\%",
+    "🔒 lock ✓ 名前",
+    "x" * 255,
+    "line\nbreak\ttab",
+]
+
+
+def test_status_and_the_environment_carry_awkward_names_unchanged(
+    postgres_uri: str, spawn: Callable[..., subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """Quotes, comment ends, %, emoji, newlines and 255 bytes survive status and LOCKRUN_NAME."""
+    namespace = f"x/y*/{uuid.uuid4().hex[:8]} %"
+    script = 'printf %s "$LOCKRUN_NAME" > "$0"; while [ ! -e go ]; do sleep 0.05; done'
+    holders = {
+        name: spawn(
+            *("--uri", postgres_uri, "-n", name, "--namespace", namespace),
+            *("--", "sh", "-c", script, f"name-{index}"),
+            cwd=tmp_path,
+        )
+        for index, name in enumerate(AWKWARD)
+    }
+    for index in range(len(AWKWARD)):
+        wait_for((tmp_path / f"name-{index}").exists, what=f"holder {index}")
+    for index, name in enumerate(AWKWARD):
+        assert (tmp_path / f"name-{index}").read_text() == name
+    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
+    assert listing.returncode == 0, listing.stderr
+    states = {state["name"]: state for state in json.loads(listing.stdout)}
+    assert sorted(states) == sorted(AWKWARD)
+    for index, (name, holder) in enumerate(holders.items()):
+        assert states[name]["namespace"] == namespace
+        [owner] = states[name]["holders"]
+        assert (owner["pid"], owner["slot"]) == (holder.pid, 0)
+        assert owner["argv"] == ["sh", "-c", script, f"name-{index}"]
+        busy = lockrun("--uri", postgres_uri, "-n", name, "--namespace", namespace, "--", "true")
+        assert (busy.returncode, busy.stdout) == (ExitCode.BUSY, ""), name
+        assert f"lockrun: {name} busy, held by {ME}@{HOST} pid {holder.pid}" in busy.stderr
+    (tmp_path / "go").touch()
+    assert [finish(holder) for holder in holders.values()] == [0] * len(AWKWARD)
+    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
+    assert json.loads(listing.stdout) == []
+
+
+@pytest.mark.parametrize(
+    ("suffix", "namespace", "argv"),
+    [
+        (" /* x", "default", ["true"]),
+        ("", "/*", ["true"]),
+        ("", "default", ["echo", "/var/log/*.log"]),
+        ("", "default", ["sh", "-c", "ls /tmp/* >/dev/null"]),
+    ],
+    ids=["name", "namespace", "argument", "shell-glob"],
+)
+def test_a_comment_opener_in_a_name_or_command_runs(
+    postgres_uri: str, name: str, suffix: str, namespace: str, argv: list[str]
+) -> None:
+    """/* in a name, a namespace or the command (a glob like /var/log/*) runs like any text."""
+    result = lockrun(
+        "--uri", postgres_uri, "-n", f"{name}{suffix}", "--namespace", namespace, "--", *argv
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [
+        ("ü" * 127 + "z", ["sh", "-c", "sleep 30"]),
+        ("long-command", ["sh", "-c", "sleep 30", "y" * 600]),
+    ],
+    ids=["255-bytes-non-ascii-name", "600-byte-command"],
+)
+def test_status_reads_back_a_holder_with_a_long_name_or_command(
+    postgres_uri: str, spawn: Callable[..., subprocess.Popen[str]], name: str, argv: list[str]
+) -> None:
+    """A 255-byte non-ASCII name, or a long command, is still listed with its holder's pid."""
+    namespace = f"ns-{uuid.uuid4().hex[:8]}"
+    holder = spawn("--uri", postgres_uri, "-n", name, "--namespace", namespace, "--", *argv)
+    wait_for(
+        lambda: ("0", True) in {row[:2] for row in advisory_locks(postgres_uri, namespace, name)},
+        what="the holder",
+    )
+    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
+    states = json.loads(listing.stdout)
+    assert [state["name"] for state in states] == [name]
+    assert [owner["pid"] for owner in states[0]["holders"]] == [holder.pid]
+
+
+# -- I. --slots must agree -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("held_slots", "other_slots"),
+    [("3", ["1", "2"]), ("1", ["3", "2"])],
+    ids=["semaphore-then-fewer", "mutex-then-semaphore"],
+)
+def test_a_slots_mismatch_exits_78_naming_the_holder(
+    postgres_uri: str, held: Callable[..., Held], name: str, held_slots: str, other_slots: list[str]
+) -> None:
+    """Another --slots than a live holder's: 78 naming it, at once even with --wait; none left."""
+    holder = held("--uri", postgres_uri, "-n", name, "-s", held_slots)
+    before = advisory_locks(postgres_uri, "default", name)
+    for slots in other_slots:
+        for wait in ("0", "30"):
+            result, elapsed = timed_lockrun(
+                "--uri", postgres_uri, "-n", name, "-s", slots, "-w", wait, "--", "echo", "ran"
+            )
+            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+            line = one_line(result.stderr)
+            assert f"held with --slots {held_slots} by {ME}@{HOST} pid {holder.process.pid}" in line
+            assert f"this one has --slots {slots}" in line
+            assert elapsed < PATIENCE  # not the 30 s of --wait
+    assert advisory_locks(postgres_uri, "default", name) == before
+    same = lockrun(
+        "--uri", postgres_uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT"
+    )
+    if held_slots == "1":
+        assert same.returncode == ExitCode.BUSY
+    else:
+        assert (same.returncode, same.stdout) == (0, "1\n"), same.stderr
+    assert holder.finish() == 0
+
+
+# -- J. a standby --------------------------------------------------------------------------
+
+
+def test_a_standby_is_refused_with_69(pg_server: PostgresServer, name: str) -> None:
+    """A hot standby's advisory locks are its own: 69 naming it; read-write picks the primary."""
+    with open(os.path.join(pg_server.data, "pg_hba.conf"), "a") as hba:
+        hba.write("local replication lockrun trust\n")
+    pg_server.command("SELECT pg_reload_conf()")
+    directory = postgres_dir("lr-standby-")
+    data = os.path.join(directory, "data")
+    port = free_port()
+    standby: subprocess.Popen[bytes] | None = None
+    try:
+        subprocess.run(
+            (
+                postgres_bin("pg_basebackup"),
+                *("-h", pg_server.directory, "-p", str(pg_server.port), "-U", "lockrun"),
+                *("-D", data, "-R", "-c", "fast"),
+            ),
+            capture_output=True,
+            check=True,
+            timeout=60,
+            user=as_postgres(),
+        )
+        with open(os.path.join(directory, "postgres.log"), "ab") as log:
+            standby = subprocess.Popen(
+                (
+                    postgres_bin("postgres"),
+                    *("-D", data, "-k", directory, "-p", str(port)),
+                    *("-c", "listen_addresses=", "-c", "fsync=off"),
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=as_postgres(),
+            )
+        standby_uri = f"postgresql://lockrun@/lockrun?host={directory}&port={port}"
+
+        def ready() -> bool:
+            assert standby is not None
+            if standby.poll() is not None:
+                with open(os.path.join(directory, "postgres.log")) as log:
+                    pytest.fail(f"the standby did not start: {log.read()}")
+            probe = (postgres_bin("pg_isready"), "-q", "-h", directory, "-p", str(port))
+            return subprocess.run(probe, check=False, timeout=10).returncode == 0
+
+        wait_for(ready, timeout=60, what="the standby")
+        assert query(standby_uri, "SELECT pg_is_in_recovery()") == [(True,)]
+        for args in (
+            ("--uri", standby_uri, "-n", name, "--", "echo", "ran"),
+            ("--uri", standby_uri, "-n", name, "-s", "2", "-w", "5", "--", "echo", "ran"),
+            ("status", "--uri", standby_uri),
+        ):
+            result = lockrun(*args)
+            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
+            line = one_line(result.stderr)
+            assert "is a standby (in recovery)" in line
+            assert "target_session_attrs=read-write" in line
+        both = (
+            f"postgresql://lockrun@/lockrun?host={directory},{pg_server.directory}"
+            f"&port={port},{pg_server.port}&target_session_attrs=read-write"
+        )
+        result = lockrun("--uri", both, "-n", name, "--", "echo", "ran")
+        assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
+    finally:
+        if standby is not None:
+            standby.send_signal(signal.SIGQUIT)
+            try:
+                standby.wait(30)
+            except subprocess.TimeoutExpired:
+                standby.kill()
+                standby.wait(30)
+        shutil.rmtree(directory, ignore_errors=True)

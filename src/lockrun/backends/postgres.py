@@ -349,24 +349,18 @@ class PostgresBackend:
     def session(self, tag: str = "/* lockrun */") -> Session:
         """Open a session whose locks the server frees after it idled for a lease."""
         idle = max(1, int(self.ttl / 3))
+        session = self._connect(
+            tag,
+            client_encoding="UTF8",
+            # TCP keepalive finds a vanished server while we wait on it (TCP only).
+            keepalives=1,
+            keepalives_idle=idle,
+            keepalives_interval=max(1, idle // 3),
+            keepalives_count=3,
+        )
         try:
-            connection = psycopg.Connection.connect(
-                self.settings.conninfo,
-                autocommit=True,
-                connect_timeout=self.connect_timeout,
-                client_encoding="UTF8",
-                # TCP keepalive finds a vanished server while we wait on it (TCP only).
-                keepalives=1,
-                keepalives_idle=idle,
-                keepalives_interval=max(1, idle // 3),
-                keepalives_count=3,
-            )
-        except psycopg.Error as err:
-            raise self.failure(err) from err
-        session = Session(connection, tag)
-        try:
-            self._setup(session, connection.info.server_version)
-            if connection.info.backend_pid != session.pid and not self.checked:
+            self._setup(session, session.connection.info.server_version)
+            if session.connection.info.backend_pid != session.pid and not self.checked:
                 self._check_pooler(session)
             self.checked = True
         except PgError as err:
@@ -376,6 +370,17 @@ class PostgresBackend:
             session.abandon()
             raise
         return session
+
+    def _connect(self, tag: str = "/* lockrun */", **options: str | int) -> Session:
+        """Connect with libpq *options* beside the URI's; nothing else."""
+        try:
+            conninfo = psycopg.conninfo.make_conninfo(
+                self.settings.conninfo, connect_timeout=self.connect_timeout, **options
+            )
+            connection = psycopg.Connection.connect(conninfo, autocommit=True)
+        except psycopg.Error as err:
+            raise self.failure(err) from err
+        return Session(connection, tag)
 
     def _setup(self, session: Session, version: int) -> None:
         """Set the lease and the waits' limits on *session*, learn its pid, refuse a standby.
@@ -426,7 +431,7 @@ class PostgresBackend:
         that; the holder's checks then find its lock on another session and stop the
         command (76).
         """
-        other = self.session_raw()
+        other = self._connect()  # as a second client would
         try:
             # Twice in a row on ours: a pooler that hands out the longest idle server
             # session (round robin) moves us; then the other client: one that hands out
@@ -447,18 +452,6 @@ class PostgresBackend:
             )
             raise ConfigError(msg)
         self.note(f"{self.settings.where}: a pooler in session mode; its sessions hold locks")
-
-    def session_raw(self) -> Session:
-        """Open a plain session (no setup): to probe a pooler."""
-        try:
-            connection = psycopg.Connection.connect(
-                self.settings.conninfo,
-                autocommit=True,
-                connect_timeout=self.connect_timeout,
-            )
-        except psycopg.Error as err:
-            raise self.failure(err) from err
-        return Session(connection, "/* lockrun */")
 
     def failure(self, err: psycopg.Error | PgError) -> LockrunError:
         """Translate a failure into one line, naming the server but no password."""

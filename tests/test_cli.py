@@ -163,6 +163,20 @@ def test_busy_exits_75_and_minus_e_moves_it(
     holder.finish()
 
 
+def test_a_line_break_in_a_name_keeps_messages_to_one_line(
+    file_uri: str, held: Callable[..., Held]
+) -> None:
+    """Control characters in a name show escaped: every message stays one line."""
+    name = "first\nsecond\rthird\x1b[31m\ttab"
+    holder = held("--uri", file_uri, "-n", name)
+    busy = lockrun("--uri", file_uri, "-n", name, "--", "true")
+    assert busy.returncode == ExitCode.BUSY
+    assert one_line(busy.stderr).startswith(
+        "lockrun: first\\x0asecond\\x0dthird\\x1b[31m\ttab busy"
+    )
+    holder.finish()
+
+
 def test_lost_lock_exits_76(file_uri: str, name: str, tmp_path: Path) -> None:
     """Deleting the lock file under a running command stops it and exits 76."""
     ready = tmp_path / "ready"

@@ -32,9 +32,13 @@ if TYPE_CHECKING:
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+# A name may hold any character; a line break in one must not split the line (cron mails it).
+_SHOWN: Final = {code: f"\\x{code:02x}" for code in (*range(32), 127) if code != ord("\t")}
+
+
 def say(line: str) -> None:
     """Write one ``lockrun: …`` line to stderr; stdout belongs to the command."""
-    click.echo(f"lockrun: {line}", err=True)
+    click.echo(f"lockrun: {line.translate(_SHOWN)}", err=True)
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic

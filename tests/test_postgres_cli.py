@@ -1168,7 +1168,8 @@ def test_status_and_the_environment_carry_awkward_names_unchanged(
         assert owner["argv"] == ["sh", "-c", script, f"name-{index}"]
         busy = lockrun("--uri", postgres_uri, "-n", name, "--namespace", namespace, "--", "true")
         assert (busy.returncode, busy.stdout) == (ExitCode.BUSY, ""), name
-        assert f"lockrun: {name} busy, held by {ME}@{HOST} pid {holder.pid}" in busy.stderr
+        shown = name.replace("\n", "\\x0a")  # messages escape control characters
+        assert f"lockrun: {shown} busy, held by {ME}@{HOST} pid {holder.pid}" in busy.stderr
     (tmp_path / "go").touch()
     assert [finish(holder) for holder in holders.values()] == [0] * len(AWKWARD)
     listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")

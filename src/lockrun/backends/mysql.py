@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends import Holder, LockState, Request, ride_out, slots_mismatch
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
@@ -63,7 +63,6 @@ _FILES: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key", "read_default_file"}
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (pitfall 20). A wait this long is asked again when it ends.
 _FOREVER: Final = 31_536_000
-_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
 HOLDERS: Final = "lockrun_holders"
@@ -453,24 +452,25 @@ class MySQLBackend:
         """Wait in the server's queue until a slot is ours, or *deadline* passes.
 
         A waiter that loses its connection (a server restart, a failover) connects and
-        queues again, for up to a ttl; failing to get in at all is reported at once.
+        queues again, for up to a ttl (`ride_out`); failing to get in at all is reported at once.
         """
         key = lock_key(request.namespace, request.name)
         tag = _tag(request, os.urandom(8).hex())
-        lost: float | None = None  # when the connection of a queued attempt was lost
-        while True:
-            attempt = _Attempt(request, key, deadline, tag)
-            try:
-                return self._attempt(attempt)
-            except (pymysql.err.Error, BackendUnavailable) as err:
-                failure = self.failure(err) if isinstance(err, pymysql.err.Error) else err
-                if not _transient(err) or (not attempt.queued and lost is None):
-                    raise failure from err
-                lost = now() if attempt.queued else lost
-                assert lost is not None  # noqa: S101 - for mypy: set above or earlier
-                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
-                    raise failure from err
-                time.sleep(min(_RECONNECT, self.ttl / 10))
+        return ride_out(
+            lambda: _Attempt(request, key, deadline, tag),
+            self._attempt,
+            ttl=self.ttl,
+            deadline=deadline,
+            lost=self._lost,
+        )
+
+    def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
+        """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
+        if isinstance(err, pymysql.err.Error):
+            return self.failure(err), _transient(err)
+        if isinstance(err, BackendUnavailable):
+            return err, _transient(err)
+        return None
 
     def _attempt(self, attempt: _Attempt) -> MySQLLease | None:
         """Queue once; close every session but the holder's, whatever happens.

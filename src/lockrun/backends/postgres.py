@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import psycopg
 from psycopg import pq
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends import Holder, LockState, Request, ride_out, slots_mismatch
 from lockrun.errors import BackendUnavailable, ConfigError, Interrupted, LeaseLost, LockrunError
 from lockrun.timing import now
 from lockrun.uri import unquote
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _MAX_LOCK_TIMEOUT: Final = 2_147_483_647  # ms: the largest lock_timeout; 0 would mean none
-_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 _V13: Final = 130000  # pg_current_xact_id()
 _V14: Final = 140000  # idle_session_timeout, client_connection_check_interval, waitstart
@@ -474,24 +473,25 @@ class PostgresBackend:
         """Wait in the server's queue until a slot is ours, or *deadline* passes.
 
         A waiter that loses its connection (a server restart, a failover) connects and
-        queues again, for up to a ttl; failing to get in at all is reported at once.
+        queues again, for up to a ttl (`ride_out`); failing to get in at all is reported at once.
         """
         keys = _Keys(request.namespace, request.name, request.slots)
         token = os.urandom(8).hex()
-        lost: float | None = None  # when the connection of a queued attempt was lost
-        while True:
-            attempt = _Attempt(request, keys, deadline, token)
-            try:
-                return self._attempt(attempt)
-            except (PgError, BackendUnavailable) as err:
-                failure = self.failure(err) if isinstance(err, PgError) else err
-                if not _transient(err) or (not attempt.queued and lost is None):
-                    raise failure from err
-                lost = now() if attempt.queued else lost
-                assert lost is not None  # noqa: S101 - for mypy: set above or earlier
-                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
-                    raise failure from err
-                time.sleep(min(_RECONNECT, self.ttl / 10))
+        return ride_out(
+            lambda: _Attempt(request, keys, deadline, token),
+            self._attempt,
+            ttl=self.ttl,
+            deadline=deadline,
+            lost=self._lost,
+        )
+
+    def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
+        """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
+        if isinstance(err, PgError):
+            return self.failure(err), _transient(err)
+        if isinstance(err, BackendUnavailable):
+            return err, _transient(err)
+        return None
 
     def _attempt(self, attempt: _Attempt) -> PostgresLease | None:
         """Queue once; close every session but the holder's, whatever happens.

@@ -11,10 +11,9 @@ import importlib
 import os
 import pwd
 import time
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
-from lockrun.errors import ConfigError, LockrunError
-from lockrun.timing import now
+from lockrun.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -197,51 +196,6 @@ def next_fence(previous: bytes) -> int:
     except ValueError:
         last = 0
     return max(last + 1, time.time_ns() // 1000)
-
-
-class Queueing(Protocol):
-    """One pass of a waiter through a server's queue."""
-
-    @property
-    def queued(self) -> bool:
-        """Whether it got as far as waiting in the server's queue."""
-
-
-_A = TypeVar("_A", bound=Queueing)
-_T = TypeVar("_T")
-
-
-def ride_out(
-    new: Callable[[], _A],
-    run: Callable[[_A], _T],
-    *,
-    ttl: float,
-    deadline: float | None,
-    lost: Callable[[Exception], tuple[LockrunError, bool] | None],
-) -> _T:
-    """Run a *new* attempt until one returns; a queued waiter rides out a lost server.
-
-    A waiter that loses its connection once queued (a server restart, a failover) connects
-    and queues again, for up to a ttl; failing to get in at all is reported at once.
-    *lost* turns a failure into (the error to report, whether it may pass), or None for
-    one that is not the server's.
-    """
-    since: float | None = None  # when the connection of a queued attempt was lost
-    while True:
-        attempt = new()
-        try:
-            return run(attempt)
-        except Exception as err:
-            verdict = lost(err)
-            if verdict is None:
-                raise
-            failure, passing = verdict
-            if not passing or (not attempt.queued and since is None):
-                raise failure from err
-            since = now() if since is None or attempt.queued else since
-            if now() - since > ttl or (deadline is not None and now() >= deadline):
-                raise failure from err
-            time.sleep(min(1.0, ttl / 10))  # try again this often
 
 
 def timeout_for(ttl: float) -> float:

@@ -6,12 +6,8 @@ Names are digests, so a lock is the same on MySQL and MariaDB whatever the name'
 case or characters: ``lr:`` and 40 hex digits of SHA-256(namespace NUL name), then ``:0`` …
 ``:N-1`` for the slots and ``:gate`` for the queue of a semaphore.
 
-Mutex (N = 1): GET_LOCK on slot 0, which the server grants in arrival order.
-Semaphore (N > 1): waiters queue on the gate. Its holder takes the first free slot or, when
-none is, waits on every slot at once, on its own connection for slot 0 and on a helper
-connection for each other slot, keeps the first slot it gets and KILLs the helpers, which
-frees whatever they got meanwhile. It lets the gate go once its fence is drawn, so grants
-follow the queue. Only the head of the queue holds N connections; nobody polls.
+The semaphore is `lockrun.backends.gated`'s, on GET_LOCK, which the server grants in
+arrival order; the head of a semaphore's queue KILLs its losing helper sessions.
 
 A slot lives with its session: the server frees it when the connection closes, or after the
 session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
@@ -29,7 +25,6 @@ import json
 import math
 import os
 import re
-import selectors
 import socket
 import ssl
 import threading
@@ -39,19 +34,18 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
-from lockrun.backends import Holder, LockState, Request, ride_out, slots_mismatch
+from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends.gated import GATE, Attempt, GatedBackend
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
-    Interrupted,
     LeaseLost,
     LockrunError,
 )
-from lockrun.timing import now
 from lockrun.uri import host_port, query_items, unquote
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
     from lockrun.uri import LockURI
 
@@ -355,12 +349,16 @@ class Session:
             self.connection._force_close()  # noqa: SLF001 - close() would send COM_QUIT
 
 
-class MySQLBackend:
+class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
     """Sessions on one MySQL or MariaDB server."""
+
+    errors = (pymysql.err.Error,)
+    waits = "GET_LOCK"
 
     def __init__(self, settings: Settings, ttl: float, note: Callable[[str], None]) -> None:
         """Remember *settings*; *note* gets what `-v` shows (no fence, and why)."""
         self.settings = settings
+        self.where = settings.where
         self.ttl = ttl
         self.note = note
         self.timeout = timeout_for(ttl)
@@ -448,22 +446,6 @@ class MySQLBackend:
 
     # -- acquiring -----------------------------------------------------------------------
 
-    def acquire(self, request: Request, deadline: float | None) -> MySQLLease | None:
-        """Wait in the server's queue until a slot is ours, or *deadline* passes.
-
-        A waiter that loses its connection (a server restart, a failover) connects and
-        queues again, for up to a ttl (`ride_out`); failing to get in at all is reported at once.
-        """
-        key = lock_key(request.namespace, request.name)
-        tag = _tag(request, os.urandom(8).hex())
-        return ride_out(
-            lambda: _Attempt(request, key, deadline, tag),
-            self._attempt,
-            ttl=self.ttl,
-            deadline=deadline,
-            lost=self._lost,
-        )
-
     def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
         """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
         if isinstance(err, pymysql.err.Error):
@@ -472,31 +454,16 @@ class MySQLBackend:
             return err, _transient(err)
         return None
 
-    def _attempt(self, attempt: _Attempt) -> MySQLLease | None:
-        """Queue once; close every session but the holder's, whatever happens.
+    def _key(self, request: Request) -> str:
+        return lock_key(request.namespace, request.name)
 
-        The gate is let go only after the grant drew its fence, so fences (and starts)
-        follow the order of the queue.
-        """
-        try:
-            slot, holder = self._take(attempt)
-            lease = None if holder is None else self._grant(holder, attempt, slot)
-            if lease is not None and attempt.gate is lease.session:
-                lease.session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:gate",))
-        except BaseException as err:
-            for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
-                session.abandon()
-            if not isinstance(err, pymysql.err.Error | LockrunError) or isinstance(
-                err, Interrupted
-            ):
-                self._end(attempt.opened)
-            raise
-        for session in attempt.opened:
-            if lease is None or session is not lease.session:
-                session.close()  # frees the gate, and anything a loser got
-        return lease
+    def _tag(self, request: Request, token: str) -> str:
+        return _comment(request, token)
 
-    def _end(self, sessions: list[Session]) -> None:
+    def _session(self, attempt: Attempt[Session]) -> Session:  # noqa: ARG002 - all alike
+        return self.session()
+
+    def _end(self, sessions: Sequence[Session]) -> None:
         """KILL *sessions* we hung up on, so their waits leave the queue now.
 
         The server notices a hang-up during GET_LOCK only about once a second; an
@@ -511,96 +478,33 @@ class MySQLBackend:
             finally:
                 session.close()
 
-    def _open(self, attempt: _Attempt) -> Session:
-        session = self.session()
-        attempt.opened.append(session)
-        return session
+    def _lock(
+        self, session: Session, part: int | str, seconds: float | None, attempt: Attempt[Session]
+    ) -> bool:
+        """One GET_LOCK (never a negative timeout, pitfall 20)."""
+        limit = _FOREVER if seconds is None else seconds
+        patience = None if seconds is None else seconds + self.timeout
+        got = session.one(_get_lock(f"{attempt.key}:{part}", limit, attempt.tag), timeout=patience)
+        if got is None:  # KILL QUERY from outside, or an error
+            raise self._cancelled(part)
+        return bool(got == 1)
 
-    def _take(self, attempt: _Attempt) -> tuple[int, Session | None]:
-        """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
-        key, deadline = attempt.key, attempt.deadline
-        first = self._open(attempt)
-        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
-        if attempt.slots == 1:
-            return (0, first) if self._wait(first, f"{key}:0", attempt) else (-1, None)
-        if deadline is not None and deadline <= now():  # one try: the gate would not help
-            slot = first.one(_first_free(key, attempt.slots))
-            return (slot, first) if slot >= 0 else (-1, None)
-        if not self._wait(first, f"{key}:gate", attempt):
-            return -1, None
-        attempt.gate = first
-        slot = first.one(_first_free(key, attempt.slots))
-        if slot >= 0:
-            return slot, first
-        return self._wait_any(first, attempt)
+    def _first_free(self, session: Session, attempt: Attempt[Session]) -> int:
+        return int(session.one(_first_free(attempt.key, attempt.slots)))
 
-    def _wait(self, session: Session, lock: str, attempt: _Attempt) -> bool:
-        """Wait in *lock*'s queue on *session* until we hold it (True) or the deadline passes.
+    def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
+        session.send(_get_lock(f"{attempt.key}:{slot}", seconds, attempt.tag))
 
-        One long GET_LOCK: asking again would put us at the back of the queue. While it
-        runs the server never hears from us; TCP keepalive finds a server that vanished.
-        """
-        deadline = attempt.deadline
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - now())
-            attempt.queued = attempt.queued or remaining != 0
-            seconds = _FOREVER if remaining is None else remaining
-            patience = None if remaining is None else remaining + self.timeout
-            got = session.one(_get_lock(lock, seconds, attempt.tag), timeout=patience)
-            if got == 1:
-                return True
-            if got is None:  # KILL QUERY from outside, or an error
-                msg = f"{self.settings.where}: the wait for {lock} was cancelled on the server"
-                raise BackendUnavailable(msg)
-            if deadline is not None and now() >= deadline:
-                return False
+    def _answer(self, session: Session, slot: int) -> bool:
+        got = session.receive()  # the socket is readable: the answer is on its way
+        if got is None:
+            raise self._cancelled(slot)
+        return bool(got == 1)
 
-    def _wait_any(self, first: Session, attempt: _Attempt) -> tuple[int, Session | None]:
-        """As head of the queue, wait on every slot at once; keep the first slot we get.
+    def _release_gate(self, session: Session, attempt: Attempt[Session]) -> None:
+        session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{GATE}",))
 
-        Only the head waits on slots, so it asks in pieces of ttl/3 without losing its
-        place: a head that stalls (SIGSTOP, a frozen VM) then idles, and its wait_timeout
-        lets the queue go on within a lease.
-        """
-        key, deadline = attempt.key, attempt.deadline
-        sessions = [first] + [self._open(attempt) for _ in range(1, attempt.slots)]
-        piece = self.ttl / 3
-        with selectors.DefaultSelector() as selector:
-
-            def ask(slot: int) -> None:
-                remaining = piece if deadline is None else max(0.0, deadline - now())
-                sessions[slot].send(_get_lock(f"{key}:{slot}", min(piece, remaining), attempt.tag))
-                selector.register(sessions[slot].fileno(), selectors.EVENT_READ, slot)
-
-            for slot in range(attempt.slots):
-                ask(slot)
-            pending = attempt.slots
-            while pending:
-                # After a SIGSTOP the wait returns empty, its time spent: look once more.
-                ready = selector.select(piece + self.timeout) or selector.select(0)
-                if not ready:
-                    msg = f"{self.settings.where}: no answer to GET_LOCK within {piece:g}s"
-                    raise BackendUnavailable(msg)
-                for selected, _ in ready:
-                    slot = selected.data
-                    selector.unregister(selected.fileobj)
-                    pending -= 1
-                    got = sessions[slot].receive()
-                    if got == 1:
-                        self._cancel(sessions[slot], sessions)
-                        return slot, sessions[slot]
-                    if got is None:
-                        msg = (
-                            f"{self.settings.where}: the wait for slot {slot} was cancelled "
-                            "on the server"
-                        )
-                        raise BackendUnavailable(msg)
-                    if deadline is None or now() < deadline:
-                        ask(slot)
-                        pending += 1
-        return -1, None
-
-    def _cancel(self, winner: Session, sessions: Iterable[Session]) -> None:
+    def _cancel(self, winner: Session, sessions: Sequence[Session]) -> None:
         """From *winner*, end the other sessions' waits, and any slot they got meanwhile.
 
         Helpers are KILLed. The first session keeps the gate until the grant is done, so
@@ -622,7 +526,7 @@ class MySQLBackend:
                 with contextlib.suppress(pymysql.err.Error):
                     winner.one("KILL %s", (first.id,))
 
-    def _grant(self, session: Session, attempt: _Attempt, slot: int) -> MySQLLease:
+    def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> MySQLLease:
         """Record the holder, draw a fence, and refuse a live user with another N.
 
         Checking after recording ourselves catches two users of different N who got in at
@@ -639,7 +543,7 @@ class MySQLBackend:
             raise
         return lease
 
-    def _refuse_mismatch(self, session: Session, attempt: _Attempt) -> None:
+    def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
         """Raise `ConfigError` if a live holder of the name uses another N (needs the tables)."""
         if self.tables is False:
             return
@@ -759,20 +663,6 @@ class MySQLBackend:
         """Nothing to drop: every session belongs to a lease or to one call."""
 
 
-class _Attempt:
-    """One pass through the queue: what it waits for and the sessions it opened."""
-
-    def __init__(self, request: Request, key: str, deadline: float | None, tag: str) -> None:
-        self.request = request
-        self.key = key
-        self.slots = request.slots
-        self.deadline = deadline
-        self.tag = tag
-        self.opened: list[Session] = []
-        self.gate: Session | None = None  # the session that holds the gate, if any
-        self.queued = False  # whether it got as far as waiting in the server's queue
-
-
 def _transient(err: BaseException | None) -> bool:
     """Whether *err* is a lost connection that a waiter may ride out (not a refusal)."""
     if isinstance(err, BackendUnavailable):
@@ -820,7 +710,7 @@ def _waiters(session: Session) -> list[_Waiter]:
     return waiters
 
 
-def _tag(request: Request, token: str) -> str:
+def _comment(request: Request, token: str) -> str:
     """Return the comment a waiter's GET_LOCK carries: who waits, for `lockrun status`."""
     identity = {
         "token": token,

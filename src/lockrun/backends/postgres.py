@@ -7,13 +7,10 @@ part), where part is ``0`` … ``N-1`` for the slots and ``gate`` for the queue 
 semaphore (never ``hashtext``: 32 bits collide). pg_locks shows key k as ``classid = k >> 32``
 and ``objid = k & 0xffffffff`` (both unsigned), ``objsubid = 1``.
 
-Mutex (N = 1): pg_advisory_lock on slot 0, which the server grants in arrival order; one
-``lock_timeout`` bounds the wait (asking again would put us at the back of the queue).
-Semaphore (N > 1): waiters queue on the gate. Its holder takes the first free slot or, when
-none is, waits on every slot at once, on its own session for slot 0 and on a helper session
-for each other slot, in pieces of ttl/3; it keeps the first slot it gets, terminates the
-helpers (which frees whatever they got meanwhile), and lets the gate go once its fence is
-drawn, so grants follow the queue. Only the head of the queue holds N sessions; nobody polls.
+The semaphore is `lockrun.backends.gated`'s, on pg_advisory_lock: the server grants in
+arrival order, and one ``lock_timeout`` bounds a wait (asking again would put us at the back
+of the queue; ``--wait forever`` sets none). The head of a semaphore's queue terminates its
+losing helper sessions with pg_terminate_backend.
 
 A slot lives with its session: the server frees it when the connection ends, or once the
 session idled for its ``idle_session_timeout``, which is the lease. The holder proves
@@ -32,7 +29,6 @@ import math
 import os
 import re
 import select
-import selectors
 import socket
 import threading
 import time
@@ -41,13 +37,14 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import psycopg
 from psycopg import pq
 
-from lockrun.backends import Holder, LockState, Request, ride_out, slots_mismatch
-from lockrun.errors import BackendUnavailable, ConfigError, Interrupted, LeaseLost, LockrunError
+from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends.gated import GATE, Attempt, GatedBackend
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
 from lockrun.uri import unquote
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Sequence
 
     from lockrun.uri import LockURI
 
@@ -322,8 +319,11 @@ class _Keys:
         self.agreed = slots_key(namespace, name)
 
 
-class PostgresBackend:
+class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
     """Sessions on one PostgreSQL server (or a pooler in session mode)."""
+
+    errors = (PgError,)
+    waits = "pg_advisory_lock"
 
     def __init__(
         self,
@@ -334,6 +334,7 @@ class PostgresBackend:
     ) -> None:
         """Remember *settings*; *warn* and *note* get one-line remarks (stderr, -v)."""
         self.settings = settings
+        self.where = settings.where
         self.ttl = ttl
         self.warn = warn
         self.note = note
@@ -469,22 +470,6 @@ class PostgresBackend:
 
     # -- acquiring -----------------------------------------------------------------------
 
-    def acquire(self, request: Request, deadline: float | None) -> PostgresLease | None:
-        """Wait in the server's queue until a slot is ours, or *deadline* passes.
-
-        A waiter that loses its connection (a server restart, a failover) connects and
-        queues again, for up to a ttl (`ride_out`); failing to get in at all is reported at once.
-        """
-        keys = _Keys(request.namespace, request.name, request.slots)
-        token = os.urandom(8).hex()
-        return ride_out(
-            lambda: _Attempt(request, keys, deadline, token),
-            self._attempt,
-            ttl=self.ttl,
-            deadline=deadline,
-            lost=self._lost,
-        )
-
     def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
         """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
         if isinstance(err, PgError):
@@ -493,31 +478,16 @@ class PostgresBackend:
             return err, _transient(err)
         return None
 
-    def _attempt(self, attempt: _Attempt) -> PostgresLease | None:
-        """Queue once; close every session but the holder's, whatever happens.
+    def _key(self, request: Request) -> _Keys:
+        return _Keys(request.namespace, request.name, request.slots)
 
-        The gate is let go only after the grant drew its fence, so fences (and starts)
-        follow the order of the queue.
-        """
-        try:
-            slot, holder = self._take(attempt)
-            lease = None if holder is None else self._grant(holder, attempt, slot)
-            if lease is not None and attempt.gate is lease.session:
-                lease.session.rows(
-                    "SELECT pg_advisory_unlock($1::bigint)", attempt.keys.gate, timeout=self.timeout
-                )
-        except BaseException as err:
-            for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
-                session.abandon()
-            if not isinstance(err, PgError | LockrunError) or isinstance(err, Interrupted):
-                self._end(attempt.opened)
-            raise
-        for session in attempt.opened:
-            if lease is None or session is not lease.session:
-                session.close()  # frees the gate, and anything a loser got
-        return lease
+    def _tag(self, request: Request, token: str) -> str:
+        return _comment(request, token, request.holder)
 
-    def _end(self, sessions: Iterable[Session]) -> None:
+    def _session(self, attempt: Attempt[Session]) -> Session:
+        return self.session(attempt.tag)
+
+    def _end(self, sessions: Sequence[Session]) -> None:
         """Terminate server sessions we hung up on, so their waits leave the queue now.
 
         A waiting server session notices a hang-up only at its next client check (a
@@ -537,112 +507,48 @@ class PostgresBackend:
             finally:
                 session.close()
 
-    def _open(self, attempt: _Attempt) -> Session:
-        session = self.session(attempt.tag)
-        attempt.opened.append(session)
-        return session
+    def _lock(
+        self, session: Session, part: int | str, seconds: float | None, attempt: Attempt[Session]
+    ) -> bool:
+        """One pg_advisory_lock bounded by lock_timeout (none for ever), or one try."""
+        key = attempt.key.gate if part == GATE else attempt.key.slots[part]
+        if seconds == 0:
+            got = session.one("SELECT pg_try_advisory_lock($1::bigint)", key, timeout=self.timeout)
+            return got == "t"
+        patience = None if seconds is None else seconds + self.timeout
+        try:
+            session.rows(_wait_for(seconds), key, timeout=patience)
+        except PgError as err:
+            if err.sqlstate == _LOCK_NOT_AVAILABLE:
+                return False  # the deadline, or a wait longer than lock_timeout can say
+            if err.sqlstate == _QUERY_CANCELED:
+                raise self._cancelled(part) from err
+            raise
+        return True
 
-    def _take(self, attempt: _Attempt) -> tuple[int, Session | None]:
-        """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
-        keys, deadline = attempt.keys, attempt.deadline
-        first = self._open(attempt)
-        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
-        once = deadline is not None and deadline <= now()
-        if attempt.slots == 1 and once:
-            got = first.one(
-                "SELECT pg_try_advisory_lock($1::bigint)", keys.slots[0], timeout=self.timeout
-            )
-            return (0, first) if got == "t" else (-1, None)
-        if attempt.slots == 1:
-            return (0, first) if self._wait(first, keys.slots[0], attempt) else (-1, None)
-        if once:  # one try: the gate would not help
-            slot = int(first.one(_first_free(keys), timeout=self.timeout) or -1)
-            return (slot, first) if slot >= 0 else (-1, None)
-        if not self._wait(first, keys.gate, attempt):
-            return -1, None
-        attempt.gate = first
-        slot = int(first.one(_first_free(keys), timeout=self.timeout) or -1)
-        if slot >= 0:
-            return slot, first
-        return self._wait_any(first, attempt)
+    def _first_free(self, session: Session, attempt: Attempt[Session]) -> int:
+        return int(session.one(_first_free(attempt.key), timeout=self.timeout) or -1)
 
-    def _wait(self, session: Session, key: int, attempt: _Attempt) -> bool:
-        """Wait in *key*'s queue on *session* until we hold it (True) or the deadline passes.
+    def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
+        session.send(_wait_for(seconds), attempt.key.slots[slot])
 
-        One wait bounded by lock_timeout: asking again would put us at the back of the
-        queue. While it runs the server never hears from us; TCP keepalive finds a server
-        that vanished, and the server checks every second that we are still there.
-        """
-        deadline = attempt.deadline
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - now())
-            attempt.queued = attempt.queued or remaining != 0
-            patience = None if remaining is None else remaining + self.timeout
-            try:
-                session.rows(_wait_for(remaining), key, timeout=patience)
-            except PgError as err:
-                if err.sqlstate == _LOCK_NOT_AVAILABLE:
-                    if deadline is not None and now() >= deadline:
-                        return False
-                    continue  # a wait longer than lock_timeout can say: ask again
-                if err.sqlstate == _QUERY_CANCELED:
-                    msg = f"{self.settings.where}: the wait for {key} was cancelled on the server"
-                    raise BackendUnavailable(msg) from err
-                raise
-            return True
-
-    def _wait_any(self, first: Session, attempt: _Attempt) -> tuple[int, Session | None]:
-        """As head of the queue, wait on every slot at once; keep the first slot we get.
-
-        Only the head waits on slots, so it asks in pieces of ttl/3 without losing its
-        place: a head that stalls (SIGSTOP, a frozen VM) then idles, and its
-        idle_session_timeout lets the queue go on within a lease.
-        """
-        keys, deadline = attempt.keys, attempt.deadline
-        sessions = [first] + [self._open(attempt) for _ in range(1, attempt.slots)]
-        piece = self.ttl / 3
-        with selectors.DefaultSelector() as selector:
-
-            def ask(slot: int) -> None:
-                remaining = piece if deadline is None else max(0.0, deadline - now())
-                sessions[slot].send(_wait_for(min(piece, remaining)), keys.slots[slot])
-                selector.register(sessions[slot].fileno(), selectors.EVENT_READ, slot)
-
-            for slot in range(attempt.slots):
-                ask(slot)
-            pending = attempt.slots
-            while pending:
-                # After a SIGSTOP the wait returns empty, its time spent: look once more.
-                ready = selector.select(piece + self.timeout) or selector.select(0)
-                if not ready:
-                    msg = f"{self.settings.where}: no answer to pg_advisory_lock within {piece:g}s"
-                    raise BackendUnavailable(msg)
-                for selected, _ in ready:
-                    slot = selected.data
-                    if not sessions[slot].ready():
-                        continue  # part of the answer
-                    selector.unregister(selected.fileobj)
-                    pending -= 1
-                    if self._granted(sessions[slot], slot):
-                        self._cancel(sessions[slot], sessions)
-                        return slot, sessions[slot]
-                    if deadline is None or now() < deadline:
-                        ask(slot)
-                        pending += 1
-        return -1, None
-
-    def _granted(self, session: Session, slot: int) -> bool:
-        """Read the answer of a head's wait on *slot*: True if it got it, False if it timed out."""
+    def _answer(self, session: Session, slot: int) -> bool | None:
+        if not session.ready():
+            return None
         try:
             session.receive(0)
         except PgError as err:
             if err.sqlstate == _LOCK_NOT_AVAILABLE:
                 return False
             if err.sqlstate == _QUERY_CANCELED:
-                msg = f"{self.settings.where}: the wait for slot {slot} was cancelled on the server"
-                raise BackendUnavailable(msg) from err
+                raise self._cancelled(slot) from err
             raise
         return True
+
+    def _release_gate(self, session: Session, attempt: Attempt[Session]) -> None:
+        session.rows(
+            "SELECT pg_advisory_unlock($1::bigint)", attempt.key.gate, timeout=self.timeout
+        )
 
     def _cancel(self, winner: Session, sessions: Sequence[Session]) -> None:
         """From *winner*, end the other sessions' waits, and any slot they got meanwhile.
@@ -669,7 +575,7 @@ class PostgresBackend:
                 if err.sqlstate not in {_QUERY_CANCELED, _LOCK_NOT_AVAILABLE}:
                     raise
 
-    def _grant(self, session: Session, attempt: _Attempt, slot: int) -> PostgresLease:
+    def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> PostgresLease:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
 
         Checking after taking it catches two users of different N who got in at the same
@@ -677,8 +583,8 @@ class PostgresBackend:
         """
         request = attempt.request
         holder = request.holder._replace(slot=slot, since=time.time())
-        session.tag = _tag(request, attempt.token, holder)
-        lease = PostgresLease(self, session, attempt.keys.slots[slot], slot, None)
+        session.tag = _comment(request, attempt.token, holder)
+        lease = PostgresLease(self, session, attempt.key.slots[slot], slot, None)
         try:
             lease.fence = self._fence(session, request, slot)
             self._refuse_mismatch(session, attempt)
@@ -719,7 +625,7 @@ class PostgresBackend:
             return self._fence(session, request, slot)
         return int(fence or 0)
 
-    def _refuse_mismatch(self, session: Session, attempt: _Attempt) -> None:
+    def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
         """Raise `ConfigError` if a live holder of the name uses another N."""
         rows = session.rows(
             "SELECT l.objid, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a "
@@ -727,7 +633,7 @@ class PostgresBackend:
             "AND l.granted AND l.classid = ($1::bigint & 4294967295)::oid "
             "AND l.objid <> $2::oid AND l.database = "
             "(SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1",
-            attempt.keys.agreed,
+            attempt.key.agreed,
             attempt.slots,
             timeout=self.timeout,
         )
@@ -814,21 +720,6 @@ class PostgresBackend:
         """Nothing to drop: every session belongs to a lease or to one call."""
 
 
-class _Attempt:
-    """One pass through the queue: what it waits for and the sessions it opened."""
-
-    def __init__(self, request: Request, keys: _Keys, deadline: float | None, token: str) -> None:
-        self.request = request
-        self.keys = keys
-        self.slots = request.slots
-        self.deadline = deadline
-        self.token = token
-        self.tag = _tag(request, token, request.holder)
-        self.opened: list[Session] = []
-        self.gate: Session | None = None  # the session that holds the gate, if any
-        self.queued = False  # whether it got as far as waiting in the server's queue
-
-
 def _transient(err: BaseException | None) -> bool:
     """Whether *err* is a lost connection that a waiter may ride out (not a refusal).
 
@@ -883,7 +774,7 @@ class _Who(NamedTuple):
     holder: Holder
 
 
-def _tag(request: Request, token: str, holder: Holder) -> str:
+def _comment(request: Request, token: str, holder: Holder) -> str:
     """Return the comment every statement of a session carries: who runs it, for status.
 
     ``/`` and ``*`` are escaped (valid JSON) so the text can neither end nor nest the

@@ -1,0 +1,280 @@
+"""A first-in first-out N-slot semaphore on a server's session locks; MySQL's and PostgreSQL's.
+
+Both servers queue the waiters for a named lock in arrival order, hand a released lock to
+the next of them inside the release, and free every lock of a session that ends. On top
+of that, with no polling anywhere:
+
+- One slot: wait in slot 0's queue, in one statement (asking again would put us at the
+  back of the queue).
+- N slots: wait in the gate's queue. Its holder takes the first free slot or, when none
+  is, waits on every slot at once, on its own session for slot 0 and on a helper session
+  for each other slot, in pieces of ttl/3 (it is the only one waiting on slots, so it loses
+  no place by asking again, and a head that stalls goes idle, so the server's idle limit
+  lets the queue go on within a lease). It keeps the first slot it gets, ends the helpers
+  (which frees whatever they got meanwhile), and lets the gate go once its fence is drawn,
+  so grants and fences follow the queue. ``--wait 0`` skips the gate and tries the slots.
+
+A backend supplies sessions and the statements (`GatedBackend`'s abstract methods); the
+order of things lives here.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import selectors
+import time
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
+
+from lockrun.errors import BackendUnavailable, Interrupted, LockrunError
+from lockrun.timing import now
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from lockrun.backends import Request
+
+_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
+GATE: Final = "gate"  # the part of a name whose queue the waiters of a semaphore join
+
+
+class Session(Protocol):
+    """A server session that holds locks until it ends."""
+
+    def fileno(self) -> int:
+        """Return the socket's descriptor."""
+
+    def close(self) -> None:
+        """Say goodbye; the server frees the session's locks. Never raises."""
+
+    def abandon(self) -> None:
+        """Hang up at once, mid-statement maybe. Never raises."""
+
+
+class Lease(Protocol):
+    """What a grant returns: a slot held by a session."""
+
+    @property
+    def session(self) -> Any:  # noqa: ANN401 - the backend's own session type
+        """The session that holds the slot."""
+
+
+S = TypeVar("S", bound=Session)
+L = TypeVar("L", bound=Lease)
+
+
+class Attempt(Generic[S]):
+    """One pass through the queue: what it waits for and the sessions it opened."""
+
+    def __init__(
+        self,
+        request: Request,
+        key: Any,  # noqa: ANN401 - the backend's own
+        token: str,
+        tag: str,
+        deadline: float | None,
+    ) -> None:
+        """Describe a pass for *request* on the backend's *key* until *deadline*."""
+        self.request = request
+        self.key = key  # the backend's name(s) for the slots and the gate
+        self.token = token  # the same for every pass of one acquisition
+        self.tag = tag  # who waits, in a comment the server shows with the statement
+        self.slots = request.slots
+        self.deadline = deadline
+        self.opened: list[S] = []
+        self.gate: S | None = None  # the session that holds the gate, if any
+        self.queued = False  # whether it got as far as waiting in the server's queue
+
+
+class GatedBackend(abc.ABC, Generic[S, L]):
+    """The semaphore's order of things, over a backend's sessions and statements."""
+
+    ttl: float
+    timeout: float  # for an answer that should come at once
+    errors: tuple[type[Exception], ...]  # the driver's errors: a session may be mid-statement
+    waits: str  # the statement that waits, for messages
+    where: str  # the server, without a password, for messages
+
+    def acquire(self, request: Request, deadline: float | None) -> L | None:
+        """Wait in the server's queue until a slot is ours, or *deadline* passes.
+
+        A waiter that loses its connection (a server restart, a failover) connects and
+        queues again, for up to a ttl; failing to get in at all is reported at once.
+        """
+        key, token = self._key(request), os.urandom(8).hex()
+        tag = self._tag(request, token)
+        lost: float | None = None  # when the connection of a queued attempt was lost
+        while True:
+            attempt = Attempt[S](request, key, token, tag, deadline)
+            try:
+                return self._attempt(attempt)
+            except Exception as err:
+                verdict = self._lost(err)
+                if verdict is None:
+                    raise
+                failure, passing = verdict
+                if not passing or (not attempt.queued and lost is None):
+                    raise failure from err
+                lost = now() if lost is None or attempt.queued else lost
+                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
+                    raise failure from err
+                time.sleep(min(_RECONNECT, self.ttl / 10))
+
+    def _attempt(self, attempt: Attempt[S]) -> L | None:
+        """Queue once; close every session but the holder's, whatever happens.
+
+        The gate is let go only after the grant drew its fence, so fences (and starts)
+        follow the order of the queue.
+        """
+        try:
+            slot, holder = self._take(attempt)
+            lease = None if holder is None else self._grant(holder, attempt, slot)
+            if holder is not None and attempt.gate is holder:
+                self._release_gate(holder, attempt)
+        except BaseException as err:
+            for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
+                session.abandon()
+            if isinstance(err, Interrupted) or not isinstance(err, (LockrunError, *self.errors)):
+                self._end(attempt.opened)
+            raise
+        for session in attempt.opened:
+            if lease is None or session is not lease.session:
+                session.close()  # frees the gate, and anything a loser got
+        return lease
+
+    def _open(self, attempt: Attempt[S]) -> S:
+        session = self._session(attempt)
+        attempt.opened.append(session)
+        return session
+
+    def _take(self, attempt: Attempt[S]) -> tuple[int, S | None]:
+        """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
+        first = self._open(attempt)
+        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
+        if attempt.slots == 1:
+            return (0, first) if self._wait(first, 0, attempt) else (-1, None)
+        if attempt.deadline is not None and attempt.deadline <= now():  # one try: no gate
+            slot = self._first_free(first, attempt)
+            return (slot, first) if slot >= 0 else (-1, None)
+        if not self._wait(first, GATE, attempt):
+            return -1, None
+        attempt.gate = first
+        slot = self._first_free(first, attempt)
+        if slot >= 0:
+            return slot, first
+        return self._wait_any(first, attempt)
+
+    def _wait(self, session: S, part: int | str, attempt: Attempt[S]) -> bool:
+        """Wait in *part*'s queue on *session* until we hold it (True) or the deadline passes.
+
+        One long wait: asking again would put us at the back of the queue. While it runs
+        the server never hears from us; TCP keepalive finds a server that vanished.
+        """
+        deadline = attempt.deadline
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - now())
+            attempt.queued = attempt.queued or remaining != 0
+            if self._lock(session, part, remaining, attempt):
+                return True
+            if deadline is not None and now() >= deadline:
+                return False
+
+    def _wait_any(self, first: S, attempt: Attempt[S]) -> tuple[int, S | None]:
+        """As head of the queue, wait on every slot at once; keep the first slot we get."""
+        deadline = attempt.deadline
+        sessions = [first] + [self._open(attempt) for _ in range(1, attempt.slots)]
+        piece = self.ttl / 3
+        with selectors.DefaultSelector() as selector:
+
+            def ask(slot: int) -> None:
+                remaining = piece if deadline is None else max(0.0, deadline - now())
+                self._ask(sessions[slot], slot, min(piece, remaining), attempt)
+                selector.register(sessions[slot].fileno(), selectors.EVENT_READ, slot)
+
+            for slot in range(attempt.slots):
+                ask(slot)
+            pending = attempt.slots
+            while pending:
+                # After a SIGSTOP the wait returns empty, its time spent: look once more.
+                ready = selector.select(piece + self.timeout) or selector.select(0)
+                if not ready:
+                    msg = f"{self.where}: no answer to {self.waits} within {piece:g}s"
+                    raise BackendUnavailable(msg)
+                for selected, _ in ready:
+                    slot = selected.data
+                    got = self._answer(sessions[slot], slot)
+                    if got is None:
+                        continue  # part of the answer
+                    selector.unregister(selected.fileobj)
+                    pending -= 1
+                    if got:
+                        self._cancel(sessions[slot], sessions)
+                        return slot, sessions[slot]
+                    if deadline is None or now() < deadline:
+                        ask(slot)
+                        pending += 1
+        return -1, None
+
+    def _cancelled(self, part: int | str) -> BackendUnavailable:
+        """Return the error for a wait cancelled by someone else (a waiter queues again)."""
+        what = f"slot {part}" if isinstance(part, int) else f"the {part}"
+        return BackendUnavailable(f"{self.where}: the wait for {what} was cancelled on the server")
+
+    # -- what a backend supplies --------------------------------------------------------
+
+    @abc.abstractmethod
+    def _key(self, request: Request) -> Any:  # noqa: ANN401 - the backend's own
+        """Return the backend's names for *request*'s slots and gate."""
+
+    @abc.abstractmethod
+    def _tag(self, request: Request, token: str) -> str:
+        """Return the comment that names the waiter on the server."""
+
+    @abc.abstractmethod
+    def _session(self, attempt: Attempt[S]) -> S:
+        """Open a session for *attempt*."""
+
+    @abc.abstractmethod
+    def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
+        """Judge a failure: (what to report, whether a queued waiter may ride it out)."""
+
+    @abc.abstractmethod
+    def _refuse_mismatch(self, session: S, attempt: Attempt[S]) -> None:
+        """Raise `ConfigError` if a live holder of the name uses another N."""
+
+    @abc.abstractmethod
+    def _lock(
+        self, session: S, part: int | str, seconds: float | None, attempt: Attempt[S]
+    ) -> bool:
+        """Wait up to *seconds* (None: for ever; 0: one try) for *part*; True if ours."""
+
+    @abc.abstractmethod
+    def _first_free(self, session: S, attempt: Attempt[S]) -> int:
+        """Take the first free slot in one statement; -1 if none is."""
+
+    @abc.abstractmethod
+    def _ask(self, session: S, slot: int, seconds: float, attempt: Attempt[S]) -> None:
+        """Send a wait of up to *seconds* for *slot*, without waiting for the answer."""
+
+    @abc.abstractmethod
+    def _answer(self, session: S, slot: int) -> bool | None:
+        """Read `_ask`'s answer: True if *slot* is ours, False if the wait ran out.
+
+        None if the answer is not all in yet.
+        """
+
+    @abc.abstractmethod
+    def _cancel(self, winner: S, sessions: Sequence[S]) -> None:
+        """From *winner*, end the other sessions' waits, and any slot they got meanwhile."""
+
+    @abc.abstractmethod
+    def _grant(self, session: S, attempt: Attempt[S], slot: int) -> L:
+        """Draw a fence, record the holder, refuse another N: return the lease."""
+
+    @abc.abstractmethod
+    def _release_gate(self, session: S, attempt: Attempt[S]) -> None:
+        """Let the gate go from *session*, which keeps its slot."""
+
+    @abc.abstractmethod
+    def _end(self, sessions: Sequence[S]) -> None:
+        """End *sessions* we hung up on, on the server, so their waits leave the queue now."""

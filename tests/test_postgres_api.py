@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from typing import TYPE_CHECKING
 
 import pytest
 from conftest import finish, lockrun, one_line, queue_length, wait_for
+from servers import postgres_bin
 
 from lockrun import Lock, LockBusy
 from lockrun.backends import Holder, Request, open_backend
+from lockrun.backends.postgres import slots_key
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri
 
@@ -148,3 +151,63 @@ def test_another_roles_holder_shows_as_its_session(
     assert refused.returncode == 78
     assert "held with --slots 2; all users of a name must agree" in one_line(refused.stderr)
     assert holder.finish() == 0
+
+
+def test_sessions_outlast_the_lease_and_commit_to_disk(pg_server: PostgresServer) -> None:
+    """The server's keepalive gives up on a silent lockrun only after its lease; fences flush.
+
+    A server that dropped a silent holder's session sooner would free the lock before the
+    supervisor stops the command; a role's synchronous_commit = off would let a crash hand
+    the same fence out twice.
+    """
+    backend = open_backend(parse_uri(pg_server.tcp_uri), ttl=30)
+    session = backend.session()  # type: ignore[attr-defined]
+    try:
+        idle, interval, count, commit, idle_limit = session.rows(
+            "SELECT current_setting('tcp_keepalives_idle'), "
+            "current_setting('tcp_keepalives_interval'), "
+            "current_setting('tcp_keepalives_count'), current_setting('synchronous_commit'), "
+            "current_setting('idle_session_timeout')",
+            timeout=5,
+        )[0]
+    finally:
+        session.close()
+    assert int(idle) + int(interval) * int(count) >= 30  # over TCP, so the server uses them
+    assert commit == "local"
+    assert idle_limit == "30s"
+
+
+def test_a_shared_key_collision_is_not_a_slots_mismatch(
+    pg_server: PostgresServer, name: str
+) -> None:
+    """The (name, N) lock is 32 bits: a holder whose comment names another lock is ignored."""
+    key = slots_key("default", name)
+    other = json.dumps(
+        {
+            "token": "t",
+            "namespace": "default",
+            "name": f"{name}-other",
+            "slots": 5,
+            "holder": {"host": "h", "pid": 1, "user": "u", "argv": []},
+        }
+    )
+    tagged = f"/* lockrun {other} */ SELECT pg_advisory_lock_shared({key}, 5), pg_sleep(60)"
+    psql = (postgres_bin("psql"), "-X", "-h", pg_server.directory, "-p", str(pg_server.port))
+    impostor = subprocess.Popen([*psql, "-U", "lockrun", "-d", "lockrun", "-c", tagged])
+    try:
+        wait_for(
+            lambda: (
+                pg_server.command(
+                    "SELECT count(*) FROM pg_locks WHERE objsubid = 2 AND objid = 5 AND granted"
+                )
+                == "1"
+            ),
+            what="the colliding shared lock",
+        )
+        result = lockrun("--uri", pg_server.uri, "-n", name, "--", "true")
+        assert result.returncode == 0, result.stderr
+        untagged = lockrun("--uri", pg_server.uri, "-n", name, "-s", "2", "--", "true")
+        assert untagged.returncode == 0, untagged.stderr
+    finally:
+        impostor.kill()
+        impostor.wait(10)

@@ -146,3 +146,10 @@ def test_import_lockrun_loads_no_click_and_no_driver() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_redact_hides_every_kind_of_password_option() -> None:
+    """Any query option whose decoded name ends in "password" is hidden, as libpq reads it."""
+    text = "postgresql://u:pw@h/db?pass%77ord=one&sslpassword=two&host=/x&PASSWORD=three"
+    shown = redact(text)
+    assert shown == "postgresql://u:***@h/db?pass%77ord=***&sslpassword=***&host=/x&PASSWORD=***"

@@ -91,4 +91,9 @@ def redact(text: str) -> str:
     # A password runs to the last @ of the whole text: unescaped, it may hold @, /, ? or #,
     # which end the authority for a parser. Hiding too much is the safe mistake.
     text = re.sub(r"(//[^/@:?#]*:).*@", r"\1***@", text, flags=re.DOTALL)
-    return re.sub(r"(?i)((?:^|[?&])\w*password=)[^&]*", r"\1***", text)
+
+    def hide(match: re.Match[str]) -> str:  # ?password=, ?sslpassword=, ?pass%77ord= …
+        secret = unquote(match[2]).lower().endswith("password")
+        return f"{match[1]}{match[2]}=***" if secret else match[0]
+
+    return re.sub(r"(^|[?&])([^=&#?]*)=([^&#]*)", hide, text)

@@ -52,12 +52,16 @@ DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`
 _MAX_LOCK_TIMEOUT: Final = 2_147_483_647  # ms: the largest lock_timeout; 0 would mean none
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 _V13: Final = 130000  # pg_current_xact_id()
+_V17: Final = 170000  # transaction_timeout
 _V14: Final = 140000  # idle_session_timeout, client_connection_check_interval, waitstart
+_CANCEL_AGAIN: Final = 0.05  # s: a cancel that got no answer by then may have been dropped
+_REFRESH_GONE: Final = 1.0  # s: a refresh cut off by a release ends within this
 _CHECK_CLIENT: Final = "1s"  # how often a waiting server session looks for its client (14+)
 _TAG_BYTES: Final = 900  # pg_stat_activity keeps 1024 bytes of a statement by default
 # SQLSTATEs
 _LOCK_NOT_AVAILABLE: Final = "55P03"  # lock_timeout
 _QUERY_CANCELED: Final = "57014"
+_NOT_ALLOWED: Final = frozenset({"42501", "42883"})  # insufficient privilege, no such function
 # A session ended under us: server shut down or restarted, backend terminated, idle too long.
 _ENDED: Final = frozenset({"57P01", "57P02", "57P03", "57P05"})
 # libpq's words for a refusal → what lockrun says (libpq gives no SQLSTATE for these)
@@ -86,8 +90,8 @@ _TAGGED: Final = re.compile(r"/\* lockrun (?P<json>\{.*\}) \*/", re.DOTALL)
 def lock_key(namespace: str, name: str, part: str | int) -> int:
     r"""Return the advisory-lock key of a slot (*part* 0 … N-1) or of ``"gate"``.
 
-    In SQL: ``('x' || left(encode(sha256(convert_to(namespace, 'UTF8') || '\\x00'::bytea
-    || convert_to(name, 'UTF8') || '\\x00'::bytea || convert_to(part, 'UTF8')), 'hex'),
+    In SQL: ``('x' || left(encode(sha256(convert_to(namespace, 'UTF8') || '\x00'::bytea
+    || convert_to(name, 'UTF8') || '\x00'::bytea || convert_to(part, 'UTF8')), 'hex'),
     16))::bit(64)::bigint``.
     """
     digest = hashlib.sha256(f"{namespace}\0{name}\0{part}".encode()).digest()
@@ -121,9 +125,13 @@ class Settings(NamedTuple):
 
 def parse(uri: LockURI) -> Settings:
     """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one."""
-    # As lockrun.uri.redact sees them: up to the last @, and any password= item.
+    # As lockrun.uri.redact sees them: up to the last @, and any …password= item.
     spans = [match.span(1) for match in re.finditer(r"//[^/@:?#]*:(.*)@", uri.text, re.DOTALL)]
-    spans += [match.span(1) for match in re.finditer(r"[?&]password=([^&#]*)", uri.text)]
+    spans += [
+        match.span(2)
+        for match in re.finditer(r"[?&]([^=&#?]*)=([^&#]*)", uri.text)
+        if unquote(match[1]).lower().endswith("password")
+    ]
     settings = Settings(uri.redacted, uri.text, tuple(span for span in spans if span[0] < span[1]))
     try:
         psycopg.conninfo.conninfo_to_dict(uri.text)
@@ -245,19 +253,22 @@ class Session:
     def receive(self, timeout: float | None) -> list[tuple[str | None, ...]]:
         """Wait up to *timeout* seconds (None: as long as it takes) for the rows of `send`."""
         deadline = None if timeout is None else now() + timeout
-        while self.pgconn.is_busy():
-            left = None if deadline is None else deadline - now()
-            if (left is not None and left <= 0) or not _ready(self.fileno(), left):
-                raise NoAnswer(f"no answer within {timeout:g}s")
-            self.ready()
         rows: list[tuple[str | None, ...]] = []
         error: PgError | None = None
-        while (result := self.pgconn.get_result()) is not None:
-            if result.status == pq.ExecStatus.FATAL_ERROR:
+        while True:
+            while self.pgconn.is_busy():  # get_result would block: wait for more, in time
+                left = None if deadline is None else deadline - now()
+                if (left is not None and left <= 0) or not _ready(self.fileno(), left):
+                    raise NoAnswer(f"no answer within {timeout:g}s")
+                self.ready()
+            result = self.pgconn.get_result()
+            if result is None:
+                break
+            if result.status == pq.ExecStatus.FATAL_ERROR and (error is None or not error.sqlstate):
                 state = result.error_field(pq.DiagnosticField.SQLSTATE)
                 text = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
-                message = (text or result.error_message or b"the statement failed").decode()
-                error = PgError(_first_line(message), state.decode() if state else None)
+                message = _first_line(text or result.error_message or b"the statement failed")
+                error = PgError(message, state.decode(errors="replace") if state else None)
             elif result.status == pq.ExecStatus.TUPLES_OK:
                 rows = [
                     tuple(_text(result.get_value(row, col)) for col in range(result.nfields))
@@ -286,22 +297,27 @@ class Session:
         with contextlib.suppress(Exception):
             self.connection.close()
 
-    def abandon(self) -> None:
-        """Hang up at once, even while a statement runs in another thread; never raises.
+    def hang_up(self) -> None:
+        """Cut the connection, even while a statement waits in another thread; never raises.
 
         shutdown() reaches the server even if other processes (the guardian) share the
-        socket; the server then ends the session and frees its locks.
+        socket; the server then ends the session and frees its locks. libpq's connection
+        stays allocated for the thread that may be inside it: `close` frees it.
         """
         with (
             contextlib.suppress(OSError, PgError),
             socket.socket(fileno=os.dup(self.fileno())) as sock,
         ):
             sock.shutdown(socket.SHUT_RDWR)
+
+    def abandon(self) -> None:
+        """Hang up at once and close; never raises. Only from the thread that uses it."""
+        self.hang_up()
         self.close()
 
 
 def _text(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
+    return None if value is None else value.decode(errors="replace")
 
 
 def _first_line(text: str | bytes) -> str:
@@ -346,11 +362,15 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
 
     # -- sessions ------------------------------------------------------------------------
 
-    def session(self, tag: str = "/* lockrun */") -> Session:
-        """Open a session whose locks the server frees after it idled for a lease."""
+    def session(self, tag: str = "/* lockrun */", label: str = "lockrun") -> Session:
+        """Open a session whose locks the server frees after it idled for a lease.
+
+        *label* is its application_name; a holder's becomes ``lockrun:NAME:SLOT``.
+        """
         idle = max(1, int(self.ttl / 3))
         session = self._connect(
             tag,
+            application_name=label,
             client_encoding="UTF8",
             # TCP keepalive finds a vanished server while we wait on it (TCP only).
             keepalives=1,
@@ -389,15 +409,19 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         only as long as its lease (idle_session_timeout, PostgreSQL 14+).
         """
         lease = f"{max(1, math.ceil(self.ttl * 1000))}ms"
-        idle = max(1, int(self.ttl / 3))
         settings = [
             ("statement_timeout", "0"),
             ("lock_timeout", "0"),
             ("idle_in_transaction_session_timeout", "0"),
-            ("tcp_keepalives_idle", str(idle)),
-            ("tcp_keepalives_interval", str(max(1, idle // 3))),
+            # The server's keepalive may end a silent session only after a whole lease:
+            # the supervisor counts on the lock living that long after the last check.
+            ("tcp_keepalives_idle", str(max(1, math.ceil(self.ttl)))),
+            ("tcp_keepalives_interval", str(max(1, math.ceil(self.ttl / 10)))),
             ("tcp_keepalives_count", "3"),
+            ("synchronous_commit", "local"),  # the fence's commit waits for the disk
         ]
+        if version >= _V17:
+            settings += [("transaction_timeout", "0")]  # it ends a session mid-wait
         if version >= _V14:
             settings += [
                 ("idle_session_timeout", lease),
@@ -485,7 +509,7 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         return _comment(request, token, request.holder)
 
     def _session(self, attempt: Attempt[Session]) -> Session:
-        return self.session(attempt.tag)
+        return self.session(attempt.tag, _application_name(attempt.request.name, "waiting"))
 
     def _end(self, sessions: Sequence[Session]) -> None:
         """Terminate server sessions we hung up on, so their waits leave the queue now.
@@ -568,12 +592,27 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
             for loser in losers:
                 loser.abandon()
         if first is not winner:
+            self._cancel_first(winner, first)
+
+    def _cancel_first(self, winner: Session, first: Session) -> None:
+        """Cancel the first session's wait on slot 0 until it answers.
+
+        A cancel that reaches the server between two statements is dropped, and the first
+        session may just have sent its next piece of the wait: so ask again until it ends.
+        """
+        deadline = now() + self.ttl / 3 + self.timeout  # a piece ends by itself by then
+        while True:
             winner.rows("SELECT pg_cancel_backend($1)", first.pid, timeout=self.timeout)
             try:
-                first.receive(self.timeout)
+                first.receive(_CANCEL_AGAIN)
+            except NoAnswer:
+                if now() > deadline:
+                    raise
+                continue
             except PgError as err:
                 if err.sqlstate not in {_QUERY_CANCELED, _LOCK_NOT_AVAILABLE}:
                     raise
+            return
 
     def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> PostgresLease:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
@@ -615,7 +654,7 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         try:
             fence = session.one(statement, *args, timeout=self.timeout)
         except PgError as err:
-            if not self.durable or err.sqlstate is None or err.sqlstate in _ENDED:
+            if not self.durable or err.sqlstate not in _NOT_ALLOWED:
                 raise
             self.durable = False  # not allowed here (a managed service, say)
             self.note(
@@ -632,21 +671,22 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
             "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 2 "
             "AND l.granted AND l.classid = ($1::bigint & 4294967295)::oid "
             "AND l.objid <> $2::oid AND l.database = "
-            "(SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1",
+            "(SELECT oid FROM pg_database WHERE datname = current_database())",
             attempt.key.agreed,
             attempt.slots,
             timeout=self.timeout,
         )
-        if rows:
-            slots, query = int(rows[0][0] or 0), rows[0][1] or ""
-            who = _tagged(query)
-            if who is not None:
-                raise slots_mismatch(attempt.request, who.holder, slots)
-            msg = (
-                f"held with --slots {slots}; all users of a name must agree, "
-                f"and this one has --slots {attempt.slots}"
-            )
-            raise ConfigError(msg)
+        request = attempt.request
+        for objid, query in rows:
+            slots, who = int(objid or 0), _tagged(query or "")
+            if who is None:  # another role's session: trust the 32-bit key
+                msg = (
+                    f"held with --slots {slots}; all users of a name must agree, "
+                    f"and this one has --slots {attempt.slots}"
+                )
+                raise ConfigError(msg)
+            if (who.namespace, who.name) == (request.namespace, request.name):
+                raise slots_mismatch(request, who.holder, slots)
 
     # -- status --------------------------------------------------------------------------
 
@@ -756,7 +796,7 @@ def _first_free(keys: _Keys) -> str:
     return f"SELECT CASE {tries} ELSE -1 END"
 
 
-def _application_name(name: str, slot: int) -> str:
+def _application_name(name: str, slot: int | str) -> str:
     """Return ``lockrun:NAME:SLOT`` in the 63 bytes PostgreSQL keeps, cut at a character."""
     suffix = f":{slot}"
     room = 63 - len("lockrun:") - len(suffix)
@@ -870,8 +910,9 @@ class PostgresLease:
             return
         self.released = True
         if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
-            self.session.abandon()
-            return
+            self.session.hang_up()
+            if not self._busy.acquire(timeout=_REFRESH_GONE):
+                return  # the refresh thread still holds libpq's connection: leave it be
         try:
             # Sent, not awaited: the server unlocks before it reads our goodbye.
             self.session.send("SELECT pg_advisory_unlock_all()")

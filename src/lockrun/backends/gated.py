@@ -10,9 +10,10 @@ of that, with no polling anywhere:
   is, waits on every slot at once, on its own session for slot 0 and on a helper session
   for each other slot, in pieces of ttl/3 (it is the only one waiting on slots, so it loses
   no place by asking again, and a head that stalls goes idle, so the server's idle limit
-  lets the queue go on within ttl/3 and a lease). It keeps the first slot it gets, ends the helpers
-  (which frees whatever they got meanwhile), and lets the gate go once its fence is drawn,
-  so grants and fences follow the queue. ``--wait 0`` skips the gate and tries the slots.
+  lets the queue go on within ttl/3 and a lease). It keeps the first slot it gets, ends
+  the helpers (which frees whatever they got meanwhile), and lets the gate go once its
+  fence is drawn, so grants and fences follow the queue. ``--wait 0`` skips the gate and
+  tries the slots once.
 
 A backend supplies sessions and the statements (`GatedBackend`'s abstract methods); the
 order of things lives here.

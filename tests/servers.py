@@ -59,15 +59,33 @@ class _Server:
         """Return whether the server answers."""
         raise NotImplementedError
 
-    def _launch(self, command: Sequence[str], *, patience: float, pause: float) -> None:
-        """Run *command* and wait until `ping` answers; fail the test with the log if not."""
-        self.process = subprocess.Popen(command)
+    def _launch(
+        self,
+        command: Sequence[str],
+        *,
+        patience: float,
+        pause: float,
+        user: str | None = None,
+        log: bool = False,
+    ) -> None:
+        """Run *command* and wait until `ping` answers; fail the test with the log if not.
+
+        It runs as *user* if given; with *log*, its output goes to the log file.
+        """
+        output = open(os.path.join(self.directory, self.LOG), "ab") if log else None  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT if log else None, user=user
+            )
+        finally:
+            if output is not None:
+                output.close()  # the server has its own copy
         deadline = time.monotonic() + patience
         while not self.ping():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
+                text = self.log()
                 self.close()
-                pytest.fail(f"{command[0]} did not start: {log}")
+                pytest.fail(f"{command[0]} did not start: {text}")
             time.sleep(pause)
 
     def log(self) -> str:
@@ -355,21 +373,7 @@ class PostgresServer(_Server):
             "logging_collector=off",
             *(arg for option in self.options for arg in ("-c", option)),
         )
-        log = open(os.path.join(self.directory, self.LOG), "ab")  # noqa: SIM115 - the server's
-        with log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                user=_postgres_user(),
-            )
-        deadline = time.monotonic() + 60
-        while not self.ping():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                text = self.log()
-                self.close()
-                pytest.fail(f"postgres did not start: {text}")
-            time.sleep(0.02)
+        self._launch(command, patience=60, pause=0.02, user=_postgres_user(), log=True)
 
     def ping(self) -> bool:
         """Return whether the server accepts connections on its socket."""

@@ -86,14 +86,27 @@ def unquote(text: str) -> str:
     return raw.decode(errors="replace")
 
 
+# A password runs to the last @ of the whole text: unescaped, it may hold @, /, ? or #,
+# which end the authority for a parser. Hiding too much is the safe mistake.
+_USERINFO: Final = re.compile(r"//[^/@:?#]*:(.*)@", re.DOTALL)
+_OPTION: Final = re.compile(r"(^|[?&])([^=&#?]*)=([^&#]*)")
+
+
+def secret_spans(text: str) -> list[tuple[int, int]]:
+    """Return where *text* holds passwords, in order (some may be empty).
+
+    The userinfo's, and the value of every query option after it whose name, %-decoded,
+    ends in ``password`` (``?password=``, ``?sslpassword=``, ``?pass%77ord=`` …).
+    """
+    userinfo = _USERINFO.search(text)
+    spans = [userinfo.span(1)] if userinfo else []
+    options = _OPTION.finditer(text, userinfo.end() if userinfo else 0)
+    spans += [match.span(3) for match in options if unquote(match[2]).lower().endswith("password")]
+    return spans
+
+
 def redact(text: str) -> str:
     """Replace the password of a URI (and of any ``…password=`` query item) with ``***``."""
-    # A password runs to the last @ of the whole text: unescaped, it may hold @, /, ? or #,
-    # which end the authority for a parser. Hiding too much is the safe mistake.
-    text = re.sub(r"(//[^/@:?#]*:).*@", r"\1***@", text, flags=re.DOTALL)
-
-    def hide(match: re.Match[str]) -> str:  # ?password=, ?sslpassword=, ?pass%77ord= …
-        secret = unquote(match[2]).lower().endswith("password")
-        return f"{match[1]}{match[2]}=***" if secret else match[0]
-
-    return re.sub(r"(^|[?&])([^=&#?]*)=([^&#]*)", hide, text)
+    for start, end in reversed(secret_spans(text)):
+        text = f"{text[:start]}***{text[end:]}"
+    return text

@@ -235,9 +235,21 @@ class GatedBackend(abc.ABC, Generic[S, L]):
     def _session(self, attempt: Attempt[S]) -> S:
         """Open a session for *attempt*."""
 
-    @abc.abstractmethod
     def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
         """Judge a failure: (what to report, whether a queued waiter may ride it out)."""
+        if isinstance(err, self.errors):
+            return self.failure(err), self._passing(err)
+        if isinstance(err, BackendUnavailable):
+            return err, self._passing(err)
+        return None
+
+    @abc.abstractmethod
+    def failure(self, err: Any) -> LockrunError:  # noqa: ANN401 - one of the driver's errors
+        """Translate a driver's error into one line naming the server, never a password."""
+
+    @abc.abstractmethod
+    def _passing(self, err: BaseException) -> bool:
+        """Whether *err* is a lost connection a queued waiter may ride out (not a refusal)."""
 
     @abc.abstractmethod
     def _refuse_mismatch(self, session: S, attempt: Attempt[S]) -> None:

@@ -446,13 +446,8 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
 
     # -- acquiring -----------------------------------------------------------------------
 
-    def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
-        """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
-        if isinstance(err, pymysql.err.Error):
-            return self.failure(err), _transient(err)
-        if isinstance(err, BackendUnavailable):
-            return err, _transient(err)
-        return None
+    def _passing(self, err: BaseException) -> bool:
+        return _transient(err)
 
     def _key(self, request: Request) -> str:
         return lock_key(request.namespace, request.name)

@@ -41,7 +41,7 @@ from lockrun.backends import Holder, LockState, Request, slots_mismatch
 from lockrun.backends.gated import GATE, Attempt, GatedBackend
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
-from lockrun.uri import unquote
+from lockrun.uri import secret_spans, unquote
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -125,14 +125,8 @@ class Settings(NamedTuple):
 
 def parse(uri: LockURI) -> Settings:
     """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one."""
-    # As lockrun.uri.redact sees them: up to the last @, and any …password= item.
-    spans = [match.span(1) for match in re.finditer(r"//[^/@:?#]*:(.*)@", uri.text, re.DOTALL)]
-    spans += [
-        match.span(2)
-        for match in re.finditer(r"[?&]([^=&#?]*)=([^&#]*)", uri.text)
-        if unquote(match[1]).lower().endswith("password")
-    ]
-    settings = Settings(uri.redacted, uri.text, tuple(span for span in spans if span[0] < span[1]))
+    spans = tuple(span for span in secret_spans(uri.text) if span[0] < span[1])
+    settings = Settings(uri.redacted, uri.text, spans)
     try:
         psycopg.conninfo.conninfo_to_dict(uri.text)
     except (psycopg.Error, UnicodeError) as err:  # %-escapes that are not UTF-8, too
@@ -494,13 +488,8 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
 
     # -- acquiring -----------------------------------------------------------------------
 
-    def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
-        """Judge a failure of an attempt: (what to report, whether a waiter may ride it out)."""
-        if isinstance(err, PgError):
-            return self.failure(err), _transient(err)
-        if isinstance(err, BackendUnavailable):
-            return err, _transient(err)
-        return None
+    def _passing(self, err: BaseException) -> bool:
+        return _transient(err)
 
     def _key(self, request: Request) -> _Keys:
         return _Keys(request.namespace, request.name, request.slots)

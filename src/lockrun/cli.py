@@ -27,6 +27,8 @@ from lockrun.uri import DEFAULT_URI, redact
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from click.shell_completion import CompletionItem, ShellComplete
+
     from lockrun.backends import LockState
 
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -59,6 +61,65 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         except UsageError as err:
             self.fail(str(err), param, ctx)
 
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        """Offer ``forever`` where it is allowed."""
+        del ctx, param
+        wanted = self.allow_forever and "forever".startswith(incomplete)
+        return _offer({"forever": "wait as long as it takes"} if wanted else {})
+
+
+# What Tab offers for --uri: each scheme as it starts (tests check these against SCHEMES).
+URI_STARTS: Final = {
+    "file:": "flock(2) in the default directory",
+    "file:///": "flock(2) in a directory",
+    "abstract:": "Linux abstract sockets",
+    "redis://": "Redis",
+    "rediss://": "Redis over TLS",
+    "unix:///": "Redis on a unix socket",
+    "redis+sentinel://": "Redis behind Sentinel",
+    "mysql://": "MySQL / MariaDB",
+    "mariadb://": "MariaDB / MySQL",
+    "postgresql://": "PostgreSQL",
+    "postgres://": "PostgreSQL",
+}
+
+
+def _offer(values: dict[str, str | None], kind: str = "plain") -> list[CompletionItem]:
+    """Return completion items for *values* (value: help), importing click's module now."""
+    from click.shell_completion import CompletionItem  # noqa: PLC0415 - only Tab pays for it
+
+    return [CompletionItem(value, type=kind, help=what) for value, what in values.items()]
+
+
+def _complete_uri(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    del ctx, param
+    return _offer(
+        {start: what for start, what in URI_STARTS.items() if start.startswith(incomplete)}
+    )
+
+
+def _complete_command(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    del param
+    if ctx.params.get("command") or "/" in incomplete:  # the command's arguments, or a path
+        return _offer({incomplete: None}, "file")
+    found: set[str] = set()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        with contextlib.suppress(OSError):
+            found.update(
+                entry.name
+                for entry in os.scandir(directory or ".")
+                if entry.name.startswith(incomplete)
+                and not entry.is_dir()
+                and os.access(entry.path, os.X_OK)
+            )
+    return _offer(dict.fromkeys(sorted(found)))
+
 
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
@@ -80,6 +141,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
     metavar="URI",
     default=DEFAULT_URI,
     show_default=True,
+    shell_complete=_complete_uri,
     help="Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
     "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE, mysql://[USER@]HOST[:PORT]/DB, "
     "mariadb://…, postgresql://[USER@]HOST[:PORT]/DB (any libpq URI), postgres://….",
@@ -140,7 +202,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
 @click.option("-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing.")
 @click.version_option(__version__, "-V", "--version", prog_name="lockrun")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, shell_complete=_complete_command)
 def run_command(
     command: tuple[str, ...],
     name: str | None,
@@ -173,7 +235,14 @@ def run_command(
 
 
 @click.command(context_settings=_CONTEXT)
-@click.option("-u", "--uri", metavar="URI", default=DEFAULT_URI, show_default=True)
+@click.option(
+    "-u",
+    "--uri",
+    metavar="URI",
+    default=DEFAULT_URI,
+    show_default=True,
+    shell_complete=_complete_uri,
+)
 @click.option("--namespace", metavar="NS", default=DEFAULT_NAMESPACE, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.argument("name", required=False)
@@ -219,11 +288,69 @@ def _table(states: Sequence[LockState]) -> str:
 
 def main(args: Sequence[str] | None = None) -> NoReturn:
     """Run the CLI and exit with SPEC §2's status."""
+    if instruction := os.environ.get(COMPLETE_VAR):  # the completion scripts call us back
+        _exit(_complete(instruction))
     args = list(sys.argv[1:] if args is None else args)
     command, prog = run_command, "lockrun"
     if args[:1] == ["status"]:  # `lockrun -- status` runs a command called status
         command, prog, args = status_command, "lockrun status", args[1:]
     _exit(_exit_status(command, prog, args))
+
+
+COMPLETE_VAR: Final = "_LOCKRUN_COMPLETE"
+
+
+def _complete(instruction: str) -> int:
+    """Print a completion script (``bash_source``) or the completions Tab asked for.
+
+    Click's machinery, with the dispatch to ``status`` that `main` does for a command line.
+    """
+    from click.shell_completion import (  # noqa: PLC0415 - only Tab pays for it
+        BashComplete,
+        FishComplete,
+        ZshComplete,
+    )
+
+    class Bash(BashComplete):
+        def source(self) -> str:
+            # No space after a URI's scheme (`--uri redis://`): the host comes next.
+            plain = "COMPREPLY+=($value)"
+            nospace = "[[ $value == *[:/] ]] && compopt -o nospace"
+            return super().source().replace(plain, f"{plain}\n            {nospace}")
+
+    shells: dict[str, type[ShellComplete]] = {
+        "bash": Bash,
+        "zsh": ZshComplete,
+        "fish": FishComplete,
+    }
+    shell, _, action = instruction.partition("_")
+    if shell not in shells or action not in {"source", "complete"}:
+        say(f"{COMPLETE_VAR}={instruction}: expected bash_source, zsh_source or fish_source")
+        return ExitCode.USAGE
+    completer = shells[shell](run_command, {}, "lockrun", COMPLETE_VAR)
+    if action == "source":
+        click.echo(completer.source(), nl=False)
+        return 0
+    args, incomplete = completer.get_completion_args()
+    for item in _completions(completer, args, incomplete):
+        click.echo(completer.format_completion(item))
+    return 0
+
+
+def _completions(
+    completer: ShellComplete, args: list[str], incomplete: str
+) -> list[CompletionItem]:
+    if args[:1] == ["status"]:
+        return type(completer)(status_command, {}, "lockrun status", COMPLETE_VAR).get_completions(
+            args[1:], incomplete
+        )
+    context = run_command.make_context("lockrun", list(args), resilient_parsing=True)
+    if context.params.get("command"):  # past the command word, every word is the command's
+        return _offer({incomplete: None}, "file")
+    items = completer.get_completions(args, incomplete)
+    if not args and "status".startswith(incomplete):
+        items[:0] = _offer({"status": "show who holds or waits for a lock"})
+    return items
 
 
 def _exit(status: int) -> NoReturn:

@@ -1,0 +1,86 @@
+"""A program on a pseudo-terminal, for tests of what a person at a terminal sees."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from pathlib import Path
+    from types import TracebackType
+
+
+class Terminal:
+    """Run *argv* with a pty as its controlling terminal; collect everything it writes."""
+
+    def __init__(
+        self, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path | None = None
+    ) -> None:
+        """Start *argv* in its own session, the pty's slave as stdin, stdout and stderr."""
+        self.master, slave = os.openpty()
+        self.process = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env={"TERM": "xterm", **env},
+            cwd=cwd,
+            start_new_session=True,  # setsid: the pty becomes its controlling terminal
+        )
+        os.close(slave)
+        self.output = b""
+
+    def send(self, data: bytes) -> None:
+        """Type *data*."""
+        os.write(self.master, data)
+
+    def read_until(self, wanted: bytes, timeout: float = 20.0) -> bytes:
+        """Read until *wanted* has appeared; return all output so far (fail on timeout)."""
+        deadline = time.monotonic() + timeout
+        while wanted not in self.output:
+            left = deadline - time.monotonic()
+            assert left > 0, f"never saw {wanted!r}; the terminal shows {self.output!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: every process closed the slave
+                    chunk = b""
+                assert chunk, f"the terminal closed before {wanted!r}: {self.output!r}"
+                self.output += chunk
+        return self.output
+
+    def read_to_end(self, timeout: float = 20.0) -> bytes:
+        """Read until the program has exited and closed the terminal; return all output."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the program is still running; it showed {self.output!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: every process closed the slave
+                    chunk = b""
+                if not chunk:
+                    self.process.wait(timeout=left)
+                    return self.output
+                self.output += chunk
+
+    def __enter__(self) -> Self:
+        """Use the terminal in a ``with`` block."""
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Kill the program if it still runs and close the pty."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        os.close(self.master)

@@ -1,0 +1,196 @@
+"""Shell completion: the committed scripts are current, and Tab completes in real shells."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from servers import unavailable
+from terminal import Terminal
+
+from lockrun.backends import SCHEMES
+from lockrun.cli import URI_STARTS
+
+ROOT = Path(__file__).parent.parent
+SCRIPTS = {"bash": "lockrun.bash", "zsh": "_lockrun", "fish": "lockrun.fish"}
+BIN = str(Path(sys.executable).parent)  # where this venv's `lockrun` is
+
+
+def shell(name: str) -> str:
+    """Return the path of shell *name*, or skip (fail under CI=true) without it."""
+    path = shutil.which(name)
+    if path is None:
+        unavailable(f"{name} is not installed")
+    assert path is not None
+    return path
+
+
+def complete(line: str, shell: str = "bash") -> list[str]:
+    """Return what lockrun offers for the last word of *line*, as bash's script asks it."""
+    words = line.split(" ")
+    result = subprocess.run(
+        [sys.executable, "-m", "lockrun"],
+        env={
+            **os.environ,
+            "_LOCKRUN_COMPLETE": f"{shell}_complete",
+            "COMP_WORDS": line,
+            "COMP_CWORD": str(len(words) - 1),
+        },
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    assert result.stderr == ""
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_committed_script_is_what_lockrun_generates(name: str) -> None:
+    """completions/ holds exactly what `_LOCKRUN_COMPLETE=<shell>_source` prints."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lockrun"],
+        env={**os.environ, "_LOCKRUN_COMPLETE": f"{name}_source"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    committed = (ROOT / "completions" / SCRIPTS[name]).read_text()
+    assert result.stdout == committed, "run scripts/completions and commit the result"
+
+
+def test_an_unknown_shell_is_a_usage_error() -> None:
+    """An instruction for a shell lockrun has no script for exits 64 with one line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lockrun"],
+        env={**os.environ, "_LOCKRUN_COMPLETE": "tcsh_source"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert result.returncode == 64
+    assert result.stdout == ""
+    assert result.stderr == (
+        "lockrun: _LOCKRUN_COMPLETE=tcsh_source: expected bash_source, zsh_source or fish_source\n"
+    )
+
+
+def test_option_names_complete() -> None:
+    """`lockrun --ur` offers --uri; `lockrun --` offers every long option not yet given."""
+    assert complete("lockrun --ur") == ["plain,--uri"]
+    offered = complete("lockrun --wait 5 --")
+    assert "plain,--name" in offered
+    assert "plain,--slots" in offered
+    assert "plain,--wait" not in offered
+
+
+def test_every_scheme_is_offered_for_uri() -> None:
+    """`--uri <Tab>` offers a start for every scheme lockrun knows, and nothing else."""
+    offered = [line.removeprefix("plain,") for line in complete("lockrun --uri ")]
+    assert offered == list(URI_STARTS)
+    assert {start.split(":")[0] for start in offered} == set(SCHEMES)
+    assert complete("lockrun -u postg") == ["plain,postgresql://", "plain,postgres://"]
+    assert complete("lockrun status --uri red") == [
+        "plain,redis://",
+        "plain,rediss://",
+        "plain,redis+sentinel://",
+    ]
+
+
+def test_wait_offers_forever() -> None:
+    """`--wait f` completes to forever; --ttl, which has no forever, offers nothing."""
+    assert complete("lockrun --wait f") == ["plain,forever"]
+    assert complete("lockrun --ttl f") == []
+
+
+def test_status_completes_as_the_first_word_only() -> None:
+    """`lockrun stat` offers status first; after an option it would be a command's name."""
+    assert complete("lockrun statu")[0] == "plain,status"
+    assert "plain,status" not in complete("lockrun -v statu")
+
+
+def test_status_options_complete() -> None:
+    """`lockrun status --` offers the status subcommand's own options."""
+    assert complete("lockrun status --") == [
+        "plain,--uri",
+        "plain,--namespace",
+        "plain,--json",
+        "plain,--help",
+    ]
+
+
+def test_the_command_word_completes_from_path(tmp_path: Path) -> None:
+    """The first word of the command is a program on PATH; the words after it are files."""
+    program = tmp_path / "lockrun-test-program"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    (tmp_path / "lockrun-test-data").write_text("not executable\n")
+    env_path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    os.environ["PATH"], saved = env_path, os.environ["PATH"]
+    try:
+        assert complete("lockrun -n x -- lockrun-test-") == ["plain,lockrun-test-program"]
+        assert complete("lockrun lockrun-test-") == ["plain,lockrun-test-program"]
+        assert complete("lockrun -n x lockrun-test-program --ur") == ["file,--ur"]
+        assert complete("lockrun ./lockrun-te") == ["file,./lockrun-te"]
+    finally:
+        os.environ["PATH"] = saved
+
+
+def completion_env(home: Path) -> dict[str, str]:
+    """Return an environment for an interactive shell that finds this venv's lockrun."""
+    return {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "LANG": "C.UTF-8"}
+
+
+def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
+    """In an interactive bash with the script sourced, `lockrun --ur<Tab>` becomes --uri."""
+    bash = shell("bash")
+    script = ROOT / "completions" / "lockrun.bash"
+    with Terminal([bash, "--norc", "--noprofile", "-i"], env=completion_env(tmp_path)) as term:
+        term.send(f"PS1='$ '; source {script}; echo sourced-$?\n".encode())
+        term.read_until(b"sourced-0")
+        term.send(b"lockrun --ur\t")
+        term.read_until(b"lockrun --uri ")
+        term.send(b"redis+\t")
+        shown = term.read_until(b"redis+sentinel://")
+        term.send(b"X\n")  # no space after the scheme: the host follows at once
+        term.read_until(b"lockrun: no command to run")
+        assert b"--uri redis+sentinel://X" in shown + term.output
+
+
+def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:
+    """In an interactive zsh with the script on fpath, `lockrun --ur<Tab>` becomes --uri."""
+    zsh = shell("zsh")
+    setup = (
+        f"PS1='$ '; fpath=({ROOT / 'completions'} $fpath); "
+        "autoload -Uz compinit && compinit -u -D; echo loaded-$?\n"
+    )
+    with Terminal([zsh, "-f", "-i"], env=completion_env(tmp_path)) as term:
+        term.send(setup.encode())
+        term.read_until(b"loaded-0")
+        term.send(b"lockrun --ur\t")
+        term.read_until(b"lockrun --uri")  # zsh draws its own suffix space in bold
+
+
+def test_fish_completes_option_names_schemes_and_status() -> None:
+    """fish, given the script, completes --ur, a scheme and status (`complete -C`)."""
+    fish = shell("fish")
+    script = ROOT / "completions" / "lockrun.fish"
+    queries = ["lockrun --ur", "lockrun --uri mari", "lockrun statu"]
+    commands = f"source {script}; " + "; ".join(f"complete -C '{query}'" for query in queries)
+    result = subprocess.run(
+        [fish, "--no-config", "-c", commands],
+        env=completion_env(Path.home()),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    offered = [line.split("\t")[0] for line in result.stdout.splitlines()]
+    assert offered[:2] == ["--uri", "mariadb://"]
+    assert "status" in offered[2:]

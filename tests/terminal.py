@@ -84,3 +84,17 @@ class Terminal:
             self.process.kill()
         self.process.wait()
         os.close(self.master)
+
+
+def press_tab(
+    shell: Sequence[str], setup: str, typed: str, wanted: str, *, env: Mapping[str, str]
+) -> bytes:
+    """In an interactive *shell*, run *setup*, type *typed* and Tab; wait for *wanted*.
+
+    *setup* must end by echoing ``ready-0``: that is how we know the shell is done with it.
+    """
+    with Terminal(shell, env=env) as term:
+        term.send(f"{setup}\n".encode())
+        term.read_until(b"ready-0")
+        term.send(f"{typed}\t".encode())
+        return term.read_until(wanted.encode())

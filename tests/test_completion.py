@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from servers import unavailable
-from terminal import Terminal
+from terminal import Terminal, press_tab
 
 from lockrun.backends import SCHEMES
 from lockrun.cli import URI_STARTS
@@ -165,16 +165,14 @@ def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
 
 def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:
     """In an interactive zsh with the script on fpath, `lockrun --ur<Tab>` becomes --uri."""
-    zsh = shell("zsh")
-    setup = (
-        f"PS1='$ '; fpath=({ROOT / 'completions'} $fpath); "
-        "autoload -Uz compinit && compinit -u -D; echo loaded-$?\n"
+    setup = f"fpath=({ROOT / 'completions'} $fpath); autoload -Uz compinit && compinit -u -D"
+    press_tab(
+        [shell("zsh"), "-f", "-i"],
+        f"{setup}; echo ready-$?",
+        "lockrun --ur",
+        "lockrun --uri",  # zsh draws its own suffix space, in bold
+        env=completion_env(tmp_path),
     )
-    with Terminal([zsh, "-f", "-i"], env=completion_env(tmp_path)) as term:
-        term.send(setup.encode())
-        term.read_until(b"loaded-0")
-        term.send(b"lockrun --ur\t")
-        term.read_until(b"lockrun --uri")  # zsh draws its own suffix space in bold
 
 
 def test_fish_completes_option_names_schemes_and_status() -> None:

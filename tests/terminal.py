@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
+import struct
 import subprocess
+import termios
 import time
 from typing import TYPE_CHECKING, Self
 
@@ -18,10 +21,16 @@ class Terminal:
     """Run *argv* with a pty as its controlling terminal; collect everything it writes."""
 
     def __init__(
-        self, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+        columns: int = 100,
     ) -> None:
         """Start *argv* in its own session, the pty's slave as stdin, stdout and stderr."""
         self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
         self.process = subprocess.Popen(
             argv,
             stdin=slave,

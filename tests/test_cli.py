@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from conftest import Held, lockrun, one_line, queue_length, start, wait_for
+from terminal import Terminal
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import file as file_backend
@@ -53,6 +55,7 @@ def test_a_signalled_command_gives_128_plus_n(file_uri: str, name: str) -> None:
         (["--ttl", "0", "--", "true"], "--ttl must be more than 0"),
         (["--ttl", "2d", "--", "true"], "--ttl must be more than 0 and at most 1d"),
         (["--max-time", "soon", "--", "true"], "invalid duration 'soon'"),
+        (["--max-time", "0", "--", "true"], "--max-time must be more than 0, not 0s"),
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
         (["--slots", "0", "--", "true"], "0 is not in the range x>=1"),
         (["--slots", "-1", "--", "true"], "-1 is not in the range x>=1"),
@@ -367,8 +370,9 @@ def test_verbose_reports_waiting_acquiring_and_releasing(
     holder.finish()
     _, stderr = waiter.communicate(timeout=30)
     lines = stderr.splitlines()
-    assert lines[0].startswith(f"lockrun: waiting for {name} ")
-    assert "held by root@" in lines[0] or "held by " in lines[0]
+    held_by = f"held by {os.uname().nodename}:{holder.process.pid} since "
+    assert lines[0].startswith(f"lockrun: waiting for {name} ({file_uri}) — {held_by}")
+    assert lines[0].endswith(" — next in line")
     assert lines[1].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
     assert lines[2].startswith(f"lockrun: released {name} after ")
     assert "\x1b" not in stderr
@@ -535,3 +539,71 @@ def test_a_late_term_does_not_replace_the_commands_status(
             time.sleep(0.0005 * (1 + attempt % 5))
         _, stderr = process.communicate(timeout=30)
         assert (process.returncode, stderr) == (7, ""), attempt
+
+
+# -- -v on a terminal: one live line ----------------------------------------------------
+
+
+def live_waiter(file_uri: str, name: str, columns: int = 200) -> Terminal:
+    """Start a verbose waiter for *name* with a terminal as stdin, stdout and stderr."""
+    argv = [sys.executable, "-m", "lockrun", "--uri", file_uri, "-n", name, "-v", "-w", "forever"]
+    return Terminal([*argv, "--", "echo", "ran"], env=os.environ, columns=columns)
+
+
+def test_verbose_on_a_terminal_redraws_one_line_then_erases_it(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """On a terminal, -v redraws one waiting line each second and erases it once acquired."""
+    holder = held("--uri", file_uri, "-n", name)
+    host = os.uname().nodename
+    with live_waiter(file_uri, name) as term:
+        term.read_until(" — next in line — 1s".encode())
+        holder.finish()
+        screen = term.read_to_end().decode()
+    assert term.process.returncode == 0
+    drawn, _, after = screen.rpartition("\r\x1b[K")
+    frames = drawn.split("\r\x1b[K")[1:]
+    since = r"since \d\d:\d\d:\d\d"
+    for seconds, frame in enumerate(frames[:2]):
+        assert re.fullmatch(
+            rf"lockrun: waiting for {name} — held by {host}:{holder.process.pid} {since}"
+            rf" — next in line — {seconds}s",
+            frame,
+        ), frames
+    assert after.startswith(f"lockrun: acquired {name} slot 0 of 1 after ")  # on a clean line
+    assert "\r\nran\r\n" in after
+
+
+def test_the_live_line_fits_the_terminal(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """A live line longer than the terminal is cut to fit, so a redraw cannot wrap."""
+    holder = held("--uri", file_uri, "-n", name)
+    with live_waiter(file_uri, name, columns=40) as term:
+        term.read_until(b"\r\x1b[K", timeout=20)
+        term.read_until(b"\r\x1b[K", timeout=20)  # a redraw
+        holder.finish()
+        screen = term.read_to_end().decode()
+    frames = screen.rpartition("\r\x1b[K")[0].split("\r\x1b[K")[1:]
+    assert frames
+    assert all(len(frame) == 39 for frame in frames), frames
+    assert frames[0] == f"lockrun: waiting for {name} — held by "[:39]
+
+
+def test_a_line_said_while_live_goes_above_it(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """INT while the live line shows: the line is erased and the one-line error stands alone."""
+    held("--uri", file_uri, "-n", name)
+    with live_waiter(file_uri, name) as term:
+        term.read_until(b"next in line")
+        term.process.send_signal(signal.SIGINT)
+        screen = term.read_to_end().decode()
+    assert term.process.returncode == 130
+    assert screen.endswith(f"\r\x1b[Klockrun: SIGINT while waiting for {name}; nothing is held\r\n")
+
+
+def test_status_json_can_come_from_the_environment(file_uri: str) -> None:
+    """LOCKRUN_JSON=1 makes `lockrun status` print JSON, as every option has its variable."""
+    result = lockrun("status", "--uri", file_uri, env={**os.environ, "LOCKRUN_JSON": "1"})
+    assert (result.returncode, result.stdout) == (0, "[]\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -392,3 +393,57 @@ def test_python_api_threads_release_their_own_slots(uri: str, name: str) -> None
         done.set()
         thread.join(30)
     assert theirs == [1 - mine.slot]
+
+
+def read_line_with(process: subprocess.Popen[str], text: str, timeout: float = 20) -> list[str]:
+    """Read *process*'s stderr line by line until one contains *text*; return the lines."""
+    assert process.stderr is not None
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout), f"no line with {text!r} in {lines}"
+    return lines
+
+
+def test_verbose_waiter_names_each_holder_and_its_place(
+    uri: str, name: str, held: Callable[..., Held], tmp_path: Path
+) -> None:
+    """Without a terminal, -v prints plain lines: the holder and place, again on each change."""
+    first = held("--uri", uri, "-n", name)
+    go = tmp_path / "go-second"
+    loop = f"{UNTIL} {go} ]; do sleep 0.01; done"
+    second = start("--uri", uri, "-n", name, "-w", "forever", "--", "sh", "-c", loop)
+    wait_for(lambda: queued(uri, name, 1), what="the second to queue")
+    waiter = start("--uri", uri, "-n", name, "-w", "forever", "-v", "--", "true")
+    wait_for(lambda: queued(uri, name, 2), what="the verbose waiter to queue")
+    host = os.uname().nodename
+    first.finish()
+    seen = read_line_with(waiter, f"held by {host}:{second.pid} since ")
+    go.touch()
+    assert finish(second) == 0
+    _, rest = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0
+    lines = [line.rstrip("\n") for line in seen] + rest.splitlines()
+    since = r"since \d\d:\d\d:\d\d"
+    assert re.fullmatch(
+        rf"lockrun: waiting for {name} \({re.escape(uri)}\) — held by {host}:{first.process.pid}"
+        rf" {since} — 1 ahead of you",
+        lines[0],
+    ), lines
+    assert re.fullmatch(
+        rf"lockrun: waiting for {name} — held by {host}:{second.pid} {since} — next in line",
+        lines[1],
+    ), lines
+    assert lines[2].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
+    assert lines[3].startswith(f"lockrun: released {name} after ")
+    assert len(lines) == 4
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", "\n".join(lines))  # cron mails it

@@ -1022,11 +1022,9 @@ def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
             statuses.append(second.returncode)
     assert statuses == [0, 0, 0], err
     assert order.read_text() == "first\nsecond\n"
-    pattern = (
-        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\), held by {re.escape(ME)}@"
-    )
+    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\) — held by "
     assert re.search(
-        rf"{pattern}{re.escape(HOST)} pid {holder.process.pid}\b", err, re.MULTILINE
+        rf"{pattern}{re.escape(HOST)}:{holder.process.pid} since ", err, re.MULTILINE
     ), err
     assert_free(uri, namespace, name)
 

@@ -1057,8 +1057,8 @@ def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
     assert statuses == [0, 0, 0], err
     assert order.read_text() == "first\nsecond\n"
     assert re.search(
-        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\), held by "
-        rf"{re.escape(ME)}@{re.escape(HOST)} pid {holder.process.pid}\b",
+        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\) — held by "
+        rf"{re.escape(HOST)}:{holder.process.pid} since ",
         err,
         re.MULTILINE,
     ), err

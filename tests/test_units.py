@@ -1,18 +1,25 @@
-"""Pure functions: durations, names, URIs, redaction, fences."""
+"""Pure functions: durations, names, URIs, redaction, fences, what -v says while waiting."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun.backends import Holder, next_fence
+from lockrun import progress
+from lockrun.backends import Holder, LockState, Request, next_fence
 from lockrun.errors import ConfigError, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
+from lockrun.progress import holders_text, position_text
 from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import parse_uri, redact
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.mark.parametrize(
@@ -153,3 +160,61 @@ def test_redact_hides_every_kind_of_password_option() -> None:
     text = "postgresql://u:pw@h/db?pass%77ord=one&sslpassword=two&host=/x&PASSWORD=three"
     shown = redact(text)
     assert shown == "postgresql://u:***@h/db?pass%77ord=***&sslpassword=***&host=/x&PASSWORD=***"
+
+
+# -- what -v says while waiting ---------------------------------------------------------
+
+
+def person(pid: int, since: float | None = None) -> Holder:
+    """Return a holder or waiter *pid* on host vm."""
+    return Holder("vm", pid, "alice", ("true",), since)
+
+
+def test_holders_text_names_two_holders_then_counts_the_rest() -> None:
+    """A semaphore's line names two holders and how many more there are."""
+    noon = time.mktime((*time.localtime()[:3], 12, 3, 4, 0, 0, -1))  # today
+    assert holders_text([]) == ""
+    assert holders_text([person(1)]) == "vm:1"
+    three = [person(1, noon), person(2, noon + 5), person(3)]
+    assert holders_text(three) == "vm:1 since 12:03:04, vm:2 since 12:03:09 and 1 more"
+
+
+@pytest.mark.parametrize(
+    ("waiters", "queued", "said"),
+    [
+        ([], False, "next in line"),
+        ([2, 3], False, "2 ahead of you"),  # before queueing, every waiter is ahead
+        ([os.getpid(), 3], True, "next in line"),
+        ([2, 3, os.getpid()], True, "2 ahead of you"),
+        ([2, 3], True, ""),  # queued but not shown (yet): no guess
+    ],
+)
+def test_position_text_counts_the_waiters_ahead(
+    waiters: list[int], queued: bool, said: str
+) -> None:
+    """The place in the queue is the number of waiters ahead of this process."""
+    me = Holder.me(["true"])
+    line = [Holder(me.host, pid, "bob", ()) for pid in waiters]
+    assert position_text(line, me, queued=queued) == said
+
+
+def test_a_wait_report_that_cannot_read_status_keeps_its_last_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the second connection fails, the live line keeps the holder it knew and ticks."""
+    monkeypatch.setattr(progress, "TICK", 0.01)
+    monkeypatch.setattr(progress, "LIVE_STATUS", 0.02)
+    not_a_directory = tmp_path / "file"
+    not_a_directory.touch()
+    uri = parse_uri(f"file://{not_a_directory}")
+    request = Request("default", "sales", 1, 30.0, Holder.me(["true"]))
+    drawn: list[str] = []
+    report = progress.WaitReport(request, uri, log=drawn.append, live=drawn.append)
+    report.start([LockState("default", "sales", "x", 1, (person(7),), ())])
+    deadline = time.monotonic() + 10
+    while len(drawn) < 20 and time.monotonic() < deadline:  # status was asked again and again
+        time.sleep(0.01)
+    report.stop()
+    assert drawn[-1] == ""  # erased
+    said = {frame.rpartition(" — ")[0] for frame in drawn[:-1]}  # less the seconds
+    assert said == {"waiting for sales — held by vm:7 — next in line"}

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING, Final, NoReturn
 
 import click
@@ -21,7 +22,7 @@ from lockrun.lock import (
     run,
     states_for_status,
 )
-from lockrun.timing import parse_duration
+from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:
@@ -40,7 +41,48 @@ _SHOWN: Final = {code: f"\\x{code:02x}" for code in (*range(32), 127) if code !=
 
 def say(line: str) -> None:
     """Write one ``lockrun: …`` line to stderr; stdout belongs to the command."""
-    click.echo(f"lockrun: {line.translate(_SHOWN)}", err=True)
+    with _LIVE.lock:
+        _LIVE.write(f"\r\x1b[K{_text(line)}\n{_LIVE.shown}" if _LIVE.shown else f"{_text(line)}\n")
+
+
+def _text(line: str) -> str:
+    return f"lockrun: {line.translate(_SHOWN)}"
+
+
+class _LiveLine:
+    """One line of stderr on a terminal that is redrawn in place; `say` writes above it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.shown = ""
+
+    def show(self, line: str) -> None:
+        """Replace the live line with *line*, cut to the terminal's width ('' erases it).
+
+        A line that wrapped could not be redrawn: a carriage return goes back to the
+        start of its last row only.
+        """
+        with self.lock:
+            try:
+                width = os.get_terminal_size(sys.stderr.fileno()).columns
+            except (OSError, ValueError):
+                width = 80
+            self.shown = _text(line)[: width - 1] if line else ""
+            self.write(f"\r\x1b[K{self.shown}")
+
+    @staticmethod
+    def write(text: str) -> None:
+        with contextlib.suppress(OSError):  # stderr closed: nobody is reading
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+
+_LIVE: Final = _LiveLine()
+
+
+def _on_terminal() -> bool:
+    """Return whether stderr is a terminal that can redraw a line."""
+    return sys.stderr.isatty() and os.environ.get("TERM", "dumb") != "dumb"
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic
@@ -126,7 +168,8 @@ def _complete_command(
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
     "69 backend unavailable; 70 internal error; 75 busy (-E); 76 lock lost; "
     "78 configuration; 124 --max-time; 126/127 cannot execute / not found; "
-    "130/143 interrupted while waiting. `lockrun status --help` shows who holds a lock.",
+    "129/130/143 interrupted (HUP/INT/TERM) while waiting. "
+    "`lockrun status --help` shows who holds a lock.",
 )
 @click.option(
     "-n",
@@ -166,7 +209,7 @@ def _complete_command(
 @click.option(
     "--ttl",
     type=Duration(),
-    default=str(DEFAULT_TTL),
+    default=format_duration(DEFAULT_TTL),
     show_default=True,
     help="Lease length for lease-based backends; renewed every ttl/3.",
 )
@@ -179,7 +222,7 @@ def _complete_command(
 @click.option(
     "--kill-after",
     type=Duration(),
-    default=str(DEFAULT_KILL_AFTER),
+    default=format_duration(DEFAULT_KILL_AFTER),
     show_default=True,
     help="Grace between TERM and KILL when stopping the command.",
 )
@@ -226,8 +269,9 @@ def run_command(
         msg = "no command to run: lockrun [OPTIONS] [--] COMMAND [ARG]..."
         raise click.UsageError(msg)
     options = Options(name, uri, slots, wait, ttl, max_time, kill_after, namespace, close, verbose)
+    live = _LIVE.show if verbose and _on_terminal() else None
     try:
-        return run(command, options, log=say)
+        return run(command, options, log=say, live=live)
     except LockBusy as err:
         if not quiet:
             say(str(err))
@@ -242,9 +286,18 @@ def run_command(
     default=DEFAULT_URI,
     show_default=True,
     shell_complete=_complete_uri,
+    help="Lock service to ask, as for running a command.",
 )
-@click.option("--namespace", metavar="NS", default=DEFAULT_NAMESPACE, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option(
+    "--namespace",
+    metavar="NS",
+    default=DEFAULT_NAMESPACE,
+    show_default=True,
+    help="Partition of the lock names.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="Print JSON for machines."
+)
 @click.argument("name", required=False)
 def status_command(uri: str, namespace: str, as_json: bool, name: str | None) -> int:
     """Show who holds NAME (or every held lock) and who waits for it."""

@@ -24,6 +24,7 @@ from lockrun.errors import (
     UsageError,
 )
 from lockrun.names import check_name, default_name
+from lockrun.progress import WaitReport
 from lockrun.supervise import Guardian, Limits, supervise
 from lockrun.timing import format_duration, now
 from lockrun.uri import DEFAULT_URI, parse_uri, redact
@@ -242,8 +243,17 @@ class Options(NamedTuple):
     verbose: bool = False
 
 
-def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) -> int:
+def run(
+    argv: Sequence[str],
+    options: Options,
+    *,
+    log: Callable[[str], None],
+    live: Callable[[str], None] | None = None,
+) -> int:
     """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises).
+
+    *log* gets lockrun's lines. With *live* (a terminal), ``-v`` shows the wait as one line
+    that *live* redraws in place; an empty string erases it.
 
     Meant for a process that exits with the result: once the lock was held, INT, TERM and
     HUP are left ignored, so a late signal cannot replace the command's status.
@@ -253,6 +263,9 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
         raise UsageError(msg)
     check_ttl(options.ttl, "--ttl")
+    if options.max_time is not None and options.max_time <= 0:  # it would stop every command
+        msg = f"--max-time must be more than 0, not {format_duration(options.max_time)}"
+        raise UsageError(msg)
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
     verbose = log if options.verbose else lambda _line: None
@@ -265,7 +278,14 @@ def run(argv: Sequence[str], options: Options, *, log: Callable[[str], None]) ->
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
         guardian = Guardian() if options.close or uri.scheme != "file" else None
         try:
-            return _hold_and_run(backend, request, argv, options, verbose, guardian, waiting)
+            report = (
+                WaitReport(request, uri, log=log, live=live)
+                if options.verbose and options.wait != 0
+                else None
+            )
+            return _hold_and_run(
+                backend, request, argv, options, verbose, guardian, waiting, report
+            )
         finally:
             if guardian is not None:
                 guardian.stand_down()
@@ -280,16 +300,17 @@ def _hold_and_run(
     verbose: Callable[[str], None],
     guardian: Guardian | None,
     waiting: _Waiting,
+    report: WaitReport | None,
 ) -> int:
     started = now()
     try:
-        if (
-            options.verbose
-            and options.wait != 0
-            and (holders := describe_holders(backend, request))
-        ):
-            verbose(f"waiting for {request.name} ({redact(options.uri)}), held by {holders}")
-        lease = acquire(backend, request, options.wait)
+        try:
+            if report is not None:
+                report.start(backend.status(request.namespace, request.name))
+            lease = acquire(backend, request, options.wait)
+        finally:
+            if report is not None:
+                report.stop()
     except (BackendUnavailable, ConfigError) as err:  # SPEC §2: the line names the lock
         raise type(err)(f"{request.name}: {err}") from err
     held_since = started  # for the message only; set again at once

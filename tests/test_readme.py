@@ -1,0 +1,353 @@
+"""The README against the code: statuses, URI schemes, options and the copy-ready examples."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import pytest
+
+from lockrun.backends import SCHEMES
+from lockrun.errors import ExitCode
+from lockrun.timing import parse_duration
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping, Sequence
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
+# A word that runs lockrun: `lockrun`, `/usr/local/bin/lockrun`, `ExecStart=/…/lockrun`.
+LOCKRUN = re.compile(r"(?:[A-Za-z]+=)?(?:\S*/)?lockrun")
+# Words after which the shell, not lockrun, reads the line.
+SHELL_WORDS = frozenset({"|", "||", "&&", ";", "&", ")", "#"})
+CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
+CRON_LINE = re.compile(r"[\d*][\d*/,-]*\s")
+YAML_KEY = re.compile(r'([\w.$-]+|"[^"]*"):(?: (.*))?')
+
+
+class Block(NamedTuple):
+    """A code block of the README: its language (empty if indented) and its text."""
+
+    language: str
+    text: str
+
+
+class Invocation(NamedTuple):
+    """A lockrun command line found in a code block: the words after `lockrun` itself."""
+
+    line: str
+    words: list[str]
+
+
+def _blocks() -> list[Block]:
+    """Return every fenced block (de-indented) and every indented block of the README."""
+    blocks = [
+        Block(language, re.sub(rf"(?m)^{indent}", "", text))
+        for indent, language, text in FENCE.findall(README)
+    ]
+    outside = FENCE.sub(lambda match: "\n" * match.group(0).count("\n"), README)
+    blocks += [
+        Block("", re.sub(r"(?m)^ {4}", "", match.group(1)))
+        for match in re.finditer(r"(?m)(?<=\n\n)((?: {4,}\S.*\n)+)", outside)
+    ]
+    return blocks
+
+
+def _section(heading: str) -> str:
+    """Return the text under *heading* (`## Exit status`) up to the next one of its level."""
+    level = heading.index(" ")
+    outside = FENCE.sub("", README)  # `# comments` in code blocks are no headings
+    match = re.search(
+        rf"^{re.escape(heading)}\n(.*?)(?=^#{{1,{level}}} |\Z)", outside, re.DOTALL | re.MULTILINE
+    )
+    assert match, f"the README has no {heading!r}"
+    return match.group(1)
+
+
+def _table(text: str) -> list[list[str]]:
+    """Return the rows of the first table in *text*, without its header, as cells."""
+    lines = re.search(r"(?m)((?:^\|.*\n)+)", text)
+    assert lines, "no table"
+    rows = [
+        [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        for line in lines.group(1).splitlines()
+    ]
+    return rows[2:]
+
+
+def _help_options(*subcommand: str) -> dict[str, bool]:
+    """Map each option of `lockrun [SUBCOMMAND] --help` to whether it takes a value."""
+    environment = {key: value for key, value in os.environ.items() if key != "_LOCKRUN_COMPLETE"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lockrun", *subcommand, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
+    )
+    options: dict[str, bool] = {}
+    for match in re.finditer(r"(?m)^  (-\S.*?)(?: {2,}|$)", result.stdout):
+        takes_value = re.search(r" [A-Z]", match.group(1)) is not None
+        options.update(dict.fromkeys(re.findall(r"--?[\w-]+", match.group(1)), takes_value))
+    assert "--help" in options, result.stdout
+    return options
+
+
+def _invocations() -> list[Invocation]:
+    """Return every lockrun command line in the README's code blocks."""
+    found: list[Invocation] = []
+    for block in _blocks():
+        for line in block.text.splitlines():
+            for array in re.findall(r"\[[^\[\]]*\]", line):  # a YAML flow list: ["lockrun", …]
+                try:
+                    argv = json.loads(array)
+                except json.JSONDecodeError:
+                    continue
+                if "lockrun" in argv:
+                    found.append(Invocation(line, argv[argv.index("lockrun") + 1 :]))
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:  # an apostrophe in SQL or prose
+                words = line.split()
+            found += [
+                Invocation(line, words[index + 1 :])
+                for index, word in enumerate(words)
+                if LOCKRUN.fullmatch(word)
+            ]
+    return found
+
+
+def _options_used(words: Sequence[str], options: Mapping[str, bool]) -> Iterator[str]:
+    """Yield each option word lockrun itself reads: those before `--` or the command."""
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--" or word in SHELL_WORDS or not word.startswith("-") or word == "-":
+            return
+        if word.startswith("--"):
+            name = word.partition("=")[0]
+            yield name
+            index += 2 if options.get(name) and "=" not in word else 1
+            continue
+        for position, letter in enumerate(word[1:], start=1):  # -q, -qv, -w5m
+            yield f"-{letter}"
+            if options.get(f"-{letter}"):
+                index += position == len(word) - 1  # the value is the next word
+                break
+        index += 1
+
+
+def _status_options_used(words: Sequence[str]) -> Iterator[str]:
+    """Yield each option word of a `lockrun status …` line (options may follow NAME)."""
+    for word in (word.strip("[]") for word in words):  # also a synopsis: [--uri URI]
+        if word in SHELL_WORDS or word.startswith(">"):
+            return
+        if word.startswith("-"):
+            yield word.partition("=")[0]
+
+
+def _cron_field_ok(field: str, low: int, high: int) -> bool:
+    """Tell whether *field* is a valid crontab time field between *low* and *high*."""
+    for part in field.split(","):
+        base, slash, step = part.partition("/")
+        if slash and not step.isdigit():
+            return False
+        if base == "*":
+            continue
+        bounds = base.split("-")
+        if len(bounds) > 2 or not all(
+            bound.isdigit() and low <= int(bound) <= high for bound in bounds
+        ):
+            return False
+    return True
+
+
+def _yaml_lines(text: str) -> Iterator[tuple[int, str, str]]:
+    """Yield indent, content and line of each YAML line that is not blank, a comment or text."""
+    scalar_from: int | None = None  # a block scalar (`key: |`) owns every deeper line
+    for line in text.splitlines():
+        content = line.lstrip(" ")
+        indent = len(line) - len(content)
+        if not content or content.startswith("#"):
+            continue
+        if scalar_from is None or indent <= scalar_from:
+            scalar_from = indent if re.search(r"(?:^-|:) +[|>][-+]?$", content) else None
+            yield indent, content, line
+
+
+def _yaml_indent_problem(open_: list[tuple[int, set[str]]], indent: int, *, may_nest: bool) -> str:
+    """Move *open_* (indent, keys of each open collection) to *indent*; say what is wrong."""
+    problem = ""
+    if indent > open_[-1][0]:
+        problem = "" if may_nest else "indented under a value"
+        open_.append((indent, set()))
+    while indent < open_[-1][0]:
+        open_.pop()
+    return problem or ("" if indent == open_[-1][0] else "dedented to no open level")
+
+
+def _yaml_value_problem(value: str) -> str:
+    """Say what is wrong with a value or list item: an unclosed quote, or `: ` in plain text."""
+    closing = {'"': '"', "'": "'", "[": "]", "{": "}"}.get(value[:1])
+    if closing:
+        return "" if len(value) > 1 and value.endswith(closing) else f"unclosed {value[0]}"
+    return "`: ` inside a plain value" if ": " in value else ""
+
+
+def _yaml_problems(text: str) -> list[str]:
+    """List what would break a block-style YAML document: tabs, stray indents, doubled keys."""
+    problems = [f"a tab: {line!r}" for line in text.splitlines() if "\t" in line]
+    open_: list[tuple[int, set[str]]] = [(0, set())]
+    may_nest = False  # the previous line ended in `key:` or `-`, so a deeper one may follow
+    for indent, content, line in _yaml_lines(text):
+        found = [_yaml_indent_problem(open_, indent, may_nest=may_nest)]
+        item = content.startswith("- ") or content == "-"
+        if item:  # a list item: a scalar, or the first key of a mapping
+            open_.append((indent + 2, set()))
+        entry = content[2:] if item else content
+        match = YAML_KEY.fullmatch(entry)
+        value = (match.group(2) or "") if match else entry
+        if match:
+            found.append(f"key {match.group(1)} twice" if match.group(1) in open_[-1][1] else "")
+            open_[-1][1].add(match.group(1))
+        elif not item:
+            found.append("not `key: value`")
+        found.append(_yaml_value_problem(value))
+        may_nest = not value
+        problems += [f"{problem}: {line!r}" for problem in found if problem]
+    return problems
+
+
+def test_the_exit_status_table_lists_exactly_lockruns_statuses() -> None:
+    """The exit-status table has one row per ExitCode, plus the command's own and 128+N."""
+    first = [row[0] for row in _table(_section("## Exit status"))]
+    numeric = [cell for cell in first if re.fullmatch(r"[\d /]+", cell)]
+    statuses = sorted(int(status) for cell in numeric for status in cell.split("/"))
+    assert statuses == sorted(ExitCode)
+    assert [cell for cell in first if cell not in numeric] == ["the command's own", "128+N"]
+
+
+def test_the_uri_table_names_every_scheme_and_no_other() -> None:
+    """The Lock URIs table covers each scheme of SCHEMES and names no scheme beyond them."""
+    first = [row[0] for row in _table(_section("## Lock URIs"))]
+    named = {scheme for cell in first for scheme in re.findall(r"`([a-z][a-z\d+.-]*):", cell)}
+    assert named == set(SCHEMES)
+
+
+def test_the_options_table_matches_help() -> None:
+    """The Options table lists every option of `lockrun --help`, with a value where it takes one."""
+    listed: dict[str, bool] = {}
+    for cell, *_ in _table(_section("### Options")):
+        for group in re.findall(r"`([^`]*)`", cell):
+            takes_value = re.search(r" [A-Z]+$", group) is not None
+            listed.update(dict.fromkeys(re.findall(r"--?[\w-]+", group), takes_value))
+    options = _help_options()
+    assert sorted(listed) == sorted(options)
+    assert listed == options
+
+
+def test_every_lockrun_line_in_a_code_block_uses_real_options() -> None:
+    """Each `lockrun …` in a code block uses options that exist, up to the command it runs."""
+    options, status_options = _help_options(), _help_options("status")
+    invocations = _invocations()
+    unknown = []
+    for invocation in invocations:
+        if invocation.words[:1] == ["status"]:
+            used = list(_status_options_used(invocation.words[1:]))
+            unknown += [(word, invocation.line) for word in used if word not in status_options]
+        else:
+            used = list(_options_used(invocation.words, options))
+            unknown += [(word, invocation.line) for word in used if word not in options]
+    assert len(invocations) >= 20, "the README's command lines were not found"
+    assert any(invocation.words[:1] == ["status"] for invocation in invocations)
+    assert unknown == []
+
+
+def test_the_yaml_examples_parse() -> None:
+    """Every YAML example parses to a mapping (needs PyYAML, which lockrun does not install)."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; the block check runs")
+    blocks = [block.text for block in _blocks() if block.language == "yaml"]
+    assert len(blocks) >= 3
+    for text in blocks:
+        assert isinstance(yaml.safe_load(text), dict), text
+
+
+def test_the_yaml_examples_are_well_formed_blocks() -> None:
+    """The YAML examples have no tabs, stray indents, doubled keys or unclosed quotes."""
+    blocks = [block.text for block in _blocks() if block.language == "yaml"]
+    assert len(blocks) >= 3
+    assert [problem for text in blocks for problem in _yaml_problems(text)] == []
+
+
+def test_the_kubernetes_grace_outlasts_kill_after() -> None:
+    """The CronJob gives the pod more terminationGracePeriodSeconds than lockrun's --kill-after."""
+    cronjobs = [b.text for b in _blocks() if b.language == "yaml" and "kind: CronJob" in b.text]
+    assert len(cronjobs) == 1
+    grace = re.search(r"terminationGracePeriodSeconds: (\d+)", cronjobs[0])
+    kill_after = re.search(r'"--kill-after", "([^"]+)"', cronjobs[0])
+    assert grace
+    assert kill_after
+    assert int(grace.group(1)) > (parse_duration(kill_after.group(1)) or 0)
+
+
+def test_the_crontab_lines_have_five_time_fields() -> None:
+    """Each crontab line has five valid time fields; those in crontab blocks use full paths."""
+    entries = []
+    for block in _blocks():
+        lines = [line.strip() for line in block.text.splitlines()]
+        if block.language == "crontab":
+            settings = re.compile(r"#|[A-Za-z_]\w*\s*=")
+            entries += [(True, line) for line in lines if line and not settings.match(line)]
+        else:
+            entries += [
+                (False, line) for line in lines if CRON_LINE.match(line) and "lockrun" in line
+            ]
+    assert sum(in_crontab for in_crontab, _ in entries) >= 2
+    for in_crontab, line in entries:
+        fields = line.split(None, 5)
+        assert len(fields) == 6, line
+        times = zip(fields[:5], CRON_RANGES, strict=True)
+        assert all(_cron_field_ok(field, low, high) for field, (low, high) in times), line
+        assert not in_crontab or fields[5].startswith("/"), f"cron's PATH is short: {line}"
+
+
+class _Unit(configparser.ConfigParser):
+    """A systemd unit file, read with keys as written."""
+
+    def __init__(self, text: str) -> None:
+        """Parse *text*; `=` is the only delimiter, and no key may repeat."""
+        super().__init__(interpolation=None, delimiters=("=",), strict=True)
+        self.read_string(text)
+
+    def optionxform(self, optionstr: str) -> str:
+        """Keep `ExecStart` as it is (ConfigParser lowers keys)."""
+        return optionstr
+
+
+def test_the_systemd_units_are_a_service_and_its_timer() -> None:
+    """The service has [Unit] and [Service], its timer [Unit], [Timer] and [Install]."""
+    units = {
+        Path(block.text.partition("\n")[0].removeprefix("# ")): _Unit(block.text)
+        for block in _blocks()
+        if block.language == "ini"
+    }
+    paths = sorted(units, key=lambda path: path.suffix)
+    assert [path.suffix for path in paths] == [".service", ".timer"]
+    service, timer = units[paths[0]], units[paths[1]]
+    assert paths[0].stem == paths[1].stem  # the timer starts the service of its own name
+    assert service.sections() == ["Unit", "Service"]
+    assert {"Type", "ExecStart", "KillMode", "TimeoutStopSec"} <= set(service["Service"])
+    assert timer.sections() == ["Unit", "Timer", "Install"]
+    assert "OnCalendar" in timer["Timer"]
+    assert timer["Install"]["WantedBy"] == "timers.target"
+    command = shlex.split(service["Service"]["ExecStart"])
+    assert command[0].startswith("/")
+    kill_after = parse_duration(command[command.index("--kill-after") + 1]) or 0
+    assert (parse_duration(service["Service"]["TimeoutStopSec"]) or 0) > kill_after

@@ -43,6 +43,15 @@ def queued(uri: str, name: str, count: int) -> bool:
     return queue_length(uri, name) == count
 
 
+def queued_alive(uri: str, name: str, waiters: list[subprocess.Popen[str]]) -> bool:
+    """Return whether all *waiters* queue for *name*; fail at once if one has exited."""
+    for waiter in waiters:
+        if waiter.poll() is not None:
+            _, err = waiter.communicate()
+            pytest.fail(f"waiter pid {waiter.pid} exited {waiter.returncode}: {err}")
+    return queue_length(uri, name) == len(waiters)
+
+
 def test_second_holder_is_refused(uri: str, name: str, held: Callable[..., Held]) -> None:
     """A second lockrun on a held name exits 75 at once and names the holder."""
     holder = held("--uri", uri, "-n", name)
@@ -133,7 +142,7 @@ def test_waiters_are_served_in_arrival_order(
         )
         waiters.append(start(*options, "-w", "forever", "--", "sh", "-c", script))
         # Queue each waiter before the next arrives: arrival order is then unambiguous.
-        wait_for(functools.partial(queued, uri, name, index + 1), what=f"waiter {index}")
+        wait_for(functools.partial(queued_alive, uri, name, waiters), what=f"waiter {index}")
     granted: list[int] = []
 
     def next_grant() -> int:

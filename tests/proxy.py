@@ -13,14 +13,23 @@ import contextlib
 import selectors
 import socket
 import threading
+import time
+
+_TAIL = 6  # bytes of PostgreSQL's ReadyForQuery message: 'Z', length 5, status
 
 
 class Proxy:
     """Forward 127.0.0.1:`port` to *target* until `blackhole` or `close`."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        """Listen on a free loopback port and start forwarding to *target*."""
+    def __init__(self, target: tuple[str, int], *, late_tail: float = 0.0) -> None:
+        """Listen on a free loopback port and start forwarding to *target*.
+
+        With *late_tail*, the last 6 bytes of each chunk from the server come that many
+        seconds after the rest: PostgreSQL's ReadyForQuery, after the result it ends.
+        """
         self.target = target
+        self.late_tail = late_tail
+        self._upstreams: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)  # noqa: FBT003 - the socket API
         self.port: int = self._listener.getsockname()[1]
@@ -69,11 +78,14 @@ class Proxy:
         if not self._blackholed.is_set():
             upstream = socket.create_connection(self.target, timeout=5)
             self._peers[upstream] = client
+            self._upstreams.add(upstream)
             self._selector.register(upstream, selectors.EVENT_READ)
         self._peers[client] = upstream
         self._selector.register(client, selectors.EVENT_READ)
 
     def _forward(self, sock: socket.socket) -> None:
+        if sock not in self._peers:  # closed with its peer earlier in this round of events
+            return
         try:
             data = sock.recv(65536)
         except OSError:
@@ -92,4 +104,8 @@ class Proxy:
             return
         if peer is not None:
             with contextlib.suppress(OSError):
+                if self.late_tail and sock in self._upstreams and len(data) > _TAIL:
+                    peer.sendall(data[:-_TAIL])
+                    time.sleep(self.late_tail)  # the whole proxy waits: it is for tests
+                    data = data[-_TAIL:]
                 peer.sendall(data)

@@ -25,7 +25,18 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import psycopg
 import pytest
-from conftest import TEST_TTL, Held, finish, gone, interval_log, lockrun, one_line, wait_for
+from conftest import (
+    TEST_TTL,
+    Held,
+    finish,
+    gone,
+    interval_log,
+    lockrun,
+    one_line,
+    queue_length,
+    start,
+    wait_for,
+)
 from proxy import Proxy
 from test_redis_faults import Victim, check_lost, wait_for_death
 
@@ -932,3 +943,17 @@ def test_two_slots_never_hold_three(postgres_uri: str, name: str, tmp_path: Path
     assert slots <= {0, 1}
     assert runs == 12
     assert peak == 2
+
+
+def test_a_head_takes_a_grant_whose_answer_arrives_in_two_pieces(
+    pg_server: PostgresServer, name: str, held: Callable[..., Held]
+) -> None:
+    """The head of a semaphore queue takes a slot whose answer's end comes late (was 69)."""
+    holders = [held("--uri", pg_server.uri, "-n", name, "-s", "2") for _ in range(2)]
+    with contextlib.closing(Proxy(("127.0.0.1", pg_server.port), late_tail=0.2)) as proxy:
+        through = f"postgresql://lockrun@127.0.0.1:{proxy.port}/lockrun"
+        waiter = start("--uri", through, "-n", name, "-s", "2", "-w", "forever", "--", "true")
+        wait_for(lambda: queue_length(pg_server.uri, name) == 1, what="the head to wait")
+        holders[0].finish()
+        _, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0, err

@@ -549,7 +549,9 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         if not session.ready():
             return None
         try:
-            session.receive(0)
+            # The result is in, but libpq is busy until ReadyForQuery follows it, which
+            # may come in a later packet: it is on its way, wait for it (it was 69).
+            session.receive(self.timeout)
         except PgError as err:
             if err.sqlstate == _LOCK_NOT_AVAILABLE:
                 return False

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,7 +23,6 @@ from lockrun.uri import parse_uri
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from pathlib import Path
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (mount namespaces, chown)")
@@ -607,3 +607,27 @@ def test_status_json_can_come_from_the_environment(file_uri: str) -> None:
     """LOCKRUN_JSON=1 makes `lockrun status` print JSON, as every option has its variable."""
     result = lockrun("status", "--uri", file_uri, env={**os.environ, "LOCKRUN_JSON": "1"})
     assert (result.returncode, result.stdout) == (0, "[]\n")
+
+
+def test_the_wait_report_thread_takes_no_signal(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """-v's report thread blocks every signal: a SIGCHLD it took would be lost to the supervisor."""
+    held("--uri", file_uri, "-n", name)
+    waiter = start("--uri", file_uri, "-n", name, "-v", "-w", "forever", "--", "true")
+    try:
+        assert waiter.stderr is not None
+        assert waiter.stderr.readline().startswith(f"lockrun: waiting for {name} ")
+        threads = [
+            task for task in os.listdir(f"/proc/{waiter.pid}/task") if int(task) != waiter.pid
+        ]
+        assert len(threads) == 1, threads  # the report's
+        status = Path(f"/proc/{waiter.pid}/task/{threads[0]}/status").read_text()
+        found = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
+        assert found is not None
+        blocked = int(found[1], 16)
+        for signo in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            assert blocked & (1 << (signo - 1)), f"{signo.name} is not blocked"
+    finally:
+        waiter.kill()
+        waiter.communicate()

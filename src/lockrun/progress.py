@@ -8,6 +8,7 @@ connection is busy waiting, so the holder and the queue are read over a second o
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from typing import TYPE_CHECKING, Final
 
@@ -82,7 +83,14 @@ class WaitReport:
             self.log(self._line(f"waiting for {self.request.name} ({self.uri.redacted})"))
         else:
             self._draw()
-        self._thread.start()
+        # The thread starts with every signal blocked, so none is ever delivered to it: the
+        # supervisor waits for SIGCHLD with sigwaitinfo, and a thread still finishing a
+        # slow status read would take (and drop) a process-directed one.
+        saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def stop(self) -> None:
         """Stop reporting, erase the live line and close the second connection."""

@@ -81,6 +81,23 @@ def test_an_unknown_shell_is_a_usage_error() -> None:
     )
 
 
+def test_completing_without_the_scripts_variables_is_a_usage_error() -> None:
+    """`_LOCKRUN_COMPLETE=bash_complete` without COMP_WORDS exits 64 with one line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMP_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "lockrun"],
+        env={**env, "_LOCKRUN_COMPLETE": "bash_complete"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert (result.returncode, result.stdout) == (64, "")
+    assert result.stderr == (
+        "lockrun: _LOCKRUN_COMPLETE=bash_complete: COMP_WORDS and COMP_CWORD come from the script\n"
+    )
+
+
 def test_option_names_complete() -> None:
     """`lockrun --ur` offers --uri; `lockrun --` offers every long option not yet given."""
     assert complete("lockrun --ur") == ["plain,--uri"]

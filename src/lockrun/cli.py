@@ -384,7 +384,11 @@ def _complete(instruction: str) -> int:
     if action == "source":
         click.echo(completer.source(), nl=False)
         return 0
-    args, incomplete = completer.get_completion_args()
+    try:
+        args, incomplete = completer.get_completion_args()
+    except (KeyError, ValueError):  # run by hand, not by the completion script
+        say(f"{COMPLETE_VAR}={instruction}: COMP_WORDS and COMP_CWORD come from the script")
+        return ExitCode.USAGE
     for item in _completions(completer, args, incomplete):
         click.echo(completer.format_completion(item))
     return 0

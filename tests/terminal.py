@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from types import TracebackType
 
 
+def _control_terminal() -> None:
+    """In the child, after setsid: make stdin, the pty, our controlling terminal."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 class Terminal:
     """Run *argv* with a pty as its controlling terminal; collect everything it writes."""
 
@@ -36,9 +41,10 @@ class Terminal:
             stdin=slave,
             stdout=slave,
             stderr=slave,
-            env={"TERM": "xterm", **env},
+            env={**env, "TERM": "xterm"},
             cwd=cwd,
-            start_new_session=True,  # setsid: the pty becomes its controlling terminal
+            start_new_session=True,  # setsid, then the pty becomes its controlling terminal
+            preexec_fn=_control_terminal,  # noqa: PLW1509 - an ioctl, no lock taken
         )
         os.close(slave)
         self.output = b""
@@ -47,10 +53,10 @@ class Terminal:
         """Type *data*."""
         os.write(self.master, data)
 
-    def read_until(self, wanted: bytes, timeout: float = 20.0) -> bytes:
-        """Read until *wanted* has appeared; return all output so far (fail on timeout)."""
+    def read_until(self, wanted: bytes, timeout: float = 20.0, *, count: int = 1) -> bytes:
+        """Read until *wanted* has appeared *count* times; return all output so far."""
         deadline = time.monotonic() + timeout
-        while wanted not in self.output:
+        while self.output.count(wanted) < count:
             left = deadline - time.monotonic()
             assert left > 0, f"never saw {wanted!r}; the terminal shows {self.output!r}"
             if select.select([self.master], [], [], left)[0]:

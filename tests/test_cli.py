@@ -17,7 +17,7 @@ import pytest
 from conftest import Held, lockrun, one_line, queue_length, start, wait_for
 from terminal import Terminal
 
-from lockrun import ConfigError, ExitCode
+from lockrun import ConfigError, ExitCode, cli
 from lockrun.backends import file as file_backend
 from lockrun.uri import parse_uri
 
@@ -580,8 +580,7 @@ def test_the_live_line_fits_the_terminal(
     """A live line longer than the terminal is cut to fit, so a redraw cannot wrap."""
     holder = held("--uri", file_uri, "-n", name)
     with live_waiter(file_uri, name, columns=40) as term:
-        term.read_until(b"\r\x1b[K", timeout=20)
-        term.read_until(b"\r\x1b[K", timeout=20)  # a redraw
+        term.read_until(b"\r\x1b[K", count=2)  # the first line and a redraw
         holder.finish()
         screen = term.read_to_end().decode()
     frames = screen.rpartition("\r\x1b[K")[0].split("\r\x1b[K")[1:]
@@ -618,9 +617,14 @@ def test_the_wait_report_thread_takes_no_signal(
     try:
         assert waiter.stderr is not None
         assert waiter.stderr.readline().startswith(f"lockrun: waiting for {name} ")
-        threads = [
-            task for task in os.listdir(f"/proc/{waiter.pid}/task") if int(task) != waiter.pid
-        ]
+        threads: list[str] = []
+
+        def started() -> bool:
+            tasks = os.listdir(f"/proc/{waiter.pid}/task")
+            threads[:] = [task for task in tasks if int(task) != waiter.pid]
+            return bool(threads)
+
+        wait_for(started, what="the report thread")  # it starts after the first line
         assert len(threads) == 1, threads  # the report's
         status = Path(f"/proc/{waiter.pid}/task/{threads[0]}/status").read_text()
         found = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
@@ -631,3 +635,19 @@ def test_the_wait_report_thread_takes_no_signal(
     finally:
         waiter.kill()
         waiter.communicate()
+
+
+def test_a_line_said_while_the_live_line_shows_goes_above_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A line said during the wait erases the live line, prints, then draws it again."""
+    cli._LIVE.show("waiting for x — 3s")
+    cli.say("queued again")
+    cli._LIVE.show("")
+    assert capsys.readouterr().err == (
+        "\r\x1b[Klockrun: waiting for x — 3s"
+        "\r\x1b[Klockrun: queued again\nlockrun: waiting for x — 3s"
+        "\r\x1b[K"
+    )
+    cli.say("after")
+    assert capsys.readouterr().err == "lockrun: after\n"

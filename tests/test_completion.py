@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,16 +31,16 @@ def shell(name: str) -> str:
 
 
 def complete(line: str, shell: str = "bash") -> list[str]:
-    """Return what lockrun offers for the last word of *line*, as bash's script asks it."""
+    """Return what lockrun offers for the end of *line*, asked as *shell*'s script asks."""
     words = line.split(" ")
+    env = {**os.environ, "_LOCKRUN_COMPLETE": f"{shell}_complete", "COMP_WORDS": line}
+    if shell == "bash":  # bash also breaks words at = and :, and passes the line itself
+        word = re.search(r"([^\s=:]+|[=:]+)$", line)  # its last word, as bash splits
+        env |= {"COMP_LINE": line, "COMP_WORD": word[1] if word else ""}
+    env["COMP_CWORD"] = words[-1] if shell == "fish" else str(len(words) - 1)
     result = subprocess.run(
         [sys.executable, "-m", "lockrun"],
-        env={
-            **os.environ,
-            "_LOCKRUN_COMPLETE": f"{shell}_complete",
-            "COMP_WORDS": line,
-            "COMP_CWORD": str(len(words) - 1),
-        },
+        env=env,
         capture_output=True,
         text=True,
         check=True,
@@ -120,6 +121,22 @@ def test_every_scheme_is_offered_for_uri() -> None:
     ]
 
 
+def test_words_after_a_uri_complete_in_bash() -> None:
+    """In bash, which splits `redis://h` at the colon, the words after a URI complete."""
+    assert complete("lockrun --uri redis://h/0 --wa") == ["plain,--wait"]
+    assert "plain,echo" in complete("lockrun --uri redis://h/0 -- ech")
+    assert complete("lockrun --uri redis:") == ["plain,://"]  # bash's word is ":"
+    assert complete("lockrun --uri=postgresq") == ["plain,postgresql://"]  # and here "postgresq"
+
+
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_an_option_joined_by_equals_keeps_its_name(shell: str) -> None:
+    """For zsh and fish, which replace all of `--uri=red`, each offer starts with `--uri=`."""
+    offered = [line for line in complete("lockrun --uri=redis+", shell) if "sentinel" in line]
+    assert len(offered) == 1
+    assert "--uri=redis+sentinel" in offered[0]
+
+
 def test_wait_offers_forever() -> None:
     """`--wait f` completes to forever; --ttl, which has no forever, offers nothing."""
     assert complete("lockrun --wait f") == ["plain,forever"]
@@ -175,9 +192,13 @@ def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
         term.read_until(b"lockrun --uri ")
         term.send(b"redis+\t")
         shown = term.read_until(b"redis+sentinel://")
+        term.send(b"h/0 --wa\t")  # after a URI, whose colon bash breaks words at
+        term.read_until(b"--wait ")
+        term.send(b"\x15lockrun --uri=rediss\t")
+        term.read_until(b"--uri=rediss://")
         term.send(b"X\n")  # no space after the scheme: the host follows at once
         term.read_until(b"lockrun: no command to run")
-        assert b"--uri redis+sentinel://X" in shown + term.output
+        assert b"--uri redis+sentinel://" in shown
 
 
 def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:

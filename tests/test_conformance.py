@@ -448,11 +448,13 @@ def test_verbose_waiter_names_each_holder_and_its_place(
         rf" {since} — 1 ahead of you",
         lines[0],
     ), lines
+    # A read in the middle of the handover may catch a moment with no holder on record.
+    changes, done = lines[1:-2], lines[-2:]
+    assert all(line.startswith(f"lockrun: waiting for {name} — ") for line in changes), lines
     assert re.fullmatch(
         rf"lockrun: waiting for {name} — held by {host}:{second.pid} {since} — next in line",
-        lines[1],
+        changes[-1],
     ), lines
-    assert lines[2].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
-    assert lines[3].startswith(f"lockrun: released {name} after ")
-    assert len(lines) == 4
+    assert done[0].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
+    assert done[1].startswith(f"lockrun: released {name} after ")
     assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", "\n".join(lines))  # cron mails it

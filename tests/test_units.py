@@ -13,6 +13,7 @@ import pytest
 from lockrun import progress
 from lockrun.backends import Holder, LockState, Request, next_fence
 from lockrun.errors import ConfigError, UsageError
+from lockrun.lock import clock_time
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
 from lockrun.timing import format_duration, parse_duration
@@ -218,3 +219,9 @@ def test_a_wait_report_that_cannot_read_status_keeps_its_last_words(
     assert drawn[-1] == ""  # erased
     said = {frame.rpartition(" — ")[0] for frame in drawn[:-1]}  # less the seconds
     assert said == {"waiting for sales — held by vm:7 — next in line"}
+
+
+@pytest.mark.parametrize("stamp", [1e300, float("nan"), -1e300])
+def test_a_time_no_clock_can_show_is_a_question_mark(stamp: float) -> None:
+    """A holder record with an impossible start time shows `?`, not a traceback."""
+    assert clock_time(stamp) == "?"

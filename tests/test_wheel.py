@@ -79,6 +79,7 @@ def test_the_installed_command_runs_a_locked_command(venv: Path, tmp_path: Path)
     env = environment(venv / "bin", tmp_path)
     version = run("lockrun", "--version", env=env, cwd=tmp_path)
     assert version.stdout == f"lockrun, version {lockrun.__version__}\n"
+    env["LOCKRUN_URI"] = f"file://{tmp_path}/locks"  # not the default directory, others' too
     nested = "lockrun -n demo -- true; echo $LOCKRUN_NAME $LOCKRUN_SLOT $?"
     locked = run("lockrun", "-n", "demo", "--", "sh", "-c", nested, env=env, cwd=tmp_path)
     assert locked.stdout == "demo 0 75\n"  # the inner lockrun found demo busy
@@ -129,7 +130,7 @@ def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> 
         "PIPX_MAN_DIR": str(local / "share" / "man"),
     }
     run(sys.executable, "-m", "pipx", "install", ROOT, env=pipx_env, cwd=tmp_path)
-    env = environment(local / "bin", tmp_path, MANPATH="")
+    env = environment(local / "bin", tmp_path, MANPATH="", LOCKRUN_URI=f"file://{tmp_path}/locks")
     assert (
         run("lockrun", "--version", env=env).stdout == f"lockrun, version {lockrun.__version__}\n"
     )

@@ -64,7 +64,7 @@ class _LiveLine:
         """
         with self.lock:
             try:
-                width = os.get_terminal_size(sys.stderr.fileno()).columns
+                width = os.get_terminal_size(sys.stderr.fileno()).columns or 80  # 0: unknown
             except (OSError, ValueError):
                 width = 80
             self.shown = _text(line)[: width - 1] if line else ""
@@ -81,8 +81,16 @@ _LIVE: Final = _LiveLine()
 
 
 def _on_terminal() -> bool:
-    """Return whether stderr is a terminal that can redraw a line."""
-    return sys.stderr.isatty() and os.environ.get("TERM", "dumb") != "dumb"
+    """Return whether stderr is a terminal that can redraw a line, and we are in front.
+
+    A background job (`lockrun -v … &`) would redraw over the shell's prompt every second.
+    """
+    if not sys.stderr.isatty() or os.environ.get("TERM", "dumb") == "dumb":
+        return False
+    try:
+        return os.tcgetpgrp(sys.stderr.fileno()) == os.getpgrp()
+    except OSError:  # a terminal we are not attached to
+        return False
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic
@@ -358,24 +366,7 @@ def _complete(instruction: str) -> int:
 
     Click's machinery, with the dispatch to ``status`` that `main` does for a command line.
     """
-    from click.shell_completion import (  # noqa: PLC0415 - only Tab pays for it
-        BashComplete,
-        FishComplete,
-        ZshComplete,
-    )
-
-    class Bash(BashComplete):
-        def source(self) -> str:
-            # No space after a URI's scheme (`--uri redis://`): the host comes next.
-            plain = "COMPREPLY+=($value)"
-            nospace = "[[ $value == *[:/] ]] && compopt -o nospace"
-            return super().source().replace(plain, f"{plain}\n            {nospace}")
-
-    shells: dict[str, type[ShellComplete]] = {
-        "bash": Bash,
-        "zsh": ZshComplete,
-        "fish": FishComplete,
-    }
+    shells = _shells()
     shell, _, action = instruction.partition("_")
     if shell not in shells or action not in {"source", "complete"}:
         say(f"{COMPLETE_VAR}={instruction}: expected bash_source, zsh_source or fish_source")
@@ -389,9 +380,60 @@ def _complete(instruction: str) -> int:
     except (KeyError, ValueError):  # run by hand, not by the completion script
         say(f"{COMPLETE_VAR}={instruction}: COMP_WORDS and COMP_CWORD come from the script")
         return ExitCode.USAGE
-    for item in _completions(completer, args, incomplete):
+    items = _completions(completer, args, incomplete)
+    option, equals, _ = incomplete.partition("=")
+    if shell != "bash" and equals and option.startswith("-"):
+        # zsh and fish replace the whole word: keep the `--uri=` of `--uri=red`.
+        items = [_offer({f"{option}=" + item.value: item.help}, item.type)[0] for item in items]
+    for item in items:
         click.echo(completer.format_completion(item))
     return 0
+
+
+def _shells() -> dict[str, type[ShellComplete]]:
+    from click.shell_completion import (  # noqa: PLC0415 - only Tab pays for it
+        BashComplete,
+        FishComplete,
+        ZshComplete,
+        split_arg_string,
+    )
+
+    class Bash(BashComplete):
+        """bash, which also splits words at ``:`` and ``=``: read the line itself."""
+
+        typed = ""  # the value being completed, as lockrun sees it: `redis://h`
+        word = ""  # the same, as bash sees it: `//h` (after the colon)
+
+        def source(self) -> str:
+            plain = "COMPREPLY+=($value)"
+            nospace = "[[ $value == *[:/] ]] && compopt -o nospace"  # the host comes next
+            words = 'COMP_WORDS="${COMP_WORDS[*]}"'
+            line = 'COMP_LINE="${COMP_LINE:0:COMP_POINT}" COMP_WORD="${COMP_WORDS[COMP_CWORD]}"'
+            script = super().source().replace(plain, f"{plain}\n            {nospace}")
+            return script.replace(words, f"{words} {line}")
+
+        def get_completion_args(self) -> tuple[list[str], str]:
+            line = os.environ.get("COMP_LINE")
+            if line is None:  # a script from before COMP_LINE
+                return super().get_completion_args()
+            words = split_arg_string(line)
+            args, incomplete = words[1:], ""
+            if line and not line[-1].isspace() and len(words) > 1:
+                args, incomplete = words[1:-1], words[-1]
+            option, equals, value = incomplete.partition("=")
+            self.typed = value if equals and option.startswith("-") else incomplete
+            self.word = os.environ.get("COMP_WORD", self.typed)
+            return args, incomplete
+
+        def format_completion(self, item: CompletionItem) -> str:
+            # bash replaces only its own last word: drop what comes before it.
+            cut = len(self.typed) - len(self.word)
+            value = item.value
+            if item.type == "plain" and cut > 0 and self.typed.endswith(self.word):
+                value = value[cut:] if value.startswith(self.typed[:cut]) else value
+            return f"{item.type},{value}"
+
+    return {"bash": Bash, "zsh": ZshComplete, "fish": FishComplete}
 
 
 def _completions(

@@ -77,7 +77,10 @@ def describe(holder: Holder) -> str:
 
 def clock_time(stamp: float) -> str:
     """Render a Unix time as local HH:MM:SS, with the date if it is not today."""
-    local = time.localtime(stamp)
+    try:
+        local = time.localtime(stamp)
+    except (OverflowError, ValueError, OSError):  # a holder record we cannot trust
+        return "?"
     if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
         return time.strftime("%H:%M:%S", local)
     return time.strftime("%Y-%m-%d %H:%M:%S", local)
@@ -304,15 +307,15 @@ def _hold_and_run(
 ) -> int:
     started = now()
     try:
-        try:
-            if report is not None:
-                report.start(backend.status(request.namespace, request.name))
-            lease = acquire(backend, request, options.wait)
-        finally:
-            if report is not None:
-                report.stop()
-    except (BackendUnavailable, ConfigError) as err:  # SPEC §2: the line names the lock
-        raise type(err)(f"{request.name}: {err}") from err
+        if report is not None:
+            report.start(backend.status(request.namespace, request.name))
+        lease = acquire(backend, request, options.wait)
+    except BaseException as err:
+        if report is not None:
+            report.stop()
+        if isinstance(err, BackendUnavailable | ConfigError):  # SPEC §2: the line names the lock
+            raise type(err)(f"{request.name}: {err}") from err
+        raise
     held_since = started  # for the message only; set again at once
     # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
     # it runs, and one that comes after it ended must not rewrite its exit status. One that
@@ -321,6 +324,8 @@ def _hold_and_run(
         held_since = now()
         with _deferred(_INTERRUPTS):
             waiting.over = True
+            if report is not None:  # here, where a signal cannot skip the release
+                report.stop()
             fence = "" if lease.fence is None else f", fence {lease.fence}"
             verbose(
                 f"acquired {request.name} slot {lease.slot} of {request.slots} "

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 TICK: Final = 1.0  # seconds between redraws of the live line
 LIVE_STATUS: Final = 2.0  # seconds between status reads for the live line
 PLAIN_STATUS: Final = 5.0  # … and for plain lines
-STOP_PATIENCE: Final = 1.0  # seconds the command's start may wait for the report to end
 SHOWN_HOLDERS: Final = 2  # a semaphore's line names this many holders, then "and N more"
 
 
@@ -93,13 +92,15 @@ class WaitReport:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def stop(self) -> None:
-        """Stop reporting, erase the live line and close the second connection."""
+        """Stop reporting and erase the live line; never waits for the thread.
+
+        A status read in flight ends on its own, and the thread then closes its connection:
+        the command must not wait for a report.
+        """
+        self._stopped.set()  # first: even if a signal cuts this short, nothing is drawn again
         with self._drawing:
-            self._stopped.set()
             if self.live is not None and self._drawn:
                 self.live("")
-        if self._thread.is_alive():  # a status read in flight is bounded by its timeout
-            self._thread.join(timeout=STOP_PATIENCE)
 
     def _run(self) -> None:
         backend: Backend | None = None
@@ -114,11 +115,13 @@ class WaitReport:
                     if backend is not None:
                         self._update(self._status(backend), queued=True)
                     if self.live is None and self.holders != before:
-                        self.log(self._line(f"waiting for {self.request.name}"))
+                        self._say(self._line(f"waiting for {self.request.name}"))
                 self._draw()
+        except Exception:  # noqa: BLE001 - only a report (a holder record we cannot read)
+            return
         finally:
             if backend is not None:
-                with contextlib.suppress(Exception):  # only a report: never the outcome
+                with contextlib.suppress(Exception):
                     backend.close()
 
     def _open(self) -> Backend | None:
@@ -145,14 +148,19 @@ class WaitReport:
         held = f"held by {self.holders}" if self.holders else ""
         return " — ".join(part for part in (head, held, self.position) if part)
 
+    def _say(self, line: str) -> None:
+        with self._drawing:
+            if not self._stopped.is_set():  # never after the wait: the command has the stage
+                self.log(line)
+
     def _draw(self) -> None:
         if self.live is None:
             return
         with self._drawing:
             if not self._stopped.is_set():
                 elapsed = format_duration(int(now() - self.started))  # whole seconds tick
+                self._drawn = True  # first: a signal may end the wait in the middle of live()
                 self.live(self._line(f"waiting for {self.request.name}") + f" — {elapsed}")
-                self._drawn = True
 
 
 def _ignore(_line: str) -> None:

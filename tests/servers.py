@@ -36,6 +36,15 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def installed(program: str) -> str:
+    """Return *program*'s path; skip without it (fail under CI=true, like a server)."""
+    path = shutil.which(program)
+    if path is None:
+        unavailable(f"{program} is not installed")
+    assert path is not None
+    return path
+
+
 def free_port() -> int:
     """Return a loopback TCP port nobody listens on right now."""
     with socket.socket() as probe:

@@ -59,13 +59,7 @@ class Terminal:
         while self.output.count(wanted) < count:
             left = deadline - time.monotonic()
             assert left > 0, f"never saw {wanted!r}; the terminal shows {self.output!r}"
-            if select.select([self.master], [], [], left)[0]:
-                try:
-                    chunk = os.read(self.master, 65536)
-                except OSError:  # EIO: every process closed the slave
-                    chunk = b""
-                assert chunk, f"the terminal closed before {wanted!r}: {self.output!r}"
-                self.output += chunk
+            assert self._read(left), f"the terminal closed before {wanted!r}: {self.output!r}"
         return self.output
 
     def read_to_end(self, timeout: float = 20.0) -> bytes:
@@ -74,15 +68,20 @@ class Terminal:
         while True:
             left = deadline - time.monotonic()
             assert left > 0, f"the program is still running; it showed {self.output!r}"
-            if select.select([self.master], [], [], left)[0]:
-                try:
-                    chunk = os.read(self.master, 65536)
-                except OSError:  # EIO: every process closed the slave
-                    chunk = b""
-                if not chunk:
-                    self.process.wait(timeout=left)
-                    return self.output
-                self.output += chunk
+            if not self._read(left):
+                self.process.wait(timeout=left)
+                return self.output
+
+    def _read(self, timeout: float) -> bool:
+        """Add what the terminal shows within *timeout* to `output`; False once it closed."""
+        if select.select([self.master], [], [], timeout)[0]:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: every process closed the slave
+                return False
+            self.output += chunk
+            return bool(chunk)
+        return True
 
     def __enter__(self) -> Self:
         """Use the terminal in a ``with`` block."""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from servers import unavailable
+from servers import installed
 from terminal import Terminal, press_tab
 
 from lockrun.backends import SCHEMES
@@ -19,15 +18,6 @@ from lockrun.cli import URI_STARTS
 ROOT = Path(__file__).parent.parent
 SCRIPTS = {"bash": "lockrun.bash", "zsh": "_lockrun", "fish": "lockrun.fish"}
 BIN = str(Path(sys.executable).parent)  # where this venv's `lockrun` is
-
-
-def shell(name: str) -> str:
-    """Return the path of shell *name*, or skip (fail under CI=true) without it."""
-    path = shutil.which(name)
-    if path is None:
-        unavailable(f"{name} is not installed")
-    assert path is not None
-    return path
 
 
 def complete(line: str, shell: str = "bash") -> list[str]:
@@ -183,7 +173,7 @@ def completion_env(home: Path) -> dict[str, str]:
 
 def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
     """In an interactive bash with the script sourced, `lockrun --ur<Tab>` becomes --uri."""
-    bash = shell("bash")
+    bash = installed("bash")
     script = ROOT / "completions" / "lockrun.bash"
     with Terminal([bash, "--norc", "--noprofile", "-i"], env=completion_env(tmp_path)) as term:
         term.send(f"PS1='$ '; source {script}; echo sourced-$?\n".encode())
@@ -205,7 +195,7 @@ def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:
     """In an interactive zsh with the script on fpath, `lockrun --ur<Tab>` becomes --uri."""
     setup = f"fpath=({ROOT / 'completions'} $fpath); autoload -Uz compinit && compinit -u -D"
     press_tab(
-        [shell("zsh"), "-f", "-i"],
+        [installed("zsh"), "-f", "-i"],
         f"{setup}; echo ready-$?",
         "lockrun --ur",
         "lockrun --uri",  # zsh draws its own suffix space, in bold
@@ -215,7 +205,7 @@ def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:
 
 def test_fish_completes_option_names_schemes_and_status() -> None:
     """fish, given the script, completes --ur, a scheme and status (`complete -C`)."""
-    fish = shell("fish")
+    fish = installed("fish")
     script = ROOT / "completions" / "lockrun.fish"
     queries = ["lockrun --ur", "lockrun --uri mari", "lockrun statu"]
     commands = f"source {script}; " + "; ".join(f"complete -C '{query}'" for query in queries)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Final
 import click
 import pytest
 from conftest import lockrun
-from servers import unavailable
+from servers import installed
 
 from lockrun import __version__
 from lockrun.backends import SCHEMES
@@ -109,15 +108,6 @@ def help_options(*arguments: str) -> set[str]:
     return options
 
 
-def needs(tool: str) -> str:
-    """Return *tool*'s path; skip without it, but fail under CI=true."""
-    path = shutil.which(tool)
-    if path is None:
-        unavailable(f"{tool} is not installed")
-    assert path is not None
-    return path
-
-
 def man(*arguments: str) -> subprocess.CompletedProcess[str]:
     """Run the man command on the page at 80 columns in a UTF-8 locale, without a pager."""
     environment = {
@@ -127,7 +117,7 @@ def man(*arguments: str) -> subprocess.CompletedProcess[str]:
     }
     environment |= {"LC_ALL": "C.UTF-8", "MANWIDTH": "80", "MANPAGER": "cat", "PAGER": "cat"}
     return subprocess.run(
-        [needs("man"), *arguments, "-l", str(PAGE)],
+        [installed("man"), *arguments, "-l", str(PAGE)],
         capture_output=True,
         text=True,
         env=environment,
@@ -165,7 +155,7 @@ def test_man_renders_the_page_without_warnings() -> None:
 def test_groff_checks_the_page_without_warnings(device: str) -> None:
     """The page gives groff -man -ww -z no warnings or errors, for print and terminals."""
     result = subprocess.run(
-        [needs("groff"), "-man", "-ww", "-z", f"-T{device}", str(PAGE)],
+        [installed("groff"), "-man", "-ww", "-z", f"-T{device}", str(PAGE)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import unavailable
+from servers import installed, unavailable
 from terminal import press_tab
 
 import lockrun
@@ -47,12 +46,6 @@ def environment(bin_dir: Path, home: Path, **extra: str) -> dict[str, str]:
     """Return a clean environment with *bin_dir* first on PATH and *home* as HOME."""
     path = f"{bin_dir}{os.pathsep}/usr/local/bin{os.pathsep}/usr/bin{os.pathsep}/bin"
     return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", **extra}
-
-
-def need(program: str) -> None:
-    """Skip without *program* (fail under CI=true)."""
-    if shutil.which(program) is None:
-        unavailable(f"{program} is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +90,7 @@ def test_the_wheel_puts_the_man_page_and_completions_where_they_are_looked_for(
     assert set(SHARED.values()) == PLACES
     for source, place in SHARED.items():
         assert (venv / place).read_bytes() == (ROOT / source).read_bytes()
-    need("man")
+    installed("man")
     env = environment(venv / "bin", tmp_path, MANPATH="", MANWIDTH="80")
     assert run("man", "-w", "lockrun", env=env).stdout == f"{venv}/share/man/man1/lockrun.1\n"
     page = run("man", "lockrun", env=env).stdout
@@ -111,11 +104,11 @@ def test_the_wheel_puts_the_man_page_and_completions_where_they_are_looked_for(
     press_tab(
         ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --ur", "lockrun --uri ", env=env
     )
-    need("zsh")
+    installed("zsh")
     fpath = f"fpath=({venv}/share/zsh/site-functions $fpath)"
     setup = f"{fpath}; autoload -Uz compinit && compinit -u -D; echo ready-$?"
     press_tab(["zsh", "-f", "-i"], setup, "lockrun --ur", "lockrun --uri", env=env)
-    need("fish")  # fish reads $XDG_DATA_DIRS/fish/vendor_completions.d by itself
+    installed("fish")  # fish reads $XDG_DATA_DIRS/fish/vendor_completions.d by itself
     offered = run("fish", "-c", "complete -C 'lockrun --ur'", env=env).stdout
     assert offered.split("\t")[0] == "--uri"
 
@@ -135,7 +128,7 @@ def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> 
         run("lockrun", "--version", env=env).stdout == f"lockrun, version {lockrun.__version__}\n"
     )
     assert run("lockrun", "-n", "x", "--", "echo", "ran", env=env, cwd=tmp_path).stdout == "ran\n"
-    need("man")
+    installed("man")
     found = Path(run("man", "-w", "lockrun", env=env).stdout.strip())  # pipx links the page
     assert found.resolve() == (local / "share" / "man" / "man1" / "lockrun.1").resolve()
     # README: link the script into bash-completion's per-user directory.

@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
 
 import click
 
@@ -26,12 +26,13 @@ from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from click.shell_completion import CompletionItem, ShellComplete
 
     from lockrun.backends import LockState
 
+_Command = TypeVar("_Command", bound="Callable[..., object]")
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -171,6 +172,19 @@ def _complete_command(
     return _offer(dict.fromkeys(sorted(found)))
 
 
+def _uri_option(what: str) -> Callable[[_Command], _Command]:
+    """Return the ``-u/--uri`` option both commands take, explained as *what*."""
+    return click.option(
+        "-u",
+        "--uri",
+        metavar="URI",
+        default=DEFAULT_URI,
+        show_default=True,
+        shell_complete=_complete_uri,
+        help=what,
+    )
+
+
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
@@ -186,16 +200,10 @@ def _complete_command(
     allow_from_autoenv=False,  # LOCKRUN_NAME is what a command is told, not a setting
     help="Lock name, up to 255 bytes of UTF-8.  [default: the command's basename plus a hash]",
 )
-@click.option(
-    "-u",
-    "--uri",
-    metavar="URI",
-    default=DEFAULT_URI,
-    show_default=True,
-    shell_complete=_complete_uri,
-    help="Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
+@_uri_option(
+    "Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
     "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE, mysql://[USER@]HOST[:PORT]/DB, "
-    "mariadb://…, postgresql://[USER@]HOST[:PORT]/DB (any libpq URI), postgres://….",
+    "mariadb://…, postgresql://[USER@]HOST[:PORT]/DB (any libpq URI), postgres://…."
 )
 @click.option(
     "-s",
@@ -287,15 +295,7 @@ def run_command(
 
 
 @click.command(context_settings=_CONTEXT)
-@click.option(
-    "-u",
-    "--uri",
-    metavar="URI",
-    default=DEFAULT_URI,
-    show_default=True,
-    shell_complete=_complete_uri,
-    help="Lock service to ask, as for running a command.",
-)
+@_uri_option("Lock service to ask, as for running a command.")
 @click.option(
     "--namespace",
     metavar="NS",

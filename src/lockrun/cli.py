@@ -185,6 +185,15 @@ def _uri_option(what: str) -> Callable[[_Command], _Command]:
     )
 
 
+_namespace_option: Final = click.option(  # each use makes an option of its own
+    "--namespace",
+    metavar="NS",
+    default=DEFAULT_NAMESPACE,
+    show_default=True,
+    help="Partition of the lock names.",
+)
+
+
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
@@ -250,13 +259,7 @@ def _uri_option(what: str) -> Callable[[_Command], _Command]:
     show_default=True,
     help="Exit status when the lock is busy or the wait expired.",
 )
-@click.option(
-    "--namespace",
-    metavar="NS",
-    default=DEFAULT_NAMESPACE,
-    show_default=True,
-    help="Partition of the lock names.",
-)
+@_namespace_option
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
 @click.option("-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing.")
@@ -296,13 +299,7 @@ def run_command(
 
 @click.command(context_settings=_CONTEXT)
 @_uri_option("Lock service to ask, as for running a command.")
-@click.option(
-    "--namespace",
-    metavar="NS",
-    default=DEFAULT_NAMESPACE,
-    show_default=True,
-    help="Partition of the lock names.",
-)
+@_namespace_option
 @click.option(
     "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="Print JSON for machines."
 )

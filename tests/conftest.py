@@ -187,8 +187,12 @@ def gone(pid: int) -> bool:
 
 
 def queue_length(uri: str, name: str) -> int:
-    """Return how many waiters `lockrun status` reports for *name*."""
-    result = lockrun("status", "--uri", uri, "--json", name)
+    """Return how many waiters `lockrun status` reports for *name*.
+
+    Tests poll it in loops: unmeasured, as each traced start-up costs ~0.1 s and the
+    status paths have tests of their own.
+    """
+    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())
     assert result.returncode == 0, result.stderr
     return sum(len(state["waiters"]) for state in json.loads(result.stdout))
 

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import Held, finish, gone, lockrun, one_line, start, wait_for
+from conftest import Held, finish, gone, lockrun, one_line, start, unmeasured, wait_for
 from proxy import Proxy
 from servers import RedisServer, free_port
 
@@ -173,7 +173,7 @@ def lockrun_keys(server: RedisServer) -> dict[str, int]:
 
 def lock_state(uri: str, name: str) -> dict[str, Any]:
     """Return `lockrun status --json NAME`'s one entry."""
-    result = lockrun("status", "--uri", uri, "--json", name)
+    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())  # polled
     assert result.returncode == 0, result.stderr
     (state,) = json.loads(result.stdout)
     assert isinstance(state, dict)

@@ -13,10 +13,9 @@ import pytest
 from lockrun import progress
 from lockrun.backends import Holder, LockState, Request, next_fence
 from lockrun.errors import ConfigError, UsageError
-from lockrun.lock import clock_time
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
-from lockrun.timing import format_duration, parse_duration
+from lockrun.timing import clock_time, format_duration, parse_duration
 from lockrun.uri import parse_uri, redact
 
 if TYPE_CHECKING:

@@ -18,11 +18,10 @@ from lockrun.lock import (
     DEFAULT_NAMESPACE,
     DEFAULT_TTL,
     Options,
-    clock_time,
     run,
     states_for_status,
 )
-from lockrun.timing import format_duration, parse_duration
+from lockrun.timing import clock_time, format_duration, parse_duration
 from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:

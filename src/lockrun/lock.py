@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
 
 from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
@@ -26,7 +25,7 @@ from lockrun.errors import (
 from lockrun.names import check_name, default_name
 from lockrun.progress import WaitReport
 from lockrun.supervise import Guardian, Limits, supervise
-from lockrun.timing import format_duration, now
+from lockrun.timing import clock_time, format_duration, now
 from lockrun.uri import DEFAULT_URI, parse_uri, redact
 
 if TYPE_CHECKING:
@@ -73,17 +72,6 @@ def describe(holder: Holder) -> str:
     if holder.since is not None:
         text += f" since {clock_time(holder.since)}"
     return text
-
-
-def clock_time(stamp: float) -> str:
-    """Render a Unix time as local HH:MM:SS, with the date if it is not today."""
-    try:
-        local = time.localtime(stamp)
-    except (OverflowError, ValueError, OSError):  # a holder record we cannot trust
-        return "?"
-    if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
-        return time.strftime("%H:%M:%S", local)
-    return time.strftime("%Y-%m-%d %H:%M:%S", local)
 
 
 MAX_TTL: Final = 86400.0  # a lease is renewed while it is held; a longer one only delays

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import Backend, Holder, LockState, Request, open_backend
-from lockrun.timing import format_duration, now
+from lockrun.timing import clock_time, format_duration, now
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -28,8 +28,6 @@ SHOWN_HOLDERS: Final = 2  # a semaphore's line names this many holders, then "an
 
 def holders_text(holders: Sequence[Holder]) -> str:
     """Say who holds a lock, for people: ``vm:21883 since 12:03:04, vm:42 … and 1 more``."""
-    from lockrun.lock import clock_time  # noqa: PLC0415 - lock imports this module
-
     named = [
         f"{holder.host}:{holder.pid}"
         + ("" if holder.since is None else f" since {clock_time(holder.since)}")

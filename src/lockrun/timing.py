@@ -1,4 +1,4 @@
-"""The clock lockrun measures waits and leases with, and DURATION parsing."""
+"""The clock lockrun measures waits and leases with, DURATION parsing, and times for people."""
 
 from __future__ import annotations
 
@@ -50,3 +50,14 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def clock_time(stamp: float) -> str:
+    """Render a Unix time as local HH:MM:SS, with the date if it is not today."""
+    try:
+        local = time.localtime(stamp)
+    except (OverflowError, ValueError, OSError):  # a holder record we cannot trust
+        return "?"
+    if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
+        return time.strftime("%H:%M:%S", local)
+    return time.strftime("%Y-%m-%d %H:%M:%S", local)

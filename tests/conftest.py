@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -31,7 +32,7 @@ TEST_TTL = "5"
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep the developer's own LOCKRUN_* settings out of the tests."""
     for variable in list(os.environ):
-        if variable.startswith("LOCKRUN_"):
+        if variable.startswith(("LOCKRUN_", "_LOCKRUN_")):  # _LOCKRUN_COMPLETE: Tab's
             monkeypatch.delenv(variable)
 
 
@@ -145,6 +146,19 @@ def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.Comple
     return subprocess.run(
         [*LOCKRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
     )
+
+
+def help_options(*subcommand: str) -> dict[str, bool]:
+    """Map each ``-x``/``--long`` of ``lockrun [SUBCOMMAND] --help`` to whether it takes a value."""
+    result = lockrun(*subcommand, "--help")
+    assert result.returncode == 0, result.stderr
+    options: dict[str, bool] = {}
+    # An option's line starts with two spaces and a dash; its help follows two more spaces.
+    for column in re.findall(r"^  (-\S.*?)(?: {2}|$)", result.stdout, flags=re.MULTILINE):
+        takes_value = re.search(r" [A-Z]", column) is not None
+        options.update(dict.fromkeys(re.findall(r"--?\w[\w-]*", column), takes_value))
+    assert {"-h", "--help"} <= options.keys(), result.stdout  # the parse found the column
+    return options
 
 
 def start(*args: str, **kwargs: Any) -> subprocess.Popen[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, lockrun, one_line, queue_length, start, wait_for
+from conftest import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
 from terminal import Terminal
 
 from lockrun import ConfigError, ExitCode, cli
@@ -546,7 +546,7 @@ def test_a_late_term_does_not_replace_the_commands_status(
 
 def live_waiter(file_uri: str, name: str, columns: int = 200) -> Terminal:
     """Start a verbose waiter for *name* with a terminal as stdin, stdout and stderr."""
-    argv = [sys.executable, "-m", "lockrun", "--uri", file_uri, "-n", name, "-v", "-w", "forever"]
+    argv = [*LOCKRUN, "--uri", file_uri, "-n", name, "-v", "-w", "forever"]
     return Terminal([*argv, "--", "echo", "ran"], env=os.environ, columns=columns)
 
 

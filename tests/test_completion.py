@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import lockrun
 from servers import installed
 from terminal import Terminal, press_tab
 
@@ -28,43 +29,23 @@ def complete(line: str, shell: str = "bash") -> list[str]:
         word = re.search(r"([^\s=:]+|[=:]+)$", line)  # its last word, as bash splits
         env |= {"COMP_LINE": line, "COMP_WORD": word[1] if word else ""}
     env["COMP_CWORD"] = words[-1] if shell == "fish" else str(len(words) - 1)
-    result = subprocess.run(
-        [sys.executable, "-m", "lockrun"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    )
-    assert result.stderr == ""
+    result = lockrun(env=env)
+    assert (result.returncode, result.stderr) == (0, "")
     return result.stdout.splitlines()
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_committed_script_is_what_lockrun_generates(name: str) -> None:
     """completions/ holds exactly what `_LOCKRUN_COMPLETE=<shell>_source` prints."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lockrun"],
-        env={**os.environ, "_LOCKRUN_COMPLETE": f"{name}_source"},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    )
+    result = lockrun(env={**os.environ, "_LOCKRUN_COMPLETE": f"{name}_source"})
+    assert result.returncode == 0, result.stderr
     committed = (ROOT / "completions" / SCRIPTS[name]).read_text()
     assert result.stdout == committed, "run scripts/completions and commit the result"
 
 
 def test_an_unknown_shell_is_a_usage_error() -> None:
     """An instruction for a shell lockrun has no script for exits 64 with one line."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lockrun"],
-        env={**os.environ, "_LOCKRUN_COMPLETE": "tcsh_source"},
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
+    result = lockrun(env={**os.environ, "_LOCKRUN_COMPLETE": "tcsh_source"})
     assert result.returncode == 64
     assert result.stdout == ""
     assert result.stderr == (
@@ -75,14 +56,7 @@ def test_an_unknown_shell_is_a_usage_error() -> None:
 def test_completing_without_the_scripts_variables_is_a_usage_error() -> None:
     """`_LOCKRUN_COMPLETE=bash_complete` without COMP_WORDS exits 64 with one line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMP_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "lockrun"],
-        env={**env, "_LOCKRUN_COMPLETE": "bash_complete"},
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
+    result = lockrun(env={**env, "_LOCKRUN_COMPLETE": "bash_complete"})
     assert (result.returncode, result.stdout) == (64, "")
     assert result.stderr == (
         "lockrun: _LOCKRUN_COMPLETE=bash_complete: COMP_WORDS and COMP_CWORD come from the script\n"

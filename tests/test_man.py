@@ -12,7 +12,7 @@ from typing import Final
 
 import click
 import pytest
-from conftest import lockrun
+from conftest import help_options
 from servers import installed
 
 from lockrun import __version__
@@ -95,17 +95,6 @@ def tags(source: str) -> str:
 def mentions(text: str, word: str) -> bool:
     """Return whether *word* (an option, a scheme, a variable) stands alone in *text*."""
     return re.search(rf"(?<![\w+.-]){re.escape(word)}(?![\w-])", text) is not None
-
-
-def help_options(*arguments: str) -> set[str]:
-    """Return every ``-x`` and ``--long`` option that ``lockrun ARGUMENTS --help`` lists."""
-    result = lockrun(*arguments, "--help")
-    assert result.returncode == 0, result.stderr
-    # An option's line starts with two spaces and a dash; its help follows two more spaces.
-    columns = re.findall(r"^  (-\S.*?)(?: {2}|$)", result.stdout, flags=re.MULTILINE)
-    options = {token for column in columns for token in re.findall(r"--?[\w][\w-]*", column)}
-    assert {"-h", "--help"} <= options, result.stdout  # the parse found the option column
-    return options
 
 
 def man(*arguments: str) -> subprocess.CompletedProcess[str]:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import configparser
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
+from conftest import help_options
 
 from lockrun.backends import SCHEMES
 from lockrun.errors import ExitCode
@@ -80,24 +78,6 @@ def _table(text: str) -> list[list[str]]:
         for line in lines.group(1).splitlines()
     ]
     return rows[2:]
-
-
-def _help_options(*subcommand: str) -> dict[str, bool]:
-    """Map each option of `lockrun [SUBCOMMAND] --help` to whether it takes a value."""
-    environment = {key: value for key, value in os.environ.items() if key != "_LOCKRUN_COMPLETE"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lockrun", *subcommand, "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=environment,
-    )
-    options: dict[str, bool] = {}
-    for match in re.finditer(r"(?m)^  (-\S.*?)(?: {2,}|$)", result.stdout):
-        takes_value = re.search(r" [A-Z]", match.group(1)) is not None
-        options.update(dict.fromkeys(re.findall(r"--?[\w-]+", match.group(1)), takes_value))
-    assert "--help" in options, result.stdout
-    return options
 
 
 def _invocations() -> list[Invocation]:
@@ -248,14 +228,14 @@ def test_the_options_table_matches_help() -> None:
         for group in re.findall(r"`([^`]*)`", cell):
             takes_value = re.search(r" [A-Z]+$", group) is not None
             listed.update(dict.fromkeys(re.findall(r"--?[\w-]+", group), takes_value))
-    options = _help_options()
+    options = help_options()
     assert sorted(listed) == sorted(options)
     assert listed == options
 
 
 def test_every_lockrun_line_in_a_code_block_uses_real_options() -> None:
     """Each `lockrun …` in a code block uses options that exist, up to the command it runs."""
-    options, status_options = _help_options(), _help_options("status")
+    options, status_options = help_options(), help_options("status")
     invocations = _invocations()
     unknown = []
     for invocation in invocations:

@@ -111,6 +111,7 @@ class FailingLease:
     fence = None
     ttl = float(sys.argv[3])
     fds = ()
+    sessions = ()
 
     def refresh(self):
         asked = now()

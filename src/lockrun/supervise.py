@@ -3,15 +3,18 @@
 No Python signal handlers: the signals we care about are blocked and taken one at a time
 from `sigtimedwait`, whose timeout doubles as the lease-refresh and --max-time timer
 (aesthetics.md §5.6). Lease refreshes run in a short-lived thread each, so a backend that
-hangs cannot hold up a stop the lease needs.
+hangs cannot hold up a stop the lease needs. A session lock (MySQL, PostgreSQL) is also
+watched for the server hanging up, which frees it at once, between two refreshes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Final, NamedTuple, NoReturn
 
 from lockrun.errors import (
@@ -39,7 +42,9 @@ FORWARDED: Final = frozenset(
         signal.SIGUSR2,
     }
 )
-_WATCHED: Final = FORWARDED | {signal.SIGCHLD}
+# Raised by `_Hangups` when the server hangs up on a session lock; ignored by default.
+_HANGUP: Final = signal.SIGURG
+_WATCHED: Final = FORWARDED | {signal.SIGCHLD, _HANGUP}
 # SIGTTOU: taking the terminal back from the command's group while we are in the background.
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (aesthetics.md §5.6).
@@ -120,11 +125,43 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
             kept += fds
             if b"x" in message:
                 break
-            if not message:  # EOF: lockrun is gone; the group goes, and we with it
-                os.killpg(0, signal.SIGKILL)
-                break  # never loop on a closed socket, whatever killpg did
+            if not message:  # EOF: lockrun is gone; the group goes, then we and the lock do
+                _kill_the_others()
+                break
     finally:
         os._exit(0)
+
+
+def _kill_the_others() -> None:  # pragma: no cover - runs in the guardian
+    """SIGKILL every other process of our group; return once none of them is alive.
+
+    Not killpg, which would take us along: the kernel might end us before a command that
+    is slow to die, and our copies of the lock's descriptors with us, freeing the lock
+    while the command still ran. A process killed while it forks may leave a child: look
+    again until the group is empty.
+    """
+    me = os.getpid()
+    while others := [pid for pid in _members(me) if pid != me]:
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.001)
+
+
+def _members(group: int) -> list[int]:
+    """Return the live (not zombie) processes of process *group*, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:  # it ended while we looked
+            continue
+        if int(fields[2]) == group and fields[0] not in {b"Z", b"X"}:
+            found.append(int(entry))
+    return found
 
 
 def supervise(
@@ -149,7 +186,7 @@ def supervise(
         group = 0 if guardian is None else guardian.pid
         pid = _spawn(argv, env, pass_fds, group=group)
         watch = _Watch(pid, group or pid, lease, limits, log)
-        with _terminal_for(watch.group) as terminal:
+        with _terminal_for(watch.group) as terminal, _Hangups(lease.sessions):
             watch.terminal = terminal
             return watch.run()
     finally:
@@ -200,17 +237,7 @@ def _own_foreground_terminal() -> bool:
     except OSError:  # a terminal that is not our controlling one
         return False
     # In `lockrun … | less` our group holds `less` too: handing over would stop it.
-    group, me = os.getpgrp(), os.getpid()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    fields = stat.read().rsplit(b")", 1)[1].split()
-            except OSError:  # it exited while we looked
-                continue
-            if int(fields[2]) == group:
-                return False
-    return True
+    return _members(os.getpgrp()) == [os.getpid()]
 
 
 def _genuine(info: signal.struct_siginfo) -> bool:
@@ -222,6 +249,52 @@ def _genuine(info: signal.struct_siginfo) -> bool:
     SI_QUEUE, SI_TKILL, CLD_*: all within -64 … 128).
     """
     return info.si_signo in _WATCHED and -64 <= info.si_code <= 128  # noqa: PLR2004
+
+
+_HUNG_UP: Final = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _hung_up(fds: Sequence[int]) -> bool:
+    """Return whether the far end has closed any of the sockets *fds* (or they are gone)."""
+    poll = select.poll()
+    for fd in fds:
+        poll.register(fd, select.POLLRDHUP)
+    return any(events & _HUNG_UP for _, events in poll.poll(0))
+
+
+class _Hangups(threading.Thread):
+    """Wake the loop with `_HANGUP` when the server hangs up on a session that holds the lock.
+
+    A session lock ends with its session: the server frees it when it closes the
+    connection (KILL, a restart, a reset by the network), and the next waiter gets in at
+    once. The refresh every ttl/3 would leave the command running that long without the
+    lock. POLLRDHUP fires on the server's FIN or RST alone, not on the answers to our own
+    refreshes. Started with the signals blocked, so the signal goes to the loop.
+    """
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        super().__init__(name="lockrun-hangups", daemon=True)
+        self._fds = fds
+        self._poll = select.poll()
+        for fd in fds:
+            self._poll.register(fd, select.POLLRDHUP)
+        self._wake, self._waker = os.pipe()
+        self._poll.register(self._wake, select.POLLIN)
+
+    def __enter__(self) -> None:
+        if self._fds:
+            self.start()
+
+    def __exit__(self, *_: object) -> None:
+        os.write(self._waker, b"x")
+        if self._fds:
+            self.join()
+        os.close(self._wake)
+        os.close(self._waker)
+
+    def run(self) -> None:
+        if any(fd != self._wake for fd, _ in self._poll.poll()):
+            os.kill(os.getpid(), _HANGUP)
 
 
 class _Ask(threading.Thread):
@@ -279,6 +352,8 @@ class _Watch:
                     status = self._reap()
                     if status is not None:
                         return self._outcome(status)
+                elif info.si_signo == _HANGUP:
+                    self._on_hangup()
                 else:
                     self._signal_group(info.si_signo)
         except BaseException:
@@ -320,6 +395,12 @@ class _Watch:
             self._begin_stop(lost, kill_by=self._deadline())
         elif self.asking is None and current >= self.next_refresh:
             self.asking = _Ask(self.lease)
+
+    def _on_hangup(self) -> None:
+        """Stop at once if the server closed a session of the lease (not for a stray SIGURG)."""
+        if self.failure is None and _hung_up(self.lease.sessions):
+            lost = "the session holding the lock ended (the server hung up); its locks are gone"
+            self._begin_stop(LeaseLost(lost))
 
     def _collect(self, current: float) -> bool:
         """Take the outcome of a finished refresh (True: the lease is lost, stop begun).

@@ -152,6 +152,10 @@ class Lease(Protocol):
     def fds(self) -> tuple[int, ...]:
         """File descriptors that keep the slot held while any process has them open."""
 
+    @property
+    def sessions(self) -> tuple[int, ...]:
+        """Sockets of server sessions whose end frees the slot at once: watched for a hang-up."""
+
     def refresh(self) -> None:
         """Prove the slot is still ours (extend it); raise `LeaseLost` or `BackendUnavailable`."""
 

@@ -205,6 +205,7 @@ class AbstractLease:
     """A held abstract slot: the listening socket plus a marker that names the holder."""
 
     ttl: float | None = None  # the slot lives exactly as long as the listening socket
+    sessions: tuple[int, ...] = ()
 
     def __init__(
         self, slot: int, fence: int, listener: socket.socket, marker: socket.socket | None

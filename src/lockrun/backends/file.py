@@ -188,6 +188,7 @@ class FileLease:
     """A held slot: its locked file (and, for a semaphore, a wake-up socket)."""
 
     ttl: float | None = None  # the slot lives as long as some process has the fd
+    sessions: tuple[int, ...] = ()
 
     def __init__(
         self, slot: int, fence: int, path: str, fd: int, dir_fd: int, wake: socket.socket | None

@@ -753,6 +753,7 @@ class MySQLLease:
         self.fence = fence
         self.ttl: float | None = backend.ttl
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
+        self.sessions = self.fds  # the server frees the slot the moment it hangs up
         self.released = False
         self._busy = threading.Lock()  # one statement at a time on the session
 

@@ -648,6 +648,7 @@ class RedisLease:
     """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends."""
 
     fds: tuple[int, ...] = ()
+    sessions: tuple[int, ...] = ()  # the lease outlives a connection
 
     def __init__(self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int) -> None:
         """Describe the slot *claim* holds."""

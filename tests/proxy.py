@@ -1,17 +1,22 @@
-"""A loopback TCP proxy whose link can be cut silently, like a network partition.
+"""A loopback TCP proxy whose link can fail the ways networks do: silence, lag and resets.
 
 `Proxy` accepts on 127.0.0.1 (a port of its own) and pipes bytes both ways to a target
 address, in one thread. `blackhole()` stops forwarding without closing anything: clients
 keep connected sockets (and new connections are still accepted by the kernel) but nothing
 reaches the server or comes back, which is what a dropped link looks like from either end
-until TCP gives up.
+until TCP gives up. `delay()` holds every byte for a while each way, like a slow server or
+a congested link; `reset()` aborts every connection with an RST at both ends, as a
+firewall or NAT that forgets its state does, and forwards new ones as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import selectors
 import socket
+import struct
 import threading
 import time
 
@@ -38,6 +43,10 @@ class Proxy:
         self._peers: dict[socket.socket, socket.socket | None] = {}
         self._blackholed = threading.Event()
         self._stopping = threading.Event()
+        self._delay = 0.0
+        self._due: list[tuple[float, int, socket.socket, bytes]] = []  # (when, order, to, data)
+        self._order = itertools.count()
+        self._resetting = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="proxy", daemon=True)
         self._thread.start()
 
@@ -50,6 +59,19 @@ class Proxy:
         """Silently drop every byte from now on, both ways, keeping every socket open."""
         self._blackholed.set()
 
+    def delay(self, seconds: float) -> None:
+        """Hold every byte for *seconds* before passing it on, both ways (0: no more lag).
+
+        Order is kept: the link is slow, not lossy.
+        """
+        self._delay = seconds
+
+    def reset(self) -> None:
+        """Abort every open connection with an RST to both ends; new ones are forwarded."""
+        self._resetting.set()
+        while self._resetting.is_set() and self._thread.is_alive():
+            time.sleep(0.005)
+
     def close(self) -> None:
         """Stop the thread and close every socket."""
         self._stopping.set()
@@ -60,7 +82,11 @@ class Proxy:
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
-            for key, _ in self._selector.select(timeout=0.02):
+            if self._resetting.is_set():
+                self._abort_all()
+            self._deliver()
+            wait = min([0.02, *(max(0.0, due[0] - time.monotonic()) for due in self._due[:1])])
+            for key, _ in self._selector.select(timeout=wait):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is self._listener:
@@ -90,15 +116,34 @@ class Proxy:
             data = sock.recv(65536)
         except OSError:
             data = b""
-        peer = self._peers[sock]
         if self._blackholed.is_set():
             if not data:  # stop watching a closed end, but tell the other end nothing
                 self._selector.unregister(sock)
             return
-        if not data:  # a clean close: pass it on, as a working link would
+        if not self._delay:
+            self._pass(sock, data)
+            return
+        if not data:
+            self._selector.unregister(sock)  # its close is passed on later, in order
+        when = time.monotonic() + self._delay
+        heapq.heappush(self._due, (when, next(self._order), sock, data))
+
+    def _deliver(self) -> None:
+        """Pass on the delayed bytes (and closes) whose time has come."""
+        while self._due and self._due[0][0] <= time.monotonic():
+            _, _, sock, data = heapq.heappop(self._due)
+            self._pass(sock, data)
+
+    def _pass(self, sock: socket.socket, data: bytes) -> None:
+        """Send *data* from *sock* on to its peer; no data is a clean close, passed on too."""
+        if sock not in self._peers:  # reset or closed meanwhile
+            return
+        peer = self._peers[sock]
+        if not data:  # as a working link would
             for end in (sock, peer):
-                if end is not None:
-                    self._selector.unregister(end)
+                if end is not None and end in self._peers:
+                    with contextlib.suppress(KeyError):
+                        self._selector.unregister(end)
                     self._peers.pop(end)
                     end.close()
             return
@@ -109,3 +154,16 @@ class Proxy:
                     time.sleep(self.late_tail)  # the whole proxy waits: it is for tests
                     data = data[-_TAIL:]
                 peer.sendall(data)
+
+    def _abort_all(self) -> None:
+        """Close every connection with SO_LINGER 0: the kernel sends an RST, not a FIN."""
+        for sock in list(self._peers):
+            with contextlib.suppress(KeyError):
+                self._selector.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        self._peers.clear()
+        self._upstreams.clear()
+        self._due.clear()
+        self._resetting.clear()

@@ -1,0 +1,182 @@
+"""An independent witness of who runs under the lock: the kernel tells it, not lockrun.
+
+Each command under test is a bash script whose first act is to connect to `Oracle` over
+loopback TCP and say who it is (pid, parent, fence, slot, tag). Its socket stays open until
+the process is gone, however it ends, TERM or SIGKILL included, because the kernel closes
+it then. The oracle's thread records a start at each connection and an end at each
+hang-up, so how many commands run at once is known without asking lockrun or its backend.
+
+Counting is exact, not merely likely: each round of events handles every hang-up and line
+first, then accepts one connection only. The connection accepted is the oldest waiting,
+which was waiting already when the round's `select` returned, so every hang-up that
+happened before it connected has been counted. One that happened after is a real overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+
+@dataclass
+class Run:
+    """One command's life as the oracle saw it (times from `time.monotonic`)."""
+
+    start: float
+    tag: str = ""
+    pid: int = 0  # 0: killed before it said who it is
+    ppid: int = 0  # its lockrun
+    fence: int = 0
+    slot: int = -1
+    end: float | None = None
+    running_at_start: int = 0  # commands running once this one started, itself included
+    sock: socket.socket | None = field(default=None, repr=False)
+
+    @property
+    def length(self) -> float:
+        """How long it ran (so far)."""
+        return (time.monotonic() if self.end is None else self.end) - self.start
+
+
+class Oracle:
+    """Count the commands running at once, from their connections' lives."""
+
+    def __init__(self) -> None:
+        """Listen on a free loopback port and start the thread."""
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self._listener.setblocking(False)  # noqa: FBT003 - the socket API
+        self.port: int = self._listener.getsockname()[1]
+        self.runs: list[Run] = []  # in the order they started
+        self.running = 0
+        self.peak = 0
+        self._lines: dict[socket.socket, bytes] = {}
+        self._by_sock: dict[socket.socket, Run] = {}
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="oracle", daemon=True)
+        self._thread.start()
+
+    def command(self, tag: str = "", *, hold: float | None = None) -> list[str]:
+        """Return the argv of a command that reports to us, then holds.
+
+        It holds until `release` or, with *hold*, for that many seconds at most.
+        """
+        timeout = "" if hold is None else f"-t {hold:g} "
+        script = (
+            f"exec 3<>/dev/tcp/127.0.0.1/{self.port} || exit 99; "
+            f'echo "$$ $PPID ${{LOCKRUN_FENCE:-0}} ${{LOCKRUN_SLOT:--1}} {shlex.quote(tag)}" >&3; '
+            f"read -r {timeout}-u 3 _; exit 0"
+        )
+        return ["bash", "-c", script]
+
+    def release(self, run: Run) -> None:
+        """Tell a holding command to exit 0."""
+        with contextlib.suppress(OSError):
+            assert run.sock is not None
+            run.sock.sendall(b"go\n")
+
+    def wait(self, condition: object, timeout: float, what: str) -> None:
+        """Poll *condition* (a callable) until true; fail the test after *timeout* seconds."""
+        assert callable(condition)
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.005)
+
+    def started(self, tag: str) -> list[Run]:
+        """Return the runs that said *tag*."""
+        with self._lock:
+            return [run for run in self.runs if run.tag == tag]
+
+    def wait_started(self, tag: str, timeout: float = 30) -> Run:
+        """Wait until a command tagged *tag* has said who it is; return its run."""
+        self.wait(lambda: any(run.pid for run in self.started(tag)), timeout, f"{tag} to start")
+        return next(run for run in self.started(tag) if run.pid)
+
+    def wait_ended(self, run: Run, timeout: float = 30) -> float:
+        """Wait until *run* ended; return when."""
+        self.wait(lambda: run.end is not None, timeout, f"{run.tag or run.pid} to end")
+        assert run.end is not None
+        return run.end
+
+    def overlaps(self) -> list[tuple[Run, Run]]:
+        """Return every pair of runs that ran at the same time, earlier one first."""
+        with self._lock:
+            runs = sorted(self.runs, key=lambda run: run.start)
+        pairs = []
+        for i, first in enumerate(runs):
+            for second in runs[i + 1 :]:
+                if first.end is not None and second.start >= first.end:
+                    continue
+                pairs.append((first, second))
+        return pairs
+
+    def close(self) -> None:
+        """Stop the thread and close every socket."""
+        self._stopping.set()
+        self._thread.join(10)
+        for sock in [self._listener, *self._by_sock]:
+            sock.close()
+        self._selector.close()
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            events = self._selector.select(timeout=0.05)
+            listening = False
+            for key, _ in events:
+                if key.fileobj is self._listener:
+                    listening = True
+                else:
+                    assert isinstance(key.fileobj, socket.socket)
+                    self._read(key.fileobj)
+            if listening:
+                self._accept_one()
+
+    def _accept_one(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        with self._lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            run = Run(start=time.monotonic(), running_at_start=self.running, sock=sock)
+            self.runs.append(run)
+        self._by_sock[sock] = run
+        self._lines[sock] = b""
+        sock.setblocking(False)  # noqa: FBT003 - the socket API
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        run = self._by_sock[sock]
+        if data:
+            self._lines[sock] += data
+            line = self._lines[sock]
+            if b"\n" in line and not run.pid:
+                pid, ppid, fence, slot, *tag = line.split(b"\n", 1)[0].decode().split(" ", 4)
+                run.pid, run.ppid, run.fence, run.slot = int(pid), int(ppid), int(fence), int(slot)
+                run.tag = tag[0] if tag else ""
+            return
+        self._selector.unregister(sock)
+        with self._lock:
+            self.running -= 1
+            run.end = time.monotonic()
+        del self._by_sock[sock], self._lines[sock]
+        run.sock = None
+        sock.close()

@@ -1,0 +1,120 @@
+"""200 waiters on one name with 10 slots, on every backend.
+
+Ten holders take the slots; 190 waiters then start 30 ms apart and queue; the holders
+let go, and each waiter runs a 50 ms command. The oracle (tests/chaos/oracle.py) checks
+that never more than 10 ran at once and gives the order they were granted in, which is
+compared with the order they started in (Kendall's tau; 1 is exactly first come, first
+served). Each lockrun is reaped with wait4, so its CPU (with its command's) is measured;
+the servers' connection count is sampled throughout. The README's connection budget
+comes from these numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Final
+
+import pytest
+from conftest import LOCKRUN, queue_length, unmeasured
+
+from chaos.rig import PeakSessions
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+
+    from chaos.oracle import Oracle
+    from chaos.rig import Target
+
+WAITERS: Final = 200
+SLOTS: Final = 10
+PACE: Final = 0.03  # seconds between two waiters' starts
+HOLD: Final = 0.05  # each waiter's command
+
+
+def kendall_tau(order: Sequence[int]) -> float:
+    """Return Kendall's tau between *order* and its sorted self (no ties): 1 is sorted."""
+    n = len(order)
+    concordant = sum(1 if order[i] < order[j] else -1 for i in range(n) for j in range(i + 1, n))
+    return concordant / (n * (n - 1) / 2)
+
+
+def spawn(argv: list[str], errors: Path) -> int:
+    """Start *argv* with stdout discarded and stderr appended to *errors*; return its pid."""
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 2, str(errors), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+    ]
+    return os.posix_spawn(argv[0], argv, unmeasured(), file_actions=actions)
+
+
+def test_kendall_tau() -> None:
+    """The statistic itself: sorted, reversed, one swap."""
+    assert kendall_tau([0, 1, 2, 3]) == 1
+    assert kendall_tau([3, 2, 1, 0]) == -1
+    assert kendall_tau([1, 0, 2, 3]) == pytest.approx(4 / 6)
+
+
+@pytest.mark.timeout(300)
+def test_200_waiters_on_10_slots(
+    target: Target, oracle: Oracle, name: str, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    """All 200 run, never more than 10 at once, granted close to the order they came in."""
+    options = ["--uri", target.uri, "-n", name, "-s", str(SLOTS), "-w", "forever"]
+    errors = tmp_path / "stderr"
+    sessions = PeakSessions(target.rig) if target.rig else None
+    pids: list[int] = []
+    try:
+        for i in range(SLOTS):
+            pids.append(spawn([*LOCKRUN, *options, "--", *oracle.command(f"h{i}")], errors))
+        oracle.wait(lambda: oracle.running == SLOTS, 60, "10 holders")
+        holders = list(oracle.runs)
+        began = time.monotonic()
+        for i in range(WAITERS - SLOTS):
+            command = oracle.command(str(i), hold=HOLD)
+            pids.append(spawn([*LOCKRUN, *options, "--", *command], errors))
+            time.sleep(max(0.0, began + (i + 1) * PACE - time.monotonic()))
+        oracle.wait(
+            lambda: queue_length(target.uri, name) == WAITERS - SLOTS,
+            120,
+            f"{WAITERS - SLOTS} waiters to queue; lockrun said: {errors.read_text()[-2000:]}",
+        )
+        queued = time.monotonic() - began
+        for run in holders:
+            oracle.release(run)
+        released = time.monotonic()
+        cpu, statuses = 0.0, []
+        for pid in pids:
+            _, status, usage = os.wait4(pid, 0)
+            statuses.append(os.waitstatus_to_exitcode(status))
+            cpu += usage.ru_utime + usage.ru_stime
+        drained = time.monotonic() - released
+        pids.clear()
+    finally:
+        peak_sessions = sessions.stop() if sessions else None
+        for pid in pids:  # a failure: leave nothing running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    granted = [
+        int(run.tag) for run in sorted(oracle.runs, key=lambda run: run.start) if run.tag.isdigit()
+    ]
+    tau = kendall_tau(granted)
+    record(
+        "200 waiters, 10 slots",
+        backend=target.kind,
+        peak=oracle.peak,
+        tau=tau,
+        queued_in=queued,
+        drained_in=drained,
+        lockrun_cpu_per_process=cpu / WAITERS,
+        peak_connections=peak_sessions if peak_sessions is not None else "-",
+    )
+    assert statuses == [0] * WAITERS, errors.read_text()[-2000:]
+    assert len(oracle.runs) == WAITERS
+    assert oracle.peak <= SLOTS
+    assert sorted(granted) == list(range(WAITERS - SLOTS))
+    assert tau > 0.5, granted

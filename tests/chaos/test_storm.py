@@ -1,0 +1,211 @@
+"""A 30-second kill storm on every backend: SIGKILL of holders, waiters and commands.
+
+Two pools of lockrun processes contend for one name each, a mutex (N = 1) and a
+semaphore (N = 3), every process around a command that reports to the oracle and holds for
+a moment. A pool is topped up as its processes end, while a killer SIGKILLs a random
+holder, waiter or command every 0.1–0.4 s. The oracle (tests/chaos/oracle.py) must never
+see more than N commands at once, and once the storm is over all N slots of each name must
+be takeable at the same time within a ttl: nothing the dead left behind may hold one.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Final
+
+import pytest
+from conftest import LOCKRUN, unmeasured
+
+from chaos.oracle import Oracle
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from chaos.rig import Target
+
+STORM: Final = 30.0  # seconds of killing
+TTL: Final = 5.0  # a SIGKILLed Redis holder's slot comes back a ttl later
+SLACK: Final = 5.0
+KILLED: Final = -signal.SIGKILL  # lockrun itself was killed
+COMMAND_KILLED: Final = 128 + signal.SIGKILL  # its command was: lockrun says so and exits
+
+
+class Pool:
+    """Lockrun processes on one name with *slots* slots, kept *size* strong."""
+
+    def __init__(
+        self, uri: str, name: str, slots: int, size: int, directory: Path, rng: random.Random
+    ) -> None:
+        """Describe the pool; `top_up` starts its processes."""
+        self.uri, self.name, self.slots, self.size = uri, name, slots, size
+        self.oracle = Oracle()
+        self.rng = rng
+        self.live: list[subprocess.Popen[bytes]] = []
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self.kills: collections.Counter[str] = collections.Counter()
+        self.killed: list[tuple[float, str, int]] = []  # when, what, pid: to explain a failure
+        self.errors = open(directory / f"stderr-{slots}", "ab")  # noqa: SIM115 - closed by close()
+
+    def start(self, *, wait: str = "forever", hold: float | None = None, tag: str = "") -> None:
+        """Start one lockrun process of the pool."""
+        argv = [
+            *LOCKRUN, "--uri", self.uri, "-n", self.name, "-s", str(self.slots), "-w", wait,
+            "--ttl", f"{TTL:g}", "--kill-after", "1",
+            "--", *self.oracle.command(tag, hold=hold),
+        ]  # fmt: skip
+        self.live.append(
+            subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.errors, env=unmeasured())
+        )
+
+    def reap(self) -> None:
+        """Count the statuses of the processes that ended."""
+        for process in list(self.live):
+            if process.poll() is not None:
+                self.statuses[process.returncode] += 1
+                self.live.remove(process)
+
+    def top_up(self) -> None:
+        """Start processes until the pool is *size* strong again."""
+        self.reap()
+        while len(self.live) < self.size:
+            self.start(hold=self.rng.uniform(0.2, 0.8))
+
+    def kill_one(self) -> None:
+        """SIGKILL a random holder, waiter or command of the pool, if there is one."""
+        live = {process.pid for process in self.live if process.poll() is None}
+        running = [run for run in list(self.oracle.runs) if run.end is None and run.pid]
+        holders = [run.ppid for run in running if run.ppid in live]
+        victims = {
+            "holder": holders,
+            "waiter": sorted(live - set(holders)),
+            "command": [run.pid for run in running],
+        }
+        kinds = [kind for kind, pids in victims.items() if pids]
+        if not kinds:
+            return
+        kind = self.rng.choice(kinds)
+        pid = self.rng.choice(victims[kind])
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            return
+        self.kills[kind] += 1
+        self.killed.append((time.monotonic(), kind, pid))
+
+    def kill_all(self) -> None:
+        """SIGKILL every lockrun process of the pool and wait for them."""
+        for process in self.live:
+            process.kill()
+        for process in self.live:
+            process.wait(30)
+        self.reap()
+
+    def stderr(self) -> str:
+        """Return what the pool's processes said."""
+        self.errors.flush()
+        with open(self.errors.name, "rb") as said:
+            return said.read().decode(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        """Kill what is left; close the oracle and the log."""
+        self.kill_all()
+        self.oracle.close()
+        self.errors.close()
+
+
+@pytest.mark.timeout(180)
+def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
+    target: Target, name: str, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    """SIGKILLs for 30 s: never more than N at once; then all N slots free within a ttl."""
+    seed = os.getpid() ^ int(time.time())
+    rng = random.Random(seed)  # noqa: S311 - chaos, not secrets
+    pools = [
+        Pool(target.uri, f"{name}-mutex", 1, 3, tmp_path, rng),
+        Pool(target.uri, f"{name}-sem", 3, 5, tmp_path, rng),
+    ]
+    try:
+        storm(pools, rng)
+        for pool in pools:
+            pool.kill_all()
+        killed = time.monotonic()
+        for pool in pools:  # every slot at once, each holder waiting until released
+            for _ in range(pool.slots):
+                pool.start(wait=f"{TTL + SLACK:g}", tag="after")
+        for pool in pools:
+            pool.oracle.wait(
+                lambda pool=pool: (
+                    sum(run.end is None for run in pool.oracle.started("after")) == pool.slots
+                ),
+                TTL + SLACK,
+                f"all {pool.slots} slots of {pool.name} at once; lockrun said: {pool.stderr()}",
+            )
+        all_free = time.monotonic() - killed
+        for pool in pools:
+            check(pool, target, all_free, seed, record)
+    finally:
+        for pool in pools:
+            pool.close()
+
+
+def storm(pools: list[Pool], rng: random.Random) -> None:
+    """Keep the pools topped up and kill something every 0.1–0.4 s, for `STORM` seconds."""
+    end = time.monotonic() + STORM
+    next_kill = time.monotonic() + rng.uniform(0.1, 0.4)
+    while time.monotonic() < end:
+        for pool in pools:
+            pool.top_up()
+        if time.monotonic() >= next_kill:
+            rng.choice(pools).kill_one()
+            next_kill = time.monotonic() + rng.uniform(0.1, 0.4)
+        time.sleep(0.02)
+
+
+def check(
+    pool: Pool, target: Target, all_free: float, seed: int, record: Callable[..., None]
+) -> None:
+    """Judge one pool by its oracle: the peak, the fences, the statuses, the release."""
+    runs = [run for run in pool.oracle.runs if run.pid]
+    record(
+        f"kill storm N={pool.slots}",
+        backend=target.kind,
+        runs=len(runs),
+        kills=dict(pool.kills),
+        peak=pool.oracle.peak,
+        all_slots_free_after=all_free,
+        statuses=dict(pool.statuses),
+        seed=seed,
+    )
+    assert pool.oracle.peak <= pool.slots, explain(pool)
+    assert sum(pool.kills.values()) >= STORM  # about 4 a second between two pools
+    fences = [run.fence for run in sorted(runs, key=lambda run: run.start)]
+    assert len(set(fences)) == len(fences), "two grants with one fence"
+    if pool.slots == 1:
+        assert fences == sorted(fences), "a later holder had a smaller fence"
+    after = pool.oracle.started("after")
+    for run in after:
+        pool.oracle.release(run)
+    for process in pool.live:
+        process.wait(30)
+    pool.reap()
+    unexpected = set(pool.statuses) - {0, KILLED, COMMAND_KILLED}
+    assert not unexpected, f"statuses {dict(pool.statuses)}; lockrun said: {pool.stderr()}"
+
+
+def explain(pool: Pool) -> str:
+    """Describe the runs that overlapped, and the kills around them."""
+    lines = []
+    for first, second in pool.oracle.overlaps():
+        lines.append(f"{first}\n  and {second}")
+        lines += [
+            f"  killed {kind} {pid} at {when:.3f}"
+            for when, kind, pid in pool.killed
+            if first.start - 1 <= when <= second.start + 1
+        ]
+    return "\n".join(lines)

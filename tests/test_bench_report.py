@@ -1,0 +1,97 @@
+"""bench/report writes one Markdown table per backend beside flock(1), and a PNG plot (#7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Final
+
+import pytest
+from conftest import unmeasured
+from servers import installed, unavailable
+
+REPORT: Final = Path(__file__).resolve().parent.parent / "bench" / "report"
+PNG_MAGIC: Final = b"\x89PNG\r\n\x1a\n"
+# Each table's rows, by how their labels start, in order.
+LOCAL_ROWS: Final = (
+    "start-up, median ms",
+    "start-up ratio, over `python -c 'import click'`",
+    "handoff p50, ms",
+    "handoff p99, ms",
+    "idle-waiter CPU, s per waiter per s",
+    "acquire/release cycles per s, 8 contenders",
+)
+HEADER: Final = ("date", "kernel", "CPUs", "Python", "load average", "command")
+
+
+def report(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run bench/report itself, by its shebang, with this interpreter's python3 first on PATH."""
+    env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+    return subprocess.run(
+        [str(REPORT), *args], capture_output=True, text=True, timeout=90, check=False, env=env
+    )
+
+
+def tables(markdown: str) -> dict[str, list[list[str]]]:
+    """Return each `## backend` section's table as rows of cells, the header row first."""
+    found: dict[str, list[list[str]]] = {}
+    section = ""
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif section and line.startswith("|") and not line.startswith("|---"):
+            found.setdefault(section, []).append(
+                [cell.strip() for cell in line.strip("|").split("|")]
+            )
+    return found
+
+
+def test_quick_report(tmp_path: Path) -> None:
+    """`--quick --backends file,abstract` writes both tables with flock(1) and a valid PNG."""
+    try:
+        import matplotlib  # noqa: F401, ICN001
+    except ImportError:
+        unavailable("matplotlib is not installed (pip install -e '.[bench]')")
+    installed("flock")
+    out = report("--quick", "--backends", "file,abstract", "--out", str(tmp_path), env=unmeasured())
+    assert out.returncode == 0, out.stdout + out.stderr
+    markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
+    for item in HEADER:
+        assert f"| {item}" in markdown
+    assert "--quick --backends file,abstract --out" in markdown
+    assert "`etcdctl lock`" in markdown
+    found = tables(markdown)
+    assert list(found) == ["file", "abstract"]
+    for rows in found.values():
+        assert rows[0] == ["metric", "lockrun", "flock(1)"]
+        assert len(rows) == 1 + len(LOCAL_ROWS)
+        for label, (metric, *cells) in zip(LOCAL_ROWS, rows[1:], strict=True):
+            assert metric.startswith(label)
+            assert len(cells) == 2
+            assert all(float(cell) >= 0 for cell in cells), (metric, cells)
+    png = (tmp_path / "handoff-latency.png").read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    assert len(png) > len(PNG_MAGIC)
+
+
+def test_without_matplotlib(tmp_path: Path) -> None:
+    """Without matplotlib it says how to install it, in one line, and exits 2 at once."""
+    hidden = tmp_path / "hide" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    env = {**unmeasured(), "PYTHONPATH": str(hidden.parent)}
+    out = report("--quick", "--out", str(tmp_path / "out"), env=env)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1
+    assert "pip install -e '.[bench]'" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("backends", ["nfs", "file,nfs", ""])
+def test_unknown_backend(backends: str, tmp_path: Path) -> None:
+    """An unknown backend in --backends is a usage error (2) naming the choices."""
+    out = report("--backends", backends, "--out", str(tmp_path / "out"), env=unmeasured())
+    assert out.returncode == 2
+    assert "file,abstract,redis,mysql,postgres" in out.stderr

@@ -340,32 +340,43 @@ def start_two_waiters(
     return head, second, started, go
 
 
-@pytest.mark.timeout(40)
-def test_sigkilled_head_waiter_loses_its_place_within_a_ttl(
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client_allowed", [True, False], ids=["passed-over", "no-CLIENT-acl"])
+def test_sigkilled_head_waiter_is_passed_over(
     redis_server: RedisServer,
     name: str,
     tmp_path: Path,
     spawn: Callable[..., Any],
     held: Callable[..., Held],
+    client_allowed: bool,
 ) -> None:
-    """SIGKILL of the head waiter: the next waiter still gets the lock within a ttl.
+    """SIGKILL of the head waiter: the release passes it over; the next gets in at once.
 
-    The holder's release hands the slot to the dead head, which never claims it; the slot
-    lapses within a ttl of the head's death, the second waiter gets in, and `status` no
-    longer lists the dead one.
+    The release hands the slot to the dead head, sees that its connection is gone (CLIENT
+    LIST) and hands it on. A Redis user without the CLIENT commands cannot see that: the
+    slot then lapses within the dead head's ttl. Either way `status` then lists only the
+    second waiter.
     """
     uri = redis_server.uri
-    holder = held("--uri", uri, "-n", name, "--ttl", f"{TTL:g}")
-    head, second, started, go = start_two_waiters(spawn, uri, name, tmp_path, (f"{TTL:g}",) * 2)
+    ttl = 20.0 if client_allowed else TTL  # at once is far less than a ttl
+    if not client_allowed:
+        redis_server.command(
+            "ACL", "SETUSER", "noclient", "on", ">pw", "~*", "&*", "+@all", "-client"
+        )
+        uri += "?username=noclient&password=pw"
+    holder = held("--uri", uri, "-n", name, "--ttl", f"{ttl:g}")
+    head, second, started, go = start_two_waiters(spawn, uri, name, tmp_path, (f"{ttl:g}",) * 2)
     try:
         head.send_signal(signal.SIGKILL)
         head.wait(10)
         killed_at = time.time()
         assert holder.finish() == 0
-        wait_for(started.exists, timeout=TTL + SLACK, what="the second waiter's command")
+        wait_for(started.exists, timeout=ttl + SLACK, what="the second waiter's command")
         waited = int(started.read_text()) / 1e9 - killed_at
         print(f"second waiter got in {waited:.2f}s after the head waiter's SIGKILL")
-        assert 0 < waited < TTL + SLACK
+        assert 0 < waited < (SLACK if client_allowed else TTL + SLACK)
+        if not client_allowed:
+            assert waited > TTL / 4, "passed over without CLIENT LIST"  # lapses ttl/2–ttl on
         assert holder_pids(uri, name) == [second.pid]
         assert waiter_pids(uri, name) == []
     finally:

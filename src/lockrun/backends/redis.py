@@ -35,11 +35,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from redis.commands.core import Script
+    from redis.typing import EncodableT
 
     from lockrun.uri import LockURI
 
 DEFAULT_PORT: Final = 6379
 _RECONNECT: Final = 1.0  # a queued waiter that lost the server asks again this often
+_DROP_ROUNDS: Final = 8  # dead waiters passed over per release, 1 or more at a time
 SENTINEL_PORT: Final = 26379
 PREFIX: Final = "lockrun"
 DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
@@ -57,13 +59,13 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 
 # -- the scripts -----------------------------------------------------------------------------
-# KEYS: holders queue waiters ticket fence owners info n (see README "What lockrun stores")
-# ARGV: key prefix, token, N, lease ms, holder JSON, mode
+# KEYS: holders queue waiters ticket fence owners info n clients (README "What lockrun stores")
+# ARGV: key prefix, token, N, lease ms, holder JSON, mode, our connection's CLIENT ID
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
 # is stored, because Lua's own tostring() would round a 16-digit integer (pitfall 27).
 
 _PRELUDE: Final = """
-local holders, queue, waiters, ticket, fence, owners, info, cfg = unpack(KEYS)
+local holders, queue, waiters, ticket, fence, owners, info, cfg, clients = unpack(KEYS)
 local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -71,8 +73,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local function forget(tokens)
   if #tokens == 0 then return end
   for _, key in ipairs({holders, queue, waiters}) do redis.call('ZREM', key, unpack(tokens)) end
-  redis.call('HDEL', owners, unpack(tokens))
-  redis.call('HDEL', info, unpack(tokens))
+  for _, key in ipairs({owners, info, clients}) do redis.call('HDEL', key, unpack(tokens)) end
   for _, gone in ipairs(tokens) do redis.call('DEL', prefix .. ':wake:' .. gone) end
 end
 
@@ -95,26 +96,33 @@ local function grant(who, expiry)
     stamp = micros
     redis.call('SET', fence, string.format('%d', stamp))
   end
-  local record = redis.call('HGET', info, who)
+  local record, client = redis.call('HGET', info, who), redis.call('HGET', clients, who)
   forget({who})
   redis.call('ZADD', holders, expiry, who)
   redis.call('HSET', owners, who, string.format('%d %d %d', slot, stamp, now))
   if record then redis.call('HSET', info, who, record) end
+  if client then redis.call('HSET', clients, who, client) end
   return slot, stamp
 end
 
 -- Grants free slots to the head of the queue, strictly in order, and wakes those waiters.
 -- Each finds its slot granted when it asks again; until then the slot is held only as long
--- as the waiter's place would have been, so a waiter that died frees it on that schedule.
+-- as the waiter's place would have been, so a waiter that died frees it on that schedule,
+-- or sooner: returns {token, CLIENT ID, …} of those woken, for the caller to see that their
+-- connections are still there (DROP).
 local function wake(slots)
+  local woken = {}
   local free = slots - redis.call('ZCARD', holders)
-  if free <= 0 then return end
+  if free <= 0 then return woken end
   for _, next in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do
     grant(next, tonumber(redis.call('ZSCORE', waiters, next)) or now + ttl)
     local key = prefix .. ':wake:' .. next
     redis.call('RPUSH', key, 1)
     redis.call('PEXPIRE', key, ttl)
+    woken[#woken + 1] = next
+    woken[#woken + 1] = redis.call('HGET', clients, next) or ''
   end
+  return woken
 end
 
 local function tidy()
@@ -124,12 +132,12 @@ local function tidy()
     if #top > 0 then last = math.max(last, tonumber(top[2])) end
   end
   if last == 0 then
-    redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg)
+    redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg, clients)
     redis.call('PEXPIRE', fence, 86400000)
     return
   end
   local keep = math.floor(last - now) + 60000
-  for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg}) do
+  for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg, clients}) do
     redis.call('PEXPIRE', key, keep)
   end
   redis.call('PEXPIRE', fence, math.max(keep, 86400000))
@@ -138,7 +146,7 @@ end
 
 # → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
 # queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
-# have another N.
+# have another N. Then the {token, CLIENT ID} pairs of other waiters it woke.
 _ACQUIRE: Final = (
     _PRELUDE
     + """
@@ -148,20 +156,28 @@ if configured ~= n and redis.call('ZCARD', holders) + redis.call('ZCARD', queue)
   return {-1, configured, 0}
 end
 redis.call('SET', cfg, n)
-wake(n)
+local woken = wake(n)
+local function reply(a, b, c)
+  tidy()
+  local all = {a, b, c}
+  for i = 1, #woken, 2 do
+    if woken[i] ~= token then all[#all + 1], all[#all + 2] = woken[i], woken[i + 1] end
+  end
+  return all
+end
 local mine = redis.call('HGET', owners, token)
 if mine then  -- granted while we slept, or a retried call: the lease runs from now
   redis.call('ZADD', holders, 'XX', now + ttl, token)
+  redis.call('HDEL', clients, token)  -- claimed: ours now, whatever becomes of a connection
   local slot, stamp = string.match(mine, '(%d+) (%d+)')
-  tidy()
-  return {1, tonumber(slot), tonumber(stamp)}
+  return reply(1, tonumber(slot), tonumber(stamp))
 end
 local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
 if rank < n - redis.call('ZCARD', holders) then  -- only when nobody queues: wake() ran
   redis.call('HSET', info, token, ARGV[5])
   local slot, stamp = grant(token, now + ttl)
-  tidy()
-  return {1, slot, stamp}
+  redis.call('HDEL', clients, token)
+  return reply(1, slot, stamp)
 end
 if ARGV[6] ~= 'try' then
   if not redis.call('ZSCORE', queue, token) then
@@ -169,6 +185,7 @@ if ARGV[6] ~= 'try' then
   end
   redis.call('ZADD', waiters, now + ttl, token)
   redis.call('HSET', info, token, ARGV[5])
+  if ARGV[7] ~= '' then redis.call('HSET', clients, token, ARGV[7]) end
 end
 tidy()
 -- Sleep at most until the first lease, or the place of a waiter ahead of us, runs out.
@@ -181,7 +198,7 @@ if ARGV[6] ~= 'try' and rank > 0 then
     if lapse then until_free = math.min(until_free, tonumber(lapse) - now) end
   end
 end
-return {0, rank, until_free}
+return reply(0, rank, until_free)
 """
 )
 
@@ -198,16 +215,36 @@ return 1
 )
 
 # Releases a slot or leaves the queue, whichever the token has; grants to who is next.
+# → the {token, CLIENT ID} pairs of the waiters it woke.
 _RELEASE: Final = (
     _PRELUDE
     + """
-local held = redis.call('ZSCORE', holders, token)
 forget({token})
 reap()
-wake(tonumber(redis.call('GET', cfg) or n))
+local woken = wake(tonumber(redis.call('GET', cfg) or n))
 tidy()
-if held then return 1 end
-return 0
+return woken
+"""
+)
+
+# ARGV[5…]: {token, CLIENT ID} pairs of woken waiters whose connections the caller found
+# gone. Forgets each that has neither claimed its slot nor asked again (from a new
+# connection) since, and grants to who is next. → the pairs it woke.
+_DROP: Final = (
+    _PRELUDE
+    + """
+local dead = {}
+for i = 5, #ARGV, 2 do
+  local who, client = ARGV[i], ARGV[i + 1]
+  if redis.call('HGET', owners, who) and redis.call('HGET', clients, who) == client then
+    dead[#dead + 1] = who
+  end
+end
+forget(dead)
+reap()
+local woken = wake(tonumber(redis.call('GET', cfg) or n))
+tidy()
+return woken
 """
 )
 
@@ -336,7 +373,17 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 def _keys(prefix: str) -> list[str]:
     return [
         f"{prefix}:{part}"
-        for part in ("holders", "queue", "waiters", "ticket", "fence", "owners", "info", "n")
+        for part in (
+            "holders",
+            "queue",
+            "waiters",
+            "ticket",
+            "fence",
+            "owners",
+            "info",
+            "n",
+            "clients",
+        )
     ]
 
 
@@ -364,6 +411,7 @@ class RedisBackend:
         self._client: redis.Redis | None = None
         self.ttl = ttl
         self._scripts: dict[str, Script] = {}
+        self._client_id: str | None = None  # our connection's CLIENT ID; None: ask; "": unknown
 
     @property
     def timeout(self) -> float:
@@ -403,6 +451,7 @@ class RedisBackend:
                     ("acquire", _ACQUIRE),
                     ("renew", _RENEW),
                     ("release", _RELEASE),
+                    ("drop", _DROP),
                     ("status", _STATUS),
                 )
             }
@@ -483,8 +532,13 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    granted, number, extra = self.call("acquire", claim, record, mode)
+                    if mode == "wait" and self._client_id is None:
+                        self._client_id = self.whoami(client)
+                    granted, number, extra, *woken = self.call(
+                        "acquire", claim, record, mode, self._client_id or ""
+                    )
                     heard = now()
+                    self.pass_over_the_dead(claim, woken)
                     if granted == 1:  # number: our slot; extra: our fence
                         return RedisLease(self, claim, slot=number, fence=extra)
                     if granted == -1:  # number: the N the live users of the name have
@@ -504,6 +558,7 @@ class RedisBackend:
                         block = min(block, remaining)
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
                 except BackendUnavailable as err:
+                    self._client_id = None  # the next connection has another
                     self.ride_out(err, heard, request.ttl, deadline)
         except BaseException:
             self.leave(claim)
@@ -553,7 +608,48 @@ class RedisBackend:
     def leave(self, claim: Claim) -> None:
         """Give up a slot or a place in the queue; best effort, as both lapse by themselves."""
         with contextlib.suppress(LockrunError):
-            self.call("release", claim)
+            self.pass_over_the_dead(claim, self.call("release", claim))
+
+    def whoami(self, client: redis.Redis) -> str:
+        """Return our connection's CLIENT ID, by which a releaser sees that we still wait.
+
+        "" where the server will not say (an ACL without CLIENT): our place then lapses a
+        ttl after our death, as before.
+        """
+        try:
+            return str(client.client_id())
+        except errors.ResponseError:
+            return ""
+        except errors.RedisError as err:
+            raise self.failure(err) from err
+
+    def pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
+        """Take back the slots just granted to waiters whose connection is gone.
+
+        A waiter killed in the queue would otherwise keep the slot it is granted until its
+        place lapses, up to its ttl, while the living wait behind it. The server drops a
+        dead process's connection at once; a waiter that lost its connection but lives
+        asks again from a new one before it claims the slot, and then only queues again.
+        Best effort: where CLIENT LIST is not allowed, the ttl still frees the slot.
+        """
+        for _ in range(_DROP_ROUNDS):
+            pairs = dict(zip(woken[::2], woken[1::2], strict=True))
+            ids: list[EncodableT] = [client for client in pairs.values() if client]
+            if not ids:
+                return
+            try:
+                alive = {str(entry["id"]) for entry in self.client().client_list(client_id=ids)}
+            except errors.RedisError:
+                return
+            gone = [
+                item
+                for token, client in pairs.items()
+                if client and client not in alive
+                for item in (token, client)
+            ]
+            if not gone:
+                return
+            woken = self.call("drop", claim, *gone)
 
     def mismatch(self, request: Request, prefix: str, slots: int) -> ConfigError:
         """Return the --slots mismatch error, naming a live user of the other N."""

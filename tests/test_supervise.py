@@ -692,3 +692,30 @@ def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
     assert state(process.pid) not in {"T", ""}
     go.touch()
     assert process.wait(timeout=30) == 5
+
+
+# The guardian's last act, in a process of its own: lead a group of sh processes and their
+# children, kill the others, and report who of the group is still alive.
+LAST_ACT = """
+import os, subprocess, sys
+from lockrun import supervise
+os.setpgid(0, 0)
+for _ in range(3):  # each with two children of its own, in the same group
+    subprocess.Popen(["sh", "-c", "sleep 1000 & sleep 1000 & wait"])
+while len(supervise._members(os.getpgrp())) < 10:
+    pass
+supervise._kill_the_others()
+print(supervise._members(os.getpgrp()) == [os.getpid()])
+"""
+
+
+def test_the_guardian_outlives_every_process_it_kills() -> None:
+    """The guardian kills the rest of its group and returns once none of them is alive.
+
+    When lockrun is gone, its copy of the lock must go last: killpg would kill the
+    guardian too, maybe first.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", LAST_ACT], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, "True"), result.stderr

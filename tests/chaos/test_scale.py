@@ -68,8 +68,10 @@ def test_200_waiters_on_10_slots(
     sessions = PeakSessions(target.rig) if target.rig else None
     pids: list[int] = []
     try:
-        for i in range(SLOTS):
-            pids.append(spawn([*LOCKRUN, *options, "--", *oracle.command(f"h{i}")], errors))
+        pids += [
+            spawn([*LOCKRUN, *options, "--", *oracle.command(f"h{i}")], errors)
+            for i in range(SLOTS)
+        ]
         oracle.wait(lambda: oracle.running == SLOTS, 60, "10 holders")
         holders = list(oracle.runs)
         began = time.monotonic()

@@ -120,7 +120,7 @@ class Proxy:
             if not data:  # stop watching a closed end, but tell the other end nothing
                 self._selector.unregister(sock)
             return
-        if not self._delay:
+        if not self._delay and not self._due:  # nothing still on its way that this could pass
             self._pass(sock, data)
             return
         if not data:

@@ -141,11 +141,17 @@ def _kill_the_others() -> None:  # pragma: no cover - runs in the guardian
     again until the group is empty.
     """
     me = os.getpid()
-    while others := [pid for pid in _members(me) if pid != me]:
-        for pid in others:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.001)
+    pause = 0.001
+    try:
+        while others := [pid for pid in _members(me) if pid != me]:
+            for pid in others:
+                # One we may not signal (sudo's) keeps the lock held until it ends by itself.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)  # one stuck in the kernel (D state) is not spun on
+    except OSError:  # no /proc to read: kill what we can, ourselves included, at least
+        os.killpg(0, signal.SIGKILL)
 
 
 def _members(group: int) -> list[int]:
@@ -159,9 +165,17 @@ def _members(group: int) -> list[int]:
                 fields = stat.read().rsplit(b")", 1)[1].split()
         except OSError:  # it ended while we looked
             continue
-        if int(fields[2]) == group and fields[0] not in {b"Z", b"X"}:
+        if int(fields[2]) == group and (fields[0] not in {b"Z", b"X"} or _threads_left(entry)):
             found.append(int(entry))
     return found
+
+
+def _threads_left(pid: str) -> bool:
+    """Return whether a zombie *pid* still has threads running (its leader exited first)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def supervise(
@@ -183,12 +197,14 @@ def supervise(
     """
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
-        group = 0 if guardian is None else guardian.pid
-        pid = _spawn(argv, env, pass_fds, group=group)
-        watch = _Watch(pid, group or pid, lease, limits, log)
-        with _terminal_for(watch.group) as terminal, _Hangups(lease.sessions):
-            watch.terminal = terminal
-            return watch.run()
+        # Watching before the command starts: nothing can fail between its start and run().
+        with _Hangups(lease.sessions):
+            group = 0 if guardian is None else guardian.pid
+            pid = _spawn(argv, env, pass_fds, group=group)
+            watch = _Watch(pid, group or pid, lease, limits, log)
+            with _terminal_for(watch.group) as terminal:
+                watch.terminal = terminal
+                return watch.run()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 

@@ -6,10 +6,12 @@ the process is gone, however it ends, TERM or SIGKILL included, because the kern
 it then. The oracle's thread records a start at each connection and an end at each
 hang-up, so how many commands run at once is known without asking lockrun or its backend.
 
-Counting is exact, not merely likely: each round of events handles every hang-up and line
-first, then accepts one connection only. The connection accepted is the oldest waiting,
-which was waiting already when the round's `select` returned, so every hang-up that
-happened before it connected has been counted. One that happened after is a real overlap.
+Counting is exact, not merely likely: each round of events reads every socket with
+something to say to its end (a line and a hang-up may come together) first, then accepts
+one connection only. The connection accepted is the oldest waiting, which was waiting
+already when the round's `select` returned, so every hang-up that happened before it
+connected has been counted. One that happened after is a real overlap. What it cannot see
+is a command's first milliseconds, before it connects: the commands connect first thing.
 """
 
 from __future__ import annotations
@@ -158,21 +160,23 @@ class Oracle:
         self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
-        try:
-            data = sock.recv(4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
+        """Take all the socket has: its line, and its hang-up if that came too."""
         run = self._by_sock[sock]
-        if data:
+        while True:
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                break
             self._lines[sock] += data
             line = self._lines[sock]
             if b"\n" in line and not run.pid:
                 pid, ppid, fence, slot, *tag = line.split(b"\n", 1)[0].decode().split(" ", 4)
                 run.pid, run.ppid, run.fence, run.slot = int(pid), int(ppid), int(fence), int(slot)
                 run.tag = tag[0] if tag else ""
-            return
         self._selector.unregister(sock)
         with self._lock:
             self.running -= 1

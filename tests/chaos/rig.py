@@ -15,9 +15,10 @@ import uuid
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from chaos.oracle import Oracle
 from proxy import Proxy
 from servers import MariaServer, PostgresServer, RedisServer, free_port
+
+from chaos.oracle import Oracle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

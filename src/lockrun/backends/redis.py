@@ -538,13 +538,15 @@ class RedisBackend:
                         "acquire", claim, record, mode, self._client_id or ""
                     )
                     heard = now()
-                    self.pass_over_the_dead(claim, woken)
-                    if granted == 1:  # number: our slot; extra: our fence
+                    # granted: number is our slot, extra our fence, and our lease runs (no
+                    # calls for the sake of others now: the woken lapse as before)
+                    if granted == 1:
                         return RedisLease(self, claim, slot=number, fence=extra)
                     if granted == -1:  # number: the N the live users of the name have
                         raise self.mismatch(request, claim.prefix, number)
                     # number: our place in the queue; extra: ms until a lease, or a place
                     # ahead of ours, may lapse
+                    self.pass_over_the_dead(claim, woken)
                     if mode == "try":
                         return None  # nothing was queued
                     remaining = None if deadline is None else deadline - now()
@@ -630,17 +632,21 @@ class RedisBackend:
         place lapses, up to its ttl, while the living wait behind it. The server drops a
         dead process's connection at once; a waiter that lost its connection but lives
         asks again from a new one before it claims the slot, and then only queues again.
-        Best effort: where CLIENT LIST is not allowed, the ttl still frees the slot.
+        Best effort: where CLIENT LIST is not allowed, or a call fails, the ttl still frees
+        the slot.
         """
+        try:
+            self._pass_over_the_dead(claim, woken)
+        except (LockrunError, errors.RedisError):
+            self._client_id = None  # redis-py may have connected again: ask ours anew
+
+    def _pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
         for _ in range(_DROP_ROUNDS):
             pairs = dict(zip(woken[::2], woken[1::2], strict=True))
             ids: list[EncodableT] = [client for client in pairs.values() if client]
             if not ids:
                 return
-            try:
-                alive = {str(entry["id"]) for entry in self.client().client_list(client_id=ids)}
-            except errors.RedisError:
-                return
+            alive = {str(entry["id"]) for entry in self.client().client_list(client_id=ids)}
             gone = [
                 item
                 for token, client in pairs.items()

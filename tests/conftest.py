@@ -213,6 +213,25 @@ def queue_length(uri: str, name: str) -> int:
     return sum(len(state["waiters"]) for state in json.loads(result.stdout))
 
 
+def lock_state(uri: str, name: str) -> dict[str, Any]:
+    """Return `lockrun status --json NAME`'s one entry."""
+    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())  # polled
+    assert result.returncode == 0, result.stderr
+    (state,) = json.loads(result.stdout)
+    assert isinstance(state, dict)
+    return state
+
+
+def waiter_pids(uri: str, name: str) -> list[int]:
+    """Return the lockrun pids `status` lists as waiting for *name*, in queue order."""
+    return [int(waiter["pid"]) for waiter in lock_state(uri, name)["waiters"]]
+
+
+def holder_pids(uri: str, name: str) -> list[int]:
+    """Return the lockrun pids `status` lists as holding *name*."""
+    return [int(holder["pid"]) for holder in lock_state(uri, name)["holders"]]
+
+
 class Held:
     """A lockrun process whose command holds the lock until `finish` is called."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import select
 import signal
@@ -21,7 +20,18 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import Held, finish, gone, lockrun, one_line, start, unmeasured, wait_for
+from conftest import (
+    Held,
+    finish,
+    gone,
+    holder_pids,
+    lock_state,
+    lockrun,
+    one_line,
+    start,
+    wait_for,
+    waiter_pids,
+)
 from proxy import Proxy
 from servers import RedisServer, free_port
 
@@ -169,25 +179,6 @@ def lockrun_keys(server: RedisServer) -> dict[str, int]:
     """Return every ``lockrun:*`` key on *server* with its PTTL (-1: none)."""
     reply = server.command("EVAL", KEYS_WITH_TTL, "0", "lockrun:*").splitlines()
     return {key: int(pttl) for key, pttl in zip(reply[::2], reply[1::2], strict=True)}
-
-
-def lock_state(uri: str, name: str) -> dict[str, Any]:
-    """Return `lockrun status --json NAME`'s one entry."""
-    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())  # polled
-    assert result.returncode == 0, result.stderr
-    (state,) = json.loads(result.stdout)
-    assert isinstance(state, dict)
-    return state
-
-
-def waiter_pids(uri: str, name: str) -> list[int]:
-    """Return the lockrun pids `status` lists as waiting for *name*, in queue order."""
-    return [int(waiter["pid"]) for waiter in lock_state(uri, name)["waiters"]]
-
-
-def holder_pids(uri: str, name: str) -> list[int]:
-    """Return the lockrun pids `status` lists as holding *name*."""
-    return [int(holder["pid"]) for holder in lock_state(uri, name)["holders"]]
 
 
 # -- 1, 2: the server forgets the lease ----------------------------------------------------------

@@ -270,12 +270,17 @@ def _genuine(info: signal.struct_siginfo) -> bool:
 _HUNG_UP: Final = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def _hung_up(fds: Sequence[int]) -> bool:
-    """Return whether the far end has closed any of the sockets *fds* (or they are gone)."""
+def _hangup_poll(fds: Sequence[int]) -> select.poll:
+    """Return a poll object that reports the far end closing any of the sockets *fds*."""
     poll = select.poll()
     for fd in fds:
         poll.register(fd, select.POLLRDHUP)
-    return any(events & _HUNG_UP for _, events in poll.poll(0))
+    return poll
+
+
+def _hung_up(fds: Sequence[int]) -> bool:
+    """Return whether the far end has closed any of the sockets *fds* (or they are gone)."""
+    return any(events & _HUNG_UP for _, events in _hangup_poll(fds).poll(0))
 
 
 class _Hangups(threading.Thread):
@@ -291,9 +296,7 @@ class _Hangups(threading.Thread):
     def __init__(self, fds: Sequence[int]) -> None:
         super().__init__(name="lockrun-hangups", daemon=True)
         self._fds = fds
-        self._poll = select.poll()
-        for fd in fds:
-            self._poll.register(fd, select.POLLRDHUP)
+        self._poll = _hangup_poll(fds)
         self._wake, self._waker = os.pipe()
         self._poll.register(self._wake, select.POLLIN)
 

@@ -8,14 +8,13 @@ printed at the end of the run.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
+from conftest import holder_pids, one_line
 from conftest import lockrun as run_lockrun
-from conftest import one_line, unmeasured
 
 if TYPE_CHECKING:
     import subprocess
@@ -63,15 +62,6 @@ def lost(process: subprocess.Popen[str], timeout: float) -> str:
     _, err = process.communicate(timeout=timeout)
     assert process.returncode == 76, err
     return one_line(err)
-
-
-def holders(uri: str, name: str) -> list[int]:
-    """Return the pids `lockrun status` lists as holding *name* (unmeasured: it is polled)."""
-    result = run_lockrun("status", "--uri", uri, "--json", name, env=unmeasured())
-    assert result.returncode == 0, result.stderr
-    return [
-        int(holder["pid"]) for state in json.loads(result.stdout) for holder in state["holders"]
-    ]
 
 
 def test_partitioned_holder_stops_before_anyone_else_can_acquire(
@@ -123,7 +113,7 @@ def test_slow_server_never_resurrects_a_lost_lease(
     seen: set[int] = set()
     watch_until = time.monotonic() + 2 * delay + 0.5
     while time.monotonic() < watch_until:
-        seen.update(holders(rig.uri, name))
+        seen.update(holder_pids(rig.uri, name))
         time.sleep(0.1)
     record("slow server", stopped_after=ended - lagged, margin=second.start - ended, delay=delay)
     assert holder.pid not in seen, "a late renewal brought the old lease back"

@@ -142,6 +142,15 @@ local function tidy()
   end
   redis.call('PEXPIRE', fence, math.max(keep, 86400000))
 end
+
+-- Forgets *tokens* and the lapsed, and hands what that freed to who is next: the woken.
+local function hand_on(tokens)
+  forget(tokens)
+  reap()
+  local woken = wake(tonumber(redis.call('GET', cfg) or n))
+  tidy()
+  return woken
+end
 """
 
 # → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
@@ -219,11 +228,7 @@ return 1
 _RELEASE: Final = (
     _PRELUDE
     + """
-forget({token})
-reap()
-local woken = wake(tonumber(redis.call('GET', cfg) or n))
-tidy()
-return woken
+return hand_on({token})
 """
 )
 
@@ -240,11 +245,7 @@ for i = 5, #ARGV, 2 do
     dead[#dead + 1] = who
   end
 end
-forget(dead)
-reap()
-local woken = wake(tonumber(redis.call('GET', cfg) or n))
-tidy()
-return woken
+return hand_on(dead)
 """
 )
 
@@ -636,26 +637,24 @@ class RedisBackend:
         the slot.
         """
         try:
-            self._pass_over_the_dead(claim, woken)
+            for _ in range(_DROP_ROUNDS):
+                pairs = dict(zip(woken[::2], woken[1::2], strict=True))
+                ids: list[EncodableT] = [client for client in pairs.values() if client]
+                if not ids:
+                    return
+                listed = self.client().client_list(client_id=ids)
+                alive = {str(entry["id"]) for entry in listed}
+                gone = [
+                    item
+                    for token, client in pairs.items()
+                    if client and client not in alive
+                    for item in (token, client)
+                ]
+                if not gone:
+                    return
+                woken = self.call("drop", claim, *gone)
         except (LockrunError, errors.RedisError):
             self._client_id = None  # redis-py may have connected again: ask ours anew
-
-    def _pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
-        for _ in range(_DROP_ROUNDS):
-            pairs = dict(zip(woken[::2], woken[1::2], strict=True))
-            ids: list[EncodableT] = [client for client in pairs.values() if client]
-            if not ids:
-                return
-            alive = {str(entry["id"]) for entry in self.client().client_list(client_id=ids)}
-            gone = [
-                item
-                for token, client in pairs.items()
-                if client and client not in alive
-                for item in (token, client)
-            ]
-            if not gone:
-                return
-            woken = self.call("drop", claim, *gone)
 
     def mismatch(self, request: Request, prefix: str, slots: int) -> ConfigError:
         """Return the --slots mismatch error, naming a live user of the other N."""

@@ -58,6 +58,7 @@ def test_kendall_tau() -> None:
     assert kendall_tau([1, 0, 2, 3]) == pytest.approx(4 / 6)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_200_waiters_on_10_slots(
     target: Target, oracle: Oracle, name: str, tmp_path: Path, record: Callable[..., None]

@@ -119,6 +119,7 @@ class Pool:
         self.errors.close()
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
     target: Target, name: str, tmp_path: Path, record: Callable[..., None]

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
-pytest_plugins = ("chaos.rig",)  # the chaos suite's servers, proxy, oracle and results
+# The chaos suite's servers, proxy, oracle and results; the hostile suite's other users.
+pytest_plugins = ("chaos.rig", "hostile.users")
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
 # Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -18,7 +19,9 @@ from conftest import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait
 from terminal import Terminal
 
 from lockrun import ConfigError, ExitCode, cli
+from lockrun.backends import Holder, Request
 from lockrun.backends import file as file_backend
+from lockrun.backends.directories import Default
 from lockrun.uri import parse_uri
 
 if TYPE_CHECKING:
@@ -52,13 +55,21 @@ def test_a_signalled_command_gives_128_plus_n(file_uri: str, name: str) -> None:
         (["--wait", "5x", "--", "true"], "invalid duration '5x'"),
         (["--wait", "-1", "--", "true"], "invalid duration '-1'"),
         (["--ttl", "forever", "--", "true"], "invalid duration 'forever'"),
-        (["--ttl", "0", "--", "true"], "--ttl must be more than 0"),
-        (["--ttl", "2d", "--", "true"], "--ttl must be more than 0 and at most 1d"),
+        (["--ttl", "0", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 0s"),
+        (["--ttl", "0.001", "--", "true"], "--ttl must be at least 1s"),  # it would only kill
+        (["--ttl", "2d", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 2d00h"),
         (["--max-time", "soon", "--", "true"], "invalid duration 'soon'"),
-        (["--max-time", "0", "--", "true"], "--max-time must be more than 0, not 0s"),
+        (["--max-time", "0", "--", "true"], "--max-time must be more than 0s and at most"),
+        (["--max-time", "367d", "--", "true"], "--max-time must be more than 0s and at most 366d"),
+        (["--wait", "367d", "--", "true"], "--wait must be at least 0s and at most 366d00h"),
+        (["--kill-after", "1e11", "--", "true"], "invalid duration '1e11'"),
+        (["--kill-after", "99999999999", "--", "true"], "--kill-after must be at least 0s"),
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
-        (["--slots", "0", "--", "true"], "0 is not in the range x>=1"),
-        (["--slots", "-1", "--", "true"], "-1 is not in the range x>=1"),
+        (["--slots", "0", "--", "true"], "0 is not in the range 1<=x<=1000"),
+        (["--slots", "-1", "--", "true"], "-1 is not in the range 1<=x<=1000"),
+        (["--slots", "1001", "--", "true"], "1001 is not in the range 1<=x<=1000"),
+        (["--slots", "1e20", "--", "true"], "'1e20' is not a valid integer"),
+        (["--slots", "9" * 30, "--", "true"], "is not in the range 1<=x<=1000"),
         (["--slots", "abc", "--", "true"], "'abc' is not a valid integer"),
         (["-E", "256", "--", "true"], "256 is not in the range 0<=x<=255"),
         ([], "no command to run"),
@@ -130,7 +141,7 @@ import lockrun.backends.file as file
 def broken(self): raise RuntimeError("boom")
 file.FileLease.refresh = broken
 import sys
-sys.argv = ["lockrun", "--uri", {file_uri!r}, "-n", {name!r}, "--ttl", "0.3", "--", "sleep", "30"]
+sys.argv = ["lockrun", "--uri", {file_uri!r}, "-n", {name!r}, "--ttl", "1", "--", "sleep", "30"]
 from lockrun.cli import main
 main()
 """
@@ -175,7 +186,7 @@ def test_a_line_break_in_a_name_keeps_messages_to_one_line(
     busy = lockrun("--uri", file_uri, "-n", name, "--", "true")
     assert busy.returncode == ExitCode.BUSY
     assert one_line(busy.stderr).startswith(
-        "lockrun: first\\x0asecond\\x0dthird\\x1b[31m\ttab busy"
+        "lockrun: first\\x0asecond\\x0dthird\\x1b[31m\\x09tab busy"
     )
     holder.finish()
 
@@ -189,7 +200,7 @@ def test_lost_lock_exits_76(file_uri: str, name: str, tmp_path: Path) -> None:
         "-n",
         name,
         "--ttl",
-        "0.3",
+        "1",
         "--kill-after",
         "1",
         "--",
@@ -207,11 +218,11 @@ def test_lost_lock_exits_76(file_uri: str, name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("uri", "message"),
     [
-        ("redis2://host", "unknown lock URI scheme 'redis2'"),
+        ("redis2://host", "unknown lock URI scheme in 'redis2://host'"),
         ("nonsense", "malformed lock URI 'nonsense'"),
         ("", "malformed lock URI ''"),
         ("file://otherhost/tmp/x", "not host 'otherhost'"),
-        ("http://user:hunter2@host/", "unknown lock URI scheme 'http'"),
+        ("http://user:hunter2@host/", "unknown lock URI scheme in '***@host/'"),
     ],
 )
 def test_configuration_errors_exit_78(uri: str, message: str) -> None:
@@ -334,7 +345,7 @@ def test_lockrun_name_and_slots_are_not_read_back(file_uri: str, name: str) -> N
 
 
 def test_command_environment(file_uri: str, name: str) -> None:
-    """The command sees LOCKRUN_NAME, SLOT, SLOTS and FENCE, and no URI password."""
+    """The command sees LOCKRUN_NAME, SLOT, SLOTS and FENCE, and a URI with no password."""
     env = os.environ | {
         "LOCKRUN_URI": "file://user:secret@localhost/tmp/x",
         "LOCKRUN_FENCE": "stale",
@@ -346,7 +357,7 @@ def test_command_environment(file_uri: str, name: str) -> None:
     assert seen["LOCKRUN_NAME"] == name
     assert (seen["LOCKRUN_SLOT"], seen["LOCKRUN_SLOTS"]) == ("0", "2")
     assert int(seen["LOCKRUN_FENCE"]) > 0
-    assert "LOCKRUN_URI" not in seen
+    assert seen["LOCKRUN_URI"] == "file://***@localhost/tmp/x"
 
 
 def test_default_name_is_derived_from_the_command(file_uri: str) -> None:
@@ -471,19 +482,28 @@ def test_default_directory_must_belong_to_us(
 ) -> None:
     """The default directory is created 0700 and refused if another user owns it or a link."""
     home = tmp_path / "lockrun-home"
-    monkeypatch.setattr(file_backend, "default_directory", lambda: str(home))
-    file_backend.connect(parse_uri("file:")).close()
+    monkeypatch.setattr(file_backend, "default_directory", lambda: Default(str(home), "/"))
+    take_and_give_back(file_backend.connect(parse_uri("file:")))
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     home.chmod(0o755)
-    file_backend.connect(parse_uri("file:")).close()
+    take_and_give_back(file_backend.connect(parse_uri("file:")))
     assert stat.S_IMODE(home.stat().st_mode) == 0o700  # we tighten what we own
     os.chown(home, 65534, 65534)
-    with pytest.raises(ConfigError, match="is owned by uid 65534, not by us"):
-        file_backend.connect(parse_uri("file:"))
-    home.rmdir()
+    with pytest.raises(ConfigError, match="belongs to user nobody, not to us"):
+        take_and_give_back(file_backend.connect(parse_uri("file:")))
+    shutil.rmtree(home)
     home.symlink_to(tmp_path)
     with pytest.raises(ConfigError, match="is a symlink"):
-        file_backend.connect(parse_uri("file:"))
+        take_and_give_back(file_backend.connect(parse_uri("file:")))
+
+
+def take_and_give_back(backend: file_backend.FileBackend) -> None:
+    """Take a lock of *backend* and release it: the lock directory is opened on first use."""
+    try:
+        lease = backend.acquire(Request("default", "probe", 1, 30.0, Holder.me(["true"])), None)
+        lease.release()
+    finally:
+        backend.close()
 
 
 @needs_root
@@ -494,7 +514,7 @@ def test_lock_directory_that_is_not_writable_is_refused() -> None:
     os.seteuid(65534)
     try:
         with pytest.raises(ConfigError, match=f"lock directory {shared} is not writable"):
-            file_backend.connect(parse_uri(f"file://{shared}"))
+            take_and_give_back(file_backend.connect(parse_uri(f"file://{shared}")))
     finally:
         os.seteuid(0)
         os.rmdir(shared)

@@ -29,6 +29,7 @@ from conftest import (
 )
 
 from lockrun import Lock, LockBusy
+from lockrun.uri import redact
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -176,6 +177,7 @@ def test_waiters_are_served_in_arrival_order(
 COUNTER = 'v=$(cat "$1"); sleep 0.001; echo $((v + 1)) > "$1.tmp"; mv "$1.tmp" "$1"'
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     """16 processes × 25 read-increment-write cycles under the lock lose no update."""
@@ -444,7 +446,7 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     lines = [line.rstrip("\n") for line in seen] + rest.splitlines()
     since = r"since \d\d:\d\d:\d\d"
     assert re.fullmatch(
-        rf"lockrun: waiting for {name} \({re.escape(uri)}\) — held by {host}:{first.process.pid}"
+        rf"lockrun: waiting for {name} \({re.escape(redact(uri))}\) — held by {host}:{first.process.pid}"
         rf" {since} — 1 ahead of you",
         lines[0],
     ), lines

@@ -88,7 +88,7 @@ def test_timed_waits_work_outside_the_main_thread(uri: str, name: str) -> None:
 
 def test_refreshes_that_succeed_keep_the_command_running(uri: str, name: str) -> None:
     """With a short --ttl the lease is checked many times while the command runs."""
-    result = lockrun("--uri", uri, "-n", name, "--ttl", "0.1", "--", "sleep", "0.5")
+    result = lockrun("--uri", uri, "-n", name, "--ttl", "1", "--", "sleep", "1.5")
     assert (result.returncode, result.stderr) == (0, "")
 
 

@@ -26,6 +26,7 @@ from servers import RedisServer, free_port, unavailable
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import timeout_for
 from lockrun.backends.redis import key_prefix, parse
+from lockrun.uri import redact
 from lockrun.uri import parse_uri
 
 if TYPE_CHECKING:
@@ -515,7 +516,7 @@ def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
             statuses.append(second.returncode)
     assert statuses == [0, 0, 0], err
     assert order.read_text() == "first\nsecond\n"
-    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(uri)}\) — held by "
+    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(redact(uri))}\) — held by "
     assert re.search(
         rf"{pattern}{re.escape(HOST)}:{holder.process.pid} since ", err, re.MULTILINE
     ), err
@@ -834,14 +835,14 @@ def test_a_password_reaches_no_output_and_no_environment(
         from_environment = {**os.environ, "LOCKRUN_URI": uri}
         result = lockrun("-v", "-n", name, "--", "env", env=from_environment)
         assert result.returncode == 0, result.stderr
-        assert not [line for line in result.stdout.splitlines() if line.startswith("LOCKRUN_URI=")]
+        assert f"LOCKRUN_URI={redact(uri)}" in result.stdout.splitlines()
         secret_free(result, SECRET)
 
         holder = held("--uri", uri, "-n", name)
         busy = lockrun("-v", "--wait", "0.2", "--uri", uri, "-n", name, "--", "true")
         assert busy.returncode == ExitCode.BUSY
         assert "held by" in busy.stderr
-        assert "redis://:***@" in busy.stderr
+        assert "redis://***@" in busy.stderr
         secret_free(busy, SECRET)
         for args in (("--json", name), (name,), ("--json",), ()):
             result = lockrun("status", "--uri", uri, *args)
@@ -851,7 +852,7 @@ def test_a_password_reaches_no_output_and_no_environment(
         assert holder.finish() == 0
 
         result = lockrun("status", "--uri", uri)
-        assert "redis://:***@" in result.stdout
+        assert "redis://***@" in result.stdout
         secret_free(result, SECRET)
     finally:
         server.close()

@@ -422,7 +422,7 @@ def test_lost_lock_file_stops_command_with_76(
     script = f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready} && exec sleep 30"
     started = time.monotonic()
     process = launch(
-        "--uri", f"file://{tmp_path}/locks", "--name", name, "--ttl", "0.6", "--kill-after", "1",
+        "--uri", f"file://{tmp_path}/locks", "--name", name, "--ttl", "1", "--kill-after", "1",
         *options, "--", "sh", "-c", script,
     )  # fmt: skip
     pid = int(wait_ready(ready, process))

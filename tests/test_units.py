@@ -101,25 +101,28 @@ def test_uris_parse_and_reject() -> None:
 @pytest.mark.parametrize(
     ("uri", "safe"),
     [
-        ("redis://:hunter2@host/0", "redis://:***@host/0"),
-        ("mysql://ci:hunter2@db/ci", "mysql://ci:***@db/ci"),
-        ("postgresql://u:p%40ss@h/db?sslmode=require", "postgresql://u:***@h/db?sslmode=require"),
+        ("redis://:hunter2@host/0", "redis://***@host/0"),
+        ("mysql://ci:hunter2@db/ci", "mysql://***@db/ci"),
+        ("postgresql://u:p%40ss@h/db?sslmode=require", "postgresql://***@h/db?sslmode=require"),
         (
             "postgresql:///db?user=u&password=hunter2&x=1",
             "postgresql:///db?user=u&password=***&x=1",
         ),
         ("file:///tmp/x", "file:///tmp/x"),
-        ("redis://user@host", "redis://user@host"),
-        ("redis://:hunter@2secret@127.0.0.1:1/0", "redis://:***@127.0.0.1:1/0"),
-        ("redis://admin:AbC/dEf+Gh==@host/0", "redis://admin:***@host/0"),
+        ("redis://user@host", "redis://***@host"),  # redis://SECRET@host: a password, often
+        ("redis://:hunter@2secret@127.0.0.1:1/0", "redis://***@127.0.0.1:1/0"),
+        ("redis://admin:AbC/dEf+Gh==@host/0", "redis://***@host/0"),
         (
             "redis+sentinel://:pw@a,b/svc?sentinel_password=sp",
-            "redis+sentinel://:***@a,b/svc?sentinel_password=***",
+            "redis+sentinel://***@a,b/svc?sentinel_password=***",
         ),
-        (
-            "mysql://root@localhost/x?unix_socket=/tmp/a@b",
-            "mysql://root@localhost/x?unix_socket=/tmp/a@b",
-        ),
+        ("mysql://root@localhost/x?unix_socket=/tmp/a@b", "mysql://***@b"),  # too much: safe
+        ("postgresql:///db?host=/run/pg@x", "postgresql:///db?host=/run/pg@x"),  # no authority
+        ("redis://:pa?ss@host/0", "redis://***@host/0"),
+        ("redis://:pa#ss@host/0", "redis://***"),
+        ("redis:user:pass@host", "redis:***@host"),
+        ("alice:secret@db/x", "***@db/x"),  # no scheme: all of it may be user information
+        ("redis://h/0?a=b?password=x&y=1", "redis://h/0?a=b?password=***&y=1"),
     ],
 )
 def test_redaction_hides_passwords(uri: str, safe: str) -> None:
@@ -159,7 +162,7 @@ def test_redact_hides_every_kind_of_password_option() -> None:
     """Any query option whose decoded name ends in "password" is hidden, as libpq reads it."""
     text = "postgresql://u:pw@h/db?pass%77ord=one&sslpassword=two&host=/x&PASSWORD=three"
     shown = redact(text)
-    assert shown == "postgresql://u:***@h/db?pass%77ord=***&sslpassword=***&host=/x&PASSWORD=***"
+    assert shown == "postgresql://***@h/db?pass%77ord=***&sslpassword=***&host=/x&PASSWORD=***"
 
 
 # -- what -v says while waiting ---------------------------------------------------------

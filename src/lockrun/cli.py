@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 import threading
 from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
@@ -12,7 +13,15 @@ from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
 import click
 
 from lockrun import __version__
-from lockrun.errors import ExitCode, Interrupted, LockBusy, LockrunError, UsageError
+from lockrun.bounds import MAX_SLOTS
+from lockrun.errors import (
+    ExitCode,
+    Interrupted,
+    LockBusy,
+    LockrunError,
+    OutputError,
+    UsageError,
+)
 from lockrun.lock import (
     DEFAULT_KILL_AFTER,
     DEFAULT_NAMESPACE,
@@ -22,7 +31,7 @@ from lockrun.lock import (
     states_for_status,
 )
 from lockrun.timing import clock_time, format_duration, parse_duration
-from lockrun.uri import DEFAULT_URI, redact
+from lockrun.uri import DEFAULT_URI, HIDDEN, redact, secrets_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -35,8 +44,46 @@ _Command = TypeVar("_Command", bound="Callable[..., object]")
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-# A name may hold any character; a line break in one must not split the line (cron mails it).
-_SHOWN: Final = {code: f"\\x{code:02x}" for code in (*range(32), 127) if code != ord("\t")}
+# What a terminal would act on, or what would forge a line or a row: C0 and C1 controls
+# (a line break in a name must not split the line cron mails), DEL, lone surrogates (not
+# UTF-8: printing one would fail), bidirectional overrides and Unicode line separators.
+_UNPRINTABLE: Final = re.compile(
+    "[\x00-\x1f\x7f-\x9f\ud800-\udfff\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]"
+)
+_SECRETS: Final[list[str]] = []  # the lock URI's, never to be printed (`hide`)
+
+
+def printable(text: str) -> str:
+    """Escape every character of *text* that a terminal would act on (an ESC, a line break)."""
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code <= _LATIN1 else f"\\u{code:04x}"
+
+
+_LATIN1: Final = 0xFF
+
+
+def hide(text: str) -> str:
+    """Replace each secret of the lock URI in use with ``***``: the last line of defence."""
+    for secret in _SECRETS:
+        text = text.replace(secret, HIDDEN)
+    return text
+
+
+def _keep_secret(uri: str) -> None:
+    """Make `hide` hide the passwords of *uri* (those too short to hide anywhere excepted).
+
+    User names are hidden from URIs (`redact`) and from what servers say (`scrub`); in
+    lockrun's own words a user name like root or lockrun is no secret.
+    """
+    passwords = secrets_of(uri).passwords
+    _SECRETS[:] = [secret for secret in passwords if len(secret) >= _SHORTEST_HIDDEN]
+
+
+_SHORTEST_HIDDEN: Final = 4  # a shorter secret would hide letters of every word
 
 
 def say(line: str) -> None:
@@ -46,7 +93,7 @@ def say(line: str) -> None:
 
 
 def _text(line: str) -> str:
-    return f"lockrun: {line.translate(_SHOWN)}"
+    return f"lockrun: {printable(hide(line))}"
 
 
 class _LiveLine:
@@ -72,7 +119,9 @@ class _LiveLine:
 
     @staticmethod
     def write(text: str) -> None:
-        with contextlib.suppress(OSError):  # stderr closed: nobody is reading
+        if sys.stderr is None:  # started with fd 2 closed
+            return
+        with contextlib.suppress(OSError, ValueError):  # stderr closed: nobody is reading
             sys.stderr.write(text)
             sys.stderr.flush()
 
@@ -216,7 +265,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
 @click.option(
     "-s",
     "--slots",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_SLOTS),
     default=1,
     show_default=True,
     allow_from_autoenv=False,  # LOCKRUN_SLOTS is what a command is told, not a setting
@@ -262,7 +311,13 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
 @click.option("-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing.")
-@click.version_option(__version__, "-V", "--version", prog_name="lockrun")
+@click.version_option(
+    __version__,
+    "-V",
+    "--version",
+    prog_name="lockrun",
+    allow_from_autoenv=False,  # LOCKRUN_VERSION=1 must not turn every run into a version
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, shell_complete=_complete_command)
 def run_command(
     command: tuple[str, ...],
@@ -283,6 +338,7 @@ def run_command(
 
     lockrun [OPTIONS] [--] COMMAND [ARG]...
     """
+    _keep_secret(uri)
     if not command:
         msg = "no command to run: lockrun [OPTIONS] [--] COMMAND [ARG]..."
         raise click.UsageError(msg)
@@ -305,16 +361,30 @@ def run_command(
 @click.argument("name", required=False)
 def status_command(uri: str, namespace: str, as_json: bool, name: str | None) -> int:
     """Show who holds NAME (or every held lock) and who waits for it."""
+    _keep_secret(uri)
     states = states_for_status(uri, namespace, name)
     if as_json:
         import json  # noqa: PLC0415 - kept off the start-up path of the run command
 
-        click.echo(json.dumps([state.to_dict() for state in states], indent=2))
+        _print(json.dumps([state.to_dict() for state in states], indent=2))
     elif not states:
-        click.echo(f"no locks held or awaited in namespace {namespace} at {redact(uri)}")
+        _print(printable(f"no locks held or awaited in namespace {namespace} at {redact(uri)}"))
     else:
-        click.echo(_table(states))
+        _print(_table(states))
     return 0
+
+
+def _print(text: str) -> None:
+    """Print *text* (escaped by the caller) on stdout, with no secret; `OutputError` if not."""
+    if sys.stdout is None:  # started with fd 1 closed
+        msg = "cannot write to stdout: it is closed"
+        raise OutputError(msg)
+    try:
+        sys.stdout.write(hide(text) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError) as err:
+        msg = f"cannot write to stdout: {getattr(err, 'strerror', None) or err}"
+        raise OutputError(msg) from None
 
 
 def _table(states: Sequence[LockState]) -> str:
@@ -336,15 +406,18 @@ def _table(states: Sequence[LockState]) -> str:
                 )
                 for person in people
             )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    # Escaped first, so that a cell's width is what the terminal shows.
+    shown = [[printable(cell) for cell in row] for row in rows]
+    widths = [max(len(row[column]) for row in shown) for column in range(len(shown[0]) - 1)]
     return "\n".join(
         "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]])
-        for row in rows
+        for row in shown
     )
 
 
 def main(args: Sequence[str] | None = None) -> NoReturn:
     """Run the CLI and exit with SPEC §2's status."""
+    _occupy_closed_standard_fds()
     if instruction := os.environ.get(COMPLETE_VAR):  # the completion scripts call us back
         _exit(_complete(instruction))
     args = list(sys.argv[1:] if args is None else args)
@@ -352,6 +425,19 @@ def main(args: Sequence[str] | None = None) -> NoReturn:
     if args[:1] == ["status"]:  # `lockrun -- status` runs a command called status
         command, prog, args = status_command, "lockrun status", args[1:]
     _exit(_exit_status(command, prog, args))
+
+
+def _occupy_closed_standard_fds() -> None:
+    """Put /dev/null, close-on-exec, on any of fds 0, 1 and 2 that we were started without.
+
+    Otherwise the next file or socket opened would land there: a lock file or a server's
+    socket taken for stdout. Close-on-exec: the command still starts with them closed.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)  # the lowest free fd: this one
 
 
 COMPLETE_VAR: Final = "_LOCKRUN_COMPLETE"
@@ -457,7 +543,7 @@ def _exit(status: int) -> NoReturn:
     """
     atexit._run_exitfuncs()  # noqa: SLF001 - what interpreter shutdown would call first
     for stream in (sys.stdout, sys.stderr):  # pragma: no cover - coverage saved its data
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed stream
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None
             stream.flush()
     os._exit(status)  # pragma: no cover
 

@@ -13,6 +13,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 69  # EX_UNAVAILABLE: connect, auth, DNS, TLS, timeout before the command ran
     SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
     BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
+    IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     CONFIG = 78  # EX_CONFIG: bad URI, missing driver, unusable lock directory, --slots mismatch
     TIMEOUT = 124  # timeout(1): --max-time expired
@@ -50,6 +51,12 @@ class LockBusy(LockrunError, TimeoutError):
     """Every slot stayed taken until the wait ran out."""
 
     exit_code = ExitCode.BUSY
+
+
+class OutputError(LockrunError):
+    """What lockrun had to print could not be written (stdout closed, a broken pipe)."""
+
+    exit_code = ExitCode.IOERR
 
 
 class LeaseLost(LockrunError):

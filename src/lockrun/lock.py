@@ -11,6 +11,14 @@ import threading
 from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
 
 from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
+from lockrun.bounds import (
+    MAX_KILL_AFTER,
+    MAX_WAIT,
+    check_seconds,
+    check_slots,
+    check_ttl,
+    check_wait,
+)
 from lockrun.errors import (
     BackendUnavailable,
     CommandNotExecutable,
@@ -24,7 +32,7 @@ from lockrun.errors import (
 )
 from lockrun.names import check_name, default_name
 from lockrun.progress import WaitReport
-from lockrun.supervise import Guardian, Limits, supervise
+from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
 from lockrun.timing import clock_time, format_duration, now
 from lockrun.uri import DEFAULT_URI, parse_uri, redact
 
@@ -74,18 +82,6 @@ def describe(holder: Holder) -> str:
     return text
 
 
-MAX_TTL: Final = 86400.0  # a lease is renewed while it is held; a longer one only delays
-# the recovery from a crash, and Redis cannot express much more in ms
-
-
-def check_ttl(ttl: float, what: str = "ttl") -> float:
-    """Return *ttl* if it is a usable lease length (0 < ttl ≤ 1 day), else raise `UsageError`."""
-    if not 0 < ttl <= MAX_TTL:
-        msg = f"{what} must be more than 0 and at most 1d, not {format_duration(ttl)}"
-        raise UsageError(msg)
-    return ttl
-
-
 class Lock:
     """A named lock (or one slot of an N-slot semaphore) as context manager and decorator.
 
@@ -104,16 +100,18 @@ class Lock:
         ttl: float = DEFAULT_TTL,
         namespace: str | None = None,
     ) -> None:
-        """Describe the lock; nothing is acquired yet. URI and namespace default as in the CLI."""
+        """Describe the lock; nothing is acquired yet. URI and namespace default as in the CLI.
+
+        Bad values raise `UsageError` (numbers: see `lockrun.bounds`), a bad URI `ConfigError`.
+        ``wait=math.inf`` waits forever, as None does.
+        """
         self.name = check_name(name)
         namespace = namespace or os.environ.get("LOCKRUN_NAMESPACE") or DEFAULT_NAMESPACE
         self.namespace = check_name(namespace, "namespace")
         self.uri = uri or os.environ.get("LOCKRUN_URI") or DEFAULT_URI
-        if slots < 1:
-            msg = f"slots must be at least 1, not {slots}"
-            raise UsageError(msg)
-        self.slots = slots
-        self.wait = wait
+        self._uri = parse_uri(self.uri)  # a bad one is the caller's mistake: said now
+        self.slots = check_slots(slots)
+        self.wait = check_wait(wait)
         self.ttl = check_ttl(ttl)
         self._local = threading.local()  # each thread releases what it acquired
 
@@ -122,7 +120,7 @@ class Lock:
 
         A lease of a remote backend is renewed every ttl/3 by a thread until `release`.
         """
-        backend = open_backend(parse_uri(self.uri), ttl=self.ttl)
+        backend = open_backend(self._uri, ttl=self.ttl)
         request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
         try:
             lease = acquire(backend, request, self.wait)
@@ -253,17 +251,14 @@ def run(
     if options.close and uri.scheme != "file":
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
         raise UsageError(msg)
-    check_ttl(options.ttl, "--ttl")
-    if options.max_time is not None and options.max_time <= 0:  # it would stop every command
-        msg = f"--max-time must be more than 0, not {format_duration(options.max_time)}"
-        raise UsageError(msg)
+    check_options(options)
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
     verbose = log if options.verbose else lambda _line: None
     if options.name is None:
         verbose(f"lock name {name} (derived from the command; set it with --name)")
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
-    with _interruptible(name) as waiting:
+    with _interruptible(name, verbose) as waiting:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         # Only the file backend's lock fds go to the command and keep the lock if we die;
         # otherwise a guardian must take the command's group down with us (SPEC §4.2).
@@ -305,12 +300,12 @@ def _hold_and_run(
             raise type(err)(f"{request.name}: {err}") from err
         raise
     held_since = started  # for the message only; set again at once
-    # From here on INT, TERM and HUP belong to the command: supervise() forwards them while
-    # it runs, and one that comes after it ended must not rewrite its exit status. One that
-    # lands before they are deferred still finds the slot released by the finally below.
+    # From here on the signals of FORWARDED belong to the command: supervise() forwards them
+    # while it runs, and one that comes after it ended must not rewrite its exit status. One
+    # that lands before they are deferred still finds the slot released by the finally below.
     try:
         held_since = now()
-        with _deferred(_INTERRUPTS):
+        with _deferred(FORWARDED):
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
                 report.stop()
@@ -319,12 +314,19 @@ def _hold_and_run(
                 f"acquired {request.name} slot {lease.slot} of {request.slots} "
                 f"after {format_duration(now() - started)}{fence}"
             )
-            env = command_environment(request, lease)
             limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
-            if guardian is None:
-                return supervise(argv, lease, limits, env=env, pass_fds=lease.fds, log=verbose)
-            guardian.keep(lease.fds)
-            return supervise(argv, lease, limits, env=env, guardian=guardian, log=verbose)
+            if guardian is not None:
+                guardian.keep(lease.fds)
+            return supervise(
+                argv,
+                lease,
+                limits,
+                env=command_environment(request, lease),
+                pass_fds=lease.fds if guardian is None else (),
+                guardian=guardian,
+                forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
+                log=verbose,
+            )
     except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
         # SPEC §2: every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
@@ -333,11 +335,23 @@ def _hold_and_run(
         verbose(f"released {request.name} after {format_duration(now() - held_since)}")
 
 
+def check_options(options: Options) -> None:
+    """Raise `UsageError` for a number of *options* out of its bounds (`lockrun.bounds`)."""
+    check_slots(options.slots, "--slots")
+    check_wait(options.wait, "--wait")
+    check_ttl(options.ttl, "--ttl")
+    if options.max_time is not None:  # 0 would stop every command
+        check_seconds(options.max_time, "--max-time", high=MAX_WAIT, above=True)
+    check_seconds(options.kill_after, "--kill-after", high=MAX_KILL_AFTER)
+
+
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:
     """Return the command's environment: ours plus LOCKRUN_NAME/SLOT/SLOTS/FENCE."""
     env = dict(os.environ)
-    if "LOCKRUN_URI" in env and redact(env["LOCKRUN_URI"]) != env["LOCKRUN_URI"]:
-        del env["LOCKRUN_URI"]  # SPEC §3: no password reaches the command's environment
+    if "LOCKRUN_URI" in env:
+        # No password reaches the command; a lockrun it runs finds *** in the URI and
+        # refuses it (78) rather than fall back to file: (README "Security model").
+        env["LOCKRUN_URI"] = redact(env["LOCKRUN_URI"])
     env |= {
         "LOCKRUN_NAME": request.name,
         "LOCKRUN_SLOT": str(lease.slot),
@@ -350,31 +364,43 @@ def command_environment(request: Request, lease: Lease) -> dict[str, str]:
     return env
 
 
-_INTERRUPTS: Final = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+# While lockrun waits there is no command yet: these end the wait (exit 128+N, nothing held);
+# USR1 and USR2 are noted under -v and dropped. Once the command runs, every signal of
+# FORWARDED is the command's (supervise.py).
+_INTERRUPTS: Final = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 
 
 class _Waiting:
-    """Whether we still wait for the lock; once it is held, INT, TERM and HUP are the command's."""
+    """Whether we still wait for the lock, and which signals the caller had us ignore."""
 
-    over = False
+    def __init__(self) -> None:
+        self.over = False
+        self.ignored: frozenset[int] = frozenset()  # nohup's HUP: never forwarded either
 
 
 @contextlib.contextmanager
-def _interruptible(name: str) -> Iterator[_Waiting]:
-    """Turn INT, TERM and HUP into `Interrupted` so waits unwind and release what they hold."""
+def _interruptible(name: str, log: Callable[[str], None]) -> Iterator[_Waiting]:
+    """Turn INT, TERM, HUP and QUIT into `Interrupted`: waits unwind and release what they hold."""
     waiting = _Waiting()
 
     def interrupt(signo: int, _frame: FrameType | None) -> None:
         if waiting.over:  # after the command: its status stands, lockrun is leaving anyway
             return
         what = signal.Signals(signo).name
+        if signo not in _INTERRUPTS:
+            log(f"{what} while waiting for {name}: no command yet to pass it to; dropped")
+            return
         raise Interrupted(f"{what} while waiting for {name}; nothing is held", signo=signo)
 
     previous = {}
-    for signo in _INTERRUPTS:
+    ignored = set()
+    for signo in FORWARDED:
         # Under nohup or `trap '' HUP` the signal stays ignored, for us and for the command.
-        if signal.getsignal(signo) is not signal.SIG_IGN:
+        if signal.getsignal(signo) is signal.SIG_IGN:
+            ignored.add(signo)
+        else:
             previous[signo] = signal.signal(signo, interrupt)
+    waiting.ignored = frozenset(ignored)
     try:
         yield waiting
     finally:

@@ -15,13 +15,19 @@ MAX_NAME_BYTES: Final = 255
 _PLAIN: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
-def check_name(name: str, what: str = "lock name") -> str:
+def check_name(name: object, what: str = "lock name") -> str:
     """Return *name* if it is 1…255 bytes of UTF-8, else raise `UsageError`."""
+    if not isinstance(name, str):
+        msg = f"{what} must be a string, not {type(name).__name__}"
+        raise UsageError(msg)
     try:
         size = len(name.encode())
     except UnicodeEncodeError:
         msg = f"{what} {name!r} is not valid UTF-8"
         raise UsageError(msg) from None
+    if "\0" in name:  # no C string, file name or SQL text can carry it
+        msg = f"{what} must not hold a NUL character"
+        raise UsageError(msg)
     if size == 0:
         msg = f"{what} must not be empty"
         raise UsageError(msg)

@@ -186,11 +186,13 @@ def supervise(
     env: Mapping[str, str],
     pass_fds: Sequence[int] = (),
     guardian: Guardian | None = None,
+    forward: frozenset[int] = FORWARDED,
     log: Callable[[str], None] = lambda _line: None,
 ) -> int:
     """Run *argv* while *lease* is held and return its exit status (128+N if signalled).
 
-    The command runs in its own process group, or in *guardian*'s. Raises `LeaseLost` or
+    The command runs in its own process group, or in *guardian*'s; the signals of
+    *forward* that lockrun receives are sent on to that group. Raises `LeaseLost` or
     `TimedOut` after the command was stopped, and `CommandNotFound`/`CommandNotExecutable`
     if it could not start. Whatever happens, the command has been reaped before this
     returns or raises.
@@ -201,7 +203,7 @@ def supervise(
         with _Hangups(lease.sessions):
             group = 0 if guardian is None else guardian.pid
             pid = _spawn(argv, env, pass_fds, group=group)
-            watch = _Watch(pid, group or pid, lease, limits, log)
+            watch = _Watch(pid, group or pid, lease, limits, forward, log)
             with _terminal_for(watch.group) as terminal:
                 watch.terminal = terminal
                 return watch.run()
@@ -337,7 +339,13 @@ class _Watch:
     """The supervision loop's state: timers, the stop sequence, and the outcome."""
 
     def __init__(
-        self, pid: int, group: int, lease: Lease, limits: Limits, log: Callable[[str], None]
+        self,
+        pid: int,
+        group: int,
+        lease: Lease,
+        limits: Limits,
+        forward: frozenset[int],
+        log: Callable[[str], None],
     ) -> None:
         self.pid = pid
         self.group = group
@@ -346,6 +354,7 @@ class _Watch:
         self.log = log
         self.terminal = False
         self.reaped = False
+        self.forward = forward  # the signals passed on to the command
         start = now()
         self.confirmed = start  # when the last successful refresh was sent
         self.doubt: BackendUnavailable | None = None  # why the lease is unconfirmed, if it is
@@ -373,7 +382,7 @@ class _Watch:
                         return self._outcome(status)
                 elif info.si_signo == _HANGUP:
                     self._on_hangup()
-                else:
+                elif info.si_signo in self.forward:
                     self._signal_group(info.si_signo)
         except BaseException:
             if not self.reaped:

@@ -42,6 +42,8 @@ def format_duration(seconds: float) -> str:
     """Render *seconds* for people: ``0.25s``, ``12s``, ``3m05s``, ``2h00m``."""
     if seconds < 10:  # noqa: PLR2004 - sub-10 s waits are worth their decimals
         return f"{seconds:.2f}s".replace(".00s", "s")
+    if seconds >= 1e9:  # noqa: PLR2004 - no one reads 31 years in hours
+        return f"{seconds:.3g}s"
     whole = round(seconds)
     if whole < 60:  # noqa: PLR2004
         return f"{whole}s"
@@ -49,7 +51,10 @@ def format_duration(seconds: float) -> str:
     if minutes < 60:  # noqa: PLR2004
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+    if hours < 24:  # noqa: PLR2004
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
 
 
 def clock_time(stamp: float) -> str:

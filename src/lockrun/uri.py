@@ -1,4 +1,12 @@
-"""Parse lock URIs (SPEC §3) and keep passwords out of every message."""
+"""Parse lock URIs and keep their secrets out of every message.
+
+A lock URI may carry a password (or a password-only user name, as in ``redis://SECRET@h``),
+typed by hand and often not percent-encoded. Each parser downstream splits such a URI its
+own way: RFC 3986 ends the authority at the first ``/``, ``?`` or ``#``, libpq at the first
+``@`` or ``/``. A URI on which they could disagree is refused before any of them sees it, and
+every message shows `redact`'s form, which hides the whole user information and every
+secret option (docs: README "Security model").
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,17 @@ from typing import Final, NamedTuple
 from lockrun.errors import ConfigError
 
 DEFAULT_URI: Final = "file:"
-# RFC 3986 appendix B, rather than urllib.parse: its import (with ipaddress) is a tenth of
-# our start-up, and the server backends that need more import it themselves.
-_URI: Final = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?://(?P<netloc>[^/?#]*))?"
-    r"(?P<path>[^?#]*)(?:\?(?P<query>[^#]*))?(?:#.*)?",
-    re.DOTALL,
-)
+LOCAL_SCHEMES: Final = frozenset({"file", "abstract"})  # no server: no user, no password
+HIDDEN: Final = "***"
+_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+# A query option whose %-decoded name holds one of these carries a secret
+# (password, sslpassword, sentinel_password, …); hiding too much is the safe mistake.
+_SECRET_OPTION: Final = ("pass", "secret", "token")
+# Every KEY=VALUE after ?, & or ; (overlapping: a value may hide another option); a value
+# runs to the next & or ; so that a # or ? inside a password is hidden with it.
+_OPTION: Final = re.compile(r"(?=(?:^|[?&;])([^=&?;#/]*)=([^&;]*))")
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+_MIN_FRAGMENT: Final = 4  # a run this long of a secret, found in a driver's words, is hidden
 
 
 class LockURI(NamedTuple):
@@ -22,32 +34,116 @@ class LockURI(NamedTuple):
 
     text: str
     scheme: str
-    netloc: str
+    netloc: str  # the authority as written: [USERINFO@]HOSTS
     path: str  # percent-decoded: file:'s directory, abstract:'s prefix
     query: str
 
     @property
     def redacted(self) -> str:
-        """The URI with any password replaced by ``***``."""
+        """The URI with its user information and secret options replaced by ``***``."""
         return redact(self.text)
 
+    @property
+    def userinfo(self) -> str | None:
+        """The raw ``USER[:PASSWORD]`` before the authority's ``@``; None if there is none."""
+        userinfo, at, _ = self.netloc.rpartition("@")
+        return userinfo if at else None
 
-def parse_uri(text: str) -> LockURI:
-    """Parse *text*; raise `ConfigError` for a malformed URI or an unknown scheme."""
+    @property
+    def hosts(self) -> str:
+        """The authority after its user information."""
+        return self.netloc.rpartition("@")[2]
+
+
+def parse_uri(text: object) -> LockURI:
+    """Parse *text*; raise `ConfigError` for a malformed, ambiguous or unknown URI."""
     from lockrun.backends import SCHEMES  # noqa: PLC0415 - backends imports this module
 
-    match = _URI.fullmatch(text)
-    if match is None:
-        msg = f"malformed lock URI {redact(text)!r}: expected SCHEME:…, e.g. file: or redis://host"
+    if not isinstance(text, str):
+        msg = f"a lock URI must be a string, not {type(text).__name__}"
         raise ConfigError(msg)
-    scheme = match["scheme"].lower()
-    if scheme not in SCHEMES:
+    scheme_match = _known_scheme(text)
+    if scheme_match is None:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
-        msg = f"unknown lock URI scheme {scheme!r} in {redact(text)!r}; expected {known}"
+        what = "unknown lock URI scheme in" if _SCHEME.match(text) else "malformed lock URI"
+        msg = f"{what} {redact(text)!r}; expected {known}"
         raise ConfigError(msg)
-    return LockURI(
-        text, scheme, match["netloc"] or "", unquote(match["path"]), match["query"] or ""
-    )
+    scheme = scheme_match[0][:-1].lower()
+    _refuse_unsafe(text, scheme)
+    rest = text[scheme_match.end() :]
+    netloc = ""
+    if rest.startswith("//"):
+        netloc = re.match(r"[^/?#]*", rest[2:])[0]  # type: ignore[index]  # always matches
+        rest = rest[2 + len(netloc) :]
+    path, _, query = rest.partition("?")
+    uri = LockURI(text, scheme, netloc, unquote(path), query)
+    if scheme in LOCAL_SCHEMES and uri.userinfo is not None:
+        msg = f"{uri.redacted}: {scheme}: URIs take no user name or password"
+        raise ConfigError(msg)
+    if redacted_by_lockrun(text):
+        msg = (
+            f"{uri.redacted}: its password was replaced by {HIDDEN} by the lockrun that runs "
+            "this command (no password reaches a command's environment); give this lockrun "
+            "the URI itself, with --uri or LOCKRUN_URI"
+        )
+        raise ConfigError(msg)
+    return uri
+
+
+def _refuse_unsafe(text: str, scheme: str) -> None:
+    """Refuse control characters, fragments, and a user information parsers could split."""
+    hint = "percent-encode it"
+    problem = None
+    if _CONTROL.search(text):
+        problem = "holds a control character (a line break, a tab…)"
+        hint = "remove it, or percent-encode it"
+    elif any("\ud800" <= char <= "\udfff" for char in text):
+        problem = "is not valid UTF-8"
+        hint = "percent-encode those bytes"
+    elif "#" in text:
+        problem = "holds a '#', which would start a fragment"
+        hint = "write it as %23 (a # in a password, say)"
+    elif scheme not in LOCAL_SCHEMES and _at_after_authority(text):
+        problem = "has an '@' after the host, or a user or password with '/', '?' or '#'"
+        hint = "percent-encode those characters: @ %40, / %2F, ? %3F, # %23, : %3A"
+    if problem is not None:
+        msg = f"lock URI {redact(text)!r} {problem}: {hint}"
+        raise ConfigError(msg)
+
+
+def _at_after_authority(text: str) -> bool:
+    """Whether an ``@`` lies beyond where RFC 3986 ends the authority.
+
+    Or where no ``//`` began one: ``redis:user:pass@host``.
+    """
+    start, has_authority = _authority_start(text)
+    at = text.rfind("@")
+    if at < start or (not has_authority and text.startswith("/", start)):
+        return False
+    if not has_authority:
+        return True
+    authority = re.match(r"[^/?#]*", text[start:])[0]  # type: ignore[index]  # always matches
+    return authority != "" and at >= start + len(authority)
+
+
+def _known_scheme(text: str) -> re.Match[str] | None:
+    """Match a known scheme and its colon at the start of *text*."""
+    from lockrun.backends import SCHEMES  # noqa: PLC0415 - backends imports this module
+
+    match = _SCHEME.match(text)
+    return match if match is not None and match[0][:-1].lower() in SCHEMES else None
+
+
+def _authority_start(text: str) -> tuple[int, bool]:
+    """Return where the authority (or what stands in for it) starts, and whether ``//`` did.
+
+    Text without a known scheme (``alice:secret@host``) is all authority.
+    """
+    match = _known_scheme(text)
+    start = match.end() if match else 0
+    if text.startswith("//", start):
+        return start + 2, True
+    return start, False
 
 
 def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
@@ -61,10 +157,10 @@ def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
         raise ConfigError(msg)
     host = match[1] or match[3] or "localhost"
     port_text = match[2] if match[1] else match[4]
-    port = int(port_text) if port_text else default_port
-    if port_text and not 0 < port < 65536:  # noqa: PLR2004 - TCP's port range
-        msg = f"{uri.redacted}: port {port} is out of range"
+    if port_text and (len(port_text) > 5 or not 0 < int(port_text) < 65536):  # noqa: PLR2004
+        msg = f"{uri.redacted}: port {port_text[:8]} is out of range"
         raise ConfigError(msg)
+    port = int(port_text) if port_text else default_port
     return host, port
 
 
@@ -78,6 +174,17 @@ def query_items(text: str) -> dict[str, str]:
     return items
 
 
+def option_name(key: str, query: str) -> str:
+    """Return how to name option *key* of the raw *query* in a message.
+
+    Only a plain name written as ``KEY=…`` is shown: a careless ``redis://host/0?hunter2``
+    makes a password look like an option.
+    """
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|[&;]){key}=", query):
+        return repr(key)
+    return "(not shown: it is no plain KEY=VALUE)"
+
+
 def unquote(text: str) -> str:
     """Decode %XX escapes (as UTF-8, like urllib.parse.unquote)."""
     if "%" not in text:
@@ -86,27 +193,101 @@ def unquote(text: str) -> str:
     return raw.decode(errors="replace")
 
 
-# A password runs to the last @ of the whole text: unescaped, it may hold @, /, ? or #,
-# which end the authority for a parser. Hiding too much is the safe mistake.
-_USERINFO: Final = re.compile(r"//[^/@:?#]*:(.*)@", re.DOTALL)
-_OPTION: Final = re.compile(r"(^|[?&])([^=&#?]*)=([^&#]*)")
+def _is_secret_option(key: str) -> bool:
+    name = unquote(key.replace("+", " ")).lower()
+    return any(word in name for word in _SECRET_OPTION)
 
 
 def secret_spans(text: str) -> list[tuple[int, int]]:
-    """Return where *text* holds passwords, in order (some may be empty).
+    """Return where *text* holds secrets, as sorted, disjoint, non-empty spans.
 
-    The userinfo's, and the value of every query option after it whose name, %-decoded,
-    ends in ``password`` (``?password=``, ``?sslpassword=``, ``?pass%77ord=`` …).
+    The user information (everything between ``//`` and the last ``@``, when an authority
+    is there), the value of every secret option (`_SECRET_OPTION`) and anything after a
+    ``#``. For any string, URI or not.
     """
-    userinfo = _USERINFO.search(text)
-    spans = [userinfo.span(1)] if userinfo else []
-    options = _OPTION.finditer(text, userinfo.end() if userinfo else 0)
-    spans += [match.span(3) for match in options if unquote(match[2]).lower().endswith("password")]
-    return spans
+    spans = []
+    start, has_authority = _authority_start(text)
+    at = text.rfind("@")
+    # An authority ("//" and not at once "/", "?" or "#"), or, with no "//", anything but
+    # a path (file:/dir@x): up to the last @, as an unescaped password may hold @ itself.
+    kinds = ("/", "?", "#") if has_authority else ("/",)
+    if at > start and not text.startswith(kinds, start):
+        spans.append((start, at))
+    spans += [match.span(2) for match in _OPTION.finditer(text) if _is_secret_option(match[1])]
+    if (fragment := text.find("#")) >= 0:
+        spans.append((fragment + 1, len(text)))
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(span for span in spans if span[0] < span[1]):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((begin, end))
+    return merged
 
 
 def redact(text: str) -> str:
-    """Replace the password of a URI (and of any ``…password=`` query item) with ``***``."""
+    """Replace the user information and every secret of a URI with ``***``."""
     for start, end in reversed(secret_spans(text)):
-        text = f"{text[:start]}***{text[end:]}"
+        text = f"{text[:start]}{HIDDEN}{text[end:]}"
+    return text
+
+
+def redacted_by_lockrun(text: str) -> bool:
+    """Whether *text* is a URI whose secrets `redact` replaced (a nested lockrun's)."""
+    return any(text[start:end] == HIDDEN for start, end in secret_spans(text))
+
+
+class Secrets(NamedTuple):
+    """What a URI holds that no output may show."""
+
+    passwords: tuple[str, ...]  # hidden wherever they show, and any 4 characters of them
+    names: tuple[str, ...]  # user names (or a password-only user information): where whole
+
+
+def secrets_of(*texts: str) -> Secrets:
+    """Return the secrets of *texts*: each as written and %-decoded, longest first.
+
+    The password of the user information, the user information without one (the
+    password-only ``redis://SECRET@h`` form, or a user name), the user name, and the value
+    of every secret option.
+    """
+    passwords: set[str] = set()
+    names: set[str] = set()
+    for text in texts:
+        for index, (start, end) in enumerate(secret_spans(text)):
+            raw = text[start:end]
+            if index == 0 and _is_userinfo(text, start):
+                user, colon, password = raw.partition(":")
+                names |= {user, unquote(user)}
+                if colon:
+                    passwords |= {password, unquote(password)}
+            else:
+                passwords |= {raw, unquote(raw)}
+    return Secrets(_longest_first(passwords), _longest_first(names - passwords))
+
+
+def _is_userinfo(text: str, start: int) -> bool:
+    return start == _authority_start(text)[0] and "@" in text[start:]
+
+
+def _longest_first(pieces: set[str]) -> tuple[str, ...]:
+    return tuple(sorted((piece for piece in pieces if piece), key=lambda p: (-len(p), p)))
+
+
+def scrub(text: str, secrets: Secrets) -> str:
+    """Hide what *text* (a driver's or a server's words) shows of *secrets*.
+
+    Each password, and any run of four of its characters (a driver may quote a piece);
+    each name where it shows whole, or quoted alone when it is short (``user 'ci'``).
+    """
+    for password in secrets.passwords:  # whole first, the longest first
+        text = text.replace(password, HIDDEN)
+    for name in secrets.names:
+        if len(name) >= _MIN_FRAGMENT:
+            text = text.replace(name, HIDDEN)
+        for quote in "'\"":
+            text = text.replace(f"{quote}{name}{quote}", f"{quote}{HIDDEN}{quote}")
+    for password in secrets.passwords:
+        for at in range(len(password) - _MIN_FRAGMENT + 1):
+            text = text.replace(password[at : at + _MIN_FRAGMENT], HIDDEN)
     return text

@@ -8,12 +8,15 @@ supervision live in `lockrun.lock` and `lockrun.supervise`, written once for all
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pwd
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
+from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import ConfigError
+from lockrun.names import MAX_NAME_BYTES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -52,25 +55,35 @@ class Holder(NamedTuple):
 
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
-        """Describe this process as the holder of *argv*."""
-        return cls(os.uname().nodename, os.getpid(), _user(os.geteuid()), tuple(argv), time.time())
+        """Describe this process as the holder of *argv* (its command line cut to a record)."""
+        return cls(os.uname().nodename, os.getpid(), _user(os.geteuid()), cut(argv), time.time())
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> Holder:
-        """Rebuild a holder from `to_dict` output; raises ValueError on anything else."""
-        try:
-            argv = data.get("argv", ())
-            return cls(
-                host=str(data["host"]),
-                pid=int(str(data["pid"])),
-                user=str(data["user"]),
-                argv=tuple(str(arg) for arg in argv) if isinstance(argv, list) else (),
-                since=_optional_float(data.get("since")),
-                slot=int(str(data["slot"])) if data.get("slot") is not None else None,
-                expires=_optional_float(data.get("expires")),
-            )
-        except (KeyError, TypeError) as err:
-            raise ValueError(str(err)) from err
+    def from_dict(cls, data: object) -> Holder:
+        """Rebuild a holder from `to_dict` output, written by anyone; ValueError if it is none.
+
+        Records come from servers and files that other users can write: every field is
+        checked, a bad optional one is dropped, and long text is cut (`cut`).
+        """
+        if not isinstance(data, dict):
+            msg = "a holder record is a JSON object"
+            raise ValueError(msg)  # noqa: TRY004 - callers catch one kind for any bad record
+        host, pid, user = data.get("host"), data.get("pid"), data.get("user")
+        if not isinstance(host, str) or not isinstance(user, str) or not _whole(pid, _MAX_PID):
+            msg = "a holder record names a host, a pid and a user"
+            raise ValueError(msg)
+        argv = data.get("argv")
+        return cls(
+            host=_short(host),
+            pid=int(pid),  # type: ignore[arg-type]  # _whole checked it
+            user=_short(user),
+            argv=cut(argv)
+            if isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+            else (),
+            since=_stamp(data.get("since")),
+            slot=int(data["slot"]) if _whole(data.get("slot"), MAX_SLOTS - 1) else None,
+            expires=_stamp(data.get("expires")),
+        )
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict."""
@@ -79,8 +92,96 @@ class Holder(NamedTuple):
         return record
 
 
-def _optional_float(value: object) -> float | None:
-    return None if value is None else float(str(value))
+_MAX_PID: Final = 2**31 - 1
+_MAX_STAMP: Final = 2.0**40  # Unix time in the year 36812: anything later is made up
+_SHORT: Final = 255  # longest host or user name kept from a record
+RECORD_ARGV: Final = 1000  # a recorded command line is cut to about this many bytes of JSON
+MAX_RECORD: Final = 65536  # a record (or a comment) longer than this is none of ours
+
+
+def cut(argv: Sequence[str]) -> tuple[str, ...]:
+    """Return *argv* cut to about `RECORD_ARGV` bytes of JSON, with a marker if it was cut.
+
+    A holder record must fit where the backends keep it (a SQL comment of 1 kB, a TEXT
+    column, one read of a lock file): a long command line degrades, it never blocks the run.
+    """
+    kept: list[str] = []
+    room = RECORD_ARGV
+    for arg in argv:
+        cost = len(json.dumps(arg)) + 2  # quotes, escapes and the ", " between
+        if cost > room:
+            kept.append(arg[: max(0, room // 6)])  # \uXXXX: six bytes for a character at most
+            dropped = sum(map(len, argv)) - sum(map(len, kept))
+            return (*kept, f"…[{dropped} more characters not recorded]")
+        kept.append(arg)
+        room -= cost
+    return tuple(kept)
+
+
+def read_json(text: str | bytes) -> object:
+    """Parse JSON that anyone could have written; None if it is too long, too deep or not JSON."""
+    if len(text) > MAX_RECORD:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+class Identity(NamedTuple):
+    """Who waits or holds, as a record or a SQL comment of theirs says: for status and N."""
+
+    token: str
+    namespace: str
+    name: str
+    slots: int
+    holder: Holder
+
+
+def read_identity(text: str) -> Identity | None:
+    """Decode an `Identity` written as JSON (by anyone); None if it is not a good one."""
+    data = read_json(text)
+    if not isinstance(data, dict):
+        return None
+    token, namespace, name, slots = (
+        data.get(key) for key in ("token", "namespace", "name", "slots")
+    )
+    if not (
+        isinstance(token, str) and _name(namespace) and _name(name) and _whole(slots, MAX_SLOTS)
+    ):
+        return None
+    try:
+        holder = Holder.from_dict(data.get("holder"))
+    except ValueError:
+        return None
+    return Identity(_short(token), namespace, name, int(slots), holder)  # type: ignore[arg-type]
+
+
+def _whole(value: object, high: int, low: int = 0) -> bool:
+    """Whether *value* is an int (not a bool) in [*low*, *high*]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _name(value: object) -> bool:
+    """Whether *value* could be a lock name or namespace of ours (1 … 255 bytes of UTF-8)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        return 0 < len(value.encode()) <= MAX_NAME_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _SHORT else text[:_SHORT] + "…"
+
+
+def _stamp(value: object) -> float | None:
+    """Return a record's Unix time if it is a number a clock could show, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    stamp = float(value)
+    return stamp if 0 <= stamp <= _MAX_STAMP else None
 
 
 def _user(uid: int) -> str:
@@ -193,11 +294,13 @@ def next_fence(previous: bytes) -> int:
 
     The local backends keep their counter in a file or pass it along with the lock; seeding
     with the clock keeps tokens increasing when that counter is lost (a name left free, a
-    tmpfs emptied by a reboot), as the Redis fence is seeded with the server's TIME.
+    tmpfs emptied by a reboot), as the Redis fence is seeded with the server's TIME. A
+    counter that is no whole number below `MAX_FENCE` is one lockrun never wrote (another
+    user's): it counts as lost.
     """
-    try:
-        last = int(previous.strip() or b"0")
-    except ValueError:
+    text = previous.strip()
+    last = int(text) if text.isdigit() and len(text) <= len(str(MAX_FENCE)) else 0
+    if last >= MAX_FENCE:
         last = 0
     return max(last + 1, time.time_ns() // 1000)
 

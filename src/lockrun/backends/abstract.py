@@ -17,6 +17,7 @@ import os
 import re
 import select
 import socket
+import stat
 import sys
 import time
 from typing import TYPE_CHECKING, Final
@@ -115,8 +116,13 @@ def wait_readable(socks: list[socket.socket], timeout: float) -> list[socket.soc
     return [by_fd[fd] for fd, _ in poller.poll(timeout * 1000)]
 
 
-def _receive(conn: socket.socket) -> tuple[socket.socket, bytes] | None:
-    """Take a handed-over listener from *conn* if one is queued there; never blocks."""
+def _receive(conn: socket.socket, name: str) -> tuple[socket.socket, bytes] | None:
+    """Take a handed-over listener of *name* from *conn* if one is queued there; never blocks.
+
+    Anyone in this network namespace can listen on a name and send us anything: only a
+    listening socket bound to *name* itself is the slot (the kernel binds a name to one
+    socket only); anything else is closed and counts as a hang-up.
+    """
     # Not socket.recv_fds: Python 3.11's ignores its flags, so MSG_DONTWAIT would block.
     fds = array.array("i")
     flags = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
@@ -126,8 +132,31 @@ def _receive(conn: socket.socket) -> tuple[socket.socket, bytes] | None:
         return None
     for level, kind, data in ancillary:  # room for one fd: the kernel truncates the rest
         if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
-            fds.frombytes(data[: fds.itemsize])
-    return (socket.socket(fileno=fds[0]), message) if fds else None
+            fds.frombytes(data[: fds.itemsize] if len(data) >= fds.itemsize else b"")
+    if not fds:
+        return None
+    if not _is_listener_of(fds[0], name):
+        os.close(fds[0])
+        return None
+    return socket.socket(fileno=fds[0]), message
+
+
+def _is_listener_of(fd: int, name: str) -> bool:
+    """Whether *fd* is a listening UNIX stream socket bound to abstract *name*."""
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        return False
+    probe = socket.socket(fileno=os.dup(fd))
+    try:
+        return (
+            probe.family == socket.AF_UNIX
+            and probe.type == socket.SOCK_STREAM
+            and probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            and probe.getsockname() in {"\0" + name, b"\0" + name.encode()}
+        )
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def hand_over(listener: socket.socket, payload: bytes) -> None:
@@ -167,7 +196,7 @@ def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, 
                     conns[index] = conn
             if len(conns) < len(names):  # a name in transition: look again soon
                 wait = min(wait, TRANSITION)
-            if (got := _await_hand_over(conns, wait)) is not None:
+            if (got := _await_hand_over(conns, names, wait)) is not None:
                 return got
     finally:
         for conn in conns.values():
@@ -175,16 +204,17 @@ def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, 
 
 
 def _await_hand_over(
-    conns: dict[int, socket.socket], wait: float
+    conns: dict[int, socket.socket], names: list[str], wait: float
 ) -> tuple[int, socket.socket, bytes] | None:
     """Wait for a holder among *conns* to hand over; drop those that hung up instead."""
     ready = wait_readable(list(conns.values()), wait)
     for index, conn in list(conns.items()):
         if conn in ready:
-            if (got := _receive(conn)) is not None:
+            if (got := _receive(conn, names[index])) is not None:
                 return index, *got
             del conns[index]  # hung up without a hand-over: the name may be free now
             conn.close()
+            time.sleep(TRANSITION)  # a squatter that answers at once must not spin us
     return None
 
 
@@ -292,16 +322,15 @@ class AbstractBackend:
         """List the locks of this prefix and *namespace* that have holders or waiters."""
         wanted = None if name is None else _base(self.prefix, namespace, name)
         found: dict[str, tuple[list[Holder], list[Holder]]] = {}
-        for path in _abstract_names():
-            match = _MARKER.fullmatch(path)
-            if match is None or (wanted is not None and match["base"] != wanted):
+        for marker in _markers():
+            if wanted is not None and marker["base"] != wanted:
                 continue
-            holders, waiters = found.setdefault(match["base"], ([], []))
-            if match["slot"] is not None:
-                holder = describe_pid(int(match["pid"]))
-                holders.append(_with(holder, int(match["ms"]) / 1e3, int(match["slot"])))
+            holders, waiters = found.setdefault(marker["base"], ([], []))
+            if marker["slot"] is not None:
+                holder = describe_pid(int(marker["pid"]))
+                holders.append(_with(holder, int(marker["ms"]) / 1e3, int(marker["slot"])))
             else:
-                waiters.append(_with(describe_pid(int(match["wpid"])), int(match["us"]) / 1e6))
+                waiters.append(_with(describe_pid(int(marker["wpid"])), int(marker["us"]) / 1e6))
         states = []
         for base, (holders, waiters) in sorted(found.items()):
             parts = _READABLE.fullmatch(base)
@@ -328,20 +357,41 @@ class AbstractBackend:
 
 _MARKER: Final = re.compile(
     r"(?P<base>lockrun/(?:#[0-9a-f]+|[^/]*/[^/]*/[^/]*))/"
-    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)|w/(?P<us>\d+)/(?P<wpid>\d+))"
+    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)|w/(?P<us>\d+)/(?P<wpid>\d+))",
+    re.ASCII,
 )
 _READABLE: Final = re.compile(r"lockrun/(?P<prefix>[^/#]*)/(?P<ns>[^/]*)/(?P<name>[^/]*)")
 
 
 def _holders(base: str) -> Iterator[tuple[Holder, int]]:
     """Yield each live holder of *base* with the --slots it uses."""
-    for path in _abstract_names():
-        match = _MARKER.fullmatch(path)
-        if match is not None and match["base"] == base and match["slot"] is not None:
+    for marker in _markers():
+        if marker["base"] == base and marker["slot"] is not None:
             holder = _with(
-                describe_pid(int(match["pid"])), int(match["ms"]) / 1e3, int(match["slot"])
+                describe_pid(int(marker["pid"])), int(marker["ms"]) / 1e3, int(marker["slot"])
             )
-            yield holder, int(match["slots"])
+            yield holder, int(marker["slots"])
+
+
+def _markers() -> Iterator[re.Match[str]]:
+    """Yield the holder and waiter markers that the kernel backs.
+
+    Anyone can bind any abstract name, and a name may hold a line break that forges a
+    line of /proc/net/unix: a marker is believed only if its process is alive and, for a
+    holder, someone holds the slot it names (a connect(2) to it gets through).
+    """
+    for path in _abstract_names():
+        marker = _MARKER.fullmatch(path)
+        if marker is None or not os.path.exists(f"/proc/{marker['pid'] or marker['wpid']}"):
+            continue
+        if marker["slot"] is not None:
+            if int(marker["slot"]) >= int(marker["slots"]):
+                continue
+            probe = connect_to(f"{marker['base']}/{int(marker['slot'])}")
+            if probe is None:
+                continue
+            probe.close()
+        yield marker
 
 
 def _with(holder: Holder, since: float, slot: int | None = None) -> Holder:

@@ -11,9 +11,7 @@ and sleeps until a slot holder's abstract socket hangs up (algorithms.md §2.1).
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import itertools
 import json
 import os
 import re
@@ -23,13 +21,17 @@ import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from lockrun.backends import (
+    MAX_RECORD,
     Holder,
     LockState,
     Request,
     describe_pid,
     next_fence,
+    read_json,
     slots_mismatch,
 )
+from lockrun.backends.directories import default_directory, failure, open_directory
+from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost
 from lockrun.names import escape, unescape
 from lockrun.timing import now
@@ -41,27 +43,13 @@ if TYPE_CHECKING:
     from lockrun.uri import LockURI
 
 DEFAULT_NAMESPACE: Final = "default"
-_PRIVATE: Final = 0o700
 _MAX_BASE: Final = 200  # leaves room for "~NNN.lock" within NAME_MAX (255)
 _LOCK_FILE: Final = r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock"  # status only
 _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up socket
-# Path and permission problems are the operator's to fix (78); a read-only or full file
-# system, or an I/O error, is the lock service being unavailable (69).
-_MISCONFIGURED: Final = frozenset(
-    {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR}
-)
-
-
-def _failure(what: str, err: OSError) -> ConfigError | BackendUnavailable:
-    """Translate an OSError about *what* at the backend boundary."""
-    kind = ConfigError if err.errno in _MISCONFIGURED else BackendUnavailable
-    return kind(f"{what}: {err.strerror}")
-
-
-def default_directory() -> str:
-    """Return SPEC §3's default: /run/lock/lockrun for root, else /tmp/lockrun-<uid>."""
-    uid = os.geteuid()
-    return "/run/lock/lockrun" if uid == 0 else f"/tmp/lockrun-{uid}"  # noqa: S108
+_RECORD_BYTES: Final = 65536  # a holder record longer than this is not one of ours
+# O_NONBLOCK: opening a FIFO planted as a lock file must not hang (its reader never comes);
+# O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
+_OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def connect(
@@ -71,48 +59,23 @@ def connect(
     warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
     note: Callable[[str], None] | None = None,  # noqa: ARG001 - or to note
 ) -> FileBackend:
-    """Open (and if needed create) the lock directory of a ``file:`` URI."""
+    """Check the lock directory of a ``file:`` URI; it is opened (and made) on first use."""
     if uri.netloc not in {"", "localhost"}:
         msg = f"file: URIs name a local directory, not host {uri.netloc!r}"
         raise ConfigError(msg)
-    private = not uri.path
-    directory = uri.path or default_directory()
-    return FileBackend(directory, _open_directory(directory, private=private))
-
-
-def _open_directory(path: str, *, private: bool) -> int:
-    """Open *path* without following a symlink; the private default must be ours and 0700."""
-    try:
-        if private:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, _PRIVATE)
-        else:
-            os.makedirs(path, exist_ok=True)
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            msg = f"lock directory {path} is a symlink; refusing to follow it"
-            raise ConfigError(msg)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as err:
-        raise _failure(f"lock directory {path}", err) from err
-    info = os.fstat(fd)
-    problem = None
-    if private and info.st_uid != os.geteuid():
-        problem = f"is owned by uid {info.st_uid}, not by us (uid {os.geteuid()})"
-    elif not os.access(
-        path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
-    ):
-        problem = "is not writable"
-    if problem is not None:
-        read_only = os.fstatvfs(fd).f_flag & os.ST_RDONLY
-        os.close(fd)
-        if read_only:
-            msg = f"lock directory {path} is on a read-only file system"
-            raise BackendUnavailable(msg)
-        msg = f"lock directory {path} {problem}"
+    if uri.query:
+        msg = f"{uri.redacted}: file: URIs take no options (write a ? in a directory as %3F)"
         raise ConfigError(msg)
-    if private and stat.S_IMODE(info.st_mode) != _PRIVATE:  # tighten what we own
-        os.fchmod(fd, _PRIVATE)
-    return fd
+    if uri.path:
+        if not uri.path.startswith("/"):
+            msg = (
+                f"{uri.redacted}: the lock directory must be an absolute path, as in "
+                "file:///var/lock/myapp (this one would depend on the current directory)"
+            )
+            raise ConfigError(msg)
+        return FileBackend(uri.path, private=False, make_below="/")
+    default = default_directory()
+    return FileBackend(default.path, private=True, make_below=default.parent)
 
 
 def _base(namespace: str, name: str) -> str:
@@ -233,18 +196,61 @@ class FileLease:
 class FileBackend:
     """Locks as flock(2)ed files in one directory."""
 
-    def __init__(self, directory: str, dir_fd: int) -> None:
-        """Use the open directory *dir_fd* (whose path is *directory*)."""
+    def __init__(self, directory: str, *, private: bool, make_below: str) -> None:
+        """Use *directory*, making what is missing below *make_below* on first use.
+
+        *private*: the default directory, which must be ours and is kept 0700.
+        """
         self.directory = directory
-        self._dir_fd = dir_fd
+        self.private = private
+        self.make_below = make_below
+        self._fd: int | None = None
+
+    @property
+    def _dir_fd(self) -> int:
+        """The lock directory, opened (and made) on first use."""
+        if self._fd is None:
+            fd = open_directory(self.directory, make_below=self.make_below, private=self.private)
+            try:
+                self._check_writable(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+        return self._fd
+
+    def _check_writable(self, fd: int) -> None:
+        """Refuse, with a clear line, a directory we could lock nothing in."""
+        where = f"/proc/self/fd/{fd}"  # the directory we opened, not whatever the path is now
+        if os.access(
+            where, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+        ):
+            return
+        if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            msg = f"lock directory {self.directory} is on a read-only file system"
+            raise BackendUnavailable(msg)
+        msg = f"lock directory {self.directory} is not writable"
+        raise ConfigError(msg)
 
     def _open(self, filename: str) -> int:
-        mode = 0o600 if self.directory == default_directory() else 0o666
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        """Open (or make) a lock file of ours: a regular file with one name, nothing else."""
+        mode = 0o600 if self.private else 0o666
+        directory = self._dir_fd  # its own errors are said already
         try:
-            return os.open(filename, flags, mode, dir_fd=self._dir_fd)
+            fd = os.open(filename, os.O_RDWR | os.O_CREAT | _OPEN, mode, dir_fd=directory)
         except OSError as err:
-            raise _failure(f"lock file {self._path(filename)}", err) from err
+            raise failure(f"lock file {self._path(filename)}", err) from err
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a regular file (a FIFO, a device or a socket?)"
+        elif info.st_nlink != 1:  # a hard link to a file elsewhere: never write to it
+            problem = f"has {info.st_nlink} names (hard links); lockrun writes only to its own"
+        if problem is not None:
+            os.close(fd)
+            msg = f"lock file {self._path(filename)} {problem}; remove it"
+            raise ConfigError(msg)
+        return fd
 
     def _path(self, filename: str) -> str:
         return os.path.join(self.directory, filename)
@@ -286,11 +292,11 @@ class FileBackend:
     def _check_agreement(self, base: str, request: Request) -> None:
         """Raise `ConfigError` (78) if a live holder of this name uses another --slots."""
         locks = None
-        for slot in itertools.count():
+        for slot in range(MAX_SLOTS):
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 return
-            record = _record(content)
+            record = _record(content, base)
             if record is None or record.slots == request.slots:
                 continue
             locks = _proc_locks() if locks is None else locks  # only when a record disagrees
@@ -303,11 +309,13 @@ class FileBackend:
         """As the head of the queue, lock the first free slot file, sleeping between sweeps."""
         from lockrun.backends import abstract  # noqa: PLC0415 - semaphores only
 
-        fds = [self._open(_slot_file(base, slot)) for slot in range(slots)]
-        wake_names = self._wake_names(base, slots)
+        fds: list[int] = []
         winner = None
         pause = abstract.TRANSITION
         try:
+            # One at a time: those opened before a failure are closed below.
+            fds.extend(self._open(_slot_file(base, slot)) for slot in range(slots))
+            wake_names = self._wake_names(base, slots)
             while True:
                 for slot, fd in enumerate(fds):
                     if try_flock(fd):
@@ -344,18 +352,29 @@ class FileBackend:
             _overwrite(fence_fd, f"{fence}\n".encode())
             _overwrite(fd, (json.dumps(record | holder.to_dict()) + "\n").encode())
         except OSError as err:  # ENOSPC, EIO: we could not record the fence
-            raise _failure(f"lock files of {request.name} in {self.directory}", err) from err
+            raise failure(f"lock files of {request.name} in {self.directory}", err) from err
         finally:
             os.close(fence_fd)
         return FileLease(slot, fence, self._path(_slot_file(base, slot)), fd, self._dir_fd, wake)
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
-        """Report holders (from the slot files) and waiters (from /proc/locks)."""
+        """Report holders (from the slot files) and waiters (from /proc/locks).
+
+        Makes nothing: a directory that does not exist holds no locks.
+        """
+        if self._fd is None:
+            try:
+                self._fd = open_directory(self.directory, private=self.private)
+            except ConfigError as err:
+                if not isinstance(err.__cause__, FileNotFoundError):
+                    raise
+                where = self._path(f"{_base(namespace, name)}.lock") if name else ""
+                return [LockState(namespace, name, where)] if name is not None else []
         if name is not None:
             bases = {_base(namespace, name)}
         else:
             bases = set()
-            for entry in os.listdir(self._dir_fd):
+            for entry in os.listdir(self._fd):
                 match = re.fullmatch(_LOCK_FILE, entry)
                 if match is not None and _namespace_of(match["base"]) == namespace:
                     bases.add(match["base"])
@@ -370,7 +389,7 @@ class FileBackend:
         waiters: list[Holder] = []
         slots = None
         lock_name = name or _name_of(base)
-        for slot in itertools.count():
+        for slot in range(MAX_SLOTS):
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 break
@@ -379,7 +398,7 @@ class FileBackend:
                 waiters += [describe_pid(pid) for pid in entry.waiting]
             if not entry.holding:
                 continue
-            record = _record(content)
+            record = _record(content, base)
             if record is None:
                 holders.append(describe_pid(entry.holding[0])._replace(slot=slot))
                 continue
@@ -394,21 +413,26 @@ class FileBackend:
         )
 
     def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
+        """Return the identity and the record of a lock file, if it is a regular file."""
         try:
-            fd = os.open(filename, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir_fd)
         except OSError:
             return None, b""
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):  # _open reports what is wrong with it
                 return None, b""
-            return (info.st_dev, info.st_ino), os.pread(fd, 65536, 0)
+            return (info.st_dev, info.st_ino), os.pread(fd, MAX_RECORD + 1, 0)
+        except OSError:  # EIO, or a file that is no longer what it was
+            return None, b""
         finally:
             os.close(fd)
 
     def close(self) -> None:
         """Close the directory."""
-        os.close(self._dir_fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @contextlib.contextmanager
@@ -433,14 +457,25 @@ class _Record(NamedTuple):
     slots: int
 
 
-def _record(content: bytes) -> _Record | None:
-    """Parse a slot file's holder record; None for anything else (a flock(1) user's pid…)."""
+def _record(content: bytes, base: str) -> _Record | None:
+    """Parse the holder record of a slot file of *base*; None for anything else.
+
+    A flock(1) user's pid, or whatever another user of a shared directory wrote: a record
+    counts only if it is well formed and names the lock whose file it is in.
+    """
+    data = read_json(content)
+    if not isinstance(data, dict):
+        return None
+    name, namespace, slots = data.get("name"), data.get("namespace"), data.get("slots")
+    if not isinstance(name, str) or not isinstance(namespace, str):
+        return None
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        return None
     try:
-        data = json.loads(content)
-        if not isinstance(data, dict):
+        if _base(namespace, name) != base:
             return None
-        return _Record(Holder.from_dict(data), str(data["name"]), int(str(data["slots"])))
-    except (ValueError, KeyError):
+        return _Record(Holder.from_dict(data), name, slots)
+    except (ValueError, UnicodeError):
         return None
 
 

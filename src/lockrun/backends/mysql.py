@@ -34,15 +34,24 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends import Holder, LockState, Request, read_identity, read_json, slots_mismatch
 from lockrun.backends.gated import GATE, Attempt, GatedBackend
+from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
     LeaseLost,
     LockrunError,
 )
-from lockrun.uri import host_port, query_items, unquote
+from lockrun.uri import (
+    Secrets,
+    host_port,
+    option_name,
+    query_items,
+    scrub,
+    secrets_of,
+    unquote,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -78,9 +87,12 @@ _TABLES: Final = (
 )
 # The server's clock in µs seeds the fence, so it keeps rising if the table is ever lost.
 _MICROS: Final = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
+# A counter at or past 2^63 - 1 is one lockrun never wrote (fence + 1 would overflow):
+# it counts as lost, and the clock seeds the fence again.
 _NEXT_FENCE: Final = (
     f"INSERT INTO {FENCES} (lock_key, fence) VALUES (%s, LAST_INSERT_ID({_MICROS})) "
-    f"ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(GREATEST(fence + 1, {_MICROS}))"
+    f"ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(IF(fence >= {MAX_FENCE}, {_MICROS}, "
+    f"GREATEST(fence + 1, {_MICROS})))"
 )
 _RECORD: Final = (
     f"REPLACE INTO {HOLDERS} (lock_key, slot, slots, connection_id, namespace, name, holder) "
@@ -92,6 +104,7 @@ _FORGET: Final = (
 # A live holder of the name with another N (its session still holds the slot it recorded).
 _MISMATCH: Final = (
     f"SELECT slots, holder FROM {HOLDERS} WHERE lock_key = %s AND slots <> %s "
+    f"AND slots BETWEEN 1 AND {MAX_SLOTS} "  # a row lockrun could have written
     "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id LIMIT 1"
 )
 # No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
@@ -130,6 +143,7 @@ class Settings(NamedTuple):
 
     where: str  # the URI without its password, for messages
     kwargs: Mapping[str, Any]  # for pymysql.connect
+    secrets: Secrets  # what PyMySQL's and the server's words must never show
 
 
 def parse(uri: LockURI) -> Settings:
@@ -138,11 +152,12 @@ def parse(uri: LockURI) -> Settings:
     unknown = sorted(set(query) - _OPTIONS)
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS))
-        msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
+        name = option_name(unknown[0], uri.query)
+        msg = f"{uri.redacted}: unknown option {name} (allowed: {allowed})"
         raise ConfigError(msg)
     _check_files(uri, query)
-    userinfo, _, hosts = uri.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
+    username, _, password = (uri.userinfo or "").partition(":")
+    hosts = uri.hosts
     database = uri.path.strip("/")
     if "/" in database:
         msg = f"{uri.redacted}: expected mysql://[USER[:PASSWORD]@]HOST[:PORT][/DATABASE]"
@@ -165,7 +180,7 @@ def parse(uri: LockURI) -> Settings:
     charset = str(kwargs["charset"])
     with contextlib.suppress(KeyError):  # PyMySQL returns None for an unknown one, or raised
         if pymysql.charset.charset_by_name(charset) is not None:
-            return Settings(uri.redacted, kwargs)
+            return Settings(uri.redacted, kwargs, secrets_of(uri.text))
     msg = f"{uri.redacted}: unknown charset {charset!r}"
     raise ConfigError(msg)
 
@@ -429,7 +444,7 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
         """Translate a PyMySQL error into one line, naming the server but no password."""
         where = self.settings.where
         code = err.args[0] if err.args and isinstance(err.args[0], int) else 0
-        text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
+        text = _said(self.settings, err)
         if code == ER.ACCESS_DENIED_ERROR:
             return BackendUnavailable(f"{where}: authentication failed: {text}")
         if code == ER.BAD_DB_ERROR:
@@ -570,7 +585,7 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
             self.tables = False
             self.note(
                 f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
-                f"{self.settings.where} ({err.args[1]}); LOCKRUN_FENCE stays unset"
+                f"{self.settings.where} ({_said(self.settings, err)}); LOCKRUN_FENCE stays unset"
             )
             return None
 
@@ -624,6 +639,7 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
             ):
                 records[int(slot)] = (int(slots), int(connection), str(holder))
         known = {slots for slots, _, _ in records.values()} | {waiter.slots for waiter in queue}
+        known = {slots for slots in known if 1 <= slots <= MAX_SLOTS}  # the table is anyone's
         probed = max(known, default=_PROBED_SLOTS)
         used = session.row(
             "SELECT " + ", ".join(f"IS_USED_LOCK('{key}:{slot}')" for slot in range(probed))
@@ -646,8 +662,8 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
     ) -> Holder:
         """Describe the session *connection* that holds *slot*, from our record if it is its."""
         if record is not None and record[1] == connection:
-            with contextlib.suppress(ValueError):
-                return Holder.from_dict(json.loads(record[2]))._replace(slot=slot)
+            with contextlib.suppress(ValueError):  # anyone who may write the table may forge
+                return Holder.from_dict(read_json(record[2]))._replace(slot=slot)
         row = session.row(
             "SELECT USER, HOST FROM information_schema.PROCESSLIST WHERE ID = %s", (connection,)
         )
@@ -656,6 +672,12 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
 
     def close(self) -> None:
         """Nothing to drop: every session belongs to a lease or to one call."""
+
+
+def _said(settings: Settings, err: pymysql.err.Error) -> str:
+    """Return what PyMySQL or the server said of *err*, in one line, with no secret."""
+    text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
+    return scrub(" ".join(text.split()), settings.secrets)
 
 
 def _transient(err: BaseException | None) -> bool:
@@ -686,22 +708,9 @@ def _waiters(session: Session) -> list[_Waiter]:
     waiters = []
     for _, _, info in sorted(rows, key=lambda row: (-float(row[1] or 0), int(row[0]))):
         match = _WAITING.fullmatch(str(info))
-        if match is None:
-            continue
-        try:
-            who = json.loads(match["json"])  # "*\\/" is JSON for "*/"
-            waiters.append(
-                _Waiter(
-                    f"{match['key']}:{match['part']}",
-                    str(who["token"]),
-                    str(who["namespace"]),
-                    str(who["name"]),
-                    int(who["slots"]),
-                    Holder.from_dict(who["holder"]),
-                )
-            )
-        except (ValueError, KeyError, TypeError):  # not ours after all
-            continue
+        who = None if match is None else read_identity(match["json"])  # "*\\/" is JSON's "*/"
+        if match is not None and who is not None:  # else not ours after all, or forged badly
+            waiters.append(_Waiter(f"{match['key']}:{match['part']}", *who))
     return waiters
 
 
@@ -730,7 +739,7 @@ def _first_free(key: str, slots: int) -> str:
 
 def _mismatch(request: Request, slots: int, record: str) -> ConfigError:
     try:
-        return slots_mismatch(request, Holder.from_dict(json.loads(record)), slots)
+        return slots_mismatch(request, Holder.from_dict(read_json(record)), slots)
     except ValueError:
         return ConfigError(
             f"held with --slots {slots}; all users of a name must agree, "
@@ -773,7 +782,7 @@ class MySQLLease:
                 )
             except pymysql.err.Error as err:
                 self.session.abandon()
-                text = err.args[1] if len(err.args) > 1 else err
+                text = _said(self.backend.settings, err)
                 msg = f"the session holding the lock ended ({text}); its locks are gone"
                 raise LeaseLost(msg) from err
         if ours != 1:

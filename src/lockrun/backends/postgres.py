@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import psycopg
 from psycopg import pq
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch
+from lockrun.backends import Holder, Identity, LockState, Request, read_identity, slots_mismatch
 from lockrun.backends.gated import GATE, Attempt, GatedBackend
+from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
-from lockrun.uri import secret_spans, unquote
+from lockrun.uri import Secrets, scrub, secrets_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ _V14: Final = 140000  # idle_session_timeout, client_connection_check_interval, 
 _V17: Final = 170000  # transaction_timeout
 _CANCEL_AGAIN: Final = 0.05  # s: a cancel that got no answer by then may have been dropped
 _REFRESH_GONE: Final = 1.0  # s: a refresh cut off by a release ends within this
+_LONGEST_POLL: Final = 86400.0  # s: a poll(2) longer than this is made of several
 _CHECK_CLIENT: Final = "1s"  # how often a waiting server session looks for its client (14+)
 _TAG_BYTES: Final = 900  # pg_stat_activity keeps 1024 bytes of a statement by default
 # SQLSTATEs
@@ -120,15 +122,28 @@ class Settings(NamedTuple):
 
     where: str  # the URI without its password, for messages
     conninfo: str
-    secrets: tuple[tuple[int, int], ...]  # where in conninfo passwords are
+    secrets: Secrets  # what libpq's and the server's words must never show
 
 
 def parse(uri: LockURI) -> Settings:
-    """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one."""
-    spans = tuple(span for span in secret_spans(uri.text) if span[0] < span[1])
-    settings = Settings(uri.redacted, uri.text, spans)
+    """Check *uri* with libpq's own parser; raise `ConfigError` for a bad one.
+
+    libpq ends the user information at its first ``@`` where RFC 3986 (and lockrun) take
+    the last: any other ``@`` of it goes to libpq as ``%40``, so both read the same host.
+    """
+    conninfo = uri.text
+    if uri.userinfo is not None and "@" in uri.userinfo:
+        start = conninfo.index("//") + 2
+        conninfo = (
+            conninfo[:start]
+            + uri.userinfo.replace("@", "%40")
+            + "@"
+            + uri.hosts
+            + (conninfo[start + len(uri.netloc) :])
+        )
+    settings = Settings(uri.redacted, conninfo, secrets_of(uri.text, conninfo))
     try:
-        psycopg.conninfo.conninfo_to_dict(uri.text)
+        psycopg.conninfo.conninfo_to_dict(conninfo)
     except (psycopg.Error, UnicodeError) as err:  # %-escapes that are not UTF-8, too
         reason = _one_line(settings, str(err))
         msg = f"{uri.redacted}: not a libpq connection URI: {reason}"
@@ -137,35 +152,9 @@ def parse(uri: LockURI) -> Settings:
 
 
 def _one_line(settings: Settings, text: str) -> str:
-    """Squeeze a libpq message into one line with no password in it.
-
-    libpq's complaints about a URI quote the part it choked on, which may be in, or run
-    through, a password: such a part goes, and so does all quoted text when a password
-    holds a quote itself.
-    """
-    uri = settings.conninfo
-    text = " ".join(text.split()).removeprefix("connection failed: ").replace(uri, settings.where)
-    raw = [uri[start:end] for start, end in settings.secrets]
-    secrets = raw + [unquote(secret) for secret in raw]
-    if any('"' in secret for secret in secrets):
-        return re.sub(r'".*"', '"…"', text)
-
-    def hide(match: re.Match[str]) -> str:
-        quoted, at = match[1], uri.find(match[1])
-        if at >= 0:  # a piece of the URI: is it a piece of a password?
-            spans = settings.secrets
-            secret = any(at < end and start < at + len(quoted) for start, end in spans)
-        else:  # libpq's own words, or a piece it decoded
-            secret = any(_near(quoted, secret) for secret in secrets)
-        return '"…"' if secret else match[0]
-
-    return re.sub(r'"([^"]*)"', hide, text) if secrets else text
-
-
-def _near(text: str, secret: str) -> bool:
-    """Whether *text* holds *secret*, or four characters of it in a row."""
-    pieces = [secret[at : at + 4] for at in range(max(1, len(secret) - 3))]
-    return any(piece in text for piece in pieces)
+    """Squeeze a libpq message into one line with no secret, nor a piece of one, in it."""
+    text = " ".join(text.split()).removeprefix("connection failed: ")
+    return scrub(text.replace(settings.conninfo, settings.where), settings.secrets)
 
 
 def connect(
@@ -199,7 +188,14 @@ def _ready(fd: int, timeout: float | None, events: int = select.POLLIN) -> bool:
     """Return whether *fd* is ready for *events* (or hung up) within *timeout* seconds."""
     poller = select.poll()
     poller.register(fd, events)
-    return bool(poller.poll(None if timeout is None else max(0, timeout * 1000)))
+    if timeout is None:
+        return bool(poller.poll())
+    deadline = now() + timeout
+    while True:  # poll(2) takes at most 2^31 ms (24.8 days): a long wait goes in pieces
+        if poller.poll(max(0.0, min(deadline - now(), _LONGEST_POLL)) * 1000):
+            return True
+        if now() >= deadline:
+            return False
 
 
 class Session:
@@ -650,7 +646,8 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
             self.durable = False  # not allowed here (a managed service, say)
             self.note(
                 f"{self.settings.where}: fences are transaction ids that a server crash may "
-                f"repeat: pg_logical_emit_message is not allowed ({err.message})"
+                f"repeat: pg_logical_emit_message is not allowed "
+                f"({_one_line(self.settings, err.message)})"
             )
             return self._fence(session, request, slot)
         return int(fence or 0)
@@ -670,6 +667,8 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         request = attempt.request
         for objid, query in rows:
             slots, who = int(objid or 0), _tagged(query or "")
+            if not 1 <= slots <= MAX_SLOTS:  # no lockrun takes (key, N) with such an N
+                continue
             if who is None:  # another role's session: trust the 32-bit key
                 msg = (
                     f"held with --slots {slots}; all users of a name must agree, "
@@ -729,7 +728,8 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
             if who is not None:
                 known.add(who.slots)
             if subid == "2":
-                known.add(int(objid or 0))
+                if 1 <= int(objid or 0) <= MAX_SLOTS:  # any role may take such a lock
+                    known.add(int(objid or 0))
                 continue
             slot = parts[int(key or 0)]
             person = who.holder if who is not None else _stranger(pid, user, client, started)
@@ -795,16 +795,6 @@ def _application_name(name: str, slot: int | str) -> str:
     return f"lockrun:{cut}{suffix}"
 
 
-class _Who(NamedTuple):
-    """A lockrun session as its statements' comment describes it."""
-
-    token: str
-    namespace: str
-    name: str
-    slots: int
-    holder: Holder
-
-
 def _comment(request: Request, token: str, holder: Holder) -> str:
     """Return the comment every statement of a session carries: who runs it, for status.
 
@@ -827,22 +817,14 @@ def _comment(request: Request, token: str, holder: Holder) -> str:
         argv = argv[: len(argv) // 2]
 
 
-def _tagged(query: str) -> _Who | None:
-    """Read the comment `_tag` wrote back from a statement; None if it is not ours."""
+def _tagged(query: str) -> Identity | None:
+    """Read the comment `_comment` wrote back from a statement; None if it is not ours.
+
+    Any role of the database can run a statement with such a comment: it is read as
+    untrusted (`read_identity`).
+    """
     match = _TAGGED.search(query)
-    if match is None:
-        return None
-    try:
-        who = json.loads(match["json"])
-        return _Who(
-            str(who["token"]),
-            str(who["namespace"]),
-            str(who["name"]),
-            int(who["slots"]),
-            Holder.from_dict(who["holder"]),
-        )
-    except (ValueError, KeyError, TypeError):
-        return None
+    return None if match is None else read_identity(match["json"])
 
 
 def _stranger(pid: str | None, user: str | None, client: str | None, started: str | None) -> Holder:
@@ -890,7 +872,8 @@ class PostgresLease:
                 )
             except PgError as err:
                 self.session.abandon()
-                msg = f"the session holding the lock ended ({err.message}); its locks are gone"
+                said = _one_line(self.backend.settings, err.message)
+                msg = f"the session holding the lock ended ({said}); its locks are gone"
                 raise LeaseLost(msg) from err
         if held != "1":
             msg = "the server no longer gives this session the lock"

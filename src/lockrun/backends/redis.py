@@ -26,10 +26,18 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from lockrun.backends import Holder, LockState, Request, slots_mismatch, timeout_for
+from lockrun.backends import (
+    Holder,
+    LockState,
+    Request,
+    read_json,
+    slots_mismatch,
+    timeout_for,
+)
+from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
-from lockrun.uri import host_port
+from lockrun.uri import Secrets, host_port, option_name, scrub, secrets_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -64,11 +72,23 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
 # is stored, because Lua's own tostring() would round a 16-digit integer (pitfall 27).
 
-_PRELUDE: Final = """
+_PRELUDE: Final = (
+    f"local MAX_SLOTS = {MAX_SLOTS}\n"
+    """
 local holders, queue, waiters, ticket, fence, owners, info, cfg, clients = unpack(KEYS)
 local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local MAX_FENCE = 9007199254740992  -- 2^53: Lua's doubles are exact below, and no further
+
+-- Another client of this server may have written any key: read numbers defensively.
+local function configured_n()
+  local value = tonumber(redis.call('GET', cfg) or '')
+  if value and value >= 1 and value <= MAX_SLOTS and value == math.floor(value) then
+    return value
+  end
+  return nil
+end
 
 local function forget(tokens)
   if #tokens == 0 then return end
@@ -86,13 +106,15 @@ end
 local function grant(who, expiry)
   local used = {}
   for _, owner in ipairs(redis.call('HVALS', owners)) do
-    used[tonumber(string.match(owner, '^(%d+)'))] = true
+    local taken = tonumber(string.match(owner, '^(%d+) ') or '')
+    if taken then used[taken] = true end
   end
   local slot = 0
   while used[slot] do slot = slot + 1 end
-  local stamp = redis.call('INCR', fence)
+  local counted = redis.pcall('INCR', fence)  -- fails on a counter that is no integer
+  local stamp = type(counted) == 'number' and counted or MAX_FENCE
   local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  if stamp < micros then
+  if stamp < micros or stamp >= MAX_FENCE then  -- lost, or one lockrun never wrote
     stamp = micros
     redis.call('SET', fence, string.format('%d', stamp))
   end
@@ -136,22 +158,33 @@ local function tidy()
     redis.call('PEXPIRE', fence, 86400000)
     return
   end
-  local keep = math.floor(last - now) + 60000
+  local keep = math.min(math.floor(last - now), 2 * 86400000) + 60000  -- last may be +inf
   for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg, clients}) do
     redis.call('PEXPIRE', key, keep)
   end
   redis.call('PEXPIRE', fence, math.max(keep, 86400000))
 end
 
+-- The next place in the queue; after the last one there, if the counter is not one of ours.
+local function next_ticket()
+  local counted = redis.pcall('INCR', ticket)
+  if type(counted) == 'number' then return counted end
+  local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')
+  local after = math.floor(math.min(tonumber(last[2]) or 0, MAX_FENCE)) + 1
+  redis.call('SET', ticket, string.format('%d', after))
+  return after
+end
+
 -- Forgets *tokens* and the lapsed, and hands what that freed to who is next: the woken.
 local function hand_on(tokens)
   forget(tokens)
   reap()
-  local woken = wake(tonumber(redis.call('GET', cfg) or n))
+  local woken = wake(configured_n() or n)
   tidy()
   return woken
 end
 """
+)
 
 # → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
 # queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
@@ -160,7 +193,7 @@ _ACQUIRE: Final = (
     _PRELUDE
     + """
 reap()
-local configured = tonumber(redis.call('GET', cfg) or n)
+local configured = configured_n() or n
 if configured ~= n and redis.call('ZCARD', holders) + redis.call('ZCARD', queue) > 0 then
   return {-1, configured, 0}
 end
@@ -175,10 +208,11 @@ local function reply(a, b, c)
   return all
 end
 local mine = redis.call('HGET', owners, token)
-if mine then  -- granted while we slept, or a retried call: the lease runs from now
+local slot, stamp = string.match(mine or '', '^(%d+) (%d+) ')
+if mine and not slot then forget({token}) end  -- not what grant() wrote: start afresh
+if slot then  -- granted while we slept, or a retried call: the lease runs from now
   redis.call('ZADD', holders, 'XX', now + ttl, token)
   redis.call('HDEL', clients, token)  -- claimed: ours now, whatever becomes of a connection
-  local slot, stamp = string.match(mine, '(%d+) (%d+)')
   return reply(1, tonumber(slot), tonumber(stamp))
 end
 local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
@@ -190,7 +224,7 @@ if rank < n - redis.call('ZCARD', holders) then  -- only when nobody queues: wak
 end
 if ARGV[6] ~= 'try' then
   if not redis.call('ZSCORE', queue, token) then
-    redis.call('ZADD', queue, redis.call('INCR', ticket), token)
+    redis.call('ZADD', queue, next_ticket(), token)
   end
   redis.call('ZADD', waiters, now + ttl, token)
   redis.call('HSET', info, token, ARGV[5])
@@ -200,14 +234,14 @@ tidy()
 -- Sleep at most until the first lease, or the place of a waiter ahead of us, runs out.
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
 local until_free = ttl
-if #first > 0 then until_free = tonumber(first[2]) - now end
+if #first > 0 then until_free = math.min(ttl, tonumber(first[2]) - now) end
 if ARGV[6] ~= 'try' and rank > 0 then
   for _, ahead in ipairs(redis.call('ZRANGE', queue, 0, rank - 1)) do
     local lapse = redis.call('ZSCORE', waiters, ahead)
     if lapse then until_free = math.min(until_free, tonumber(lapse) - now) end
   end
 end
-return reply(0, rank, until_free)
+return reply(0, rank, math.max(0, until_free))
 """
 )
 
@@ -269,6 +303,7 @@ class Settings(NamedTuple):
 
     where: str  # the URI without its password, for messages
     kwargs: Mapping[str, Any]  # for redis.Redis, or for Sentinel.master_for
+    secrets: Secrets  # what redis-py's and the server's words must never show
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str = ""
     sentinel_kwargs: Mapping[str, Any] = {}
@@ -279,13 +314,14 @@ def parse(uri: LockURI) -> Settings:
     try:
         parts = urlsplit(uri.text)
     except ValueError as err:  # e.g. an unclosed [IPv6 bracket
-        msg = f"{uri.redacted}: {err}"
+        msg = f"{uri.redacted}: {scrub(str(err), secrets_of(uri.text))}"
         raise ConfigError(msg) from None
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = sorted(set(query) - _OPTIONS[uri.scheme])
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS[uri.scheme])) or "none"
-        msg = f"{uri.redacted}: unknown option {unknown[0]!r} (allowed: {allowed})"
+        name = option_name(unknown[0], parts.query)
+        msg = f"{uri.redacted}: unknown option {name} (allowed: {allowed})"
         raise ConfigError(msg)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
@@ -313,14 +349,14 @@ def parse(uri: LockURI) -> Settings:
             "username": query.pop("sentinel_username", None),
             "password": query.pop("sentinel_password", None),
         }
-        return Settings(uri.redacted, kwargs, sentinels, service, sentinel)
+        return Settings(uri.redacted, kwargs, secrets_of(uri.text), sentinels, service, sentinel)
     else:
         kwargs["host"], kwargs["port"] = host_port(uri, hosts, DEFAULT_PORT)
         db = _one_db(uri, path.strip("/"), query)
         if uri.scheme == "rediss":
             kwargs |= _tls(uri, query)
     kwargs["db"] = _db(uri, db)
-    return Settings(uri.redacted, kwargs)
+    return Settings(uri.redacted, kwargs, secrets_of(uri.text))
 
 
 def _one_db(uri: LockURI, in_path: str, query: dict[str, str]) -> str:
@@ -366,6 +402,20 @@ def _escape(text: str) -> str:
     return _KEY_UNSAFE.sub(lambda match: f"%{ord(match[0]):02X}", text)
 
 
+# What grant() writes in the owners hash: slot, fence, and when it was granted (server ms).
+_OWNER: Final = re.compile(
+    r"(?P<slot>\d{1,19}) (?P<fence>\d{1,19}) (?P<granted>\d{1,19})", re.ASCII
+)
+
+
+def _slots(text: str) -> int | None:
+    """Return the N stored for a lock, if it is one lockrun could have stored."""
+    digits = len(str(MAX_SLOTS))
+    if text.isascii() and text.isdigit() and len(text) <= digits and 1 <= int(text) <= MAX_SLOTS:
+        return int(text)
+    return None
+
+
 def _pairs(flat: list[str]) -> dict[str, str]:
     """Turn a flat Redis reply [k1, v1, k2, v2, …] into a dict."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
@@ -386,6 +436,69 @@ def _keys(prefix: str) -> list[str]:
             "clients",
         )
     ]
+
+
+# redis-py's error (one of its classes, or words of its message) → what lockrun says; the
+# first that matches wins.
+_FAILURES: Final[
+    tuple[tuple[tuple[type[Exception], ...], tuple[str, ...], type[LockrunError], str], ...]
+] = (
+    (
+        (),
+        ("NOAUTH", "HELLO must be called"),
+        BackendUnavailable,
+        (
+            "{where}: the server requires a password; put it in the URI "
+            "(or in LOCKRUN_URI, to keep it out of ps)"
+        ),
+    ),
+    (
+        (errors.ReadOnlyError,),
+        (),
+        BackendUnavailable,
+        "{where} is a read-only replica; point --uri at the primary (or use redis+sentinel://)",
+    ),
+    (
+        (errors.AuthenticationError,),
+        ("WRONGPASS",),
+        BackendUnavailable,
+        "{where}: authentication failed: {text}",
+    ),
+    (
+        (errors.NoPermissionError,),
+        (),
+        BackendUnavailable,
+        "{where}: the Redis user lacks a permission: {text}",
+    ),
+    (
+        (),
+        ("WRONGTYPE",),  # another client wrote a key of the lock as something else
+        BackendUnavailable,
+        (
+            "{where}: a key of this lock holds data lockrun did not write (WRONGTYPE); delete "
+            "the lock's keys (README: What each backend stores)"
+        ),
+    ),
+    (
+        (),
+        ("DB index is out of range",),
+        ConfigError,
+        "{where}: no such database on this server: {text}",
+    ),
+    (
+        (errors.TimeoutError,),
+        (),
+        BackendUnavailable,
+        "{where}: no answer within {timeout:g}s ({text})",
+    ),
+    ((errors.ConnectionError,), (), BackendUnavailable, "{where}: {text}"),
+    (
+        (errors.InvalidResponse,),
+        ("Protocol error",),
+        BackendUnavailable,
+        "{where} does not answer like a Redis server ({text})",
+    ),
+)
 
 
 # -- the backend -------------------------------------------------------------------------------
@@ -468,38 +581,20 @@ class RedisBackend:
         except errors.RedisError as err:
             raise self.failure(err) from err
 
-    def failure(self, err: errors.RedisError) -> LockrunError:  # noqa: PLR0911 - one per kind
+    def failure(self, err: errors.RedisError) -> LockrunError:
         """Translate a redis-py error into one line, naming the server but no password."""
         where = self.settings.where
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        text = scrub(text, self.settings.secrets)
         if isinstance(err, MasterNotFoundError):
             sentinels = ",".join(f"{host}:{port}" for host, port in self.settings.sentinels)
             return BackendUnavailable(
                 f"{where}: no sentinel at {sentinels} named a reachable primary for "
                 f"{self.settings.service!r}"
             )
-        if "NOAUTH" in text or "HELLO must be called" in text:
-            return BackendUnavailable(
-                f"{where}: the server requires a password; put it in the URI "
-                "(or in LOCKRUN_URI, to keep it out of ps)"
-            )
-        if isinstance(err, errors.ReadOnlyError):
-            return BackendUnavailable(
-                f"{where} is a read-only replica; point --uri at the primary "
-                "(or use redis+sentinel://)"
-            )
-        if isinstance(err, errors.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):
-            return BackendUnavailable(f"{where}: authentication failed: {text}")
-        if isinstance(err, errors.NoPermissionError):
-            return BackendUnavailable(f"{where}: the Redis user lacks a permission: {text}")
-        if "DB index is out of range" in text:
-            return ConfigError(f"{where}: no such database on this server: {text}")
-        if isinstance(err, errors.TimeoutError):
-            return BackendUnavailable(f"{where}: no answer within {self.timeout:g}s ({text})")
-        if isinstance(err, errors.ConnectionError):
-            return BackendUnavailable(f"{where}: {text}")
-        if isinstance(err, errors.InvalidResponse) or "Protocol error" in text:
-            return BackendUnavailable(f"{where} does not answer like a Redis server ({text})")
+        for kinds, words, error, what in _FAILURES:
+            if isinstance(err, kinds) or any(word in text for word in words):
+                return error(what.format(where=where, text=text, timeout=self.timeout))
         return BackendUnavailable(f"{where}: {text}")
 
     def check_eviction(self, client: redis.Redis) -> None:
@@ -693,7 +788,7 @@ class RedisBackend:
         A *name* asked for by the user is reported even when free.
         """
         reply = self.call("status", Claim(prefix, "", 1, 1))
-        server_ms, slots = int(reply[0]), str(reply[1])
+        server_ms, slots = int(reply[0]), _slots(str(reply[1]))
         holders, queue, owners, info, waiters = (
             _pairs(reply[2]),
             list(reply[3]),
@@ -703,15 +798,19 @@ class RedisBackend:
         )
 
         def person(token: str, expires_ms: str | None) -> Holder:
+            # Any client of this server may have written these: a bad record shows as "?".
             try:
-                holder = Holder.from_dict(json.loads(info[token]))
-            except (KeyError, ValueError):
+                holder = Holder.from_dict(read_json(info.get(token, "")))
+            except ValueError:
                 holder = Holder("?", 0, "?", ())
-            if expires_ms is None or token not in owners:
+            owner = _OWNER.fullmatch(owners.get(token, ""))
+            if expires_ms is None or owner is None:
                 return holder
-            slot, _fence, granted_ms = owners[token].split()
+            slot = int(owner["slot"])
             return holder._replace(
-                slot=int(slot), since=int(granted_ms) / 1000, expires=float(expires_ms) / 1000
+                slot=slot if slot < MAX_SLOTS else None,
+                since=int(owner["granted"]) / 1000,
+                expires=float(expires_ms) / 1000,
             )
 
         held = tuple(
@@ -726,7 +825,7 @@ class RedisBackend:
             if not held and not waiting:
                 return None
             name = unquote(prefix.partition("/")[2].removesuffix("}"))
-        return LockState(namespace, name, prefix, int(slots) if slots else None, held, waiting)
+        return LockState(namespace, name, prefix, slots, held, waiting)
 
     def close(self) -> None:
         """Drop the connection."""

@@ -1,0 +1,65 @@
+"""The bounds of every number lockrun takes, checked once for the CLI and the Python API.
+
+A number out of bounds is a usage error (64; `UsageError` in the API) before anything is
+opened, so no backend meets a slot count, a lease or a wait it cannot express. The README's
+"Options" table lists the bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from lockrun.errors import UsageError
+from lockrun.timing import format_duration
+
+MAX_SLOTS: Final = 1000  # a semaphore's head holds one server session (or file) per slot
+MIN_TTL: Final = 1.0  # a lease must outlast a slow answer and the command's start
+MAX_TTL: Final = 86400.0  # a longer lease only delays the recovery from a crash
+MAX_WAIT: Final = 366 * 86400.0  # --wait and --max-time: a year; 'forever' has no bound
+MAX_KILL_AFTER: Final = 86400.0
+# Fences are signed 64-bit integers (LOCKRUN_FENCE, PostgreSQL's bigint): a stored counter
+# beyond is one lockrun never wrote, and is read as no counter at all.
+MAX_FENCE: Final = 2**63 - 1
+
+
+def check_slots(slots: object, what: str = "slots") -> int:
+    """Return *slots* if it is a whole number of slots, 1 … `MAX_SLOTS`."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        msg = f"{what} must be a whole number from 1 to {MAX_SLOTS}, not {slots!r}"
+        raise UsageError(msg)
+    return slots
+
+
+def check_seconds(
+    value: object, what: str, *, low: float = 0.0, high: float, above: bool = False
+) -> float:
+    """Return *value* as seconds if it is a real number in [*low*, *high*] (or (*low*, …])."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"{what} must be a number of seconds, not {value!r}"
+        raise UsageError(msg)
+    seconds = float(value)
+    if math.isnan(seconds) or seconds > high or seconds < low or (above and seconds == low):
+        relation = "more than" if above else "at least"
+        msg = (
+            f"{what} must be {relation} {format_duration(low)} and at most "
+            f"{format_duration(high)}, not {_shown(seconds)}"
+        )
+        raise UsageError(msg)
+    return seconds
+
+
+def check_wait(wait: object, what: str = "wait") -> float | None:
+    """Return *wait* in seconds, or None for forever (None, or infinity in the API)."""
+    if wait is None or (isinstance(wait, float) and wait == math.inf):
+        return None
+    return check_seconds(wait, what, high=MAX_WAIT)
+
+
+def check_ttl(ttl: object, what: str = "ttl") -> float:
+    """Return *ttl* if it is a usable lease length, `MIN_TTL` … `MAX_TTL`."""
+    return check_seconds(ttl, what, low=MIN_TTL, high=MAX_TTL)
+
+
+def _shown(seconds: float) -> str:
+    return format_duration(seconds) if math.isfinite(seconds) and seconds >= 0 else str(seconds)

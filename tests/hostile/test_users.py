@@ -1,0 +1,382 @@
+"""Another local user plants, pre-empts, squats and spoofs; lockrun, often root, stays put.
+
+Each attack is made by a real other Unix user (hostile/users.py), in a directory every
+user may write to, as on a shared host. The oracle is the file system and the exit status,
+not lockrun's word: a planted target keeps its bytes, nothing appears where it must not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from conftest import lockrun, one_line
+
+from hostile.users import Runner, needs_root
+from lockrun.backends.abstract import _base as abstract_base
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+pytestmark = needs_root
+PRECIOUS = "precious: root's file, not a lock\n"
+
+
+@pytest.fixture
+def target() -> Iterator[Path]:
+    """Return a directory of root's, elsewhere, with a file that must keep its bytes."""
+    path = Path(tempfile.mkdtemp(prefix="lockrun-target-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def untouched(directory: Path, name: str) -> None:
+    """Assert lockrun wrote nothing in *directory*: its lock file kept its bytes, no fence."""
+    assert (directory / f"{name}.lock").read_text() == PRECIOUS
+    assert not (directory / f"{name}.fence").exists()
+
+
+# -- paths: symlinks, FIFOs, hard links -------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "//", "/.", "/./"])
+def test_a_symlink_planted_as_the_lock_directory_is_refused_however_it_is_written(
+    mallory: Runner, shared: Path, target: Path, name: str, suffix: str
+) -> None:
+    """file:///link, file:///link/, file:///link/. : never followed, nothing written."""
+    (target / f"{name}.lock").write_text(PRECIOUS)
+    assert mallory.run(["ln", "-s", str(target), str(shared / "locks")]).returncode == 0
+    result = lockrun("--uri", f"file://{shared}/locks{suffix}", "-n", name, "--", "true")
+    assert result.returncode == 78
+    assert "is a symlink; refusing to follow it" in one_line(result.stderr)
+    untouched(target, name)
+
+
+def test_a_symlinked_parent_planted_by_another_user_is_refused(
+    mallory: Runner, shared: Path, target: Path, name: str
+) -> None:
+    """file:///shared/link/locks where mallory made link: refused, naming who could plant it."""
+    (target / "locks").mkdir()
+    (target / "locks" / f"{name}.lock").write_text(PRECIOUS)
+    assert mallory.run(["ln", "-s", str(target), str(shared / "parent")]).returncode == 0
+    for uri in (f"file://{shared}/parent/locks", f"file://{shared}/parent/locks/"):
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert result.returncode == 78
+        line = one_line(result.stderr)
+        assert f"{shared}/parent is a symlink that user {mallory.user.name} could" in line
+    untouched(target / "locks", name)
+
+
+def test_a_symlink_that_only_we_could_have_made_is_followed(tmp_path: Path, name: str) -> None:
+    """Like /var/lock → /run/lock: ours, in a directory of ours, so it is no plant."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    result = lockrun("--uri", f"file://{tmp_path}/alias/locks", "-n", name, "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (tmp_path / "real" / "locks" / f"{name}.lock").exists()
+
+
+def test_a_symlink_of_ours_in_a_directory_another_user_may_write_is_refused(
+    target: Path, name: str
+) -> None:
+    """Root's own link counts for nothing where mallory could swap it (no sticky bit)."""
+    open_dir = Path(tempfile.mkdtemp(prefix="lockrun-open-", dir="/tmp"))
+    try:
+        open_dir.chmod(0o777)  # writable by all, not sticky: anyone may rename our link
+        (open_dir / "link").symlink_to(target)
+        result = lockrun("--uri", f"file://{open_dir}/link/locks", "-n", name, "--", "true")
+        assert result.returncode == 78
+        assert "could have planted" in one_line(result.stderr)
+        assert not (target / "locks").exists()
+    finally:
+        (open_dir / "link").unlink()
+        open_dir.rmdir()
+
+
+@pytest.fixture
+def locks(shared: Path) -> Path:
+    """Return a lock directory shared by every user, sticky (flock(1) users share such)."""
+    path = shared / "locks"
+    path.mkdir()
+    path.chmod(0o1777)
+    return path
+
+
+@pytest.mark.parametrize("planted", ["lock", "fence"])
+def test_a_symlink_planted_as_a_lock_or_fence_file_is_refused(
+    mallory: Runner, locks: Path, target: Path, name: str, planted: str
+) -> None:
+    """NAME.lock or NAME.fence as mallory's link to root's file: 78, the file keeps its bytes."""
+    precious = target / "passwd"
+    precious.write_text(PRECIOUS)
+    link = locks / f"{name}.{planted}"
+    assert mallory.run(["ln", "-s", str(precious), str(link)]).returncode == 0
+    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+    assert result.returncode == 78, result.stderr
+    assert f"{link}" in one_line(result.stderr)
+    assert precious.read_text() == PRECIOUS
+
+
+@pytest.mark.parametrize("planted", ["lock", "fence", "gate"])
+def test_a_fifo_planted_as_a_lock_file_neither_hangs_run_nor_status(
+    mallory: Runner, locks: Path, name: str, planted: str
+) -> None:
+    """A FIFO where a lock file goes: `-w 0` and status answer at once, 78 and 0."""
+    fifo = locks / f"{name}.{planted}"
+    assert mallory.run(["mkfifo", "-m", "666", str(fifo)]).returncode == 0
+    slots = ["-s", "2"] if planted == "gate" else []
+    started = time.monotonic()
+    result = lockrun("--uri", f"file://{locks}", "-n", name, *slots, "-w", "0", "--", "true")
+    assert result.returncode == 78, result.stderr
+    assert "is not a regular file" in one_line(result.stderr)
+    status = lockrun("status", "--uri", f"file://{locks}", name, timeout=30)
+    assert status.returncode == 0, status.stderr
+    listing = lockrun("status", "--uri", f"file://{locks}", "--json", timeout=30)
+    assert listing.returncode == 0, listing.stderr
+    assert time.monotonic() - started < 20  # each would hang for ever on the FIFO's open
+
+
+def test_a_hard_link_planted_as_a_lock_file_is_never_written(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """NAME.lock as a second name of mallory's file: 78, and her file keeps its bytes."""
+    hers = locks / "hers"
+    make = f"cat > {hers} && ln {hers} {locks}/{name}.lock"
+    assert mallory.run(["sh", "-c", make], input=PRECIOUS).returncode == 0
+    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+    assert result.returncode == 78
+    assert "hard links" in one_line(result.stderr)
+    assert hers.read_text() == PRECIOUS
+
+
+def test_a_file_given_as_the_lock_directory_is_a_configuration_error(
+    tmp_path: Path, name: str
+) -> None:
+    """A regular file where the directory should be: 78, not 69, and it is left alone."""
+    (tmp_path / "file").write_text(PRECIOUS)
+    for uri in (f"file://{tmp_path}/file", f"file://{tmp_path}/file/locks"):
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert result.returncode == 78
+        assert "Not a directory" in one_line(result.stderr)
+    assert (tmp_path / "file").read_text() == PRECIOUS
+
+
+def test_a_relative_directory_is_refused_not_taken_from_the_cwd(tmp_path: Path, name: str) -> None:
+    """file:relative/dir would lock wherever cron happens to run: 78 with the fix."""
+    result = lockrun("--uri", "file:locks/here", "-n", name, "--", "true", cwd=tmp_path)
+    assert result.returncode == 78
+    assert "must be an absolute path" in one_line(result.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_status_makes_no_directory(tmp_path: Path, name: str) -> None:
+    """Asking who holds a lock creates nothing: a missing directory holds no locks."""
+    where = tmp_path / "nowhere" / "locks"
+    listing = lockrun("status", "--uri", f"file://{where}")
+    assert (listing.returncode, listing.stderr) == (0, "")
+    assert "no locks held" in listing.stdout
+    one = lockrun("status", "--uri", f"file://{where}", "--json", name)
+    assert json.loads(one.stdout)[0]["holders"] == []
+    assert not (tmp_path / "nowhere").exists()
+
+
+# -- default directories another user could make first ------------------------------------
+
+
+def test_roots_default_directory_is_one_no_other_user_can_make(mallory: Runner, name: str) -> None:
+    """Root locks in /run/lockrun (0700, in root's /run), whatever is in 1777 /run/lock."""
+    squat = Path("/run/lock/lockrun")
+    if not squat.exists():  # the old default, which anyone could make first
+        assert mallory.run(["mkdir", "-m", "777", str(squat)]).returncode == 0
+    result = lockrun("-n", name, "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert Path("/run/lockrun", f"{name}.lock").exists()
+    info = os.stat("/run/lockrun")
+    assert (info.st_uid, info.st_mode & 0o777) == (0, 0o700)
+    assert mallory.run(["mkdir", f"/run/lockrun-{name}"]).returncode != 0  # /run is root's
+
+
+def test_a_users_default_directory_cannot_be_taken_by_another_user(
+    alice: Runner, mallory: Runner, name: str
+) -> None:
+    """Mallory's /tmp/lockrun-ALICE changes nothing: alice locks under her own home."""
+    squat = Path(f"/tmp/lockrun-{alice.user.uid}")  # the old default, and the fallback
+    shutil.rmtree(squat, ignore_errors=True)
+    assert mallory.run(["mkdir", "-m", "777", str(squat)]).returncode == 0
+    try:
+        result = alice.lockrun("-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+        mine = Path(alice.user.home, ".cache", "lockrun", os.uname().nodename)
+        assert (mine / f"{name}.lock").exists()
+        assert os.stat(mine).st_mode & 0o777 == 0o700
+        assert not (squat / f"{name}.lock").exists()
+    finally:
+        squat.rmdir()
+
+
+def test_without_a_home_a_taken_fallback_is_refused_in_one_line(
+    alice: Runner, mallory: Runner, name: str
+) -> None:
+    """No home of ours: /tmp/lockrun-UID, and if another user made it, 78 saying who."""
+    squat = Path(f"/tmp/lockrun-{mallory.user.uid}")
+    shutil.rmtree(squat, ignore_errors=True)
+    assert alice.run(["mkdir", "-m", "777", str(squat)]).returncode == 0
+    try:
+        result = mallory.lockrun("-n", name, "--", "true")
+        assert result.returncode == 78
+        assert "belongs to user lockrun-alice, not to us" in one_line(result.stderr)
+    finally:
+        squat.rmdir()
+
+
+# -- abstract: squatted names, spoofed markers, handed junk ------------------------------
+
+SQUAT_MARKER = """
+import socket, sys
+marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+marker.bind("\\0" + sys.argv[1] + "/h0.7/1700000000000/" + str(__import__("os").getpid()))
+marker.listen(8)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+SQUAT_SLOT = """
+import os, socket, sys
+slot = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+slot.bind("\\0" + sys.argv[1] + "/0")
+slot.listen(64)
+other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+other.bind("\\0" + sys.argv[1] + "/elsewhere")
+other.listen(1)
+junk = {"pipe": os.pipe()[0], "file": os.open("/etc/hostname", os.O_RDONLY),
+        "socket": other.fileno()}[sys.argv[2]]
+print("ready", flush=True)
+while True:
+    conn, _ = slot.accept()
+    try:
+        socket.send_fds(conn, [b"9" * 40], [junk])
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+@pytest.fixture
+def prefix() -> str:
+    """Return an abstract: prefix of this test's own."""
+    return f"hostile-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@contextlib.contextmanager
+def planted(process: subprocess.Popen[str]) -> Iterator[None]:
+    """Wait until a planted process says it is ready; kill it after the block."""
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        process.kill()
+        process.communicate()
+
+
+def test_a_forged_holder_marker_neither_refuses_nor_shows(
+    mallory: Runner, prefix: str, name: str
+) -> None:
+    """A marker claiming slot 0 of 7, with no slot held behind it: no 78, not in status."""
+    base = abstract_base(prefix, "default", name)
+    with planted(mallory.python(SQUAT_MARKER, base, stdin=subprocess.PIPE)):
+        uri = f"abstract:{prefix}"
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+        status = lockrun("status", "--uri", uri, "--json", name)
+        assert json.loads(status.stdout)[0]["holders"] == []
+
+
+@pytest.mark.parametrize("junk", ["pipe", "file", "socket"])
+def test_a_squatter_handing_junk_instead_of_the_slot_is_busy_not_a_crash(
+    mallory: Runner, prefix: str, name: str, junk: str
+) -> None:
+    """Mallory holds the name and hands a pipe, a file or the wrong socket: 75, one line."""
+    base = abstract_base(prefix, "default", name)
+    with planted(mallory.python(SQUAT_SLOT, base, junk)):
+        result = lockrun("--uri", f"abstract:{prefix}", "-n", name, "-w", "1", "--", "true")
+        assert result.returncode == 75, result.stderr
+        assert "busy" in one_line(result.stderr)
+
+
+# -- records spoofed in a shared lock directory ---------------------------------------------
+
+SPOOFS = {
+    "deep": "[" * 100_000 + "]" * 100_000,
+    "types": '{"name": 1, "namespace": [], "slots": "7", "host": {}, "pid": "x", "user": null}',
+    "huge": '{"name": "N", "namespace": "default", "slots": 1, "host": "h", "pid": 1e400,'
+    ' "user": "u", "since": 1e308, "argv": ["' + "x" * 60000 + '"]}',
+    "fence": '{"name": "N", "namespace": "default", "slots": 1, "host": "h", "pid": 1,'
+    ' "user": "u", "slot": 340282366920938463463374607431768211456}',
+    "other-name": '{"name": "other", "namespace": "default", "slots": 7, "host": "h",'
+    ' "pid": 1, "user": "u"}',
+    "binary": "\udcff\x00\x1b[2J",
+}
+
+
+@pytest.mark.parametrize("spoof", sorted(SPOOFS))
+def test_records_spoofed_by_a_holder_in_a_shared_directory_change_nothing(
+    mallory: Runner, locks: Path, name: str, spoof: str
+) -> None:
+    """Mallory holds NAME.lock with junk in it: busy (75) in one line, status reads it."""
+    record = SPOOFS[spoof].replace('"N"', json.dumps(name))
+    lock_file = locks / f"{name}.lock"
+    lock_file.write_bytes(record.encode(errors="surrogateescape"))
+    os.chown(lock_file, mallory.user.uid, mallory.user.gid)
+    lock_file.chmod(0o644)
+    holder = mallory.popen(["flock", str(lock_file), "sleep", "60"])
+    try:
+        wait_until_locked(lock_file)
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 75, result.stderr
+        assert "busy" in one_line(result.stderr)
+        for args in ([name], ["--json", name], ["--json"], []):
+            status = lockrun("status", "--uri", f"file://{locks}", *args)
+            assert (status.returncode, status.stderr) == (0, ""), status.stderr
+            assert "\x1b" not in status.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """A holder that says --slots 7 for this very name is one: 78, as for any such holder."""
+    record = {"name": name, "namespace": "default", "slots": 7}
+    record |= {"host": "h", "pid": 1, "user": "mallory", "argv": ["x"]}
+    lock_file = locks / f"{name}.lock"
+    lock_file.write_text(json.dumps(record))
+    os.chown(lock_file, mallory.user.uid, mallory.user.gid)
+    holder = mallory.popen(["flock", str(lock_file), "sleep", "60"])
+    try:
+        wait_until_locked(lock_file)
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 78
+        assert "held with --slots 7 by mallory@h pid 1" in one_line(result.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def wait_until_locked(path: Path) -> None:
+    """Wait until someone holds a flock on *path* (its inode shows in /proc/locks)."""
+    inode = f":{os.stat(path).st_ino} "
+    deadline = time.monotonic() + 15
+    while inode not in Path("/proc/locks").read_text():
+        assert time.monotonic() < deadline, "the planted holder never locked"
+        time.sleep(0.01)

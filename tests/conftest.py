@@ -15,11 +15,18 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import settings
 from servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
+
+# Hypothesis: the same examples on every CI run (a red CI must mean a regression, not a
+# new find); fresh ones on a developer's machine. No deadline: subprocesses and servers.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 # The chaos suite's servers, proxy, oracle and results; the hostile suite's other users.
 pytest_plugins = ("chaos.rig", "hostile.users")

@@ -501,6 +501,7 @@ def take_and_give_back(backend: file_backend.FileBackend) -> None:
     """Take a lock of *backend* and release it: the lock directory is opened on first use."""
     try:
         lease = backend.acquire(Request("default", "probe", 1, 30.0, Holder.me(["true"])), None)
+        assert lease is not None  # no deadline: it waited until it got the lock
         lease.release()
     finally:
         backend.close()

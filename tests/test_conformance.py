@@ -446,7 +446,8 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     lines = [line.rstrip("\n") for line in seen] + rest.splitlines()
     since = r"since \d\d:\d\d:\d\d"
     assert re.fullmatch(
-        rf"lockrun: waiting for {name} \({re.escape(redact(uri))}\) — held by {host}:{first.process.pid}"
+        rf"lockrun: waiting for {name} \({re.escape(redact(uri))}\) — held by "
+        rf"{host}:{first.process.pid}"
         rf" {since} — 1 ahead of you",
         lines[0],
     ), lines

@@ -203,9 +203,7 @@ def test_mariadb_is_the_same_backend_as_mysql(certificates: Path) -> None:
     mysql = parse(parse_uri(f"mysql:{rest}"))
     mariadb = parse(parse_uri(f"mariadb:{rest}"))
     assert mysql.kwargs == mariadb.kwargs
-    assert (
-        mariadb.where == f"mariadb://***@db:3307/app?charset=latin1&ssl_ca={certificates}/ca.crt"
-    )
+    assert mariadb.where == f"mariadb://***@db:3307/app?charset=latin1&ssl_ca={certificates}/ca.crt"
 
 
 def test_parse_tls_files_must_be_readable_and_a_ca_checks_the_name(

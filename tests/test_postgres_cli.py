@@ -32,7 +32,7 @@ from servers import PostgresServer, free_port, postgres_bin, unavailable
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
-from lockrun.uri import parse_uri, redact, unquote
+from lockrun.uri import parse_uri, redact
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence

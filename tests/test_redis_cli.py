@@ -26,8 +26,7 @@ from servers import RedisServer, free_port, unavailable
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import timeout_for
 from lockrun.backends.redis import key_prefix, parse
-from lockrun.uri import redact
-from lockrun.uri import parse_uri
+from lockrun.uri import parse_uri, redact
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

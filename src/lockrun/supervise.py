@@ -215,6 +215,9 @@ def _spawn(
     argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int], *, group: int
 ) -> int:
     """Start *argv* in process *group* (0: its own) with an empty mask and default SIGPIPE."""
+    if not argv[0]:  # as a shell says of "": posix_spawnp would raise ValueError
+        msg = "'': command not found (the command name is empty)"
+        raise CommandNotFound(msg)
     for fd in pass_fds:
         os.set_inheritable(fd, True)  # noqa: FBT003 - the os API
     try:

@@ -22,10 +22,12 @@ _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 # A query option whose %-decoded name holds one of these carries a secret
 # (password, sslpassword, sentinel_password, …); hiding too much is the safe mistake.
 _SECRET_OPTION: Final = ("pass", "secret", "token")
-# Every KEY=VALUE after ?, & or ; (overlapping: a value may hide another option); a value
-# runs to the next & or ; so that a # or ? inside a password is hidden with it.
-_OPTION: Final = re.compile(r"(?=(?:^|[?&;])([^=&?;#/]*)=([^&;]*))")
+# Every KEY=VALUE after ? or & (overlapping: a value may hide another option); a value runs
+# to the next &, as every parser of ours reads it, so a # or ? inside one is hidden with it.
+_OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+# Where a user information without a colon is often the password (redis://SECRET@host).
+_PASSWORD_ONLY: Final = frozenset({"redis", "rediss", "redis+sentinel", "unix"})
 _MIN_FRAGMENT: Final = 4  # a run this long of a secret, found in a driver's words, is hidden
 
 
@@ -114,16 +116,15 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
 def _at_after_authority(text: str) -> bool:
     """Whether an ``@`` lies beyond where RFC 3986 ends the authority.
 
-    Or where no ``//`` began one: ``redis:user:pass@host``.
+    Or where no ``//`` began one (``redis:user:pass@host``), or where the authority is empty
+    and a query holds the ``@`` (``redis://?pass@host``).
     """
-    start, has_authority = _authority_start(text)
+    start, _ = _authority_start(text)
     at = text.rfind("@")
-    if at < start or (not has_authority and text.startswith("/", start)):
+    if at < start or text.startswith("/", start):  # no @, or a path (file:///a@b, ///db?…@)
         return False
-    if not has_authority:
-        return True
     authority = re.match(r"[^/?#]*", text[start:])[0]  # type: ignore[index]  # always matches
-    return authority != "" and at >= start + len(authority)
+    return at >= start + len(authority)
 
 
 def _known_scheme(text: str) -> re.Match[str] | None:
@@ -180,7 +181,15 @@ def option_name(key: str, query: str) -> str:
     Only a plain name written as ``KEY=…`` is shown: a careless ``redis://host/0?hunter2``
     makes a password look like an option.
     """
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|[&;]){key}=", query):
+    before = next(  # what follows a secret option may be a piece of it (an unescaped &)
+        (
+            query[: match.start(2)]
+            for match in _OPTION.finditer(query)
+            if _is_secret_option(match[1])
+        ),
+        query,
+    )
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|&){key}=", before):
         return repr(key)
     return "(not shown: it is no plain KEY=VALUE)"
 
@@ -206,14 +215,18 @@ def secret_spans(text: str) -> list[tuple[int, int]]:
     ``#``. For any string, URI or not.
     """
     spans = []
-    start, has_authority = _authority_start(text)
+    start, _ = _authority_start(text)
     at = text.rfind("@")
     # An authority ("//" and not at once "/", "?" or "#"), or, with no "//", anything but
     # a path (file:/dir@x): up to the last @, as an unescaped password may hold @ itself.
-    kinds = ("/", "?", "#") if has_authority else ("/",)
-    if at > start and not text.startswith(kinds, start):
+    if at > start and not text.startswith("/", start):
         spans.append((start, at))
-    spans += [match.span(2) for match in _OPTION.finditer(text) if _is_secret_option(match[1])]
+    # A secret option's value runs to the end: an unescaped & may be part of it.
+    spans += [
+        (match.start(2), len(text))
+        for match in _OPTION.finditer(text)
+        if _is_secret_option(match[1])
+    ]
     if (fragment := text.find("#")) >= 0:
         spans.append((fragment + 1, len(text)))
     merged: list[tuple[int, int]] = []
@@ -258,12 +271,19 @@ def secrets_of(*texts: str) -> Secrets:
             raw = text[start:end]
             if index == 0 and _is_userinfo(text, start):
                 user, colon, password = raw.partition(":")
-                names |= {user, unquote(user)}
-                if colon:
-                    passwords |= {password, unquote(password)}
+                if not colon and _scheme_of(text) in _PASSWORD_ONLY:
+                    password = user  # redis://SECRET@host: a password, however redis-py reads it
+                else:
+                    names |= {user, unquote(user)}
+                passwords |= {password, unquote(password)}
             else:
                 passwords |= {raw, unquote(raw)}
     return Secrets(_longest_first(passwords), _longest_first(names - passwords))
+
+
+def _scheme_of(text: str) -> str:
+    match = _known_scheme(text)
+    return "" if match is None else match[0][:-1].lower()
 
 
 def _is_userinfo(text: str, start: int) -> bool:
@@ -277,8 +297,8 @@ def _longest_first(pieces: set[str]) -> tuple[str, ...]:
 def scrub(text: str, secrets: Secrets) -> str:
     """Hide what *text* (a driver's or a server's words) shows of *secrets*.
 
-    Each password, and any run of four of its characters (a driver may quote a piece);
-    each name where it shows whole, or quoted alone when it is short (``user 'ci'``).
+    Each secret where it shows whole (a short name only quoted alone: ``user 'ci'``), then
+    any run of four characters of one: a driver may quote a piece, a server cut a name.
     """
     for password in secrets.passwords:  # whole first, the longest first
         text = text.replace(password, HIDDEN)
@@ -287,7 +307,7 @@ def scrub(text: str, secrets: Secrets) -> str:
             text = text.replace(name, HIDDEN)
         for quote in "'\"":
             text = text.replace(f"{quote}{name}{quote}", f"{quote}{HIDDEN}{quote}")
-    for password in secrets.passwords:
-        for at in range(len(password) - _MIN_FRAGMENT + 1):
-            text = text.replace(password[at : at + _MIN_FRAGMENT], HIDDEN)
+    for secret in secrets.passwords + secrets.names:  # a server may cut a long name short
+        for at in range(len(secret) - _MIN_FRAGMENT + 1):
+            text = text.replace(secret[at : at + _MIN_FRAGMENT], HIDDEN)
     return text

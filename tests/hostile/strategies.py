@@ -1,0 +1,120 @@
+"""What the hostile suite generates: passwords that parsers split, URIs, records from anyone.
+
+A generated password is runs of letters no message of lockrun's contains (so a run found
+in the output can only be a leak), joined by the characters URI parsers split at. Any run
+of four or more of its letters, as written or percent-encoded, is a fragment that must
+never be printed.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import TYPE_CHECKING, Final
+
+from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+# What parsers split a URI at, or what a terminal or a line would act on.
+SPLITTERS: Final = ":/?#@&=%+;[]{}\\\"' \t\n\r\x1b*~!$,|<>^`."
+# Letters that appear in no message of lockrun's: a run of them in its output leaked.
+RARE: Final = "QXZJKWVŊÆØßЖЯ漢字"
+_RUN: Final = re.compile(f"[{re.escape(RARE)}]{{4,}}")
+
+plain_passwords = st.text(alphabet=RARE, min_size=4, max_size=24)
+_gaps = st.text(alphabet=SPLITTERS, max_size=3)
+# At least one run to look for, with what parsers split at around it and anywhere else.
+passwords = st.builds(
+    "".join,
+    st.tuples(
+        _gaps,
+        st.text(alphabet=RARE, min_size=4, max_size=8),
+        _gaps,
+        st.text(alphabet=RARE + SPLITTERS, max_size=16),
+    ),
+)
+
+# Where a secret goes: {secret} raw, or %-encoded as {quoted}; {port} a port nobody uses.
+USERINFO_TEMPLATES: Final = (
+    "redis://:{secret}@127.0.0.1:{port}/0",
+    "redis://{secret}@127.0.0.1:{port}/0",  # the password-only form
+    "redis://user:{secret}@127.0.0.1:{port}/0",
+    "rediss://:{secret}@127.0.0.1:{port}/0",
+    "redis+sentinel://:{secret}@127.0.0.1:{port}/mymaster",
+    "mysql://user:{secret}@127.0.0.1:{port}/db",
+    "mariadb://{secret}@127.0.0.1:{port}/db",
+    "postgresql://user:{secret}@127.0.0.1:{port}/db",
+    "postgres://{secret}:{secret}@127.0.0.1:{port}/db",
+)
+OPTION_TEMPLATES: Final = (
+    "unix:///nonexistent/redis.sock?password={secret}",
+    "redis+sentinel://127.0.0.1:{port}/mymaster?sentinel_password={secret}",
+    "postgresql://127.0.0.1:{port}/db?password={secret}",
+    "postgresql://127.0.0.1:{port}/db?sslmode=disable&sslpassword={secret}&connect_timeout=2",
+    "postgres:///db?host=/nonexistent&password={secret}",
+)
+TEMPLATES: Final = USERINFO_TEMPLATES + OPTION_TEMPLATES
+
+
+def place(template: str, secret: str, *, encoded: bool, port: int = 1) -> str:
+    """Return *template* with *secret* in it, raw or percent-encoded."""
+    written = urllib.parse.quote(secret, safe="") if encoded else secret
+    return template.replace("{secret}", written).replace("{port}", str(port))
+
+
+def fragments(secret: str) -> set[str]:
+    """Return what of *secret* must never show: its runs of rare letters, raw and encoded."""
+    runs = set(_RUN.findall(secret))
+    return runs | {urllib.parse.quote(run, safe="") for run in runs}
+
+
+def assert_hidden(secret: str, *outputs: str) -> None:
+    """Assert that no fragment of *secret* is in any of *outputs*."""
+    for output in outputs:
+        shown = [piece for piece in fragments(secret) if piece in output]
+        assert not shown, f"{shown} of the password is in: {output!r}"
+
+
+# -- records from anyone ------------------------------------------------------------------
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=30)
+)
+json_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+def holder_like(values: st.SearchStrategy[object] = json_values) -> st.SearchStrategy[object]:
+    """Return dicts with a holder's keys, each set to anything: near misses of a record."""
+    keys = ("host", "pid", "user", "argv", "since", "slot", "expires", "name", "namespace")
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            **dict.fromkeys(keys, values),
+            "slots": values | st.integers(min_value=-5, max_value=2**70),
+            "token": values,
+            "holder": values | st.fixed_dictionaries({}, optional=dict.fromkeys(keys, values)),
+        },
+    )
+
+
+def deep(depth: int) -> str:
+    """Return JSON nested *depth* deep (a decoder that recurses runs out of stack)."""
+    return "[" * depth + "]" * depth
+
+
+def lines(*outputs: str) -> Iterable[str]:
+    """Yield every line of *outputs*."""
+    for output in outputs:
+        yield from output.splitlines()

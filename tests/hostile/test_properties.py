@@ -1,0 +1,236 @@
+"""Properties over random input: URIs and redaction, numbers, and records from anyone.
+
+Pure code and the backends' parsers, no server: so many examples run in a second or two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hostile.strategies import (
+    TEMPLATES,
+    assert_hidden,
+    deep,
+    holder_like,
+    json_values,
+    passwords,
+    place,
+    plain_passwords,
+)
+from lockrun import ConfigError, Lock, UsageError
+from lockrun.backends import (
+    Holder,
+    next_fence,
+    open_backend,
+    read_identity,
+    read_json,
+)
+from lockrun.backends import file as file_backend
+from lockrun.backends import postgres as postgres_backend
+from lockrun.backends import redis as redis_backend
+from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
+from lockrun.timing import parse_duration
+from lockrun.uri import HIDDEN, parse_uri, redact, redacted_by_lockrun, scrub, secrets_of
+
+# -- URIs and redaction --------------------------------------------------------------------
+
+
+@given(template=st.sampled_from(TEMPLATES), secret=passwords, encoded=st.booleans())
+def test_no_fragment_of_a_password_survives_parsing_or_redaction(
+    template: str, secret: str, encoded: bool
+) -> None:
+    """Raw or %-encoded, any password: redact() and every parser's message hide it all."""
+    uri = place(template, secret, encoded=encoded)
+    assert_hidden(secret, redact(uri))
+    try:
+        backend = open_backend(parse_uri(uri), ttl=5.0)
+    except (ConfigError, UsageError) as err:  # refused: said without a piece of the password
+        assert_hidden(secret, str(err))
+    else:
+        assert_hidden(secret, backend.settings.where)  # type: ignore[attr-defined]
+        backend.close()
+
+
+@given(template=st.sampled_from(TEMPLATES), secret=plain_passwords)
+def test_a_percent_encoded_password_is_accepted_and_never_shown(template: str, secret: str) -> None:
+    """Written as the README says (percent-encoded), any password parses and stays hidden."""
+    uri = place(template, secret, encoded=True)
+    backend = open_backend(parse_uri(uri), ttl=5.0)
+    backend.close()
+    assert_hidden(secret, redact(uri))
+    assert not redacted_by_lockrun(uri)
+
+
+@given(text=st.text(max_size=120))
+def test_redact_and_parse_take_any_string(text: str) -> None:
+    """Any text at all: redact() returns, parse_uri() returns or raises ConfigError."""
+    assert isinstance(redact(text), str)
+    with contextlib.suppress(ConfigError):  # and nothing else
+        parse_uri(text)
+
+
+@given(template=st.sampled_from(TEMPLATES), secret=passwords)
+def test_scrub_hides_whatever_a_driver_quotes_of_a_password(template: str, secret: str) -> None:
+    """What a server or driver says, quoting the password or a piece of it, is scrubbed."""
+    uri = place(template, secret, encoded=False)
+    said = f'FATAL: password "{secret}" for user; near {secret[1:]!r} and {secret[:-1]}'
+    assert_hidden(secret, scrub(said, secrets_of(uri)))
+
+
+def test_a_redacted_uri_is_refused_by_a_nested_lockrun() -> None:
+    """The *** lockrun leaves in a command's LOCKRUN_URI cannot pass for a password."""
+    for uri in ("redis://:pw@h/0", "postgresql:///db?password=pw", "mysql://u@h/db"):
+        shown = redact(uri)
+        assert HIDDEN in shown
+        assert redacted_by_lockrun(shown)
+        with pytest.raises(ConfigError, match="replaced by \\*\\*\\* by the lockrun"):
+            parse_uri(shown)
+
+
+# -- numbers --------------------------------------------------------------------------------
+
+
+@given(text=st.text(max_size=40))
+def test_durations_parse_or_are_usage_errors(text: str) -> None:
+    """Any DURATION text: finite seconds >= 0, None for forever, or UsageError."""
+    try:
+        seconds = parse_duration(text, allow_forever=True)
+    except UsageError:
+        return
+    assert seconds is None or (math.isfinite(seconds) and seconds >= 0)
+
+
+anything = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=5)
+    | st.lists(st.integers(), max_size=2)
+)
+
+
+@given(value=anything)
+def test_every_bound_takes_anything_and_answers_usage_error(value: object) -> None:
+    """slots, waits and durations: in bounds, or UsageError; never a raw Python error."""
+    for check in (check_slots, check_wait):
+        try:
+            checked = check(value)
+        except UsageError:
+            continue
+        assert checked is None or not isinstance(checked, bool)
+    try:
+        seconds = check_seconds(value, "--x", high=10.0)
+    except UsageError:
+        return
+    assert 0 <= seconds <= 10
+
+
+@given(slots=anything, wait=anything, ttl=anything, name=anything)
+def test_the_api_says_usage_error_for_any_bad_argument(
+    slots: object, wait: object, ttl: object, name: object
+) -> None:
+    """Lock(...) with wrong types, NaN, infinity, 2.5 slots: UsageError, not TypeError."""
+    try:
+        Lock(name, uri="file:///nonexistent/x", slots=slots, wait=wait, ttl=ttl)  # type: ignore[arg-type]
+    except (UsageError, ConfigError):
+        return
+
+
+def test_the_api_reads_infinity_as_forever() -> None:
+    """wait=math.inf waits for ever, as wait=None does."""
+    assert Lock("x", uri="file:///nonexistent/x", wait=math.inf).wait is None
+    for bad in (math.nan, -1, "10", 2.5j, True):
+        with pytest.raises(UsageError):
+            Lock("x", uri="file:///nonexistent/x", wait=bad)  # type: ignore[arg-type]
+    for bad in (0, 2.5, True, MAX_SLOTS + 1, "3"):
+        with pytest.raises(UsageError):
+            Lock("x", uri="file:///nonexistent/x", slots=bad)  # type: ignore[arg-type]
+
+
+# -- records from anyone --------------------------------------------------------------------
+
+
+@given(data=holder_like() | json_values)
+def test_holder_records_decode_or_are_refused(data: object) -> None:
+    """Any JSON as a holder: a Holder within bounds, or ValueError; nothing else."""
+    try:
+        holder = Holder.from_dict(data)
+    except ValueError:
+        return
+    assert isinstance(holder.pid, int)
+    assert 0 <= holder.pid < 2**31
+    assert holder.slot is None or 0 <= holder.slot < MAX_SLOTS
+    for stamp in (holder.since, holder.expires):
+        assert stamp is None or 0 <= stamp <= 2**40
+    assert len(holder.host) <= 256
+    assert all(isinstance(arg, str) for arg in holder.argv)
+
+
+@given(data=holder_like() | json_values)
+def test_identities_decode_or_are_none(data: object) -> None:
+    """A SQL comment's identity from anyone: well formed and bounded, or None."""
+    text = json.dumps(data)
+    identity = read_identity(text)
+    if identity is not None:
+        assert 1 <= identity.slots <= MAX_SLOTS
+        assert 0 < len(identity.name.encode()) <= 255
+
+
+@pytest.mark.parametrize("depth", [10_000, 200_000])
+def test_deeply_nested_records_are_no_records(depth: int) -> None:
+    """JSON nested past the decoder's stack is unreadable, not a RecursionError."""
+    assert read_json(deep(3)) == [[[]]]
+    assert read_json(deep(depth)) is None
+    assert read_identity(deep(depth)) is None
+    assert file_backend._record(deep(depth).encode(), "x") is None
+
+
+@given(content=st.binary(max_size=300) | st.builds(lambda d: json.dumps(d).encode(), holder_like()))
+def test_lock_file_records_decode_or_are_ignored(content: bytes) -> None:
+    """Whatever a co-user writes into a lock file: a record of this lock, or None."""
+    record = file_backend._record(content, "sales")
+    if record is not None:
+        assert record.name == "sales"
+        assert 1 <= record.slots <= MAX_SLOTS
+
+
+@given(
+    previous=st.binary(max_size=40)
+    | st.integers(min_value=-(2**70), max_value=2**80).map(lambda n: str(n).encode())
+)
+def test_fences_stay_64_bit_and_above_the_clock(previous: bytes) -> None:
+    """A fence counter anyone wrote: the next fence is above it or the clock, below 2^63."""
+    before = time.time_ns() // 1000
+    fence = next_fence(previous)
+    assert before <= fence <= MAX_FENCE
+    text = previous.strip()
+    if text.isdigit() and int(text) < MAX_FENCE - 1:
+        assert fence >= int(text) + 1
+
+
+@given(query=st.text(max_size=200))
+def test_sql_comments_from_anyone_decode_or_are_ignored(query: str) -> None:
+    """pg_stat_activity's query text of any session: an identity or None."""
+    identity = postgres_backend._tagged(query)
+    assert identity is None or 1 <= identity.slots <= MAX_SLOTS
+
+
+@given(
+    owner=st.text(max_size=80) | st.from_regex(r"\A[0-9]{1,25} [0-9 ]{1,25}\Z"),
+    slots=st.text(max_size=30) | st.integers(-5, 10**6).map(str),
+)
+def test_redis_counters_from_anyone_decode_or_are_ignored(owner: str, slots: str) -> None:
+    """The owners hash and the stored N of a Redis lock: read only when they are ours."""
+    n = redis_backend._slots(slots)
+    assert n is None or 1 <= n <= MAX_SLOTS
+    match = redis_backend._OWNER.fullmatch(owner)
+    if match is not None:
+        assert all(int(match[part]) < 10**19 for part in ("slot", "fence", "granted"))

@@ -195,11 +195,12 @@ def describe_pid(pid: int) -> Holder:
     """Describe a local process from /proc: user, command line and start time."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = tuple(arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")[:-1])
+            raw = cmdline.read(MAX_RECORD)  # a command line may be 2 MB: a record is cut
+        argv = tuple(arg.decode(errors="replace") for arg in raw.split(b"\0")[:-1])
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return Holder(os.uname().nodename, pid, "?", ())
-    return Holder(os.uname().nodename, pid, _user(uid), argv)
+    return Holder(os.uname().nodename, pid, _user(uid), cut(argv))
 
 
 class Request(NamedTuple):

@@ -1,0 +1,249 @@
+"""The edges of a process: environment, closed streams, signals while waiting, numbers, sizes.
+
+What a careless operator or a crontab does without meaning harm: each case ends with the
+right status and one line, and leaves nothing held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from conftest import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
+
+from lockrun.backends import RECORD_ARGV
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+def test_lockrun_version_or_help_in_the_environment_changes_no_run(
+    file_uri: str, name: str
+) -> None:
+    """LOCKRUN_VERSION=1 (an env var like any) must not turn every run into --version."""
+    env = os.environ | {"LOCKRUN_VERSION": "1", "LOCKRUN_HELP": "1"}
+    result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", "echo ran", env=env)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
+
+
+def test_an_empty_command_name_is_not_found(file_uri: str, name: str) -> None:
+    """Lockrun -- "" is what a shell says of "": 127, one line."""
+    result = lockrun("--uri", file_uri, "-n", name, "--", "")
+    assert result.returncode == 127
+    assert "command not found" in one_line(result.stderr)
+
+
+def sh(command: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run *command* in sh, with LOCKRUN standing for ``python -m lockrun``."""
+    lockrun_ = " ".join(LOCKRUN)
+    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+        ["sh", "-c", command.replace("LOCKRUN", lockrun_)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        **kwargs,
+    )
+
+
+CLOSED_FDS = """
+import os
+closed = []
+for fd in (0, 1, 2):  # before this opens anything, which would take the lowest free fd
+    try:
+        os.fstat(fd)
+    except OSError:
+        closed.append(str(fd))
+open("{out}", "w").write(" ".join(closed))
+"""
+
+
+def test_closed_standard_streams_reach_no_lock_file(
+    tmp_path: Path, file_uri: str, name: str
+) -> None:
+    """Started with fd 0, 1 and 2 closed: runs, and the command gets them closed too."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(CLOSED_FDS.format(out=tmp_path / "closed"))
+    result = sh(f"LOCKRUN --uri {file_uri} -n {name} -- {sys.executable} {probe} <&- >&- 2>&-")
+    assert result.returncode == 0
+    # No lock file or socket took the place of a closed stream.
+    assert (tmp_path / "closed").read_text() == "0 1 2"
+    record = json.loads((tmp_path / "locks" / f"{name}.lock").read_bytes() or b"{}")
+    assert record == {}  # released: the record was cleared, not overwritten by output
+
+
+def test_busy_with_stderr_closed_still_exits_75(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """Nobody to tell: the status still says busy."""
+    holder = held("--uri", file_uri, "-n", name)
+    result = sh(f"LOCKRUN --uri {file_uri} -n {name} -- true 2>&-")
+    assert result.returncode == 75
+    holder.finish()
+
+
+def test_status_that_cannot_be_written_exits_74_in_one_line(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """Stdout closed, or a pipe whose reader is gone: 74 (EX_IOERR), one line, no traceback."""
+    holder = held("--uri", file_uri, "-n", name)
+    closed = sh(f"LOCKRUN status --uri {file_uri} >&-")
+    assert closed.returncode == 74
+    assert "cannot write to stdout: it is closed" in one_line(closed.stderr)
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        broken = subprocess.run(
+            [*LOCKRUN, "status", "--uri", file_uri],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(writer)
+    assert broken.returncode == 74
+    assert "cannot write to stdout: Broken pipe" in one_line(broken.stderr)
+    holder.finish()
+
+
+@pytest.mark.parametrize(("signame", "status"), [("QUIT", 131), ("HUP", 129)])
+def test_quit_or_hup_while_waiting_ends_the_wait(
+    uri: str, name: str, held: Callable[..., Held], signame: str, status: int
+) -> None:
+    """QUIT (Ctrl-Backslash) or HUP while waiting: 128+N, one line, nothing held, no core."""
+    holder = held("--uri", uri, "-n", name)
+    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    waiter.send_signal(signal.Signals["SIG" + signame])
+    _, stderr = waiter.communicate(timeout=30)
+    assert waiter.returncode == status
+    assert f"SIG{signame} while waiting for {name}; nothing is held" in one_line(stderr)
+    assert queue_length(uri, name) == 0
+    holder.finish()
+
+
+def test_usr1_and_usr2_while_waiting_are_dropped_and_the_wait_goes_on(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """USR1/USR2 have no command to go to yet: -v says so, the waiter keeps its place."""
+    holder = held("--uri", file_uri, "-n", name)
+    waiter = start("-v", "--uri", file_uri, "-n", name, "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(file_uri, name) == 1, what="the waiter")
+    for signo in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR1):
+        waiter.send_signal(signo)
+    time.sleep(0.3)
+    assert waiter.poll() is None
+    holder.finish()
+    _, stderr = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0
+    assert "SIGUSR1 while waiting for" in stderr
+    assert "dropped" in stderr
+
+
+HUP_TRAP = """
+import signal, sys, time, pathlib
+signal.signal(signal.SIGHUP, lambda *_: pathlib.Path(sys.argv[1], "got-hup").touch())
+pathlib.Path(sys.argv[1], "ready").touch()
+time.sleep(1.5)
+"""
+
+
+def test_hup_ignored_by_the_caller_is_not_forwarded(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """Under nohup, a HUP to lockrun is not sent on to a command that handles HUP."""
+    script = tmp_path / "trap.py"
+    script.write_text(HUP_TRAP)
+    lockrun_ = " ".join(LOCKRUN)
+    command = f"trap '' HUP; exec {lockrun_} --uri {file_uri} -n {name} --"
+    process = subprocess.Popen(
+        ["sh", "-c", f"{command} {sys.executable} {script} {tmp_path}"], stderr=subprocess.PIPE
+    )
+    wait_for((tmp_path / "ready").exists, what="the command")
+    process.send_signal(signal.SIGHUP)
+    _, stderr = process.communicate(timeout=30)
+    assert (process.returncode, stderr) == (0, b"")
+    assert not (tmp_path / "got-hup").exists()
+
+
+def test_a_nested_lockrun_never_falls_back_to_file_silently(file_uri: str, name: str) -> None:
+    """LOCKRUN_URI with a password reaches the command as ***: an inner lockrun says 78."""
+    env = os.environ | {"LOCKRUN_URI": "redis://:hunter2secret@127.0.0.1:1/0"}
+    inner = f"{' '.join(LOCKRUN)} -n inner-{name} -- true"
+    result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", inner, env=env)
+    assert result.returncode == 78
+    line = one_line(result.stderr)
+    assert "redis://***@127.0.0.1:1/0: its password was replaced by ***" in line
+    assert "hunter2" not in result.stderr
+
+
+def test_a_long_wait_is_a_wait_on_every_backend(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """--wait 300d (past what poll(2) takes in one call) waits, then ends on TERM: 143."""
+    holder = held("--uri", uri, "-n", name)
+    waiter = start("--uri", uri, "-n", name, "-w", "300d", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    time.sleep(1)
+    assert waiter.poll() is None, waiter.communicate()
+    waiter.terminate()
+    _, stderr = waiter.communicate(timeout=30)
+    assert waiter.returncode == 143
+    assert "while waiting for" in one_line(stderr)
+    holder.finish()
+
+
+def test_a_command_line_past_64k_runs_and_is_recorded_cut(uri: str, name: str) -> None:
+    """70 kB of arguments: the command runs; the record keeps about 1 kB and a marker."""
+    big = ["x" * 40_000, "é" * 15_000]
+    script = 'printf %s "$LOCKRUN_NAME" > "$0.ready"; while [ ! -e "$0.go" ]; do sleep 0.01; done'
+    marker = Path(f"/tmp/lockrun-big-{name}")
+    holder = start("--uri", uri, "-n", name, "--", "sh", "-c", script, str(marker), *big)
+    try:
+        wait_for(Path(f"{marker}.ready").exists, what="the command")
+        listing = lockrun("status", "--uri", uri, "--json", name)
+        assert listing.returncode == 0, listing.stderr
+        [state] = json.loads(listing.stdout)
+        [holder_record] = state["holders"]
+        argv = holder_record["argv"]  # from the record, or from /proc for abstract:
+        assert len(json.dumps(argv)) < 2 * RECORD_ARGV
+        assert argv[-1].endswith("more characters not recorded]")
+    finally:
+        Path(f"{marker}.go").touch()
+        _, stderr = holder.communicate(timeout=30)
+        for leftover in (Path(f"{marker}.ready"), Path(f"{marker}.go")):
+            leftover.unlink(missing_ok=True)
+    assert (holder.returncode, stderr) == (0, "")
+
+
+def test_status_escapes_what_a_terminal_would_act_on(tmp_path: Path, name: str) -> None:
+    """Names and command lines with ESC, CR, bidi overrides, bad UTF-8: escaped in the table."""
+    uri = f"file://{tmp_path}/locks"
+    awkward = f"{name}\x1b]0;owned\x07\r\u202e"
+    command = [*LOCKRUN, "--uri", uri, "-n", awkward, "--", "sh", "-c"]
+    script = f"touch {tmp_path}/ready; while [ ! -e {tmp_path}/go ]; do sleep 0.01; done"
+    argv = [os.fsencode(arg) for arg in command] + [script.encode(), b"\xff\x1b[2J\xfe"]
+    holder = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    try:
+        wait_for((tmp_path / "ready").exists, what="the holder")
+        for args in ([], [awkward]):
+            shown = lockrun("status", "--uri", uri, *args)
+            assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
+            for raw in ("\x1b", "\r", "\u202e", "\x07"):
+                assert raw not in shown.stdout
+            assert "\\x1b]0;owned\\x07\\x0d\\u202e" in shown.stdout
+            assert "\\udcff\\x1b[2J\\udcfe" in shown.stdout
+            assert len(shown.stdout.splitlines()) == 2  # the header and one row: no forged row
+    finally:
+        (tmp_path / "go").touch()
+        holder.communicate(timeout=30)
+    assert holder.returncode == 0

@@ -26,6 +26,7 @@ _SECRET_OPTION: Final = ("pass", "secret", "token")
 # to the next &, as every parser of ours reads it, so a # or ? inside one is hidden with it.
 _OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+_QUERY: Final = re.compile(r"\?([^#]*)")
 # Where a user information without a colon is often the password (redis://SECRET@host).
 _PASSWORD_ONLY: Final = frozenset({"redis", "rediss", "redis+sentinel", "unix"})
 _MIN_FRAGMENT: Final = 4  # a run this long of a secret, found in a driver's words, is hidden
@@ -198,7 +199,8 @@ def unquote(text: str) -> str:
     """Decode %XX escapes (as UTF-8, like urllib.parse.unquote)."""
     if "%" not in text:
         return text
-    raw = re.sub(rb"%([0-9A-Fa-f]{2})", lambda match: bytes([int(match[1], 16)]), text.encode())
+    encoded = text.encode(errors="surrogatepass")  # argv's undecodable bytes: no error
+    raw = re.sub(rb"%([0-9A-Fa-f]{2})", lambda match: bytes([int(match[1], 16)]), encoded)
     return raw.decode(errors="replace")
 
 
@@ -221,6 +223,14 @@ def secret_spans(text: str) -> list[tuple[int, int]]:
     # a path (file:/dir@x): up to the last @, as an unescaped password may hold @ itself.
     if at > start and not text.startswith("/", start):
         spans.append((start, at))
+    # A query item with no = is no option: a password pasted in the wrong place, maybe.
+    query = _QUERY.search(text)
+    if query is not None:
+        at = query.start(1)
+        for item in query[1].split("&"):
+            if "=" not in item:
+                spans.append((at, at + len(item)))
+            at += len(item) + 1
     # A secret option's value runs to the end: an unescaped & may be part of it.
     spans += [
         (match.start(2), len(text))

@@ -1,0 +1,95 @@
+"""A fuzz target for everything lockrun parses: URIs, durations, records, SQL comments.
+
+One input of bytes is read as text and thrown at every parser and decoder in turn; each
+may refuse it only with its documented error, and redaction must hide what it calls secret.
+
+    python tests/hostile/fuzz.py                 # Hypothesis, LOCKRUN_FUZZ_EXAMPLES inputs
+    python tests/hostile/fuzz.py -atheris ARGS   # coverage-guided, if atheris is installed
+
+CI runs it briefly through test_fuzz_target (tests/hostile/test_invariants.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockrun import ConfigError, UsageError
+from lockrun.backends import Holder, next_fence, open_backend, read_identity, read_json
+from lockrun.backends import file as file_backend
+from lockrun.backends import postgres as postgres_backend
+from lockrun.backends import redis as redis_backend
+from lockrun.bounds import MAX_FENCE
+from lockrun.timing import parse_duration
+from lockrun.uri import parse_uri, redact, scrub, secret_spans, secrets_of
+
+EXAMPLES = int(os.environ.get("LOCKRUN_FUZZ_EXAMPLES", "300"))
+
+
+def one_input(data: bytes) -> None:
+    """Throw *data* at every parser; raise AssertionError where one misbehaves."""
+    text = data.decode("utf-8", errors="surrogateescape")
+    _uri(text)
+    for scheme in ("redis://", "mysql://", "postgresql://", "redis://:", "unix:///s?password="):
+        _uri(scheme + text)
+    with contextlib.suppress(UsageError):
+        seconds = parse_duration(text, allow_forever=True)
+        assert seconds is None or seconds >= 0
+    _record(text, data)
+
+
+def _uri(text: str) -> None:
+    """Parse *text* as a lock URI: only ConfigError or UsageError may come of it.
+
+    Whether a message shows a password is test_properties' question (its passwords are
+    made to be found); here: redaction hides each secret that shows nowhere else.
+    """
+    spans = secret_spans(text)
+    outside = "".join(
+        text[end:start]
+        for (_, end), (start, _) in zip([(0, 0), *spans], [*spans, (len(text), 0)], strict=True)
+    )
+    shown = redact(text)
+    for start, end in spans:
+        secret = text[start:end]
+        if len(secret) >= 4 and secret not in outside and "*" not in secret:
+            assert secret not in shown, (text, shown)
+    scrub(text, secrets_of(text))
+    with contextlib.suppress(ConfigError, UsageError):
+        open_backend(parse_uri(text), ttl=5.0).close()
+
+
+def _record(text: str, data: bytes) -> None:
+    with contextlib.suppress(ValueError):
+        Holder.from_dict(read_json(text))
+    identity = read_identity(text)
+    assert identity is None or identity.slots >= 1
+    file_backend._record(data, "x")
+    postgres_backend._tagged(text)
+    redis_backend._slots(text)
+    assert 0 < next_fence(data) <= MAX_FENCE
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.binary(max_size=400))
+def fuzz(data: bytes) -> None:
+    """Hypothesis's driver of `one_input`."""
+    one_input(data)
+
+
+if __name__ == "__main__":  # pragma: no cover - run by hand, for a long fuzzing session
+    if sys.argv[1:2] == ["-atheris"]:
+        import atheris  # type: ignore[import-untyped]  # optional: pip install atheris
+
+        atheris.Setup(sys.argv[1:], fuzz.hypothesis.fuzz_one_input)  # type: ignore[attr-defined]
+        atheris.Fuzz()
+    else:
+        fuzz()

@@ -245,9 +245,9 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
-    "69 backend unavailable; 70 internal error; 75 busy (-E); 76 lock lost; "
-    "78 configuration; 124 --max-time; 126/127 cannot execute / not found; "
-    "129/130/143 interrupted (HUP/INT/TERM) while waiting. "
+    "69 backend unavailable; 70 internal error; 74 status could not write; 75 busy (-E); "
+    "76 lock lost; 78 configuration; 124 --max-time; 126/127 cannot execute / not found; "
+    "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
     "`lockrun status --help` shows who holds a lock.",
 )
 @click.option(
@@ -277,27 +277,27 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     type=Duration(allow_forever=True),
     default="0",
     show_default=True,
-    help="How long to wait for the lock: 0 tries once, 'forever' waits.",
+    help="How long to wait for the lock: 0 tries once, 'forever' waits; at most 366d.",
 )
 @click.option(
     "--ttl",
     type=Duration(),
     default=format_duration(DEFAULT_TTL),
     show_default=True,
-    help="Lease length for lease-based backends; renewed every ttl/3.",
+    help="Lease length for lease-based backends, 1s to 1d; renewed every ttl/3.",
 )
 @click.option(
     "--max-time",
     type=Duration(),
     default=None,
-    help="Stop the command after this long (TERM, --kill-after, KILL; exit 124).",
+    help="Stop the command after this long, at most 366d (TERM, --kill-after, KILL; exit 124).",
 )
 @click.option(
     "--kill-after",
     type=Duration(),
     default=format_duration(DEFAULT_KILL_AFTER),
     show_default=True,
-    help="Grace between TERM and KILL when stopping the command.",
+    help="Grace between TERM and KILL when stopping the command; at most 1d.",
 )
 @click.option(
     "-E",

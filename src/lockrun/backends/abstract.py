@@ -376,13 +376,15 @@ def _holders(base: str) -> Iterator[tuple[Holder, int]]:
 def _markers() -> Iterator[re.Match[str]]:
     """Yield the holder and waiter markers that the kernel backs.
 
-    Anyone can bind any abstract name, and a name may hold a line break that forges a
-    line of /proc/net/unix: a marker is believed only if its process is alive and, for a
-    holder, someone holds the slot it names (a connect(2) to it gets through).
+    Anyone can bind any abstract name, and a name may hold a line break that forges a line
+    of /proc/net/unix. A marker is believed only if the process it names has that very
+    socket open (where /proc lets us look: our own processes, or all of them as root; an
+    impostor's marker is its own socket), and, for a holder, someone holds the slot it
+    names (a connect(2) to it gets through).
     """
-    for path in _abstract_names():
+    for path, inode in _abstract_names():
         marker = _MARKER.fullmatch(path)
-        if marker is None or not os.path.exists(f"/proc/{marker['pid'] or marker['wpid']}"):
+        if marker is None or not _has_socket(int(marker["pid"] or marker["wpid"]), inode):
             continue
         if marker["slot"] is not None:
             if int(marker["slot"]) >= int(marker["slots"]):
@@ -394,15 +396,34 @@ def _markers() -> Iterator[re.Match[str]]:
         yield marker
 
 
+def _has_socket(pid: int, inode: str) -> bool:
+    """Whether process *pid* lives and has socket *inode* open (True if we may not look)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:  # another user's process: alive, and all we can tell
+        return True
+    except OSError:  # gone
+        return False
+    wanted = f"socket:[{inode}]"
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
+                return True
+    return False
+
+
 def _with(holder: Holder, since: float, slot: int | None = None) -> Holder:
     return holder._replace(since=since, slot=slot)
 
 
-def _abstract_names() -> Iterator[str]:
-    """Yield the abstract socket names of this network namespace (/proc/net/unix)."""
+def _abstract_names() -> Iterator[tuple[str, str]]:
+    """Yield the abstract socket names of this network namespace and their inodes.
+
+    From /proc/net/unix: Num RefCount Protocol Flags Type St Inode Path.
+    """
     with open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
         next(table)  # the header
         for line in table:
             fields = line.split()
             if len(fields) == 8 and fields[7].startswith("@lockrun/"):  # noqa: PLR2004
-                yield fields[7][1:]
+                yield fields[7][1:], fields[6]

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import lockrun, one_line
+from conftest import Held, lockrun, one_line
 
 from hostile.users import Runner, needs_root
 from lockrun.backends.abstract import _base as abstract_base
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 pytestmark = needs_root
 PRECIOUS = "precious: root's file, not a lock\n"
@@ -249,6 +249,15 @@ print("ready", flush=True)
 sys.stdin.read()
 """
 
+SQUAT_OTHERS_MARKER = """
+import socket, sys
+marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+marker.bind("\\0" + sys.argv[1] + "/h0.7/1700000000000/1")  # pid 1 holds no such socket
+marker.listen(8)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
 SQUAT_SLOT = """
 import os, socket, sys
 slot = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -299,6 +308,23 @@ def test_a_forged_holder_marker_neither_refuses_nor_shows(
         assert (result.returncode, result.stderr) == (0, "")
         status = lockrun("status", "--uri", uri, "--json", name)
         assert json.loads(status.stdout)[0]["holders"] == []
+
+
+def test_a_forged_marker_naming_another_process_is_no_mismatch(
+    mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
+) -> None:
+    """A real holder has slot 0; mallory's marker says pid 1 holds it with 7 slots: 75."""
+    uri = f"abstract:{prefix}"
+    holder = held("--uri", uri, "-n", name)
+    base = abstract_base(prefix, "default", name)
+    with planted(mallory.python(SQUAT_OTHERS_MARKER, base, stdin=subprocess.PIPE)):
+        result = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 75, result.stderr
+        assert "busy" in one_line(result.stderr)
+        status = lockrun("status", "--uri", uri, "--json", name)
+        [state] = json.loads(status.stdout)
+        assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
+    holder.finish()
 
 
 @pytest.mark.parametrize("junk", ["pipe", "file", "socket"])

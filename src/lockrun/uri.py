@@ -120,7 +120,7 @@ def _at_after_authority(text: str) -> bool:
     Or where no ``//`` began one (``redis:user:pass@host``), or where the authority is empty
     and a query holds the ``@`` (``redis://?pass@host``).
     """
-    start, _ = _authority_start(text)
+    start = _authority_start(text)
     at = text.rfind("@")
     if at < start or text.startswith("/", start):  # no @, or a path (file:///a@b, ///db?…@)
         return False
@@ -136,16 +136,15 @@ def _known_scheme(text: str) -> re.Match[str] | None:
     return match if match is not None and match[0][:-1].lower() in SCHEMES else None
 
 
-def _authority_start(text: str) -> tuple[int, bool]:
-    """Return where the authority (or what stands in for it) starts, and whether ``//`` did.
+def _authority_start(text: str) -> int:
+    """Return where the authority starts: after ``SCHEME://``, or what stands in for it.
 
-    Text without a known scheme (``alice:secret@host``) is all authority.
+    After ``SCHEME:`` alone (``redis:user:pass@host``); text without a known scheme
+    (``alice:secret@host``) is all authority.
     """
     match = _known_scheme(text)
     start = match.end() if match else 0
-    if text.startswith("//", start):
-        return start + 2, True
-    return start, False
+    return start + 2 if text.startswith("//", start) else start
 
 
 def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
@@ -212,15 +211,15 @@ def _is_secret_option(key: str) -> bool:
 def secret_spans(text: str) -> list[tuple[int, int]]:
     """Return where *text* holds secrets, as sorted, disjoint, non-empty spans.
 
-    The user information (everything between ``//`` and the last ``@``, when an authority
-    is there), the value of every secret option (`_SECRET_OPTION`) and anything after a
-    ``#``. For any string, URI or not.
+    The user information: from where the authority starts to the last ``@``, as an
+    unescaped password may hold ``@`` itself (unless a path starts there: ``file:///a@b``).
+    Every query item without ``=``; every secret option (`_SECRET_OPTION`) with all that
+    follows; anything after a ``#``. For any string, URI or not: hiding too much is the safe
+    mistake.
     """
     spans = []
-    start, _ = _authority_start(text)
+    start = _authority_start(text)
     at = text.rfind("@")
-    # An authority ("//" and not at once "/", "?" or "#"), or, with no "//", anything but
-    # a path (file:/dir@x): up to the last @, as an unescaped password may hold @ itself.
     if at > start and not text.startswith("/", start):
         spans.append((start, at))
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
@@ -297,7 +296,7 @@ def _scheme_of(text: str) -> str:
 
 
 def _is_userinfo(text: str, start: int) -> bool:
-    return start == _authority_start(text)[0] and "@" in text[start:]
+    return start == _authority_start(text) and "@" in text[start:]
 
 
 def _longest_first(pieces: set[str]) -> tuple[str, ...]:

@@ -15,12 +15,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 from conftest import Held, lockrun, one_line
 
 from hostile.users import Runner, needs_root
+from lockrun.backends import directories
 from lockrun.backends.abstract import _base as abstract_base
 
 if TYPE_CHECKING:
@@ -236,6 +237,65 @@ def test_without_a_home_a_taken_fallback_is_refused_in_one_line(
         assert "belongs to user lockrun-alice, not to us" in one_line(result.stderr)
     finally:
         squat.rmdir()
+
+
+class _Entry(NamedTuple):
+    pw_dir: str
+    pw_name: str
+
+
+def as_uid(monkeypatch: pytest.MonkeyPatch, uid: int, home: str | None) -> None:
+    """Make lockrun's directories module see effective user *uid* with home *home*."""
+    monkeypatch.setattr("os.geteuid", lambda: uid)
+
+    def getpwuid(asked: int) -> _Entry:
+        if home is None or asked != uid:
+            raise KeyError(asked)
+        return _Entry(home, "someone")
+
+    monkeypatch.setattr("pwd.getpwuid", getpwuid)
+
+
+def test_a_users_default_is_under_a_home_that_is_theirs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """~/.cache/lockrun/HOST when home is ours and not writable by others; else /tmp."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    os.chown(home, 4242, 4242)
+    host = os.uname().nodename
+    as_uid(monkeypatch, 4242, str(home))
+    assert directories.default_directory() == (f"{home}/.cache/lockrun/{host}", str(home))
+    home.chmod(0o777)  # others may write it: they could plant .cache
+    assert directories.default_directory() == ("/tmp/lockrun-4242", "/tmp")
+    home.chmod(0o755)
+    os.chown(home, 4343, 4343)  # someone else's
+    assert directories.default_directory().path == "/tmp/lockrun-4242"
+    as_uid(monkeypatch, 4242, None)  # no entry in the password database
+    assert directories.default_directory().path == "/tmp/lockrun-4242"
+    as_uid(monkeypatch, 4242, "relative/home")
+    assert directories.default_directory().path == "/tmp/lockrun-4242"
+
+
+def test_a_chain_of_trusted_symlinks_ends_in_78_not_a_hang(tmp_path: Path, name: str) -> None:
+    """Links of ours that point at each other: ELOOP after 40, a configuration error."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    result = lockrun("--uri", f"file://{tmp_path}/a/locks", "-n", name, "--", "true")
+    assert result.returncode == 78
+    assert "Too many levels of symbolic links" in one_line(result.stderr)
+
+
+def test_a_planted_link_names_its_owner_by_uid_when_nobody_has_it(
+    shared: Path, target: Path, name: str
+) -> None:
+    """A link of a uid with no user (a deleted account) is refused, naming the uid."""
+    link = shared / "orphan"
+    link.symlink_to(target)
+    os.lchown(link, 54321, 54321)
+    result = lockrun("--uri", f"file://{link}/locks", "-n", name, "--", "true")
+    assert result.returncode == 78
+    assert "that uid 54321 could have planted" in one_line(result.stderr)
 
 
 # -- abstract: squatted names, spoofed markers, handed junk ------------------------------

@@ -87,15 +87,12 @@ def _is_our_directory(path: str) -> bool:
 
 
 def open_directory(path: str, *, make_below: str | None = None, private: bool = False) -> int:
-    """Open directory *path* for use with ``dir_fd``, following only trusted symlinks.
+    """Open the absolute directory *path* for ``dir_fd`` use, following only trusted symlinks.
 
     With *make_below*, the missing directories under that one are made (0700 when
     *private*, else 0777 less the umask). *private* also requires the last to be ours and
     leaves it 0700. Raises `ConfigError` or `BackendUnavailable`.
     """
-    if not path.startswith("/"):
-        msg = f"lock directory {path!r} is not an absolute path: write file:///{path}"
-        raise ConfigError(msg)
     try:
         fd = _walk(path, make_below, _PRIVATE if private else 0o777)
     except OSError as err:

@@ -1382,6 +1382,7 @@ def start_mysql(directory: Path) -> MariaServer:
     user = pwd.getpwuid(os.geteuid()).pw_name  # root, as a rule; the server runs as us
     install = [install_binary, "--no-defaults", f"--datadir={directory / 'data'}"]
     install += ["--auth-root-authentication-method=normal", "--skip-test-db", f"--user={user}"]
+    install += [f"--tmpdir={directory}"]  # two bootstraps at once in /tmp collide
     with (directory / "install.log").open("wb") as log:
         try:
             status = subprocess.run(

@@ -221,6 +221,9 @@ class MariaServer(_Server):
                 MARIADB_INSTALL,
                 "--no-defaults",
                 f"--datadir={self.directory}/data",
+                # Its own temporary tables: two bootstraps at once in /tmp collide
+                # ("Could not remove temporary table", then "Unknown table").
+                f"--tmpdir={self.directory}",
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
                 "--user=root",
@@ -255,6 +258,7 @@ class MariaServer(_Server):
             MARIADBD,
             "--no-defaults",
             f"--datadir={self.directory}/data",
+            f"--tmpdir={self.directory}",
             f"--socket={self.socket}",
             *(network or ("--skip-networking",)),
             "--user=root",

@@ -20,6 +20,7 @@ from conftest import Held, lockrun, one_line, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymysql.constants import COMMAND
+from test_mysql_cli import query
 
 from hostile.strategies import deep, holder_like, json_values
 from lockrun.backends import Holder, Request, open_backend
@@ -187,17 +188,6 @@ def test_redis_records_from_anyone_never_break_an_acquisition(
 # -- MySQL / MariaDB ------------------------------------------------------------------------
 
 
-def mysql_query(uri: str, sql: str, args: object = None) -> tuple[Any, ...]:
-    """Run *sql* as a co-tenant of the server of *uri*."""
-    connection = pymysql.connect(**mysql_parse(parse_uri(uri)).kwargs, autocommit=True)
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, args)
-            return tuple(cursor.fetchall())
-    finally:
-        connection.close()
-
-
 @pytest.mark.parametrize(
     "record",
     [deep(30_000), '{"pid": "x", "host": [], "user": null}', "ÿ" * 30_000, "null"],
@@ -209,7 +199,7 @@ def test_mysql_holder_rows_rewritten_by_another_client_are_shown_not_believed(
     """A live holder's row with junk JSON and --slots 4e9: busy is 75, not 78 or 70."""
     holder = held("--uri", mysql_uri, "-n", name)
     key = mysql_key("default", name)
-    mysql_query(
+    query(
         mysql_uri,
         "UPDATE lockrun_holders SET holder = %s, slots = 4000000000 WHERE lock_key = %s",
         (record, key),
@@ -227,9 +217,7 @@ def test_a_mysql_fence_counter_at_its_maximum_starts_again_from_the_clock(
     fence_of(lockrun("--uri", mysql_uri, "-n", name, "--", "sh", "-c", FENCE))
     key = mysql_key("default", name)
     for planted in (2**64 - 1, 2**63 - 1, 2**63 + 5):
-        mysql_query(
-            mysql_uri, "UPDATE lockrun_fence SET fence = %s WHERE lock_key = %s", (planted, key)
-        )
+        query(mysql_uri, "UPDATE lockrun_fence SET fence = %s WHERE lock_key = %s", (planted, key))
         fence = fence_of(lockrun("--uri", mysql_uri, "-n", name, "--", "sh", "-c", FENCE))
         assert fence > time.time() * 1e6 - 60e6  # seeded from the clock again
     following = fence_of(lockrun("--uri", mysql_uri, "-n", name, "--", "sh", "-c", FENCE))
@@ -271,7 +259,7 @@ def test_a_forged_get_lock_comment_in_the_processlist_is_read_as_untrusted(
 
 def waiting_in_processlist(uri: str, lock: str) -> bool:
     """Whether a session waits in GET_LOCK for *lock*, as the processlist shows."""
-    rows = mysql_query(
+    rows = query(
         uri,
         "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
         (f"%{lock}%",),

@@ -85,33 +85,26 @@ class Runner:
             **extra,
         }
 
+    def _as_user(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Return *kwargs* for subprocess, to run as the user, in /, with a clean env."""
+        kwargs.setdefault("env", self.env())
+        return kwargs | {
+            "user": self.user.uid,
+            "group": self.user.gid,
+            "extra_groups": [],
+            "cwd": "/",
+            "text": True,
+        }
+
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
         """Start *argv* as the user, in /."""
-        kwargs.setdefault("env", self.env())
-        return subprocess.Popen(
-            list(argv),
-            user=self.user.uid,
-            group=self.user.gid,
-            extra_groups=[],
-            cwd="/",
-            text=True,
-            **kwargs,
-        )
+        return subprocess.Popen(list(argv), **self._as_user(kwargs))
 
     def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run *argv* as the user to completion, output captured."""
-        kwargs.setdefault("env", self.env())
+        kwargs.setdefault("timeout", 60)
         return subprocess.run(
-            list(argv),
-            user=self.user.uid,
-            group=self.user.gid,
-            extra_groups=[],
-            cwd="/",
-            text=True,
-            capture_output=True,
-            check=False,
-            timeout=kwargs.pop("timeout", 60),
-            **kwargs,
+            list(argv), capture_output=True, check=False, **self._as_user(kwargs)
         )
 
     def lockrun(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -247,3 +247,30 @@ def test_status_escapes_what_a_terminal_would_act_on(tmp_path: Path, name: str) 
         (tmp_path / "go").touch()
         holder.communicate(timeout=30)
     assert holder.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "rediss://127.0.0.1:1/0?ssl_ca_certs={file}",
+        "redis+sentinel://127.0.0.1:1/svc?ssl_certfile={file}&ssl_keyfile={file}",
+        "mysql://u@127.0.0.1:1/db?ssl_ca={file}",
+        "mysql://u@127.0.0.1:1/db?read_default_file={file}",
+        "postgresql://u@127.0.0.1:1/db?passfile={file}",
+        "postgresql://u@127.0.0.1:1/db?sslmode=require&sslrootcert={file}",
+    ],
+)
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_device_as_a_uris_file_is_refused_at_once(
+    tmp_path: Path, name: str, template: str, kind: str
+) -> None:
+    """A TLS, option or password file that is a FIFO would block its reader: 78 at once."""
+    path = tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(path)
+    uri = template.format(file=path if kind == "fifo" else "/dev/zero")
+    started = time.monotonic()
+    result = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true", timeout=30)
+    assert result.returncode == 78, result.stderr
+    one_line(result.stderr)
+    assert time.monotonic() - started < 20

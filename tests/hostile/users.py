@@ -103,9 +103,7 @@ class Runner:
     def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run *argv* as the user to completion, output captured."""
         kwargs.setdefault("timeout", 60)
-        return subprocess.run(
-            list(argv), capture_output=True, check=False, **self._as_user(kwargs)
-        )
+        return subprocess.run(list(argv), capture_output=True, check=False, **self._as_user(kwargs))
 
     def lockrun(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run ``lockrun ARGS`` as the user."""

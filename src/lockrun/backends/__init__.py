@@ -306,6 +306,14 @@ def next_fence(previous: bytes) -> int:
     return max(last + 1, time.time_ns() // 1000)
 
 
+def readable_file(path: str) -> bool:
+    """Whether *path* is a regular file we may read.
+
+    Not a FIFO or a device, whose open or read would block (a URI's TLS or option file).
+    """
+    return os.path.isfile(path) and os.access(path, os.R_OK)
+
+
 def timeout_for(ttl: float) -> float:
     """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
 

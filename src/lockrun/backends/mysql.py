@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import pymysql
 from pymysql.constants import COMMAND, CR, ER
 
-from lockrun.backends import Holder, LockState, Request, read_identity, read_json, slots_mismatch
+from lockrun.backends import (
+    Holder,
+    LockState,
+    Request,
+    read_identity,
+    read_json,
+    readable_file,
+    slots_mismatch,
+)
 from lockrun.backends.gated import GATE, Attempt, GatedBackend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import (
@@ -189,7 +197,7 @@ def _check_files(uri: LockURI, query: dict[str, str]) -> None:
     """Expand ``~`` in the file options and make sure each names a readable file."""
     for option in sorted(_FILES & set(query)):
         path = query[option] = os.path.expanduser(query[option])
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        if not readable_file(path):
             msg = f"{uri.redacted}: {option} {path}: no such readable file"
             raise ConfigError(msg)
     if "read_default_file" in query:

@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import psycopg
 from psycopg import pq
 
-from lockrun.backends import Holder, Identity, LockState, Request, read_identity, slots_mismatch
+from lockrun.backends import (
+    Holder,
+    Identity,
+    LockState,
+    Request,
+    read_identity,
+    readable_file,
+    slots_mismatch,
+)
 from lockrun.backends.gated import GATE, Attempt, GatedBackend
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
@@ -86,6 +94,8 @@ _FAILURES: Final[tuple[tuple[str, type[LockrunError], str], ...]] = (
         "{where} does not answer like a PostgreSQL server",
     ),
 )
+# libpq parameters that name a file libpq opens and reads: a FIFO there would block it.
+_FILE_PARAMETERS: Final = frozenset({"passfile", "sslcert", "sslkey", "sslrootcert", "sslcrl"})
 _TAGGED: Final = re.compile(r"/\* lockrun (?P<json>\{.*\}) \*/", re.DOTALL)
 
 
@@ -143,11 +153,16 @@ def parse(uri: LockURI) -> Settings:
         )
     settings = Settings(uri.redacted, conninfo, secrets_of(uri.text, conninfo))
     try:
-        psycopg.conninfo.conninfo_to_dict(conninfo)
+        parameters = psycopg.conninfo.conninfo_to_dict(conninfo)
     except (psycopg.Error, UnicodeError) as err:  # %-escapes that are not UTF-8, too
         reason = _one_line(settings, str(err))
         msg = f"{uri.redacted}: not a libpq connection URI: {reason}"
         raise ConfigError(msg) from None
+    for parameter in sorted(_FILE_PARAMETERS & parameters.keys()):
+        path = str(parameters[parameter])
+        if os.path.exists(path) and not readable_file(path):  # missing: libpq's to say
+            msg = f"{uri.redacted}: {parameter} {path}: not a regular file we may read"
+            raise ConfigError(msg)
     return settings
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import secrets
 import time
@@ -31,6 +30,7 @@ from lockrun.backends import (
     LockState,
     Request,
     read_json,
+    readable_file,
     slots_mismatch,
     timeout_for,
 )
@@ -378,7 +378,7 @@ def _tls(uri: LockURI, query: dict[str, str]) -> dict[str, object]:
     tls: dict[str, object] = {"ssl": True}
     for option in sorted(_TLS_OPTIONS & set(query)):
         tls[option] = value = query.pop(option)
-        if option in _TLS_FILES and not os.access(value, os.R_OK):
+        if option in _TLS_FILES and not readable_file(value):
             msg = f"{uri.redacted}: {option} {value}: no such readable file"
             raise ConfigError(msg)
     if "ssl_check_hostname" in tls:

@@ -322,9 +322,7 @@ class AbstractBackend:
         """List the locks of this prefix and *namespace* that have holders or waiters."""
         wanted = None if name is None else _base(self.prefix, namespace, name)
         found: dict[str, tuple[list[Holder], list[Holder]]] = {}
-        for marker in _markers():
-            if wanted is not None and marker["base"] != wanted:
-                continue
+        for marker in _markers(wanted):
             holders, waiters = found.setdefault(marker["base"], ([], []))
             if marker["slot"] is not None:
                 holder = describe_pid(int(marker["pid"]))
@@ -365,16 +363,16 @@ _READABLE: Final = re.compile(r"lockrun/(?P<prefix>[^/#]*)/(?P<ns>[^/]*)/(?P<nam
 
 def _holders(base: str) -> Iterator[tuple[Holder, int]]:
     """Yield each live holder of *base* with the --slots it uses."""
-    for marker in _markers():
-        if marker["base"] == base and marker["slot"] is not None:
+    for marker in _markers(base):
+        if marker["slot"] is not None:
             holder = _with(
                 describe_pid(int(marker["pid"])), int(marker["ms"]) / 1e3, int(marker["slot"])
             )
             yield holder, int(marker["slots"])
 
 
-def _markers() -> Iterator[re.Match[str]]:
-    """Yield the holder and waiter markers that the kernel backs.
+def _markers(base: str | None = None) -> Iterator[re.Match[str]]:
+    """Yield the holder and waiter markers (of *base* only, if given) that the kernel backs.
 
     Anyone can bind any abstract name, and a name may hold a line break that forges a line
     of /proc/net/unix. A marker is believed only if the process it names has that very
@@ -384,7 +382,9 @@ def _markers() -> Iterator[re.Match[str]]:
     """
     for path, inode in _abstract_names():
         marker = _MARKER.fullmatch(path)
-        if marker is None or not _has_socket(int(marker["pid"] or marker["wpid"]), inode):
+        if marker is None or (base is not None and marker["base"] != base):
+            continue
+        if not _has_socket(int(marker["pid"] or marker["wpid"]), inode):
             continue
         if marker["slot"] is not None:
             if int(marker["slot"]) >= int(marker["slots"]):

@@ -46,7 +46,6 @@ DEFAULT_NAMESPACE: Final = "default"
 _MAX_BASE: Final = 200  # leaves room for "~NNN.lock" within NAME_MAX (255)
 _LOCK_FILE: Final = r"(?P<base>[^.~]+(?:\.[^.~]+)?)(?:~(?P<slot>\d+))?\.lock"  # status only
 _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up socket
-_RECORD_BYTES: Final = 65536  # a holder record longer than this is not one of ours
 # O_NONBLOCK: opening a FIFO planted as a lock file must not hang (its reader never comes);
 # O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
 _OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -368,8 +367,9 @@ class FileBackend:
             except ConfigError as err:
                 if not isinstance(err.__cause__, FileNotFoundError):
                     raise
-                where = self._path(f"{_base(namespace, name)}.lock") if name else ""
-                return [LockState(namespace, name, where)] if name is not None else []
+                if name is None:
+                    return []
+                return [LockState(namespace, name, self._path(f"{_base(namespace, name)}.lock"))]
         if name is not None:
             bases = {_base(namespace, name)}
         else:

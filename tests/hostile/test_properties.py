@@ -184,6 +184,15 @@ def test_identities_decode_or_are_none(data: object) -> None:
         assert 0 < len(identity.name.encode()) <= 255
 
 
+def test_an_identity_with_no_slots_is_none() -> None:
+    """A comment saying slots 0 (or a bool) names no N a lockrun uses: not believed."""
+    for slots in (0, False, -1, MAX_SLOTS + 1):
+        text = json.dumps({"token": "t", "namespace": "n", "name": "x", "slots": slots})
+        assert (
+            read_identity(text[:-1] + ', "holder": {"host": "h", "pid": 1, "user": "u"}}') is None
+        )
+
+
 @pytest.mark.parametrize("depth", [10_000, 200_000])
 def test_deeply_nested_records_are_no_records(depth: int) -> None:
     """JSON nested past the decoder's stack is unreadable, not a RecursionError."""

@@ -147,7 +147,7 @@ def read_identity(text: str) -> Identity | None:
         data.get(key) for key in ("token", "namespace", "name", "slots")
     )
     if not (
-        isinstance(token, str) and _name(namespace) and _name(name) and _whole(slots, MAX_SLOTS)
+        isinstance(token, str) and _name(namespace) and _name(name) and _whole(slots, MAX_SLOTS, 1)
     ):
         return None
     try:

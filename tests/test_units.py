@@ -121,6 +121,8 @@ def test_uris_parse_and_reject() -> None:
         ("redis://:pa?ss@host/0", "redis://***"),  # refused, so hiding too much is fine
         ("redis://:pa#ss@host/0", "redis://***"),
         ("redis:user:pass@host", "redis:***@host"),
+        ("redis:///pass@host/0", "redis://***@host/0"),  # behind an empty authority
+        ("unix:///run/a@b/redis.sock", "unix:///run/a@b/redis.sock"),  # a file name
         ("alice:secret@db/x", "***@db/x"),  # no scheme: all of it may be user information
         ("redis://h/0?a=b?password=x&y=1", "redis://h/0?a=b?password=***"),
     ],

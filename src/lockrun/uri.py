@@ -27,6 +27,8 @@ _SECRET_OPTION: Final = ("pass", "secret", "token")
 _OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
+# Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).
+_PATH_SCHEMES: Final = frozenset({"file", "abstract", "unix"})
 # Where a user information without a colon is often the password (redis://SECRET@host).
 _PASSWORD_ONLY: Final = frozenset({"redis", "rediss", "redis+sentinel", "unix"})
 _MIN_FRAGMENT: Final = 4  # a run this long of a secret, found in a driver's words, is hidden
@@ -118,14 +120,30 @@ def _at_after_authority(text: str) -> bool:
     """Whether an ``@`` lies beyond where RFC 3986 ends the authority.
 
     Or where no ``//`` began one (``redis:user:pass@host``), or where the authority is empty
-    and a query holds the ``@`` (``redis://?pass@host``).
+    and a query or a path holds the ``@`` (``redis://?pass@host``, ``redis:///pass@host``).
     """
-    start = _authority_start(text)
-    at = text.rfind("@")
-    if at < start or text.startswith("/", start):  # no @, or a path (file:///a@b, ///db?…@)
+    start, end = _authority_start(text), _userinfo_end(text)
+    if end is None:
         return False
     authority = re.match(r"[^/?#]*", text[start:])[0]  # type: ignore[index]  # always matches
-    return at >= start + len(authority)
+    return end >= start + len(authority)
+
+
+def _userinfo_end(text: str) -> int | None:
+    """Return where the user information ends (its last ``@``), hiding too much; or None.
+
+    Where the authority is empty and a path follows, an ``@`` in the path is a user
+    information typed behind it, but for schemes whose path is a file name.
+    """
+    start = _authority_start(text)
+    if text.startswith("/", start):
+        if _scheme_of(text) in _PATH_SCHEMES:
+            return None
+        path = re.match(r"[^?#]*", text[start:])[0]  # type: ignore[index]  # always matches
+        at = path.rfind("@")
+        return None if at < 0 else start + at
+    at = text.rfind("@")
+    return at if at > start else None
 
 
 def _known_scheme(text: str) -> re.Match[str] | None:
@@ -212,16 +230,15 @@ def secret_spans(text: str) -> list[tuple[int, int]]:
     """Return where *text* holds secrets, as sorted, disjoint, non-empty spans.
 
     The user information: from where the authority starts to the last ``@``, as an
-    unescaped password may hold ``@`` itself (unless a path starts there: ``file:///a@b``).
+    unescaped password may hold ``@`` itself (`_userinfo_end`).
     Every query item without ``=``; every secret option (`_SECRET_OPTION`) with all that
     follows; anything after a ``#``. For any string, URI or not: hiding too much is the safe
     mistake.
     """
     spans = []
-    start = _authority_start(text)
-    at = text.rfind("@")
-    if at > start and not text.startswith("/", start):
-        spans.append((start, at))
+    start, end = _authority_start(text), _userinfo_end(text)
+    if end is not None:
+        spans.append((start, end))
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
     query = _QUERY.search(text)
     if query is not None:

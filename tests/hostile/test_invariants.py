@@ -48,6 +48,7 @@ CORPUS: Final = {
     "pw-bad-escape": case("--uri", "postgresql://u:%zz%@127.0.0.1:1/db", "--", "true"),
     "no-scheme": case("--uri", "alice:secret@db/x", "--", "true"),
     "opaque": case("--uri", "redis:u:pw@host", "--", "true"),
+    "pw-empty-authority": case("--uri", "redis:///SECRETPW@127.0.0.1:1/0", "--", "true"),
     "ipv6-open": case("--uri", "redis://[::1/0", "--", "true"),
     "port-huge": case("--uri", "mysql://u@h:999999999999999999999/db", "--", "true"),
     "sentinel-empty": case("--uri", "redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/", "--", "true"),

@@ -209,7 +209,7 @@ def option_name(key: str, query: str) -> str:
     )
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|&){key}=", before):
         return repr(key)
-    return "(not shown: it is no plain KEY=VALUE)"
+    return "(not shown: it could be part of a password)"
 
 
 def unquote(text: str) -> str:

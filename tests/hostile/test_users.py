@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
-from conftest import Held, lockrun, one_line
+from conftest import Held, holder_pids, lockrun, one_line, wait_for, waiter_pids
 
 from hostile.users import Runner, needs_root
 from lockrun.backends import directories
@@ -385,6 +385,40 @@ def test_a_forged_marker_naming_another_process_is_no_mismatch(
         [state] = json.loads(status.stdout)
         assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
     holder.finish()
+
+
+def test_a_forged_marker_is_no_holder_to_a_user_who_cannot_look_into_proc(
+    alice: Runner, mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
+) -> None:
+    """Alice may not read root's /proc/1/fd: the kernel's SO_PEERCRED still unmasks mallory."""
+    uri = f"abstract:{prefix}"
+    holder = held("--uri", uri, "-n", name)
+    base = abstract_base(prefix, "default", name)
+    with planted(mallory.python(SQUAT_OTHERS_MARKER, base, stdin=subprocess.PIPE)):
+        result = alice.lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 75, result.stderr  # not 78: pid 1 holds no 7 slots
+        status = alice.lockrun("status", "--uri", uri, "--json", name)
+        [state] = json.loads(status.stdout)
+        assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
+    holder.finish()
+
+
+def test_a_handed_over_slot_is_shown_as_its_new_holder_to_other_users(
+    alice: Runner,
+    prefix: str,
+    name: str,
+    held: Callable[..., Held],
+    spawn: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """After a hand-over the kernel names the taker, so others still see who holds it."""
+    uri = f"abstract:{prefix}"
+    first = held("--uri", uri, "-n", name)
+    second = spawn("--uri", uri, "-n", name, "-w", "60", "--", "sleep", "60")
+    wait_for(lambda: waiter_pids(uri, name) == [second.pid], what="the second in the queue")
+    first.finish()
+    wait_for(lambda: holder_pids(uri, name) == [second.pid], what="the hand-over")
+    status = alice.lockrun("status", "--uri", uri, "--json", name)
+    assert [owner["pid"] for owner in json.loads(status.stdout)[0]["holders"]] == [second.pid]
 
 
 @pytest.mark.parametrize("junk", ["pipe", "file", "socket"])

@@ -18,6 +18,7 @@ import re
 import select
 import socket
 import stat
+import struct
 import sys
 import time
 from typing import TYPE_CHECKING, Final
@@ -138,7 +139,9 @@ def _receive(conn: socket.socket, name: str) -> tuple[socket.socket, bytes] | No
     if not _is_listener_of(fds[0], name):
         os.close(fds[0])
         return None
-    return socket.socket(fileno=fds[0]), message
+    listener = socket.socket(fileno=fds[0])
+    listener.listen(_BACKLOG)  # so that SO_PEERCRED names us, its holder now (`_markers`)
+    return listener, message
 
 
 def _is_listener_of(fd: int, name: str) -> bool:
@@ -375,25 +378,38 @@ def _markers(base: str | None = None) -> Iterator[re.Match[str]]:
     """Yield the holder and waiter markers (of *base* only, if given) that the kernel backs.
 
     Anyone can bind any abstract name, and a name may hold a line break that forges a line
-    of /proc/net/unix. A marker is believed only if the process it names has that very
-    socket open (where /proc lets us look: our own processes, or all of them as root; an
-    impostor's marker is its own socket), and, for a holder, someone holds the slot it
-    names (a connect(2) to it gets through).
+    of /proc/net/unix. A holder marker is believed only if the kernel says that the process
+    it names listens on the slot it names: SO_PEERCRED of a connection to the slot gives the
+    PID of the last process to call listen(2) on it, which a taker does (`_receive`). A
+    waiter marker, an unconnected socket, only if the process it names has that very socket
+    open, where /proc lets us look (our own processes, or all of them as root).
     """
     for path, inode in _abstract_names():
         marker = _MARKER.fullmatch(path)
         if marker is None or (base is not None and marker["base"] != base):
             continue
-        if not _has_socket(int(marker["pid"] or marker["wpid"]), inode):
-            continue
-        if marker["slot"] is not None:
-            if int(marker["slot"]) >= int(marker["slots"]):
-                continue
-            probe = connect_to(f"{marker['base']}/{int(marker['slot'])}")
-            if probe is None:
-                continue
-            probe.close()
-        yield marker
+        if marker["slot"] is None:
+            believed = _has_socket(int(marker["wpid"]), inode)
+        else:
+            slot = int(marker["slot"])
+            believed = slot < int(marker["slots"]) and _listener_pid(
+                f"{marker['base']}/{slot}"
+            ) == int(marker["pid"])
+        if believed:
+            yield marker
+
+
+def _listener_pid(name: str) -> int | None:
+    """Return the PID that the kernel gives for the listener on *name*; None if nobody listens.
+
+    0 for a process outside our PID namespace.
+    """
+    probe = connect_to(name)
+    if probe is None:
+        return None
+    with probe:
+        pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
 
 
 def _has_socket(pid: int, inode: str) -> bool:

@@ -62,4 +62,6 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
 
 
 def _shown(seconds: float) -> str:
-    return format_duration(seconds) if math.isfinite(seconds) and seconds >= 0 else str(seconds)
+    if math.isfinite(seconds) and seconds >= 1:
+        return format_duration(seconds)
+    return f"{seconds:g}s" if math.isfinite(seconds) and seconds >= 0 else str(seconds)  # 0.001s

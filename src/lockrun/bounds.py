@@ -62,6 +62,6 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
 
 
 def _shown(seconds: float) -> str:
-    if math.isfinite(seconds) and seconds >= 1:
-        return format_duration(seconds)
-    return f"{seconds:g}s" if math.isfinite(seconds) and seconds >= 0 else str(seconds)  # 0.001s
+    if not math.isfinite(seconds) or seconds < 0:
+        return str(seconds)
+    return format_duration(seconds) if seconds >= 1 else f"{seconds:g}s"  # 0.001s, not 0s

@@ -44,6 +44,7 @@ _BACKLOG: Final = 4096  # capped by net.core.somaxconn; a full backlog looks lik
 _RECHECK: Final = 5.0  # every wait re-reads the truth this often (algorithms.md P2)
 TRANSITION: Final = 0.005  # a name bound but not yet listening: look again this soon
 GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is only sweeping
+_UCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid (unix(7))
 _MAX_BASE: Final = 70  # 107-byte sun_path minus the longest suffix we append
 
 
@@ -408,7 +409,8 @@ def _listener_pid(name: str) -> int | None:
     if probe is None:
         return None
     with probe:
-        pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        ucred = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, _, _ = _UCRED.unpack(ucred)
     return int(pid)
 
 

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import settings
 from servers import MariaServer, PostgresServer, RedisServer, free_port
 
+from lockrun.lock import DEFAULT_NAMESPACE, states_for_status
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
@@ -210,23 +212,27 @@ def gone(pid: int) -> bool:
         return True
 
 
-def queue_length(uri: str, name: str) -> int:
-    """Return how many waiters `lockrun status` reports for *name*.
+def states(uri: str, name: str) -> list[dict[str, Any]]:
+    """Return what `lockrun status --json NAME` prints, asked in this process.
 
-    Tests poll it in loops: unmeasured, as each traced start-up costs ~0.1 s and the
-    status paths have tests of their own.
+    Tests poll it in loops, and a `lockrun status` process per poll kept a core busy with
+    interpreter start-ups beside the processes under test; the command's own output has
+    tests of its own (test_cli.py, the servers' *_cli.py).
     """
-    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())
-    assert result.returncode == 0, result.stderr
-    return sum(len(state["waiters"]) for state in json.loads(result.stdout))
+    found = states_for_status(uri, DEFAULT_NAMESPACE, name)
+    shown = json.loads(json.dumps([state.to_dict() for state in found]))  # as printed
+    assert isinstance(shown, list)
+    return shown
+
+
+def queue_length(uri: str, name: str) -> int:
+    """Return how many waiters `lockrun status` reports for *name*."""
+    return sum(len(state["waiters"]) for state in states(uri, name))
 
 
 def lock_state(uri: str, name: str) -> dict[str, Any]:
     """Return `lockrun status --json NAME`'s one entry."""
-    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())  # polled
-    assert result.returncode == 0, result.stderr
-    (state,) = json.loads(result.stdout)
-    assert isinstance(state, dict)
+    (state,) = states(uri, name)
     return state
 
 

@@ -13,7 +13,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import gone, lockrun, one_line, start, unmeasured, wait_for
+from conftest import gone, lockrun, one_line, start, states, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -578,9 +578,7 @@ def test_unexpected_refresh_error_stops_and_reaps_command(
 
 def is_waiting(uri: str, name: str, pid: int) -> bool:
     """Return whether `lockrun status` lists *pid* as waiting for *name*."""
-    result = lockrun("status", "--uri", uri, "--json", name, env=unmeasured())  # polled
-    states = json.loads(result.stdout) if result.returncode == 0 else []
-    return any(waiter["pid"] == pid for state in states for waiter in state["waiters"])
+    return any(waiter["pid"] == pid for state in states(uri, name) for waiter in state["waiters"])
 
 
 @pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])

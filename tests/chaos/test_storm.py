@@ -1,4 +1,4 @@
-"""A 30-second kill storm on every backend: SIGKILL of holders, waiters and commands.
+"""A 15-second kill storm on every backend: SIGKILL of holders, waiters and commands.
 
 Two pools of lockrun processes contend for one name each, a mutex (N = 1) and a
 semaphore (N = 3), every process around a command that reports to the oracle and holds for
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from chaos.rig import Target
 
-STORM: Final = 30.0  # seconds of killing
+STORM: Final = 15.0  # seconds of killing
 TTL: Final = 5.0  # a SIGKILLed Redis holder's slot comes back a ttl later
 SLACK: Final = 5.0
 KILLED: Final = -signal.SIGKILL  # lockrun itself was killed
@@ -124,7 +124,7 @@ class Pool:
 def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
     target: Target, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
-    """SIGKILLs for 30 s: never more than N at once; then all N slots free within a ttl."""
+    """SIGKILLs for 15 s: never more than N at once; then all N slots free within a ttl."""
     seed = os.getpid() ^ int(time.time())
     rng = random.Random(seed)  # noqa: S311 - chaos, not secrets
     pools = [

@@ -73,10 +73,14 @@ class Oracle:
         It holds until `release` or, with *hold*, for that many seconds at most.
         """
         timeout = "" if hold is None else f"-t {hold:g} "
+        # {oracle}: bash opens the socket on a free descriptor of 10 or more. A fixed `3`
+        # would replace the lock file that `file:` passes on when it happens to be fd 3,
+        # and the command would run on without its share of the lock once lockrun died.
         script = (
-            f"exec 3<>/dev/tcp/127.0.0.1/{self.port} || exit 99; "
-            f'echo "$$ $PPID ${{LOCKRUN_FENCE:-0}} ${{LOCKRUN_SLOT:--1}} {shlex.quote(tag)}" >&3; '
-            f"read -r {timeout}-u 3 _; exit 0"
+            f"exec {{oracle}}<>/dev/tcp/127.0.0.1/{self.port} || exit 99; "
+            f'echo "$$ $PPID ${{LOCKRUN_FENCE:-0}} ${{LOCKRUN_SLOT:--1}} {shlex.quote(tag)}"'
+            ' >&"$oracle"; '
+            f'read -r {timeout}-u "$oracle" _; exit 0'
         )
         return ["bash", "-c", script]
 

@@ -1,6 +1,6 @@
-"""200 waiters on one name with 10 slots, on every backend.
+"""100 waiters on one name with 10 slots, on every backend.
 
-Ten holders take the slots; 190 waiters then start 30 ms apart and queue; the holders
+Ten holders take the slots; 90 waiters then start 30 ms apart and queue; the holders
 let go, and each waiter runs a 50 ms command. The oracle (tests/chaos/oracle.py) checks
 that never more than 10 ran at once and gives the order they were granted in, which is
 compared with the order they started in (Kendall's tau; 1 is exactly first come, first
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from chaos.oracle import Oracle
     from chaos.rig import Target
 
-WAITERS: Final = 200
+WAITERS: Final = 100
 SLOTS: Final = 10
 PACE: Final = 0.03  # seconds between two waiters' starts
 HOLD: Final = 0.05  # each waiter's command
@@ -60,10 +60,10 @@ def test_kendall_tau() -> None:
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-def test_200_waiters_on_10_slots(
+def test_100_waiters_on_10_slots(
     target: Target, oracle: Oracle, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
-    """All 200 run, never more than 10 at once, granted close to the order they came in."""
+    """All 100 run, never more than 10 at once, granted close to the order they came in."""
     options = ["--uri", target.uri, "-n", name, "-s", str(SLOTS), "-w", "forever"]
     errors = tmp_path / "stderr"
     sessions = PeakSessions(target.rig) if target.rig else None
@@ -107,7 +107,7 @@ def test_200_waiters_on_10_slots(
     ]
     tau = kendall_tau(granted)
     record(
-        "200 waiters, 10 slots",
+        "100 waiters, 10 slots",
         backend=target.kind,
         peak=oracle.peak,
         tau=tau,

@@ -31,18 +31,21 @@ REDIS_SERVER: Final = "redis-server"
 _TEMPLATES: dict[str, str] = {}
 
 
-def from_template(kind: str, data: str, make: Callable[[str], None]) -> None:
+def from_template(
+    kind: str, data: str, make: Callable[[str], None], owner: str | None = None
+) -> None:
     """Make the data directory *data* a copy of one that *make* made once in this process.
 
     initdb and mariadb-install-db cost a CPU second or more each, for the same files every
     time; a copy costs a tenth of that. cp -a keeps owners and modes (PostgreSQL's 0700).
+    *owner*, if given, owns the directory *make* works in.
     """
     template = _TEMPLATES.get(kind)
     if template is None:
         parent = tempfile.mkdtemp(prefix=f"lr-{kind}-template-")
         atexit.register(shutil.rmtree, parent, ignore_errors=True)
-        if kind == "postgres" and os.geteuid() == 0:
-            shutil.chown(parent, "postgres")
+        if owner is not None:
+            shutil.chown(parent, owner)
         template = os.path.join(parent, "data")
         make(template)
         _TEMPLATES[kind] = template
@@ -371,7 +374,7 @@ class PostgresServer(_Server):
         self.process: subprocess.Popen[bytes] | None = None
         if os.geteuid() == 0:
             shutil.chown(self.directory, "postgres")
-        from_template("postgres", self.data, _initdb)
+        from_template("postgres", self.data, _initdb, owner=_postgres_user())
         self.start()
         self.command("CREATE DATABASE lockrun")
 

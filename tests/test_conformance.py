@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import pytest
 from conftest import (
@@ -172,27 +172,29 @@ def test_waiters_are_served_in_arrival_order(
 
 
 # Read, pause, write: without the lock, two of these interleave and an update is lost.
-# Plain sh, not Python: 80 runs per backend, and the interpreter's start-up would be most
-# of the test's time.
+# Plain sh, not Python: PROCESSES × RUNS runs per backend, and the interpreter's start-up
+# would be most of the test's time.
 COUNTER = 'v=$(cat "$1"); sleep 0.001; echo $((v + 1)) > "$1.tmp"; mv "$1.tmp" "$1"'
+PROCESSES: Final = 8
+RUNS: Final = 10  # each
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
-    """8 processes × 10 read-increment-write cycles under the lock lose no update."""
+    """PROCESSES × RUNS read-increment-write cycles under the lock lose no update."""
     counter = tmp_path / "counter"
     counter.write_text("0")
     script = tmp_path / "increment.sh"
     script.write_text(COUNTER)
     loop = (
-        f"for i in $(seq 10); do {sys.executable} -m lockrun --uri {shlex.quote(uri)} -n {name}"
+        f"for i in $(seq {RUNS}); do {sys.executable} -m lockrun --uri {shlex.quote(uri)} -n {name}"
         " -w forever"
         f" -- sh {script} {counter} || exit 1; done"
     )
-    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(8)]
-    assert [worker.wait(300) for worker in workers] == [0] * 8
-    assert counter.read_text().strip() == "80"
+    workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(PROCESSES)]
+    assert [worker.wait(300) for worker in workers] == [0] * PROCESSES
+    assert counter.read_text().strip() == str(PROCESSES * RUNS)
 
 
 @pytest.mark.timeout(300)

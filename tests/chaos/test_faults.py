@@ -43,18 +43,25 @@ def hold(
     for attempt in range(3):
         label = f"{tag}{attempt or ''}"
         process = spawn(*options, "--", *oracle.command(label))
-        oracle.wait(
-            lambda: any(run.pid for run in oracle.started(label)) or process.poll() is not None,  # noqa: B023
-            30,
-            f"{tag} to start",
-        )
-        if started := [run for run in oracle.started(label) if run.pid]:
-            return process, started[0]
+        if started := started_or_ended(oracle, label, process, 30):
+            return process, started
         _, err = process.communicate(timeout=10)
         if process.returncode != 69:
             break
         print(f"lockrun could not acquire, trying again: {err}")
     pytest.fail(f"{tag} did not start (status {process.returncode}): {err}")
+
+
+def started_or_ended(
+    oracle: Oracle, tag: str, process: subprocess.Popen[str], timeout: float
+) -> Run | None:
+    """Wait until the command tagged *tag* runs (return it) or lockrun *process* exits (None)."""
+    oracle.wait(
+        lambda: any(run.pid for run in oracle.started(tag)) or process.poll() is not None,
+        timeout,
+        f"{tag} to start",
+    )
+    return next((run for run in oracle.started(tag) if run.pid), None)
 
 
 def queued(rig: Rig, name: str, contender: subprocess.Popen[str]) -> None:
@@ -195,13 +202,8 @@ def test_server_restart_stops_the_holder_and_the_next_fence_is_larger(
     back = time.monotonic()
     ended = oracle.wait_ended(first, timeout=TTL + SLACK)
     lost(holder, KILL_AFTER + SLACK)
-    oracle.wait(
-        lambda: any(run.pid for run in oracle.started("second")) or contender.poll() is not None,
-        60,
-        "second to start",
-    )
-    assert contender.poll() is None, contender.communicate(timeout=10)
-    second = oracle.wait_started("second")
+    second = started_or_ended(oracle, "second", contender, 60)
+    assert second is not None, contender.communicate(timeout=10)
     record(
         "restart",
         stopped_after=ended - killed,

@@ -173,10 +173,13 @@ def help_options(*subcommand: str) -> dict[str, bool]:
     return options
 
 
-def start(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
-    """Start ``python -m lockrun ARGS`` in the background, stderr captured."""
+def start(*args: str, under: Sequence[str] = (), **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``python -m lockrun ARGS`` (run by the command *under*) in the background.
+
+    Its stderr is captured.
+    """
     kwargs.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen([*LOCKRUN, *args], text=True, **kwargs)
+    return subprocess.Popen([*under, *LOCKRUN, *args], text=True, **kwargs)
 
 
 def finish(process: subprocess.Popen[str], timeout: float = 30) -> int:

@@ -112,6 +112,7 @@ class FailingLease:
     ttl = float(sys.argv[3])
     fds = ()
     sessions = ()
+    confirmed = now()  # granted as the supervisor starts
 
     def refresh(self):
         asked = now()

@@ -24,6 +24,7 @@ from lockrun.errors import (
 )
 from lockrun.lock import (
     DEFAULT_KILL_AFTER,
+    DEFAULT_LOST_KILL_AFTER,
     DEFAULT_NAMESPACE,
     DEFAULT_TTL,
     Options,
@@ -300,6 +301,13 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     help="Grace between TERM and KILL when stopping the command; at most 1d.",
 )
 @click.option(
+    "--lost-kill-after",
+    type=Duration(),
+    default=format_duration(DEFAULT_LOST_KILL_AFTER),
+    show_default=True,
+    help="That grace once the lock is known lost (someone may hold it): at most --kill-after.",
+)
+@click.option(
     "-E",
     "--conflict-exit-code",
     type=click.IntRange(0, 255),
@@ -328,6 +336,7 @@ def run_command(
     ttl: float,
     max_time: float | None,
     kill_after: float,
+    lost_kill_after: float,
     conflict_exit_code: int,
     namespace: str,
     close: bool,
@@ -342,7 +351,19 @@ def run_command(
     if not command:
         msg = "no command to run: lockrun [OPTIONS] [--] COMMAND [ARG]..."
         raise click.UsageError(msg)
-    options = Options(name, uri, slots, wait, ttl, max_time, kill_after, namespace, close, verbose)
+    options = Options(
+        name,
+        uri,
+        slots,
+        wait,
+        ttl,
+        max_time,
+        kill_after,
+        namespace,
+        close,
+        verbose,
+        lost_kill_after,
+    )
     live = _LIVE.show if verbose and _on_terminal() else None
     try:
         return run(command, options, log=say, live=live)

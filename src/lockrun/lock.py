@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 DEFAULT_NAMESPACE: Final = "default"
 DEFAULT_TTL: Final = 30.0
 DEFAULT_KILL_AFTER: Final = 10.0
+# Once the lock is known gone someone else may hold it: a short grace (README "Guarantees").
+DEFAULT_LOST_KILL_AFTER: Final = 1.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -196,21 +198,24 @@ class _Renewer(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        every = (self.lease.ttl or 0.0) / 3
-        confirmed = now()
+        ttl = self.lease.ttl or 0.0
+        confirmed = self.lease.confirmed  # counted from the request, as in supervise.py
+        every = max(0.0, confirmed + ttl / 3 - now())
         while not self.stopping.wait(every):
+            sent = now()
             try:
                 self.lease.refresh()
             except LeaseLost as err:
                 self.lost = err
                 return
             except BackendUnavailable as err:
-                if now() - confirmed >= (self.lease.ttl or 0.0):
+                if now() - confirmed >= ttl:
                     self.lost = LeaseLost(f"lease could not be confirmed: {err}")
                     return
                 every = 1.0
             else:
-                confirmed, every = now(), (self.lease.ttl or 0.0) / 3
+                confirmed = sent
+                every = max(0.0, sent + ttl / 3 - now())
 
     def stop(self) -> None:
         self.stopping.set()
@@ -230,6 +235,7 @@ class Options(NamedTuple):
     namespace: str = DEFAULT_NAMESPACE
     close: bool = False
     verbose: bool = False
+    lost_kill_after: float = DEFAULT_LOST_KILL_AFTER
 
 
 def run(
@@ -314,7 +320,12 @@ def _hold_and_run(
                 f"acquired {request.name} slot {lease.slot} of {request.slots} "
                 f"after {format_duration(now() - started)}{fence}"
             )
-            limits = Limits(options.ttl / 3, options.max_time, options.kill_after)
+            limits = Limits(
+                options.ttl / 3,
+                options.max_time,
+                options.kill_after,
+                min(options.kill_after, options.lost_kill_after),
+            )
             if guardian is not None:
                 guardian.keep(lease.fds)
             return supervise(
@@ -343,6 +354,7 @@ def check_options(options: Options) -> None:
     if options.max_time is not None:  # 0 would stop every command
         check_seconds(options.max_time, "--max-time", high=MAX_WAIT, above=True)
     check_seconds(options.kill_after, "--kill-after", high=MAX_KILL_AFTER)
+    check_seconds(options.lost_kill_after, "--lost-kill-after", high=MAX_KILL_AFTER)
 
 
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:

@@ -10,9 +10,11 @@ watched for the server hanging up, which frees it at once, between two refreshes
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import signal
+import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, NoReturn
@@ -58,15 +60,20 @@ _MARGIN: Final = 0.1
 
 
 class Limits(NamedTuple):
-    """How the command is watched: lease cadence, wall-clock limit, grace before KILL."""
+    """How the command is watched: lease cadence, wall-clock limit, graces before KILL.
+
+    *lost_kill_after* is the grace once the lock is known to be gone (the server said so,
+    or ended the session): someone else may hold it already, so it is short.
+    """
 
     refresh_every: float
     max_time: float | None = None
     kill_after: float = 10.0
+    lost_kill_after: float = 1.0
 
 
 class Guardian:
-    """A forked process that SIGKILLs the command's group if lockrun dies first.
+    """A forked process that stops the command's group when lockrun cannot.
 
     SPEC §4.2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
     command alone, not its children, and only after a fork→prctl race (algorithms.md
@@ -74,13 +81,20 @@ class Guardian:
     spawned into, so no moment exists when the command runs unguarded. It is forked before
     the wait, off the hand-over path, and then given copies of the lock's descriptors, so
     the lock stays held until the group is dead.
+
+    It also keeps the lease's deadline (`expect`): a lockrun that is stopped (SIGSTOP, a
+    debugger) or starved cannot renew, and its lease runs out on the server while the
+    command works on. Unless lockrun confirms the lease again in time, the guardian sends
+    TERM when lockrun itself would have, and KILL before the lease ends; it then tells
+    lockrun so (`acted`).
     """
 
     def __init__(self) -> None:
         """Fork the guardian and make it the leader of a new process group."""
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
-        ours, theirs = socket.socketpair()
+        # Datagrams with boundaries: a deadline is one message, never half of one.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # A handler that raises (lock._interruptible) must not run inside fork's at-fork
         # callbacks, where Python would print and drop the exception: hold the signals.
         saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
@@ -101,6 +115,26 @@ class Guardian:
         if fds:
             socket.send_fds(self._socket, [b"f"], list(fds))
 
+    def expect(self, term_at: float, kill_at: float) -> None:
+        """Have the guardian TERM the group at *term_at* and KILL it at *kill_at* (`now`).
+
+        Each call replaces the last; ``math.inf`` is never. Once it sent TERM, only an
+        earlier KILL is taken.
+        """
+        with contextlib.suppress(OSError):  # it is gone with a SIGKILLed group: nothing to do
+            self._socket.send(b"d" + struct.pack("=dd", term_at, kill_at))
+
+    def acted(self) -> bool:
+        """Return whether the guardian stopped the command because the lease ran out."""
+        said = b""
+        with contextlib.suppress(OSError):
+            while select.select([self._socket], [], [], 0)[0]:
+                message = self._socket.recv(16)
+                if not message:
+                    break
+                said += message
+        return b"t" in said
+
     def stand_down(self) -> None:
         """Tell the guardian the command is done, and reap it."""
         with contextlib.suppress(OSError):  # it died with a SIGKILLed group
@@ -110,7 +144,10 @@ class Guardian:
 
 
 def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: no cover
-    """In the guardian: hold what we are given until stood down; if lockrun vanishes, kill."""
+    """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
+
+    Also stop the group when a deadline of `Guardian.expect` passes unconfirmed.
+    """
     import socket  # noqa: PLC0415 - already loaded by Guardian
 
     try:
@@ -120,16 +157,42 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
             signal.signal(signo, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         kept = []
+        term_at = kill_at = math.inf
+        stopping = False
         while True:
-            message, fds, _, _ = socket.recv_fds(ours, 16, 16)
+            due = min(kill_at, math.inf if stopping else term_at)
+            wait = None if due == math.inf else max(0.0, due - now())
+            if not select.select([ours], [], [], wait)[0]:
+                current = now()
+                if not stopping and current >= term_at:
+                    stopping = _tell(ours)
+                    os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
+                    os.killpg(0, signal.SIGCONT)  # a stopped command must run to take it
+                if current >= kill_at:
+                    stopping = _tell(ours)
+                    _kill_the_others()
+                    kill_at = math.inf
+                continue
+            message, fds, _, _ = socket.recv_fds(ours, 64, 16)
             kept += fds
-            if b"x" in message:
-                break
             if not message:  # EOF: lockrun is gone; the group goes, then we and the lock do
                 _kill_the_others()
                 break
+            if message[:1] == b"x":
+                break
+            if message[:1] == b"d":
+                term, kill = struct.unpack("=dd", message[1:17])
+                kill_at = min(kill_at, kill) if stopping else kill
+                term_at = term_at if stopping else term
     finally:
         os._exit(0)
+
+
+def _tell(lockrun: socket.socket) -> bool:  # pragma: no cover - runs in the guardian
+    """Tell *lockrun* that we stopped its command; return True (we are stopping)."""
+    with contextlib.suppress(OSError):
+        lockrun.send(b"t")
+    return True
 
 
 def _kill_the_others() -> None:  # pragma: no cover - runs in the guardian
@@ -199,11 +262,11 @@ def supervise(
     """
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
+        watch = _Watch(lease, limits, forward, log, guardian)
         # Watching before the command starts: nothing can fail between its start and run().
         with _Hangups(lease.sessions):
-            group = 0 if guardian is None else guardian.pid
-            pid = _spawn(argv, env, pass_fds, group=group)
-            watch = _Watch(pid, group or pid, lease, limits, forward, log)
+            watch.confirm_before_start()  # the last thing before the spawn
+            watch.start(_spawn(argv, env, pass_fds, group=watch.group))
             with _terminal_for(watch.group) as terminal:
                 watch.terminal = terminal
                 return watch.run()
@@ -339,33 +402,80 @@ class _Ask(threading.Thread):
 
 
 class _Watch:
-    """The supervision loop's state: timers, the stop sequence, and the outcome."""
+    """The supervision loop's state: timers, the stop sequence, and the outcome.
+
+    The lease is counted from when the request that last proved it was sent
+    (`Lease.confirmed`), not from when an answer came or the command started: a stall
+    anywhere after the grant comes out of the lease's time, never on top of it.
+    """
 
     def __init__(
         self,
-        pid: int,
-        group: int,
         lease: Lease,
         limits: Limits,
         forward: frozenset[int],
         log: Callable[[str], None],
+        guardian: Guardian | None,
     ) -> None:
-        self.pid = pid
-        self.group = group
+        self.pid = 0  # the command, once `start`ed
+        self.group = 0 if guardian is None else guardian.pid  # 0: the command's own, new
         self.lease = lease
         self.limits = limits
         self.log = log
+        self.guardian = guardian
         self.terminal = False
         self.reaped = False
         self.forward = forward  # the signals passed on to the command
-        start = now()
-        self.confirmed = start  # when the last successful refresh was sent
+        self.confirmed = lease.confirmed  # when the last successful refresh was sent
         self.doubt: BackendUnavailable | None = None  # why the lease is unconfirmed, if it is
         self.asking: _Ask | None = None
-        self.next_refresh = start + limits.refresh_every
-        self.time_limit = None if limits.max_time is None else start + limits.max_time
+        self.next_refresh = self.confirmed + limits.refresh_every
+        self.time_limit: float | None = None
         self.kill_at: float | None = None
         self.failure: LeaseLost | TimedOut | None = None
+
+    def confirm_before_start(self) -> None:
+        """Renew a lease that a stall since the grant has left due, before anything runs.
+
+        Raises `BackendUnavailable` (nothing ran) if it is gone or cannot be confirmed.
+        """
+        if self.lease.ttl is None or now() < self.next_refresh:
+            self._expect()
+            return
+        sent = now()
+        try:
+            self.lease.refresh()
+        except (LeaseLost, BackendUnavailable) as err:
+            msg = f"the lease could not be confirmed before the command started: {err}; nothing ran"
+            raise BackendUnavailable(msg) from err
+        self._confirm(sent)
+
+    def start(self, pid: int) -> None:
+        """Watch *pid*, the command just spawned."""
+        self.pid = pid
+        self.group = self.group or pid
+        if self.limits.max_time is not None:
+            self.time_limit = now() + self.limits.max_time
+
+    def _confirm(self, sent: float) -> None:
+        """Count the lease from *sent*, when the refresh that proved it went out."""
+        self.confirmed, self.doubt = sent, None
+        self.next_refresh = sent + self.limits.refresh_every
+        self._expect()
+
+    def _expect(self) -> None:
+        """Give the guardian the deadline to enforce should we stop answering."""
+        if self.guardian is None or self.lease.ttl is None:
+            return
+        if self.failure is not None:  # stopping already: our KILL time is what remains
+            self.guardian.expect(math.inf, self.kill_at or now())
+            return
+        # Halfway between the latest TERM of ours (a refresh that hangs is a doubt only
+        # after _RETRY) and the deadline: while we run, we send it, not both; a stopped
+        # lockrun's command still gets some grace, and KILL lands when ours would.
+        deadline = self._deadline()
+        ours = min(max(self._term_due(), self.next_refresh + _RETRY), deadline)
+        self.guardian.expect(ours + (deadline - ours) / 2, deadline)
 
     def run(self) -> int:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
@@ -431,7 +541,7 @@ class _Watch:
         """Stop at once if the server closed a session of the lease (not for a stray SIGURG)."""
         if self.failure is None and _hung_up(self.lease.sessions):
             lost = "the session holding the lock ended (the server hung up); its locks are gone"
-            self._begin_stop(LeaseLost(lost))
+            self._begin_stop(LeaseLost(lost), kill_by=now() + self.limits.lost_kill_after)
 
     def _collect(self, current: float) -> bool:
         """Take the outcome of a finished refresh (True: the lease is lost, stop begun).
@@ -447,10 +557,9 @@ class _Watch:
             return False
         self.asking = None
         if ask.error is None:
-            self.confirmed, self.doubt = ask.sent, None
-            self.next_refresh = ask.sent + self.limits.refresh_every
+            self._confirm(ask.sent)
         elif isinstance(ask.error, LeaseLost):
-            self._begin_stop(ask.error)
+            self._begin_stop(ask.error, kill_by=now() + self.limits.lost_kill_after)
             return True
         elif isinstance(ask.error, BackendUnavailable):
             self.doubt = ask.error
@@ -484,6 +593,7 @@ class _Watch:
             self.kill_at = now() + self.limits.kill_after
             if kill_by is not None:
                 self.kill_at = min(self.kill_at, max(kill_by, now()))
+            self._expect()
 
     def _signal_group(self, signo: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -514,6 +624,13 @@ class _Watch:
         self._signal_group(signal.SIGCONT)
 
     def _outcome(self, status: int) -> int:
+        if self.failure is None and self.guardian is not None and self.guardian.acted():
+            self.failure = LeaseLost(
+                f"lease could not be confirmed: {self.doubt}"
+                if self.doubt is not None  # we were about to stop it ourselves
+                else "lockrun could not renew the lease in time (was it stopped or starved?); "
+                "its guardian stopped the command before the lease ran out"
+            )
         if self.failure is not None:
             self._signal_group(signal.SIGKILL)  # stragglers of a stopped group
             raise self.failure

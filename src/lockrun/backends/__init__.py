@@ -262,6 +262,13 @@ class Lease(Protocol):
         """Seconds the service keeps the slot without a refresh; None if it lives with us."""
 
     @property
+    def confirmed(self) -> float:
+        """When (`timing.now`) the request that last proved the slot ours was sent.
+
+        A lease runs from there: a stall between the grant and its use is counted.
+        """
+
+    @property
     def fds(self) -> tuple[int, ...]:
         """File descriptors that keep the slot held while any process has them open."""
 

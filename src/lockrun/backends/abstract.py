@@ -246,6 +246,7 @@ class AbstractLease:
     ) -> None:
         """Hold slot *slot* through *listener*."""
         self.slot, self.fence = slot, fence
+        self.confirmed = now()  # no lease: for the record only
         self._listener: socket.socket | None = listener
         self._marker = marker
 

@@ -157,6 +157,7 @@ class FileLease:
     ) -> None:
         """Wrap the locked *fd* of slot *slot* (whose file is *path* in *dir_fd*)."""
         self.slot, self.fence, self.path = slot, fence, path
+        self.confirmed = now()  # no lease: for the record only
         self._fd: int | None = fd
         self._dir_fd = dir_fd
         self._wake = wake

@@ -55,6 +55,8 @@ class Session(Protocol):
 class Lease(Protocol):
     """What a grant returns: a slot held by a session."""
 
+    confirmed: float  # see lockrun.backends.Lease
+
     @property
     def session(self) -> Any:  # noqa: ANN401 - the backend's own session type
         """The session that holds the slot."""
@@ -129,7 +131,12 @@ class GatedBackend(abc.ABC, Generic[S, L]):
         """
         try:
             slot, holder = self._take(attempt)
+            # A session's locks outlive it by nothing, and it idles out (the lease) only
+            # after its last statement: the grant's answer, or what _grant sends next.
+            granted = now()
             lease = None if holder is None else self._grant(holder, attempt, slot)
+            if lease is not None:
+                lease.confirmed = granted
             if holder is not None and attempt.gate is holder:
                 self._release_gate(holder, attempt)
         except BaseException as err:

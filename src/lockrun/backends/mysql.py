@@ -51,6 +51,7 @@ from lockrun.errors import (
     LeaseLost,
     LockrunError,
 )
+from lockrun.timing import now
 from lockrun.uri import (
     Secrets,
     host_port,
@@ -769,6 +770,7 @@ class MySQLLease:
         self.slot = slot
         self.fence = fence
         self.ttl: float | None = backend.ttl
+        self.confirmed = now()  # the grant's time, set by the gated acquire
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
         self.sessions = self.fds  # the server frees the slot the moment it hangs up
         self.released = False
@@ -789,8 +791,12 @@ class MySQLLease:
                     timeout=self.backend.ttl,
                 )
             except pymysql.err.Error as err:
-                self.session.abandon()
+                # The session is not hung up on here: while the command may still run
+                # (its TERM grace), the server must not free the slot (issue #9).
                 text = _said(self.backend.settings, err)
+                if err.args[0] == ER.QUERY_INTERRUPTED:  # KILL QUERY: session and slot intact
+                    msg = f"the check was cancelled on the server ({text})"
+                    raise BackendUnavailable(msg) from err
                 msg = f"the session holding the lock ended ({text}); its locks are gone"
                 raise LeaseLost(msg) from err
         if ours != 1:

@@ -862,6 +862,7 @@ class PostgresLease:
         self.slot = slot
         self.fence = fence
         self.ttl: float | None = backend.ttl
+        self.confirmed = now()  # the grant's time, set by the gated acquire
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
         self.sessions = self.fds  # the server frees the slot the moment it hangs up
         self.released = False
@@ -886,8 +887,12 @@ class PostgresLease:
                     timeout=self.backend.ttl,
                 )
             except PgError as err:
-                self.session.abandon()
+                # The session is not hung up on here: while the command may still run
+                # (its TERM grace), the server must not free the slot (issue #9).
                 said = _one_line(self.backend.settings, err.message)
+                if err.sqlstate == _QUERY_CANCELED:  # pg_cancel_backend: session and slot intact
+                    msg = f"the check was cancelled on the server ({said})"
+                    raise BackendUnavailable(msg) from err
                 msg = f"the session holding the lock ended ({said}); its locks are gone"
                 raise LeaseLost(msg) from err
         if held != "1":

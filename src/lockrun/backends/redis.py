@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -526,6 +527,9 @@ class RedisBackend:
         self.ttl = ttl
         self._scripts: dict[str, Script] = {}
         self._client_id: str | None = None  # our connection's CLIENT ID; None: ask; "": unknown
+        self._sentinel: Sentinel | None = None
+        self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
+        self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
 
     @property
     def timeout(self) -> float:
@@ -557,6 +561,7 @@ class RedisBackend:
                 self._client = sentinel.master_for(  # type: ignore[no-untyped-call]
                     settings.service, **settings.kwargs, **options, retry=no_retries
                 )
+                self._sentinel = sentinel
             else:
                 self._client = redis.Redis(**settings.kwargs, **options, retry=no_retries)
             self._scripts = {
@@ -572,14 +577,121 @@ class RedisBackend:
         return self._client
 
     def call(self, script: str, claim: Claim, *args: str | int) -> Any:  # noqa: ANN401 - Lua's reply
-        """Run one of our scripts for *claim*; translate redis-py's errors."""
+        """Run one of our scripts for *claim*; translate redis-py's errors.
+
+        Behind Sentinel, a grant or a renewal counts only on the primary the sentinels
+        name, and only once a replica has it (`_on_the_primary`).
+        """
+        keys = _keys(claim.prefix)
+        argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, *args]
         try:
-            return self._scripts[script](
-                keys=_keys(claim.prefix),
-                args=[claim.prefix, claim.token, claim.slots, claim.ttl_ms, *args],
-            )
+            if self._sentinel is not None and script in {"acquire", "renew"}:
+                return self._on_the_primary(self._scripts[script], keys, argv)
+            return self._scripts[script](keys=keys, args=argv)
         except errors.RedisError as err:
             raise self.failure(err) from err
+
+    def _on_the_primary(self, script: Script, keys: list[str], argv: list[Any]) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run *script* where the sentinels say the primary is, and make what it grants durable.
+
+        A demoted primary stays writable for seconds after a failover, and one cut off
+        with its clients stays writable for as long as the cut lasts: a lease renewed
+        there is worth nothing (issue #9). So the node must be the one that most of the
+        sentinels name now, it must call itself a primary, and a grant or renewal counts
+        only once a connected replica has it (WAIT), so that promoting that replica
+        cannot forget it. A primary without a connected replica is trusted alone: with
+        none, Sentinel has no up-to-date replica to promote (README "Sentinel").
+        """
+        named = self._named_primary()
+        with self._primary_lock:
+            if self._primary is None:  # ours alone: the pool would drop one it did not pick
+                self._primary = self.client().connection_pool.make_connection()
+            connection = self._primary
+            try:
+                if (connection.host, int(connection.port or 0)) != named:
+                    connection.disconnect()
+                    connection.connect_to(named)
+                reply, role = self._run_with_role(connection, script, keys, argv)
+                granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
+                self._check_durable(connection, named, role, written=granted)
+            except BaseException:
+                connection.disconnect()  # a reply may still be on its way: never reuse it
+                raise
+            return reply
+
+    def _check_durable(
+        self,
+        connection: Any,  # noqa: ANN401 - redis-py's Connection
+        named: tuple[str, int],
+        role: list[Any],
+        *,
+        written: bool,
+    ) -> None:
+        """Raise unless the node is a primary and, if we *written*, a replica has it too."""
+        where = f"{named[0]}:{named[1]}"
+        if not role or role[0] != "master":
+            msg = f"{where} is not a primary (it says {role[:1]})"
+            raise errors.ConnectionError(msg)
+        if written and role[2]:  # it has replicas: wait until one has what we wrote
+            wait_ms = max(1, int(self.timeout * 500))
+            connection.send_command("WAIT", 1, wait_ms)
+            if connection.read_response() == 0:
+                msg = (
+                    f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
+                    "a failover now could forget it"
+                )
+                raise errors.ConnectionError(msg)
+
+    @staticmethod
+    def _run_with_role(
+        connection: Any,  # noqa: ANN401 - redis-py's Connection
+        script: Script,
+        keys: list[str],
+        argv: list[Any],
+    ) -> tuple[Any, list[Any]]:
+        """Run *script* and ROLE in one round trip; load the script where it is missing."""
+        for _ in range(2):
+            connection.send_packed_command(
+                connection.pack_commands(
+                    [("EVALSHA", script.sha, len(keys), *keys, *argv), ("ROLE",)]
+                )
+            )
+            try:
+                reply = connection.read_response()
+            except errors.NoScriptError:
+                connection.read_response()  # ROLE's, before the connection is used again
+                connection.send_command("SCRIPT", "LOAD", script.script)
+                connection.read_response()
+                continue
+            return reply, connection.read_response()
+        msg = "the server forgot our script as soon as it was loaded"
+        raise errors.ConnectionError(msg)
+
+    def _named_primary(self) -> tuple[str, int]:
+        """Return the primary that most of the URI's sentinels name now.
+
+        Not redis-py's discovery, which takes the first sentinel that answers, and its
+        master list, which names the new primary only once a failover has ended.
+        """
+        assert self._sentinel is not None  # noqa: S101 - only behind Sentinel
+        sentinels = self._sentinel.sentinels
+        votes: dict[tuple[str, int], int] = {}
+        for sentinel in sentinels:
+            try:
+                answer = sentinel.execute_command(  # type: ignore[no-untyped-call]
+                    "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.settings.service
+                )
+            except errors.RedisError:
+                continue  # unreachable: it does not count towards a majority
+            if isinstance(answer, list) and len(answer) == 2 and str(answer[1]).isdigit():  # noqa: PLR2004 - host, port
+                address = (str(answer[0]), int(answer[1]))
+                votes[address] = votes.get(address, 0) + 1
+        for address, count in votes.items():
+            if count * 2 > len(sentinels):
+                return address
+        raise MasterNotFoundError(
+            f"no majority of the sentinels names a primary for {self.settings.service!r}"
+        )
 
     def failure(self, err: errors.RedisError) -> LockrunError:
         """Translate a redis-py error into one line, naming the server but no password."""
@@ -630,6 +742,7 @@ class RedisBackend:
                 try:
                     if mode == "wait" and self._client_id is None:
                         self._client_id = self.whoami(client)
+                    sent = now()  # the lease runs from here (ZADD now + ttl on the server)
                     granted, number, extra, *woken = self.call(
                         "acquire", claim, record, mode, self._client_id or ""
                     )
@@ -637,7 +750,7 @@ class RedisBackend:
                     # granted: number is our slot, extra our fence, and our lease runs (no
                     # calls for the sake of others now: the woken lapse as before)
                     if granted == 1:
-                        return RedisLease(self, claim, slot=number, fence=extra)
+                        return RedisLease(self, claim, slot=number, fence=extra, sent=sent)
                     if granted == -1:  # number: the N the live users of the name have
                         raise self.mismatch(request, claim.prefix, number)
                     # number: our place in the queue; extra: ms until a lease, or a place
@@ -828,7 +941,10 @@ class RedisBackend:
         return LockState(namespace, name, prefix, slots, held, waiting)
 
     def close(self) -> None:
-        """Drop the connection."""
+        """Drop the connections."""
+        if self._primary is not None:
+            self._primary.disconnect()
+            self._primary = None
         if self._client is not None:
             self._client.close()
             self._client.connection_pool.disconnect()
@@ -850,12 +966,15 @@ class RedisLease:
     fds: tuple[int, ...] = ()
     sessions: tuple[int, ...] = ()  # the lease outlives a connection
 
-    def __init__(self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int) -> None:
-        """Describe the slot *claim* holds."""
+    def __init__(
+        self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int, sent: float
+    ) -> None:
+        """Describe the slot *claim* holds, granted by a call *sent* then."""
         self.backend = backend
         self.claim = claim
         self.slot = slot
         self.fence: int | None = fence
+        self.confirmed = sent
         self.ttl: float | None = claim.ttl_ms / 1000
         self.released = False
 

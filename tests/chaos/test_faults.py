@@ -8,17 +8,23 @@ printed at the end of the run.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 from conftest import holder_pids, one_line, wait_for, waiter_pids
 from conftest import lockrun as run_lockrun
+from servers import MariaServer
+
+from lockrun.backends.mysql import lock_key as mysql_lock_key
 
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
+    from pathlib import Path
 
     from chaos.oracle import Oracle, Run
     from chaos.rig import Rig
@@ -322,3 +328,202 @@ def test_stall_between_grant_and_command_is_counted(
     lost(holder, KILL_AFTER + SLACK)
     assert not oracle.overlaps()
     oracle.release(second)
+
+
+# -- a DBA cancels lockrun's statements (KILL QUERY, pg_cancel_backend) -------------------------
+
+
+class Canceller(threading.Thread):
+    """A DBA in a thread: cancel the statements of some sessions of a rig's server, again and again.
+
+    *sessions* selects them: MySQL connection ids or PostgreSQL backend pids, asked for anew
+    every round. MySQL's check is too quick to see in the process list, so it is cancelled
+    blind, thousands of times a second; PostgreSQL's waits behind a lock on ``pg_locks`` that
+    the canceller holds (`blocking`), and is cancelled while it waits.
+    """
+
+    def __init__(self, rig: Rig, sessions: Callable[[Any], list[int]], *, blocking: bool) -> None:
+        """Connect as the server's superuser; `start` begins the cancelling."""
+        super().__init__(name="canceller", daemon=True)
+        self.kind = rig.kind
+        self.sessions = sessions
+        self.stopping = threading.Event()
+        self.connection: Any
+        if rig.kind == "mysql":
+            import pymysql
+
+            assert isinstance(rig.server, MariaServer)
+            self.connection = pymysql.connect(unix_socket=rig.server.socket, user="root")
+        else:
+            import psycopg
+
+            self.connection = psycopg.connect(
+                host=rig.server.directory, port=rig.server.port, user="lockrun", dbname="lockrun"
+            )
+            if blocking:  # every look at pg_locks now waits for us: our chance to cancel it
+                self.connection.execute("LOCK TABLE pg_catalog.pg_locks IN ACCESS EXCLUSIVE MODE")
+            else:
+                self.connection.commit()
+
+    def run(self) -> None:
+        """Cancel until stopped."""
+        while not self.stopping.is_set():
+            if self.kind == "mysql":
+                with self.connection.cursor() as cursor:
+                    ids = self.sessions(cursor)
+                    for _ in range(200):
+                        for session in ids:
+                            with contextlib.suppress(Exception):  # it ended meanwhile
+                                cursor.execute(f"KILL QUERY {session:d}")
+            else:
+                for pid in self.sessions(self.connection):
+                    self.connection.execute("SELECT pg_cancel_backend(%s)", (pid,))
+                time.sleep(0.002)
+
+    def stop(self) -> None:
+        """Stop cancelling, let go of what we hold, and hang up."""
+        self.stopping.set()
+        self.join(10)
+        self.connection.close()
+
+
+def holder_session(rig: Rig, name: str) -> Callable[[Any], list[int]]:
+    """Return a query for the server session that holds *name*'s slot 0: KILL's target."""
+    if rig.kind == "mysql":
+        key = f"{mysql_lock_key('default', name)}:0"
+
+        def mysql_holder(cursor: Any) -> list[int]:
+            cursor.execute("SELECT IS_USED_LOCK(%s)", (key,))
+            (session,) = cursor.fetchone()
+            return [] if session is None else [int(session)]
+
+        return mysql_holder
+
+    def postgres_holder(connection: Any) -> list[int]:
+        # Waiting for our lock on pg_locks (its check), in a transaction of our own.
+        rows = connection.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+            " AND wait_event_type = 'Lock'",
+            (f"lockrun:{name}:0",),
+        ).fetchall()
+        return [int(pid) for (pid,) in rows]
+
+    return postgres_holder
+
+
+def every_lockrun_session(rig: Rig) -> Callable[[Any], list[int]]:
+    """Return a query for every client session but the canceller's own."""
+    if rig.kind == "mysql":
+
+        def mysql_sessions(cursor: Any) -> list[int]:
+            cursor.execute(_MYSQL_CLIENTS)
+            return [int(session) for (session,) in cursor.fetchall()]
+
+        return mysql_sessions
+
+    def postgres_sessions(connection: Any) -> list[int]:
+        rows = connection.execute(_POSTGRES_ACTIVE).fetchall()
+        return [int(pid) for (pid,) in rows]
+
+    return postgres_sessions
+
+
+_MYSQL_CLIENTS: Final = (
+    "SELECT ID FROM information_schema.PROCESSLIST"
+    " WHERE ID <> CONNECTION_ID() AND COMMAND <> 'Daemon' AND USER <> 'system user'"
+)
+_POSTGRES_ACTIVE: Final = (
+    "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend'"
+    " AND pid <> pg_backend_pid() AND state = 'active'"
+)
+SQL: Final = pytest.mark.parametrize("rig", ["mysql", "postgres"], indirect=True)
+
+
+@SQL
+def test_a_cancelled_check_keeps_the_lock(
+    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A check cancelled once is asked again; the command runs on, and nobody else gets in.
+
+    Before issue #9 lockrun hung up its own session on any failed check, which freed the
+    lock on the server while the command still ran its TERM grace.
+    """
+    log = tmp_path / "holder.log"
+    with log.open("w") as stderr:
+        options = ("--uri", rig.uri, "--ttl", "6", "--kill-after", "1", "-v", "-n", name)
+        holder, first = hold(spawn, oracle, "holder", *options, stderr=stderr)
+    canceller = Canceller(rig, holder_session(rig, name), blocking=True)
+    canceller.start()
+    try:
+        wait_for(lambda: "cancelled" in log.read_text(), 60, "a check to be cancelled")
+    finally:
+        canceller.stop()
+    contender = spawn("--uri", rig.uri, "-n", name, "-w", "forever", "--", *oracle.command("2"))
+    queued(rig, name, contender)
+    time.sleep(6 / 3 + 1)  # the retry, and the next check, go through
+    assert first.end is None, log.read_text()
+    assert not oracle.started("2")
+    oracle.release(first)
+    assert holder.wait(10) == 0, log.read_text()
+    oracle.release(oracle.wait_started("2", timeout=10 + SLACK))
+    assert not oracle.overlaps()
+
+
+@pytest.mark.parametrize("rig", ["postgres"], indirect=True)  # MySQL's check cannot be held
+def test_a_command_outlives_no_session_its_checks_were_cancelled_on(
+    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
+) -> None:
+    """Every check cancelled: the deaf command is KILLed, and only then is the lock free.
+
+    The contender queued on the same server must start after the command's end, however
+    long its TERM grace (before issue #9: an overlap of up to --kill-after).
+    """
+    options = ("--uri", rig.uri, "--ttl", f"{TTL:g}", "--kill-after", "10", "-n", name)
+    holder, first = hold(spawn, oracle, "holder", *options, wrap=deaf)
+    contender = spawn("--uri", rig.uri, "-n", name, "-w", "forever", "--", *oracle.command("2"))
+    queued(rig, name, contender)
+    canceller = Canceller(rig, holder_session(rig, name), blocking=True)
+    canceller.start()
+    began = time.monotonic()
+    try:
+        ended = oracle.wait_ended(first, timeout=TTL + SLACK)
+        assert "cancelled" in lost(holder, SLACK)
+    finally:
+        canceller.stop()
+    second = oracle.wait_started("2", timeout=10 + SLACK)
+    record("cancelled checks", stopped_after=ended - began, margin=second.start - ended)
+    assert not oracle.overlaps()
+    oracle.release(second)
+
+
+@SQL
+def test_cancelling_every_statement_leaves_one_holder_and_clean_exits(
+    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any]
+) -> None:
+    """A DBA cancels every statement of every session while lockruns come and go.
+
+    Each lockrun exits 0, 69, 75 or 76 with one line, never 70; no two commands overlap;
+    and once the DBA stops, the lock is free at once: nothing was left behind.
+    """
+    canceller = Canceller(rig, every_lockrun_session(rig), blocking=False)
+    canceller.start()
+    runs = []
+    try:
+        for round_ in range(6):
+            for tag in range(3):
+                command = oracle.command(f"{round_}-{tag}", hold=0.3)
+                options = ("--uri", rig.uri, *LEASE, "-n", name, "-w", "2")
+                runs.append(spawn(*options, "--", *command))
+            for process in runs[-3:]:
+                process.wait(30)
+    finally:
+        canceller.stop()
+    for process in runs:
+        _, err = process.communicate(timeout=10)
+        assert process.returncode in {0, 69, 75, 76}, err
+        assert "Traceback" not in err
+        if process.returncode:
+            one_line(err)
+    assert not oracle.overlaps()
+    after = run_lockrun("--uri", rig.uri, "-n", name, "--", "true")
+    assert (after.returncode, after.stderr) == (0, "")

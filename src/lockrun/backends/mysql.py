@@ -139,6 +139,9 @@ _LOST: Final = frozenset(
         1927,  # MariaDB's ER_CONNECTION_KILLED
     }
 )
+# A statement stopped on the server, its session and locks intact: KILL QUERY, or a DBA's
+# max_statement_time (MariaDB) / max_execution_time (MySQL).
+_CANCELLED: Final = frozenset({ER.QUERY_INTERRUPTED, ER.STATEMENT_TIMEOUT, ER.QUERY_TIMEOUT})
 # What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
 _WAITING: Final = re.compile(
     r"SELECT GET_LOCK\('(?P<key>lr:[0-9a-f]{40}):(?P<part>gate|\d+)', [0-9.]+\) "
@@ -794,7 +797,7 @@ class MySQLLease:
                 # The session is not hung up on here: while the command may still run
                 # (its TERM grace), the server must not free the slot (issue #9).
                 text = _said(self.backend.settings, err)
-                if err.args[0] == ER.QUERY_INTERRUPTED:  # KILL QUERY: session and slot intact
+                if err.args[0] in _CANCELLED:  # session and slot intact: ask again
                     msg = f"the check was cancelled on the server ({text})"
                     raise BackendUnavailable(msg) from err
                 msg = f"the session holding the lock ended ({text}); its locks are gone"

@@ -516,6 +516,42 @@ def connect(
     return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))
 
 
+class _SentinelView(NamedTuple):
+    """What one sentinel (or a majority of them) says of the service right now."""
+
+    primary: tuple[str, int]
+    replicas: int  # those it sees up, linked to their primary or not: any may be promoted
+    failing_over: bool
+
+    @classmethod
+    def read(cls, address: Any, master: Any, replicas: Any) -> _SentinelView | None:  # noqa: ANN401 - raw replies
+        """Build a view from the raw replies of GET-MASTER-ADDR-BY-NAME, MASTER and REPLICAS."""
+        if not (isinstance(address, list) and len(address) == 2):  # noqa: PLR2004 - host, port
+            return None
+        host, port = (_text(part) for part in address)
+        if not port.isdigit():
+            return None
+        up = 0
+        for replica in replicas if isinstance(replicas, list) else []:
+            flags = set(_field(replica, "flags").split(","))
+            up += not flags & {"s_down", "o_down", "disconnected"}
+        failing_over = "failover_in_progress" in _field(master, "flags").split(",")
+        return cls((host, int(port)), up, failing_over)
+
+
+def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
+    """Return a raw reply's element as text."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _field(reply: Any, name: str) -> str:  # noqa: ANN401 - a raw reply
+    """Return field *name* of a raw Sentinel reply (a flat list of names and values)."""
+    if not isinstance(reply, list):
+        return ""
+    pairs = {_text(key): value for key, value in zip(reply[::2], reply[1::2], strict=False)}
+    return _text(pairs.get(name, ""))
+
+
 class RedisBackend:
     """One connection to a Redis server (or to the primary that Sentinel names)."""
 
@@ -599,21 +635,20 @@ class RedisBackend:
         there is worth nothing (issue #9). So the node must be the one that most of the
         sentinels name now, it must call itself a primary, and a grant or renewal counts
         only once a connected replica has it (WAIT), so that promoting that replica
-        cannot forget it. A primary without a connected replica is trusted alone: with
-        none, Sentinel has no up-to-date replica to promote (README "Sentinel").
+        cannot forget it (`_check_durable`).
         """
-        named = self._named_primary()
+        view = self._sentinel_view()
         with self._primary_lock:
             if self._primary is None:  # ours alone: the pool would drop one it did not pick
                 self._primary = self.client().connection_pool.make_connection()
             connection = self._primary
             try:
-                if (connection.host, int(connection.port or 0)) != named:
+                if (connection.host, int(connection.port or 0)) != view.primary:
                     connection.disconnect()
-                    connection.connect_to(named)
+                    connection.connect_to(view.primary)
                 reply, role = self._run_with_role(connection, script, keys, argv)
                 granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
-                self._check_durable(connection, named, role, written=granted)
+                self._check_durable(connection, view, role, written=granted)
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
                 raise
@@ -622,17 +657,29 @@ class RedisBackend:
     def _check_durable(
         self,
         connection: Any,  # noqa: ANN401 - redis-py's Connection
-        named: tuple[str, int],
+        view: _SentinelView,
         role: list[Any],
         *,
         written: bool,
     ) -> None:
-        """Raise unless the node is a primary and, if we *written*, a replica has it too."""
-        where = f"{named[0]}:{named[1]}"
+        """Raise unless the node is a primary and, if we *written*, a failover keeps it.
+
+        A primary without a connected replica is trusted alone only when the sentinels
+        see no replica up either: then none can be promoted over it. One that is up but
+        does not replicate from this node (yet, or any more) may be promoted without what
+        we wrote, or may have been a moment ago: the sentinels name a new primary only
+        about a second after they promote it.
+        """
+        where = f"{view.primary[0]}:{view.primary[1]}"
         if not role or role[0] != "master":
             msg = f"{where} is not a primary (it says {role[:1]})"
             raise errors.ConnectionError(msg)
-        if written and role[2]:  # it has replicas: wait until one has what we wrote
+        if not written:
+            return
+        if view.failing_over:
+            msg = f"a failover of {self.settings.service!r} is under way"
+            raise errors.ConnectionError(msg)
+        if role[2]:  # it has replicas: wait until one has what we wrote
             wait_ms = max(1, int(self.timeout * 500))
             connection.send_command("WAIT", 1, wait_ms)
             if connection.read_response() == 0:
@@ -641,6 +688,12 @@ class RedisBackend:
                     "a failover now could forget it"
                 )
                 raise errors.ConnectionError(msg)
+        elif view.replicas:
+            msg = (
+                f"{where} has no replica in sync, but the sentinels see {view.replicas} up; "
+                "a failover could promote one without the lease"
+            )
+            raise errors.ConnectionError(msg)
 
     @staticmethod
     def _run_with_role(
@@ -667,31 +720,36 @@ class RedisBackend:
         msg = "the server forgot our script as soon as it was loaded"
         raise errors.ConnectionError(msg)
 
-    def _named_primary(self) -> tuple[str, int]:
-        """Return the primary that most of the URI's sentinels name now.
+    def _sentinel_view(self) -> _SentinelView:
+        """Return the primary that most of the URI's sentinels name now, and what they know.
 
         Not redis-py's discovery, which takes the first sentinel that answers, and its
         master list, which names the new primary only once a failover has ended.
         """
         assert self._sentinel is not None  # noqa: S101 - only behind Sentinel
         sentinels = self._sentinel.sentinels
-        votes: dict[tuple[str, int], int] = {}
+        service = self.settings.service
+        views: list[_SentinelView] = []
         for sentinel in sentinels:
             try:
-                answer = sentinel.execute_command(  # type: ignore[no-untyped-call]
-                    "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.settings.service
-                )
+                with sentinel.pipeline(transaction=False) as pipe:
+                    pipe.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", service)  # type: ignore[no-untyped-call]
+                    pipe.execute_command("SENTINEL", "MASTER", service)  # type: ignore[no-untyped-call]
+                    pipe.execute_command("SENTINEL", "REPLICAS", service)  # type: ignore[no-untyped-call]
+                    address, master, replicas = pipe.execute()
             except errors.RedisError:
-                continue  # unreachable: it does not count towards a majority
-            if isinstance(answer, list) and len(answer) == 2 and str(answer[1]).isdigit():  # noqa: PLR2004 - host, port
-                address = (str(answer[0]), int(answer[1]))
-                votes[address] = votes.get(address, 0) + 1
-        for address, count in votes.items():
-            if count * 2 > len(sentinels):
-                return address
-        raise MasterNotFoundError(
-            f"no majority of the sentinels names a primary for {self.settings.service!r}"
-        )
+                continue  # unreachable, or it does not know the service: no vote
+            if view := _SentinelView.read(address, master, replicas):
+                views.append(view)
+        for view in views:
+            agreeing = [other for other in views if other.primary == view.primary]
+            if len(agreeing) * 2 > len(sentinels):
+                return _SentinelView(
+                    view.primary,
+                    replicas=max(other.replicas for other in agreeing),
+                    failing_over=any(other.failing_over for other in views),
+                )
+        raise MasterNotFoundError(f"no majority of the sentinels names a primary for {service!r}")
 
     def failure(self, err: errors.RedisError) -> LockrunError:
         """Translate a redis-py error into one line, naming the server but no password."""

@@ -445,7 +445,7 @@ def test_a_cancelled_check_keeps_the_lock(
 ) -> None:
     """A check cancelled once is asked again; the command runs on, and nobody else gets in.
 
-    Before issue #9 lockrun hung up its own session on any failed check, which freed the
+    An earlier lockrun hung up its own session on any failed check, which freed the
     lock on the server while the command still ran its TERM grace.
     """
     log = tmp_path / "holder.log"
@@ -476,7 +476,7 @@ def test_a_command_outlives_no_session_its_checks_were_cancelled_on(
     """Every check cancelled: the deaf command is KILLed, and only then is the lock free.
 
     The contender queued on the same server must start after the command's end, however
-    long its TERM grace (before issue #9: an overlap of up to --kill-after).
+    long its TERM grace (an earlier lockrun: an overlap of up to --kill-after).
     """
     options = ("--uri", rig.uri, "--ttl", f"{TTL:g}", "--kill-after", "10", "-n", name)
     holder, first = hold(spawn, oracle, "holder", *options, wrap=deaf)

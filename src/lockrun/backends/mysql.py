@@ -795,7 +795,7 @@ class MySQLLease:
                 )
             except pymysql.err.Error as err:
                 # The session is not hung up on here: while the command may still run
-                # (its TERM grace), the server must not free the slot (issue #9).
+                # (its TERM grace), the server must not free the slot (README "Faults").
                 text = _said(self.backend.settings, err)
                 if err.args[0] in _CANCELLED:  # session and slot intact: ask again
                     msg = f"the check was cancelled on the server ({text})"

@@ -888,7 +888,7 @@ class PostgresLease:
                 )
             except PgError as err:
                 # The session is not hung up on here: while the command may still run
-                # (its TERM grace), the server must not free the slot (issue #9).
+                # (its TERM grace), the server must not free the slot (README "Faults").
                 said = _one_line(self.backend.settings, err.message)
                 if err.sqlstate == _QUERY_CANCELED:  # pg_cancel_backend: session and slot intact
                     msg = f"the check was cancelled on the server ({said})"

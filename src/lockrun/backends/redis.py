@@ -632,7 +632,7 @@ class RedisBackend:
 
         A demoted primary stays writable for seconds after a failover, and one cut off
         with its clients stays writable for as long as the cut lasts: a lease renewed
-        there is worth nothing (issue #9). So the node must be the one that most of the
+        there is worth nothing (README "Sentinel"). So the node must be the one that most of the
         sentinels name now, it must call itself a primary, and a grant or renewal counts
         only once a connected replica has it (WAIT), so that promoting that replica
         cannot forget it (`_check_durable`).

@@ -524,6 +524,24 @@ def test_kill_lands_before_the_lease_ends_even_with_a_long_grace(
     assert record["finished"] < record["confirmed"] + ttl
 
 
+def test_a_lease_too_short_to_doubt_is_still_killed_by_its_deadline(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A 1 s lease whose refresh hangs: no time to call it a doubt (after 1 s), KILL anyway.
+
+    The deadline (last confirmation + 0.9 ttl) is a hard stop of its own, whatever the
+    refresh is doing; before, the command ran until the hang had lasted a second.
+    """
+    ttl = 1.0
+    process = supervised("hang", ttl, 5.0, "ignore")
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    # The deadline (0.9 s) came before the hang could count as a doubt (1.2 s).
+    assert record["message"] == "lease could not be confirmed: no answer in time"
+    assert record["reaped"]
+
+
 def test_lease_confirmed_again_keeps_command(
     tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
 ) -> None:

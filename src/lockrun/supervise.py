@@ -104,6 +104,7 @@ class Guardian:
                 _guard(theirs, ours)
             theirs.close()
             self._socket = ours
+            self._acted = False
             os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
@@ -126,14 +127,13 @@ class Guardian:
 
     def acted(self) -> bool:
         """Return whether the guardian stopped the command because the lease ran out."""
-        said = b""
         with contextlib.suppress(OSError):
-            while select.select([self._socket], [], [], 0)[0]:
+            while not self._acted and select.select([self._socket], [], [], 0)[0]:
                 message = self._socket.recv(16)
                 if not message:
                     break
-                said += message
-        return b"t" in said
+                self._acted = message == b"t"
+        return self._acted
 
     def stand_down(self) -> None:
         """Tell the guardian the command is done, and reap it."""
@@ -511,6 +511,8 @@ class _Watch:
                 timers.append(self.next_refresh)
             if self.doubt is not None:
                 timers.append(self._term_due())
+            if self.lease.ttl is not None:
+                timers.append(self._deadline())
             if self.time_limit is not None:
                 timers.append(self.time_limit)
         if self.kill_at is not None:
@@ -530,7 +532,12 @@ class _Watch:
             return
         if self._collect(current):
             return
-        if self.doubt is not None and current >= self._term_due():
+        if self.lease.ttl is not None and current >= self._deadline():
+            # A lockrun that could not run (a stop, a stall before the spawn), or a lease
+            # too short for a refresh to be doubted first: it may be someone else's now.
+            # The guardian has acted already, unless the command started after it did.
+            self._begin_stop(self._unconfirmed(), kill_by=current)
+        elif self.doubt is not None and current >= self._term_due():
             # The lease may still be ours: the grace must not outlast it.
             lost = LeaseLost(f"lease could not be confirmed: {self.doubt}")
             self._begin_stop(lost, kill_by=self._deadline())
@@ -623,14 +630,20 @@ class _Watch:
                 os.tcsetpgrp(0, self.group)
         self._signal_group(signal.SIGCONT)
 
-    def _outcome(self, status: int) -> int:
-        if self.failure is None and self.guardian is not None and self.guardian.acted():
-            self.failure = LeaseLost(
-                f"lease could not be confirmed: {self.doubt}"
-                if self.doubt is not None  # we were about to stop it ourselves
-                else "lockrun could not renew the lease in time (was it stopped or starved?); "
+    def _unconfirmed(self) -> LeaseLost:
+        """Say why a lease that ran out unconfirmed stopped the command."""
+        if self.doubt is not None:  # we were about to stop it ourselves
+            return LeaseLost(f"lease could not be confirmed: {self.doubt}")
+        if self.guardian is not None and self.guardian.acted():
+            return LeaseLost(
+                "lockrun could not renew the lease in time (was it stopped or starved?); "
                 "its guardian stopped the command before the lease ran out"
             )
+        return LeaseLost("lease could not be confirmed: no answer in time")
+
+    def _outcome(self, status: int) -> int:
+        if self.failure is None and self.guardian is not None and self.guardian.acted():
+            self.failure = self._unconfirmed()
         if self.failure is not None:
             self._signal_group(signal.SIGKILL)  # stragglers of a stopped group
             raise self.failure

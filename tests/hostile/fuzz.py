@@ -71,6 +71,9 @@ def _record(text: str, data: bytes) -> None:
     file_backend._record(data, "x")
     postgres_backend._tagged(text)
     redis_backend._slots(text)
+    raw = text.encode(errors="surrogateescape")
+    for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):
+        redis_backend._SentinelView.read(reply, reply, [reply, reply])
     assert 0 < next_fence(data) <= MAX_FENCE
 
 

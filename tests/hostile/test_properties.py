@@ -243,3 +243,56 @@ def test_redis_counters_from_anyone_decode_or_are_ignored(owner: str, slots: str
     match = redis_backend._OWNER.fullmatch(owner)
     if match is not None:
         assert all(int(match[part]) < 10**19 for part in ("slot", "fence", "granted"))
+
+
+_sentinel_scalars = (
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12) | st.binary(max_size=12)
+)
+_sentinel_fields = st.sampled_from(["flags", "master-link-status", b"flags", "ip", "port"])
+_sentinel_flags = st.lists(
+    st.sampled_from(
+        ["master", "slave", "s_down", "o_down", "disconnected", "failover_in_progress"]
+    ),
+    max_size=4,
+).map(",".join)
+_sentinel_maps = st.dictionaries(_sentinel_fields, _sentinel_scalars | _sentinel_flags, max_size=4)
+_sentinel_replies = st.recursive(
+    _sentinel_scalars | _sentinel_maps,
+    lambda inner: st.lists(inner, max_size=5) | st.tuples(inner, inner),
+    max_leaves=12,
+)
+
+
+@given(address=_sentinel_replies, master=_sentinel_replies, replicas=_sentinel_replies)
+def test_sentinel_replies_of_any_shape_decode_or_are_ignored(
+    address: object, master: object, replicas: object
+) -> None:
+    """A sentinel (or a server posing as one) may answer anything: a view, or no vote."""
+    view = redis_backend._SentinelView.read(address, master, replicas)
+    if view is not None:
+        host, port = view.primary
+        assert isinstance(host, str)
+        assert port >= 0
+        assert view.replicas >= 0
+
+
+@pytest.mark.parametrize("resp3", [False, True])
+def test_sentinel_views_count_replicas_that_are_up_and_see_failovers(resp3: bool) -> None:
+    """RESP2's flat lists and RESP3's maps read alike; a down replica cannot be promoted."""
+
+    def reply(**fields: str) -> object:
+        pairs = {key.replace("_", "-").encode(): value.encode() for key, value in fields.items()}
+        return pairs if resp3 else [part for pair in pairs.items() for part in pair]
+
+    replicas = [
+        reply(flags="slave", master_link_status="err"),  # up, not in sync: promotable
+        reply(flags="slave,s_down,disconnected", master_link_status="err"),
+        reply(flags="slave,o_down", master_link_status="ok"),
+    ]
+    master = reply(flags="master,failover_in_progress", num_slaves="3")
+    view = redis_backend._SentinelView.read([b"10.0.0.1", b"6380"], master, replicas)
+    assert view == redis_backend._SentinelView(("10.0.0.1", 6380), 1, failing_over=True)
+    for port in (b"port", "²".encode(), b"-1", b""):  # "²".isdigit(), but no int
+        assert redis_backend._SentinelView.read((b"h", port), master, replicas) is None
+    calm = redis_backend._SentinelView.read(["h", "1"], reply(flags="master"), [])
+    assert calm == redis_backend._SentinelView(("h", 1), 0, failing_over=False)

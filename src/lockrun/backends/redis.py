@@ -516,6 +516,10 @@ def connect(
     return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))
 
 
+class _NotDurable(errors.ConnectionError):
+    """The node answered, but what it grants now could be lost to a failover (README "Sentinel")."""
+
+
 class _SentinelView(NamedTuple):
     """What one sentinel (or a majority of them) says of the service right now."""
 
@@ -526,13 +530,13 @@ class _SentinelView(NamedTuple):
     @classmethod
     def read(cls, address: Any, master: Any, replicas: Any) -> _SentinelView | None:  # noqa: ANN401 - raw replies
         """Build a view from the raw replies of GET-MASTER-ADDR-BY-NAME, MASTER and REPLICAS."""
-        if not (isinstance(address, list) and len(address) == 2):  # noqa: PLR2004 - host, port
+        if not (isinstance(address, (list, tuple)) and len(address) == 2):  # noqa: PLR2004 - host, port
             return None
         host, port = (_text(part) for part in address)
-        if not port.isdigit():
+        if not (port.isascii() and port.isdigit()):
             return None
         up = 0
-        for replica in replicas if isinstance(replicas, list) else []:
+        for replica in replicas if isinstance(replicas, (list, tuple)) else []:
             flags = set(_field(replica, "flags").split(","))
             up += not flags & {"s_down", "o_down", "disconnected"}
         failing_over = "failover_in_progress" in _field(master, "flags").split(",")
@@ -545,11 +549,12 @@ def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
 
 
 def _field(reply: Any, name: str) -> str:  # noqa: ANN401 - a raw reply
-    """Return field *name* of a raw Sentinel reply (a flat list of names and values)."""
-    if not isinstance(reply, list):
+    """Return field *name* of a raw Sentinel reply: a map (RESP3) or a flat list (RESP2)."""
+    if isinstance(reply, list):
+        reply = dict(zip(reply[::2], reply[1::2], strict=False))
+    if not isinstance(reply, dict):
         return ""
-    pairs = {_text(key): value for key, value in zip(reply[::2], reply[1::2], strict=False)}
-    return _text(pairs.get(name, ""))
+    return _text(next((value for key, value in reply.items() if _text(key) == name), ""))
 
 
 class RedisBackend:
@@ -566,6 +571,7 @@ class RedisBackend:
         self._sentinel: Sentinel | None = None
         self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
+        self._named: tuple[str, int] | None = None  # the primary it was, at the last call
 
     @property
     def timeout(self) -> float:
@@ -615,20 +621,24 @@ class RedisBackend:
     def call(self, script: str, claim: Claim, *args: str | int) -> Any:  # noqa: ANN401 - Lua's reply
         """Run one of our scripts for *claim*; translate redis-py's errors.
 
-        Behind Sentinel, a grant or a renewal counts only on the primary the sentinels
-        name, and only once a replica has it (`_on_the_primary`).
+        Behind Sentinel, every write goes to the primary the sentinels name, and a grant
+        or a renewal counts only once a replica has it (`_on_the_primary`). A release
+        sent to a demoted primary would leave the lease to run out on the new one.
         """
         keys = _keys(claim.prefix)
         argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, *args]
         try:
-            if self._sentinel is not None and script in {"acquire", "renew"}:
-                return self._on_the_primary(self._scripts[script], keys, argv)
+            if self._sentinel is not None and script != "status":
+                durable = script in {"acquire", "renew"}
+                return self._on_the_primary(self._scripts[script], keys, argv, durable=durable)
             return self._scripts[script](keys=keys, args=argv)
         except errors.RedisError as err:
             raise self.failure(err) from err
 
-    def _on_the_primary(self, script: Script, keys: list[str], argv: list[Any]) -> Any:  # noqa: ANN401 - Lua's reply
-        """Run *script* where the sentinels say the primary is, and make what it grants durable.
+    def _on_the_primary(
+        self, script: Script, keys: list[str], argv: list[Any], *, durable: bool
+    ) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run *script* where the sentinels say the primary is; make what it grants *durable*.
 
         A demoted primary stays writable for seconds after a failover, and one cut off
         with its clients stays writable for as long as the cut lasts: a lease renewed
@@ -638,6 +648,7 @@ class RedisBackend:
         cannot forget it (`_check_durable`).
         """
         view = self._sentinel_view()
+        self._named = view.primary
         with self._primary_lock:
             if self._primary is None:  # ours alone: the pool would drop one it did not pick
                 self._primary = self.client().connection_pool.make_connection()
@@ -648,7 +659,7 @@ class RedisBackend:
                     connection.connect_to(view.primary)
                 reply, role = self._run_with_role(connection, script, keys, argv)
                 granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
-                self._check_durable(connection, view, role, written=granted)
+                self._check_durable(connection, view, role, written=durable and granted)
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
                 raise
@@ -673,12 +684,12 @@ class RedisBackend:
         where = f"{view.primary[0]}:{view.primary[1]}"
         if not role or role[0] != "master":
             msg = f"{where} is not a primary (it says {role[:1]})"
-            raise errors.ConnectionError(msg)
+            raise _NotDurable(msg)
         if not written:
             return
         if view.failing_over:
             msg = f"a failover of {self.settings.service!r} is under way"
-            raise errors.ConnectionError(msg)
+            raise _NotDurable(msg)
         if role[2]:  # it has replicas: wait until one has what we wrote
             wait_ms = max(1, int(self.timeout * 500))
             connection.send_command("WAIT", 1, wait_ms)
@@ -687,13 +698,13 @@ class RedisBackend:
                     f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
                     "a failover now could forget it"
                 )
-                raise errors.ConnectionError(msg)
+                raise _NotDurable(msg)
         elif view.replicas:
             msg = (
                 f"{where} has no replica in sync, but the sentinels see {view.replicas} up; "
                 "a failover could promote one without the lease"
             )
-            raise errors.ConnectionError(msg)
+            raise _NotDurable(msg)
 
     @staticmethod
     def _run_with_role(
@@ -759,8 +770,8 @@ class RedisBackend:
         if isinstance(err, MasterNotFoundError):
             sentinels = ",".join(f"{host}:{port}" for host, port in self.settings.sentinels)
             return BackendUnavailable(
-                f"{where}: no sentinel at {sentinels} named a reachable primary for "
-                f"{self.settings.service!r}"
+                f"{where}: no majority of the sentinels at {sentinels} named a reachable "
+                f"primary for {self.settings.service!r}"
             )
         for kinds, words, error, what in _FAILURES:
             if isinstance(err, kinds) or any(word in text for word in words):
@@ -828,31 +839,40 @@ class RedisBackend:
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
                 except BackendUnavailable as err:
                     self._client_id = None  # the next connection has another
-                    self.ride_out(err, heard, request.ttl, deadline)
+                    heard = self.ride_out(err, heard, request.ttl, deadline, mode)
         except BaseException:
             self.leave(claim)
             raise
 
     @staticmethod
     def ride_out(
-        err: BackendUnavailable, heard: float | None, ttl: float, deadline: float | None
-    ) -> None:
+        err: BackendUnavailable,
+        heard: float | None,
+        ttl: float,
+        deadline: float | None,
+        mode: str,
+    ) -> float | None:
         """Pause before asking again after a lost connection while queued; else raise *err*.
 
         A waiter already in the queue rides out a restart, a failover or a blip for up to a
         ttl (its place may lapse meanwhile; it then queues again). Failing to get in at
-        all, or a refusal such as a wrong password, is reported at once (69).
+        all, or a refusal such as a wrong password, is reported at once (69). A primary
+        that answers but cannot make a grant durable yet is no outage: a waiter waits on,
+        within --wait. Return when the server last answered.
         """
         cause = err.__cause__
         transient = isinstance(cause, errors.ConnectionError | errors.TimeoutError) and not (
             isinstance(cause, errors.AuthenticationError | errors.AuthorizationError)
         )
         current = now()
+        if isinstance(cause, _NotDurable) and mode == "wait":
+            heard = current
         if not transient or heard is None or current - heard > ttl:
             raise err
         if deadline is not None and current >= deadline:
             raise err
         time.sleep(min(_RECONNECT, ttl / 10))
+        return heard
 
     def sleep(self, key: str, seconds: float) -> None:
         """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""
@@ -863,6 +883,10 @@ class RedisBackend:
         except errors.RedisError as err:
             raise self.failure(err) from err
         try:
+            named = self._named  # behind Sentinel: where the last grant or renewal went
+            if named is not None and (connection.host, int(connection.port or 0)) != named:
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                connection.connect_to(named)  # type: ignore[attr-defined]  # the wake-up is pushed there
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
         except errors.RedisError as err:

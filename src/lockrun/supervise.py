@@ -116,14 +116,15 @@ class Guardian:
         if fds:
             socket.send_fds(self._socket, [b"f"], list(fds))
 
-    def expect(self, term_at: float, kill_at: float) -> None:
+    def expect(self, term_at: float, kill_at: float, late: float) -> None:
         """Have the guardian TERM the group at *term_at* and KILL it at *kill_at* (`now`).
 
         Each call replaces the last; ``math.inf`` is never. Once it sent TERM, only an
-        earlier KILL is taken.
+        earlier KILL is taken. A guardian that wakes past *kill_at* (it was stopped too)
+        sends TERM and gives *late* seconds before KILL, as for a lock known lost.
         """
         with contextlib.suppress(OSError):  # it is gone with a SIGKILLed group: nothing to do
-            self._socket.send(b"d" + struct.pack("=dd", term_at, kill_at))
+            self._socket.send(b"d" + struct.pack("=ddd", term_at, kill_at, late))
 
     def acted(self) -> bool:
         """Return whether the guardian stopped the command because the lease ran out."""
@@ -158,6 +159,7 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         kept = []
         term_at = kill_at = math.inf
+        late = 0.0
         stopping = False
         while True:
             due = min(kill_at, math.inf if stopping else term_at)
@@ -168,6 +170,8 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
                     stopping = _tell(ours)
                     os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
                     os.killpg(0, signal.SIGCONT)  # a stopped command must run to take it
+                    kill_at = max(kill_at, current + late) if current >= kill_at else kill_at
+                    continue
                 if current >= kill_at:
                     stopping = _tell(ours)
                     _kill_the_others()
@@ -181,7 +185,7 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
             if message[:1] == b"x":
                 break
             if message[:1] == b"d":
-                term, kill = struct.unpack("=dd", message[1:17])
+                term, kill, late = struct.unpack("=ddd", message[1:25])
                 kill_at = min(kill_at, kill) if stopping else kill
                 term_at = term_at if stopping else term
     finally:
@@ -467,15 +471,16 @@ class _Watch:
         """Give the guardian the deadline to enforce should we stop answering."""
         if self.guardian is None or self.lease.ttl is None:
             return
+        late = self.limits.lost_kill_after
         if self.failure is not None:  # stopping already: our KILL time is what remains
-            self.guardian.expect(math.inf, self.kill_at or now())
+            self.guardian.expect(math.inf, self.kill_at or now(), late)
             return
         # Halfway between the latest TERM of ours (a refresh that hangs is a doubt only
         # after _RETRY) and the deadline: while we run, we send it, not both; a stopped
         # lockrun's command still gets some grace, and KILL lands when ours would.
         deadline = self._deadline()
         ours = min(max(self._term_due(), self.next_refresh + _RETRY), deadline)
-        self.guardian.expect(ours + (deadline - ours) / 2, deadline)
+        self.guardian.expect(ours + (deadline - ours) / 2, deadline, late)
 
     def run(self) -> int:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
@@ -536,7 +541,8 @@ class _Watch:
             # A lockrun that could not run (a stop, a stall before the spawn), or a lease
             # too short for a refresh to be doubted first: it may be someone else's now.
             # The guardian has acted already, unless the command started after it did.
-            self._begin_stop(self._unconfirmed(), kill_by=current)
+            # Woken past it: as for a lock known lost, TERM and a short grace.
+            self._begin_stop(self._unconfirmed(), kill_by=current + self.limits.lost_kill_after)
         elif self.doubt is not None and current >= self._term_due():
             # The lease may still be ours: the grace must not outlast it.
             lost = LeaseLost(f"lease could not be confirmed: {self.doubt}")

@@ -106,6 +106,14 @@ marker, mode, ttl, kill_after, ready, out = sys.argv[1:7]
 command = sys.argv[7:]
 record = {"confirmed": None, "failed": None, "recovered": None}
 
+if mode == "slow-spawn":  # the spawn stalls for a whole lease, after the last confirmation
+    import lockrun.supervise as supervise_module
+    spawn = supervise_module._spawn
+    def slow_spawn(*args, **kwargs):
+        time.sleep(float(ttl))
+        return spawn(*args, **kwargs)
+    supervise_module._spawn = slow_spawn
+
 class FailingLease:
     slot = 0
     fence = None
@@ -146,13 +154,15 @@ except RuntimeError as err:
 else:
     record["outcome"] = "exit"
 record["finished"] = now()
-pid = int(open(ready).read())
-try:
-    os.waitpid(pid, os.WNOHANG)
-except ChildProcessError:
-    record["reaped"] = True
-else:
-    record["reaped"] = False
+record["ran"] = os.path.exists(ready)
+if record["ran"]:
+    pid = int(open(ready).read())
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        record["reaped"] = True
+    else:
+        record["reaped"] = False
 with open(out, "w") as f:
     json.dump(record, f)
 sys.exit(status)
@@ -540,6 +550,29 @@ def test_a_lease_too_short_to_doubt_is_still_killed_by_its_deadline(
     # The deadline (0.9 s) came before the hang could count as a doubt (1.2 s).
     assert record["message"] == "lease could not be confirmed: no answer in time"
     assert record["reaped"]
+
+
+def test_a_spawn_that_stalls_past_the_lease_is_killed_at_once(tmp_path: Path) -> None:
+    """The spawn itself stalls past the deadline: the command never had the lock, so KILL.
+
+    Not TERM and a grace, as for a command that held the lock until it was lost: it may
+    not run at all (strace can hold posix_spawn's clone3 for as long as it likes).
+    """
+    supervisor = tmp_path / "supervisor.py"
+    supervisor.write_text(SUPERVISOR)
+    command = python_script(tmp_path, TERM_RECORDER)
+    files = [str(tmp_path / part) for part in ("marker", "ready", "out.json", "term", "go")]
+    marker, ready, out, term, go = files
+    process = subprocess.Popen(
+        [sys.executable, str(supervisor), marker, "slow-spawn", "1.0", "5.0", ready, out,
+         sys.executable, command, ready, "ignore", term, go],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert record["message"].startswith("the lease ran out while the command was started")
+    assert not (tmp_path / "term").exists()
 
 
 def test_lease_confirmed_again_keeps_command(

@@ -455,11 +455,22 @@ class _Watch:
         self._confirm(sent)
 
     def start(self, pid: int) -> None:
-        """Watch *pid*, the command just spawned."""
+        """Watch *pid*, the command just spawned; KILL it if the lease ran out meanwhile.
+
+        The spawn itself can stall (a frozen cgroup, memory pressure, a tracer holding
+        clone3) past the lease's deadline, and past the guardian's KILL, which found the
+        group empty then. Such a command never had the lock: no grace, not even TERM.
+        """
         self.pid = pid
         self.group = self.group or pid
         if self.limits.max_time is not None:
             self.time_limit = now() + self.limits.max_time
+        if self.lease.ttl is not None and now() >= self._deadline():
+            self._signal_group(signal.SIGKILL)
+            self.failure = LeaseLost(
+                "the lease ran out while the command was started (lockrun stalled); "
+                "killed it at once"
+            )
 
     def _confirm(self, sent: float) -> None:
         """Count the lease from *sent*, when the refresh that proved it went out."""

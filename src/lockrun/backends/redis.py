@@ -417,6 +417,29 @@ def _slots(text: str) -> int | None:
     return None
 
 
+def _well_formed(script: str, reply: Any) -> bool:  # noqa: ANN401 - Lua's reply
+    """Return whether *reply* has the shape our *script* returns (see each script above)."""
+    if script == "renew":
+        return isinstance(reply, int)
+    if not isinstance(reply, list):
+        return False
+    if script == "acquire":  # {granted, number, extra, token, CLIENT ID, …}
+        numbers, woken = reply[:3], reply[3:]
+        shaped = len(numbers) == 3 and all(isinstance(number, int) for number in numbers)  # noqa: PLR2004 - three numbers
+        return shaped and len(woken) % 2 == 0 and all(isinstance(item, str) for item in woken)
+    if script == "status":  # {ms, N, holders, queue, owners, info, waiters}
+        head, lists = reply[:2], reply[2:]
+        return (
+            len(reply) == 7  # noqa: PLR2004 - seven fields
+            and isinstance(head[0], int)
+            and isinstance(head[1], str)
+            and all(isinstance(part, list) for part in lists)
+            and all(isinstance(item, str) for part in lists for item in part)
+            and all(len(lists[index]) % 2 == 0 for index in (0, 2, 3, 4))
+        )
+    return len(reply) % 2 == 0 and all(isinstance(item, str) for item in reply)  # woken pairs
+
+
 def _pairs(flat: list[str]) -> dict[str, str]:
     """Turn a flat Redis reply [k1, v1, k2, v2, …] into a dict."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
@@ -514,6 +537,19 @@ def connect(
 ) -> RedisBackend:
     """Check *uri*; the first call connects, with timeouts that fit leases of *ttl*."""
     return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))
+
+
+# What redis-py raises besides its own errors when a "server" answers what Redis never
+# would (its parsers and handshake trust the protocol): a reply to report, not a bug (#8).
+_REPLY_ERRORS: Final = (
+    errors.RedisError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    KeyError,
+    RecursionError,
+)
 
 
 class _NotDurable(errors.ConnectionError):
@@ -630,10 +666,15 @@ class RedisBackend:
         try:
             if self._sentinel is not None and script != "status":
                 durable = script in {"acquire", "renew"}
-                return self._on_the_primary(self._scripts[script], keys, argv, durable=durable)
-            return self._scripts[script](keys=keys, args=argv)
-        except errors.RedisError as err:
+                reply = self._on_the_primary(self._scripts[script], keys, argv, durable=durable)
+            else:
+                reply = self._scripts[script](keys=keys, args=argv)
+        except _REPLY_ERRORS as err:
             raise self.failure(err) from err
+        if not _well_formed(script, reply):  # not our script's answer: not Redis, or tampered
+            msg = f"{self.settings.where}: the server's reply is not Redis's (to {script})"
+            raise BackendUnavailable(msg)
+        return reply
 
     def _on_the_primary(
         self, script: Script, keys: list[str], argv: list[Any], *, durable: bool
@@ -748,8 +789,8 @@ class RedisBackend:
                     pipe.execute_command("SENTINEL", "MASTER", service)  # type: ignore[no-untyped-call]
                     pipe.execute_command("SENTINEL", "REPLICAS", service)  # type: ignore[no-untyped-call]
                     address, master, replicas = pipe.execute()
-            except errors.RedisError:
-                continue  # unreachable, or it does not know the service: no vote
+            except _REPLY_ERRORS:
+                continue  # unreachable, it does not know the service, or not a sentinel
             if view := _SentinelView.read(address, master, replicas):
                 views.append(view)
         for view in views:
@@ -762,9 +803,13 @@ class RedisBackend:
                 )
         raise MasterNotFoundError(f"no majority of the sentinels names a primary for {service!r}")
 
-    def failure(self, err: errors.RedisError) -> LockrunError:
+    def failure(self, err: Exception) -> LockrunError:
         """Translate a redis-py error into one line, naming the server but no password."""
         where = self.settings.where
+        if not isinstance(err, errors.RedisError):  # one of _REPLY_ERRORS: not Redis talking
+            return BackendUnavailable(
+                f"{where}: the server's reply is not Redis's ({type(err).__name__})"
+            )
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         text = scrub(text, self.settings.secrets)
         if isinstance(err, MasterNotFoundError):
@@ -784,7 +829,7 @@ class RedisBackend:
             config = client.config_get("maxmemory*")
         except errors.ResponseError:  # managed Redis often forbids CONFIG: nothing to say
             return
-        except errors.RedisError as err:
+        except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         policy = config.get("maxmemory-policy", "noeviction")
         if config.get("maxmemory", "0") != "0" and policy != "noeviction":
@@ -880,7 +925,7 @@ class RedisBackend:
         pool = self._client.connection_pool
         try:
             connection = pool.get_connection()  # may connect again, and fail
-        except errors.RedisError as err:
+        except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         try:
             named = self._named  # behind Sentinel: where the last grant or renewal went
@@ -889,7 +934,7 @@ class RedisBackend:
                 connection.connect_to(named)  # type: ignore[attr-defined]  # the wake-up is pushed there
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
-        except errors.RedisError as err:
+        except _REPLY_ERRORS as err:
             connection.disconnect()  # type: ignore[no-untyped-call]
             raise self.failure(err) from err
         except BaseException:
@@ -913,7 +958,7 @@ class RedisBackend:
             return str(client.client_id())
         except errors.ResponseError:
             return ""
-        except errors.RedisError as err:
+        except _REPLY_ERRORS as err:
             raise self.failure(err) from err
 
     def pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
@@ -968,7 +1013,7 @@ class RedisBackend:
                 prefixes = sorted(
                     key.removesuffix(":info") for key in client.scan_iter(match=pattern, count=1000)
                 )
-            except errors.RedisError as err:
+            except _REPLY_ERRORS as err:
                 raise self.failure(err) from err
         states = []
         for prefix in prefixes:

@@ -779,7 +779,8 @@ def _transient(err: BaseException | None) -> bool:
     return (
         isinstance(err, PgError)
         and not isinstance(err, NoAnswer)
-        and (err.sqlstate is None or err.sqlstate in _ENDED)
+        # a statement a DBA cancelled: the session lives, ask again (as MySQL's KILL QUERY)
+        and (err.sqlstate is None or err.sqlstate in _ENDED or err.sqlstate == _QUERY_CANCELED)
     )
 
 

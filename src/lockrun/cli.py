@@ -305,7 +305,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     type=Duration(),
     default=format_duration(DEFAULT_LOST_KILL_AFTER),
     show_default=True,
-    help="That grace once the lock is known lost (someone may hold it): at most --kill-after.",
+    help="That grace once the lock is known lost (someone may hold it); capped by --kill-after.",
 )
 @click.option(
     "-E",

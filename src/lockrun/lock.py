@@ -338,7 +338,13 @@ def _hold_and_run(
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
             )
-    except (LeaseLost, TimedOut, CommandNotFound, CommandNotExecutable) as err:
+    except (
+        LeaseLost,
+        TimedOut,
+        CommandNotFound,
+        CommandNotExecutable,
+        BackendUnavailable,  # the lease could not be confirmed before the spawn
+    ) as err:
         # SPEC §2: every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
     finally:

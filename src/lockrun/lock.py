@@ -297,7 +297,11 @@ def _hold_and_run(
     started = now()
     try:
         if report is not None:
-            report.start(backend.status(request.namespace, request.name))
+            try:
+                states = backend.status(request.namespace, request.name)
+            except BackendUnavailable:  # only a report: acquire() judges the outage itself
+                states = []
+            report.start(states)
         lease = acquire(backend, request, options.wait)
     except BaseException as err:
         if report is not None:

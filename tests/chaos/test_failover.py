@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import holder_pids
+from conftest import holder_pids, wait_for, waiter_pids
 
 from chaos.sentinels import Namespace, SentinelSet, UnixOracle
 
@@ -128,16 +128,17 @@ class Contender:
         uri: str,
         name: str,
         log: Path,
+        tag: str = "second",
     ) -> None:
-        """Start it, its stderr going to *log*."""
-        self.oracle, self.log = oracle, log
+        """Start it, its stderr going to *log*, its command saying *tag*."""
+        self.oracle, self.log, self.tag = oracle, log, tag
         with log.open("a") as err:
             options = ("-v", "--uri", uri, *LEASE, "-n", name, "-w", "forever")
-            self.process = spawn(*options, "--", *oracle.command("second"), stderr=err)
+            self.process = spawn(*options, "--", *oracle.command(tag), stderr=err)
 
     def started(self) -> Run | None:
         """Return its command's run if it started; fail the test if lockrun exited instead."""
-        if run := next((run for run in self.oracle.started("second") if run.pid), None):
+        if run := next((run for run in self.oracle.started(self.tag) if run.pid), None):
             return run
         if (status := self.process.poll()) is not None:
             pytest.fail(f"the contender exited {status}: {self.log.read_text()}")
@@ -353,3 +354,46 @@ def test_a_lease_longer_than_the_reconfiguration_rides_out_a_failover(
     assert second.fence > first.fence
     oracle.release(second)
     assert contender.process.wait(10) == 0, evidence(oracle, contender_log)
+
+
+def test_a_crashed_primary_never_runs_two_holders_and_waiters_wait_for_the_promotion(
+    sentinels: SentinelSet,
+    oracle: Oracle,
+    name: str,
+    spawn: Callable[..., Any],
+    record: Callable[..., None],
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the primary: the holder stops within its lease, waiters wait it out.
+
+    The sentinels go on naming the dead primary until they promote the replica (down
+    after 1 s, then an election): a queued waiter, and one started after the crash, both
+    with -w forever, keep waiting while the sentinels answer, and get the lock on the new
+    primary in turn, once the replicated lease has run out there.
+    """
+    holder_log, contender_log = tmp_path / "holder.err", tmp_path / "contender.err"
+    uri = sentinels.uri()
+    holder, first = hold(spawn, oracle, "holder", "--uri", uri, *LEASE, "-n", name, log=holder_log)
+    contender = Contender(spawn, oracle, uri, name, contender_log)
+    wait_for(lambda: waiter_pids(uri, name) == [contender.process.pid], 30, "the waiter to queue")
+    old = sentinels.named()
+    assert old is not None
+    sentinels.nodes[old].stop()  # SIGKILL
+    crashed = time.monotonic()
+    # One more, that never reached a primary: the sentinels answer, so it waits too.
+    late_log = tmp_path / "late.err"
+    late = Contender(spawn, oracle, uri, name, late_log, tag="late")
+    ended = oracle.wait_ended(first, timeout=TTL + SLACK)
+    second = contender.wait_started(30, holder_log)
+    details = evidence(oracle, holder_log, contender_log, late_log)
+    record("crashed primary", stopped_after=ended - crashed, margin=second.start - ended)
+    assert not oracle.overlaps(), details
+    assert ended - crashed < TTL, details
+    assert holder.wait(KILL_AFTER + SLACK) == 76, details
+    assert second.fence > first.fence, details
+    assert late.started() is None, details
+    oracle.release(second)
+    assert contender.process.wait(10) == 0, evidence(oracle, contender_log)
+    oracle.release(late.wait_started(TTL + SLACK, late_log))
+    assert late.process.wait(10) == 0, evidence(oracle, late_log)
+    assert not oracle.overlaps(), evidence(oracle, holder_log, contender_log, late_log)

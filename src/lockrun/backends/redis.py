@@ -608,6 +608,7 @@ class RedisBackend:
         self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
         self._named: tuple[str, int] | None = None  # the primary it was, at the last call
+        self._checked = False  # for an eviction policy that could drop our keys
 
     @property
     def timeout(self) -> float:
@@ -841,7 +842,6 @@ class RedisBackend:
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
         client = self.client()
-        self.check_eviction(client)
         claim = Claim(
             key_prefix(request.namespace, request.name),
             secrets.token_hex(10),
@@ -854,8 +854,7 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    if mode == "wait" and self._client_id is None:
-                        self._client_id = self.whoami(client)
+                    self.prepare(client, mode)
                     sent = now()  # the lease runs from here (ZADD now + ttl on the server)
                     granted, number, extra, *woken = self.call(
                         "acquire", claim, record, mode, self._client_id or ""
@@ -889,8 +888,16 @@ class RedisBackend:
             self.leave(claim)
             raise
 
-    @staticmethod
+    def prepare(self, client: redis.Redis, mode: str) -> None:
+        """Before asking: warn of eviction (once), and learn our CLIENT ID to wait with."""
+        if not self._checked:
+            self.check_eviction(client)
+            self._checked = True
+        if mode == "wait" and self._client_id is None:
+            self._client_id = self.whoami(client)
+
     def ride_out(
+        self,
         err: BackendUnavailable,
         heard: float | None,
         ttl: float,
@@ -903,14 +910,16 @@ class RedisBackend:
         ttl (its place may lapse meanwhile; it then queues again). Failing to get in at
         all, or a refusal such as a wrong password, is reported at once (69). A primary
         that answers but cannot make a grant durable yet is no outage: a waiter waits on,
-        within --wait. Return when the server last answered.
+        within --wait; so is a primary that does not answer while a majority of the
+        sentinels still do: they are about to promote another. Return when the server (or
+        the sentinels) last answered.
         """
         cause = err.__cause__
         transient = isinstance(cause, errors.ConnectionError | errors.TimeoutError) and not (
             isinstance(cause, errors.AuthenticationError | errors.AuthorizationError)
         )
         current = now()
-        if isinstance(cause, _NotDurable) and mode == "wait":
+        if mode == "wait" and transient and self._sentinels_answer(cause):
             heard = current
         if not transient or heard is None or current - heard > ttl:
             raise err
@@ -918,6 +927,18 @@ class RedisBackend:
             raise err
         time.sleep(min(_RECONNECT, ttl / 10))
         return heard
+
+    def _sentinels_answer(self, cause: BaseException | None) -> bool:
+        """Return whether *cause* came behind Sentinel while a majority of them answer."""
+        if isinstance(cause, _NotDurable):
+            return True
+        if self._sentinel is None:
+            return False
+        try:
+            self._sentinel_view()
+        except _REPLY_ERRORS:
+            return False
+        return True
 
     def sleep(self, key: str, seconds: float) -> None:
         """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""

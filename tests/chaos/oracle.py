@@ -23,6 +23,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 import pytest
 
@@ -108,6 +112,17 @@ class Oracle:
         """Wait until a command tagged *tag* has said who it is; return its run."""
         self.wait(lambda: any(run.pid for run in self.started(tag)), timeout, f"{tag} to start")
         return next(run for run in self.started(tag) if run.pid)
+
+    def started_or_ended(
+        self, tag: str, process: subprocess.Popen[str], timeout: float
+    ) -> Run | None:
+        """Wait until the command tagged *tag* runs (return it) or *process* exits (None)."""
+        self.wait(
+            lambda: any(run.pid for run in self.started(tag)) or process.poll() is not None,
+            timeout,
+            f"{tag} to start",
+        )
+        return next((run for run in self.started(tag) if run.pid), None)
 
     def wait_ended(self, run: Run, timeout: float = 30) -> float:
         """Wait until *run* ended; return when."""

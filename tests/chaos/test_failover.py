@@ -82,25 +82,13 @@ def hold(
         label = f"{tag}{attempt or ''}"
         with log.open("a") as err:
             process = spawn("-v", *options, "--", *oracle.command(label), stderr=err, **kwargs)
-        if started := started_or_ended(oracle, label, process, 30):
+        if started := oracle.started_or_ended(label, process, 30):
             return process, started
         process.wait(10)
         if process.returncode != 69:
             break
         print(f"lockrun could not acquire, trying again: {log.read_text()}")
     pytest.fail(f"{tag} did not start (status {process.returncode}): {log.read_text()}")
-
-
-def started_or_ended(
-    oracle: Oracle, tag: str, process: subprocess.Popen[str], timeout: float
-) -> Run | None:
-    """Wait until the command tagged *tag* runs (return it) or lockrun *process* exits (None)."""
-    oracle.wait(
-        lambda: any(run.pid for run in oracle.started(tag)) or process.poll() is not None,
-        timeout,
-        f"{tag} to start",
-    )
-    return next((run for run in oracle.started(tag) if run.pid), None)
 
 
 def until(condition: Callable[[], object], timeout: float) -> bool:

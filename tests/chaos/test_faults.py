@@ -59,25 +59,13 @@ def hold(
     for attempt in range(3):
         label = f"{tag}{attempt or ''}"
         process = spawn(*options, "--", *wrap(oracle.command(label)), **kwargs)
-        if started := started_or_ended(oracle, label, process, 30):
+        if started := oracle.started_or_ended(label, process, 30):
             return process, started
         _, err = process.communicate(timeout=10)
         if process.returncode != 69:
             break
         print(f"lockrun could not acquire, trying again: {err}")
     pytest.fail(f"{tag} did not start (status {process.returncode}): {err}")
-
-
-def started_or_ended(
-    oracle: Oracle, tag: str, process: subprocess.Popen[str], timeout: float
-) -> Run | None:
-    """Wait until the command tagged *tag* runs (return it) or lockrun *process* exits (None)."""
-    oracle.wait(
-        lambda: any(run.pid for run in oracle.started(tag)) or process.poll() is not None,
-        timeout,
-        f"{tag} to start",
-    )
-    return next((run for run in oracle.started(tag) if run.pid), None)
 
 
 def queued(rig: Rig, name: str, contender: subprocess.Popen[str]) -> None:
@@ -218,7 +206,7 @@ def test_server_restart_stops_the_holder_and_the_next_fence_is_larger(
     back = time.monotonic()
     ended = oracle.wait_ended(first, timeout=TTL + SLACK)
     lost(holder, KILL_AFTER + SLACK)
-    second = started_or_ended(oracle, "second", contender, 60)
+    second = oracle.started_or_ended("second", contender, 60)
     assert second is not None, contender.communicate(timeout=10)
     record(
         "restart",
@@ -294,7 +282,7 @@ def test_certain_loss_kills_within_the_lost_grace(
     rig.restart()
     ended = oracle.wait_ended(first, timeout=TTL / 3 + 1 + SLACK)
     lost(holder, SLACK)
-    second = started_or_ended(oracle, "second", contender, 60)
+    second = oracle.started_or_ended("second", contender, 60)
     assert second is not None, contender.communicate(timeout=10)
     overlap = max(0.0, ended - second.start)
     record("certain loss", stopped_after=ended - restarted, overlap=overlap)
@@ -317,7 +305,7 @@ def test_stall_between_grant_and_command_is_counted(
     stall += ["-e", "trace=pipe2", "-e", "inject=pipe2:delay_enter=2500000"]
     command = oracle.command("holder")
     holder = spawn("--uri", rig.proxied, *LEASE, "-n", name, "--", *command, under=stall)
-    first = started_or_ended(oracle, "holder", holder, 30)
+    first = oracle.started_or_ended("holder", holder, 30)
     assert first is not None, holder.communicate(timeout=10)
     rig.proxy.blackhole()
     cut = time.monotonic()

@@ -98,7 +98,7 @@ sys.exit(10 + count)
 # once MARKER exists, refresh raises what MODE says. Prints nothing; writes a JSON record.
 SUPERVISOR = """
 import json, os, sys, time
-from lockrun.errors import BackendUnavailable, LeaseLost
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost
 from lockrun.supervise import Limits, supervise
 from lockrun.timing import now
 
@@ -132,6 +132,8 @@ class FailingLease:
                 raise LeaseLost("the lock was taken over")
             if mode == "error":
                 raise RuntimeError("a bug in the backend")
+            if mode == "refused":  # a failover to a server without our database
+                raise ConfigError("no such database on this server")
             if mode == "hang":  # a backend call that never returns
                 time.sleep(3600)
             raise BackendUnavailable("connection refused")
@@ -575,6 +577,22 @@ def test_a_spawn_that_stalls_past_the_lease_is_killed_at_once(tmp_path: Path) ->
     assert not (tmp_path / "term").exists()
 
 
+def test_a_refused_renewal_is_a_doubt_not_a_crash(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A renewal the server refuses (ConfigError) is a doubt: stopped by the deadline, 76.
+
+    It was taken for a bug in lockrun: status 78 after the full --kill-after grace.
+    """
+    ttl = 2.0
+    process = supervised("refused", ttl, 0.8)
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert record["message"] == "lease could not be confirmed: no such database on this server"
+    assert record["reaped"]
+
+
 def test_lease_confirmed_again_keeps_command(
     tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -769,3 +787,41 @@ def test_the_guardian_outlives_every_process_it_kills() -> None:
         [sys.executable, "-c", LAST_ACT], capture_output=True, text=True, timeout=30, check=False
     )
     assert (result.returncode, result.stdout.strip()) == (0, "True"), result.stderr
+
+
+# Stops a fresh guardian, gives it 5000 renewals' deadlines and a stop's earlier one, then
+# lets it go: prints how long lockrun's side took, and whether the guardian stood down.
+STOPPED_GUARDIAN = """
+import os, signal, sys, time
+from lockrun.supervise import Guardian
+guardian = Guardian()
+os.kill(guardian.pid, signal.SIGSTOP)
+began = time.monotonic()
+for renewal in range(5000):
+    guardian.expect(1e9 + renewal, 2e9 + renewal, 1.0)
+guardian.expect(1e9, 1e9, 1.0)  # a stop begins: the guardian must be woken
+took = time.monotonic() - began
+acted = guardian.acted()
+guardian.stand_down()  # it is stopped: standing down must wake it too
+print(f"{took:.3f}", acted)
+"""
+
+
+def test_a_stopped_guardian_never_blocks_the_renewals() -> None:
+    """Deadlines go to the guardian without waiting on it, even when it cannot read.
+
+    They went over a socket: a guardian stopped on its own (not lockrun) filled it in a
+    few hundred renewals, after which lockrun blocked and the lease ran out beside its
+    command (about 95 s at ttl 1, found by an adversarial pass).
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", STOPPED_GUARDIAN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    took, acted = result.stdout.split()
+    assert acted == "False"  # nothing of its group was due
+    assert float(took) < 30  # thousands of writes, not a wait (it would never return)

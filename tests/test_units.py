@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from lockrun import lock as lock_module
 from lockrun import progress
 from lockrun.backends import Holder, LockState, Request, next_fence
-from lockrun.errors import ConfigError, UsageError
+from lockrun.errors import ConfigError, LeaseLost, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
-from lockrun.timing import clock_time, format_duration, parse_duration
+from lockrun.timing import clock_time, format_duration, now, parse_duration
 from lockrun.uri import parse_uri, redact
 
 if TYPE_CHECKING:
@@ -229,3 +230,32 @@ def test_a_wait_report_that_cannot_read_status_keeps_its_last_words(
 def test_a_time_no_clock_can_show_is_a_question_mark(stamp: float) -> None:
     """A holder record with an impossible start time shows `?`, not a traceback."""
     assert clock_time(stamp) == "?"
+
+
+class _RefusingLease:
+    """A lease of 0.3 s whose every renewal the server refuses (ConfigError)."""
+
+    ttl = 0.3
+    slot, fence, fds, sessions = 0, None, (), ()
+
+    def __init__(self) -> None:
+        self.confirmed = now()
+
+    def refresh(self) -> None:
+        msg = "no such database on this server"
+        raise ConfigError(msg)
+
+    def release(self) -> None:
+        pass
+
+
+def test_the_api_renewer_takes_a_refused_renewal_for_a_doubt() -> None:
+    """A refused renewal: the lease is lost once unconfirmed for a ttl; the thread lives.
+
+    It died with a traceback on stderr, and leaving the block raised nothing.
+    """
+    renewer = lock_module._Renewer(_RefusingLease())
+    renewer.join(timeout=10)
+    assert not renewer.is_alive()
+    assert isinstance(renewer.lost, LeaseLost)
+    assert "no such database" in str(renewer.lost)

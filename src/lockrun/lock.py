@@ -208,7 +208,7 @@ class _Renewer(threading.Thread):
             except LeaseLost as err:
                 self.lost = err
                 return
-            except BackendUnavailable as err:
+            except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
                 if now() - confirmed >= ttl:
                     self.lost = LeaseLost(f"lease could not be confirmed: {err}")
                     return

@@ -24,6 +24,7 @@ from lockrun.errors import (
     CommandNotExecutable,
     CommandNotFound,
     LeaseLost,
+    LockrunError,
     TimedOut,
 )
 from lockrun.timing import format_duration, now
@@ -93,15 +94,20 @@ class Guardian:
         """Fork the guardian and make it the leader of a new process group."""
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
-        # Datagrams with boundaries: a deadline is one message, never half of one.
+        # Datagrams with boundaries: a message is never half of one.
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The deadlines live in a page both share: lockrun writes them at every renewal
+        # without ever waiting on a guardian that does not read (one stopped too would
+        # fill a socket, and block the renewals that keep the lease); the guardian reads
+        # the latest whenever it wakes.
+        self._deadlines = _Deadlines()
         # A handler that raises (lock._interruptible) must not run inside fork's at-fork
         # callbacks, where Python would print and drop the exception: hold the signals.
         saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             self.pid = os.fork()
             if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
-                _guard(theirs, ours)
+                _guard(theirs, ours, self._deadlines)
             theirs.close()
             self._socket = ours
             self._acted = False
@@ -123,8 +129,12 @@ class Guardian:
         earlier KILL is taken. A guardian that wakes past *kill_at* (it was stopped too)
         sends TERM and gives *late* seconds before KILL, as for a lock known lost.
         """
-        with contextlib.suppress(OSError):  # it is gone with a SIGKILLed group: nothing to do
-            self._socket.send(b"d" + struct.pack("=ddd", term_at, kill_at, late))
+        import socket  # noqa: PLC0415 - loaded by __init__ already
+
+        earlier = self._deadlines.write(term_at, kill_at, late)
+        if earlier:  # it sleeps until the old ones: wake it (rare: a stop begins)
+            with contextlib.suppress(OSError):  # full, or gone with a SIGKILLed group
+                self._socket.send(b"d", socket.MSG_DONTWAIT)
 
     def acted(self) -> bool:
         """Return whether the guardian stopped the command because the lease ran out."""
@@ -140,11 +150,52 @@ class Guardian:
         """Tell the guardian the command is done, and reap it."""
         with contextlib.suppress(OSError):  # it died with a SIGKILLed group
             self._socket.sendall(b"x")
+            os.kill(self.pid, signal.SIGCONT)  # one that was stopped must run to hear it
         self._socket.close()
         os.waitpid(self.pid, 0)
 
 
-def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: no cover
+class _Deadlines:
+    """The guardian's deadlines in a shared page, behind a sequence number (a seqlock).
+
+    One writer (lockrun's main thread), one reader (the guardian): the number is odd
+    while a write is under way and is bumped again after it, and a read that saw it odd
+    or changed is made again.
+    """
+
+    _SEQUENCE: Final = struct.Struct("=Q")
+    _VALUES: Final = struct.Struct("=ddd")  # term_at, kill_at, late; after the sequence
+
+    def __init__(self) -> None:
+        """Map the page (shared with a child forked later) with no deadline in it."""
+        import mmap  # noqa: PLC0415 - only runs with a guardian need it
+
+        self._page = mmap.mmap(-1, self._SEQUENCE.size + self._VALUES.size)  # MAP_SHARED
+        self._VALUES.pack_into(self._page, self._SEQUENCE.size, math.inf, math.inf, 0.0)
+
+    def write(self, term_at: float, kill_at: float, late: float) -> bool:
+        """Store the deadlines; return whether either came earlier than before."""
+        (sequence,) = self._SEQUENCE.unpack_from(self._page, 0)
+        old_term, old_kill, _ = self._VALUES.unpack_from(self._page, self._SEQUENCE.size)
+        self._SEQUENCE.pack_into(self._page, 0, sequence + 1)
+        self._VALUES.pack_into(self._page, self._SEQUENCE.size, term_at, kill_at, late)
+        self._SEQUENCE.pack_into(self._page, 0, sequence + 2)
+        return bool(term_at < old_term or kill_at < old_kill)
+
+    def read(self) -> tuple[int, float, float, float]:
+        """Return (sequence, term_at, kill_at, late) as last written whole."""
+        while True:
+            (before,) = self._SEQUENCE.unpack_from(self._page, 0)
+            values = self._VALUES.unpack_from(self._page, self._SEQUENCE.size)
+            (after,) = self._SEQUENCE.unpack_from(self._page, 0)
+            if before == after and before % 2 == 0:
+                return (before, *values)
+            time.sleep(0)  # pragma: no cover - a write under way
+
+
+def _guard(  # pragma: no cover
+    ours: socket.socket, theirs: socket.socket, deadlines: _Deadlines
+) -> NoReturn:
     """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
 
     Also stop the group when a deadline of `Guardian.expect` passes unconfirmed.
@@ -160,12 +211,20 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
         kept = []
         term_at = kill_at = math.inf
         late = 0.0
+        seen = 0  # the sequence number of the deadlines taken
         stopping = False
         while True:
+            sequence, term, kill, late = deadlines.read()
+            if sequence != seen:  # new ones: once stopping, only an earlier KILL counts
+                seen = sequence
+                kill_at = min(kill_at, kill) if stopping else kill
+                term_at = term_at if stopping else term
             due = min(kill_at, math.inf if stopping else term_at)
             wait = None if due == math.inf else max(0.0, due - now())
             if not select.select([ours], [], [], wait)[0]:
                 current = now()
+                if deadlines.read()[0] != seen:
+                    continue  # moved while we slept: look again
                 if not stopping and current >= term_at:
                     stopping = _tell(ours)
                     os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
@@ -184,10 +243,7 @@ def _guard(ours: socket.socket, theirs: socket.socket) -> NoReturn:  # pragma: n
                 break
             if message[:1] == b"x":
                 break
-            if message[:1] == b"d":
-                term, kill, late = struct.unpack("=ddd", message[1:25])
-                kill_at = min(kill_at, kill) if stopping else kill
-                term_at = term_at if stopping else term
+            # b"d": the deadlines came earlier; b"f": descriptors to keep (taken above)
     finally:
         os._exit(0)
 
@@ -585,8 +641,13 @@ class _Watch:
         elif isinstance(ask.error, LeaseLost):
             self._begin_stop(ask.error, kill_by=now() + self.limits.lost_kill_after)
             return True
-        elif isinstance(ask.error, BackendUnavailable):
-            self.doubt = ask.error
+        elif isinstance(ask.error, LockrunError):  # unavailable, or refused (a failover to
+            # a server that no longer has our database): the lease is in doubt either way
+            self.doubt = (
+                ask.error
+                if isinstance(ask.error, BackendUnavailable)
+                else BackendUnavailable(str(ask.error))
+            )
             self.log(f"lease not confirmed ({ask.error}); retrying")
             self.next_refresh = ask.sent + _RETRY
         else:

@@ -1146,7 +1146,11 @@ def test_status_and_the_environment_carry_awkward_names_unchanged(
 ) -> None:
     """Quotes, comment ends, %, emoji, newlines and 255 bytes survive status and LOCKRUN_NAME."""
     namespace = f"x/y*/{uuid.uuid4().hex[:8]} %"
-    script = 'printf %s "$LOCKRUN_NAME" > "$0"; while [ ! -e go ]; do sleep 0.05; done'
+    # Written aside, then renamed: the file must not be seen before the name is in it.
+    script = (
+        'printf %s "$LOCKRUN_NAME" > "$0.tmp" && mv "$0.tmp" "$0"; '
+        "while [ ! -e go ]; do sleep 0.05; done"
+    )
     holders = {
         name: spawn(
             *("--uri", postgres_uri, "-n", name, "--namespace", namespace),

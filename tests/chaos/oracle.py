@@ -54,11 +54,12 @@ class Run:
 class Oracle:
     """Count the commands running at once, from their connections' lives."""
 
-    def __init__(self) -> None:
-        """Listen on a free loopback port and start the thread."""
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+    def __init__(self, listener: socket.socket | None = None) -> None:
+        """Listen on *listener*, else on a free loopback port, and start the thread."""
+        self._listener = listener or socket.create_server(("127.0.0.1", 0), backlog=512)
         self._listener.setblocking(False)  # noqa: FBT003 - the socket API
-        self.port: int = self._listener.getsockname()[1]
+        inet = self._listener.family in {socket.AF_INET, socket.AF_INET6}
+        self.port: int = self._listener.getsockname()[1] if inet else 0
         self.runs: list[Run] = []  # in the order they started
         self.running = 0
         self.peak = 0

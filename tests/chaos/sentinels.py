@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import selectors
 import shlex
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from typing import TYPE_CHECKING, Final
 
 import pytest
@@ -369,27 +367,12 @@ class UnixOracle(Oracle):
     """
 
     def __init__(self, directory: str) -> None:
-        """Listen on ``DIRECTORY/oracle.sock`` and start the thread.
-
-        Not Oracle's own, which would listen on a loopback port: the same state, set here.
-        """
+        """Listen on ``DIRECTORY/oracle.sock`` and start the thread."""
         self.path = os.path.join(directory, "oracle.sock")
-        self._listener = socket.socket(socket.AF_UNIX)
-        self._listener.bind(self.path)
-        self._listener.listen(512)
-        self._listener.setblocking(False)  # noqa: FBT003 - the socket API
-        self.port = 0
-        self.runs = []
-        self.running = 0
-        self.peak = 0
-        self._lines = {}
-        self._by_sock = {}
-        self._lock = threading.Lock()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="oracle", daemon=True)
-        self._thread.start()
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(self.path)
+        listener.listen(512)
+        super().__init__(listener)
 
     def command(self, tag: str = "", *, hold: float | None = None) -> list[str]:
         """Return the argv of a command that reports to us, then holds (see `Oracle`)."""

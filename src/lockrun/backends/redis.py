@@ -579,6 +579,13 @@ class _SentinelView(NamedTuple):
         return cls((host, int(port)), up, failing_over)
 
 
+def _aim(connection: Any, address: tuple[str, int]) -> None:  # noqa: ANN401 - redis-py's
+    """Point a Sentinel-managed *connection* at *address*, if it is connected elsewhere."""
+    if (connection.host, int(connection.port or 0)) != address:
+        connection.disconnect()
+        connection.connect_to(address)
+
+
 def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
     """Return a raw reply's element as text."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
@@ -696,9 +703,7 @@ class RedisBackend:
                 self._primary = self.client().connection_pool.make_connection()
             connection = self._primary
             try:
-                if (connection.host, int(connection.port or 0)) != view.primary:
-                    connection.disconnect()
-                    connection.connect_to(view.primary)
+                _aim(connection, view.primary)
                 reply, role = self._run_with_role(connection, script, keys, argv)
                 granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
                 self._check_durable(connection, view, role, written=durable and granted)
@@ -949,10 +954,8 @@ class RedisBackend:
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         try:
-            named = self._named  # behind Sentinel: where the last grant or renewal went
-            if named is not None and (connection.host, int(connection.port or 0)) != named:
-                connection.disconnect()  # type: ignore[no-untyped-call]
-                connection.connect_to(named)  # type: ignore[attr-defined]  # the wake-up is pushed there
+            if self._named is not None:  # behind Sentinel: the wake-up is pushed there
+                _aim(connection, self._named)
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
         except _REPLY_ERRORS as err:

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Final
 
 import pytest
-from conftest import unmeasured
-from servers import installed, unavailable
+
+from tests.support.cli import unmeasured
+from tests.support.servers import installed, unavailable
 
 REPORT: Final = Path(__file__).resolve().parent.parent / "bench" / "report"
 PNG_MAGIC: Final = b"\x89PNG\r\n\x1a\n"

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import lockrun
-from servers import installed
-from terminal import Terminal, press_tab
 
 from lockrun.backends import SCHEMES
 from lockrun.cli import URI_STARTS
+from tests.support.cli import lockrun
+from tests.support.servers import installed
+from tests.support.terminal import Terminal, press_tab
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = {"bash": "lockrun.bash", "zsh": "_lockrun", "fish": "lockrun.fish"}

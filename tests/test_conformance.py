@@ -15,7 +15,10 @@ import threading
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from conftest import (
+
+from lockrun import Lock, LockBusy
+from lockrun.uri import redact
+from tests.support.cli import (
     TEST_TTL,
     Held,
     finish,
@@ -27,9 +30,6 @@ from conftest import (
     unmeasured,
     wait_for,
 )
-
-from lockrun import Lock, LockBusy
-from lockrun.uri import redact
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -13,13 +13,13 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Held, finish, lockrun, queue_length, start, wait_for
 
 from lockrun import ConfigError, Lock, LockBusy
 from lockrun.backends import SCHEMES, Holder, Request, describe_pid, open_backend
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
 from lockrun.uri import parse_uri
+from tests.support.cli import Held, finish, lockrun, queue_length, start, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -12,14 +12,14 @@ from typing import Final
 
 import click
 import pytest
-from conftest import help_options
-from servers import installed
 
 from lockrun import __version__
 from lockrun.backends import SCHEMES
 from lockrun.cli import run_command
 from lockrun.errors import ExitCode
 from lockrun.supervise import FORWARDED
+from tests.support.cli import help_options
+from tests.support.servers import installed
 
 PAGE: Final = Path(__file__).resolve().parent.parent / "man" / "lockrun.1"
 REQUIRED: Final = (

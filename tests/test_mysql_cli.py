@@ -21,20 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 import pymysql
 import pytest
-from conftest import finish, lockrun, one_line, start, wait_for
-from servers import MariaServer, free_port, unavailable
-from test_redis_cli import Listener, make_certificates, secret_free, timed_lockrun
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import cut
 from lockrun.backends.mysql import lock_key, parse, timeout_for
 from lockrun.uri import parse_uri, redact
+from tests.support.cli import finish, lockrun, one_line, start, wait_for
+from tests.support.servers import MariaServer, free_port, unavailable
+from tests.test_redis_cli import Listener, make_certificates, secret_free, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from conftest import Held
+    from tests.support.cli import Held
 
 SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
 # --ttl 3 makes every connect or answer give up after timeout_for(3) = 1 s.

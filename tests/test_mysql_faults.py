@@ -24,7 +24,10 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import pymysql
 import pytest
-from conftest import (
+
+from lockrun.backends.mysql import lock_key, parse
+from lockrun.uri import parse_uri
+from tests.support.cli import (
     Held,
     finish,
     gone,
@@ -33,17 +36,14 @@ from conftest import (
     one_line,
     wait_for,
 )
-from proxy import Proxy
-from test_redis_faults import Victim, check_lost
-
-from lockrun.backends.mysql import lock_key, parse
-from lockrun.uri import parse_uri
+from tests.support.proxy import Proxy
+from tests.test_redis_faults import Victim, check_lost
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from servers import MariaServer
+    from tests.support.servers import MariaServer
 
 TTL: Final = 3.0  # seconds: ownership checks every second, wait_timeout 3
 KILL_AFTER: Final = 1.0

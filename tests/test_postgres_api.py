@@ -9,21 +9,21 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import finish, lockrun, one_line, queue_length, wait_for
-from servers import postgres_bin
 
 from lockrun import Lock, LockBusy
 from lockrun.backends import Holder, Request, open_backend
 from lockrun.backends.postgres import slots_key
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri
+from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
+from tests.support.servers import postgres_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from subprocess import Popen
 
-    from conftest import Held
-    from servers import PostgresServer
+    from tests.support.cli import Held
+    from tests.support.servers import PostgresServer
 
 PASSWORD = "pw-for-roles"  # noqa: S105 - the throwaway server's
 

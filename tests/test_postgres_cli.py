@@ -27,17 +27,17 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
-from conftest import finish, lockrun, one_line, queue_length, start, wait_for
-from servers import PostgresServer, free_port, postgres_bin, unavailable
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
 from lockrun.uri import parse_uri, redact
+from tests.support.cli import finish, lockrun, one_line, queue_length, start, wait_for
+from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from conftest import Held
+    from tests.support.cli import Held
 
 SECRET = "S3cr3t-pw"  # noqa: S105 - the throwaway servers' password that must never show
 # However slow a shared CI machine is, a connect that cannot succeed must not take this long.

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import psycopg
 import pytest
-from conftest import (
+
+from lockrun.backends.postgres import lock_key, slots_key
+from tests.support.cli import (
     TEST_TTL,
     Held,
     finish,
@@ -37,16 +39,14 @@ from conftest import (
     start,
     wait_for,
 )
-from proxy import Proxy
-from test_redis_faults import Victim, check_lost, wait_for_death
-
-from lockrun.backends.postgres import lock_key, slots_key
+from tests.support.proxy import Proxy
+from tests.test_redis_faults import Victim, check_lost, wait_for_death
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from pathlib import Path
 
-    from servers import PostgresServer
+    from tests.support.servers import PostgresServer
 
 TTL: Final = 3.0  # seconds: ownership checks every second, idle_session_timeout 3 s
 KILL_AFTER: Final = 1.0

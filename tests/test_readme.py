@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
-from conftest import help_options
 
 from lockrun.backends import SCHEMES
 from lockrun.errors import ExitCode
 from lockrun.timing import parse_duration
+from tests.support.cli import help_options
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence

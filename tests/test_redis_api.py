@@ -12,7 +12,7 @@ from lockrun import Lock, LockBusy
 from lockrun.errors import LeaseLost
 
 if TYPE_CHECKING:
-    from servers import RedisServer
+    from tests.support.servers import RedisServer
 
 
 def test_api_lease_outlives_its_ttl_while_the_block_runs(redis_uri: str, name: str) -> None:

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import pytest
-from conftest import Held, finish, lockrun, one_line, queue_length, start, wait_for
-from servers import RedisServer, free_port, unavailable
 
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import timeout_for
 from lockrun.backends.redis import key_prefix, parse
 from lockrun.uri import parse_uri, redact
+from tests.support.cli import Held, finish, lockrun, one_line, queue_length, start, wait_for
+from tests.support.servers import RedisServer, free_port, unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

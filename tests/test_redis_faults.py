@@ -20,7 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import (
+
+from tests.support.cli import (
     Held,
     finish,
     gone,
@@ -32,8 +33,8 @@ from conftest import (
     wait_for,
     waiter_pids,
 )
-from proxy import Proxy
-from servers import RedisServer, free_port
+from tests.support.proxy import Proxy
+from tests.support.servers import RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

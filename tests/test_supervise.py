@@ -13,13 +13,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import gone, lockrun, one_line, start, states, wait_for
+
+from tests.support.cli import gone, lockrun, one_line, start, states, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from conftest import Held
+    from tests.support.cli import Held
 
 FORWARDED = ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2")
 

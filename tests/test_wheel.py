@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import installed, unavailable
-from terminal import press_tab
 
 import lockrun
+from tests.support.servers import installed, unavailable
+from tests.support.terminal import press_tab
 
 ROOT = Path(__file__).parent.parent
 BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")

@@ -15,15 +15,15 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import holder_pids, wait_for, waiter_pids
 
-from chaos.sentinels import Namespace, SentinelSet, UnixOracle
+from tests.support.cli import holder_pids, wait_for, waiter_pids
+from tests.support.sentinels import Namespace, SentinelSet, UnixOracle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from chaos.oracle import Oracle, Run
+    from tests.support.oracle import Oracle, Run
 
 TTL: Final = 3.0  # renewals every second
 KILL_AFTER: Final = 1.0

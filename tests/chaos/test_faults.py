@@ -15,19 +15,19 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from conftest import holder_pids, one_line, wait_for, waiter_pids
-from conftest import lockrun as run_lockrun
-from servers import MariaServer
 
 from lockrun.backends.mysql import lock_key as mysql_lock_key
+from tests.support.cli import holder_pids, one_line, wait_for, waiter_pids
+from tests.support.cli import lockrun as run_lockrun
+from tests.support.servers import MariaServer
 
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
     from pathlib import Path
 
-    from chaos.oracle import Oracle, Run
-    from chaos.rig import Rig
+    from tests.support.oracle import Oracle, Run
+    from tests.support.rig import Rig
 
 TTL: Final = 3.0  # renewals every second
 KILL_AFTER: Final = 1.0

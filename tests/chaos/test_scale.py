@@ -18,16 +18,16 @@ import time
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from conftest import LOCKRUN, queue_length, unmeasured
 
-from chaos.rig import PeakSessions
+from tests.support.cli import LOCKRUN, queue_length, unmeasured
+from tests.support.rig import PeakSessions
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
 
-    from chaos.oracle import Oracle
-    from chaos.rig import Target
+    from tests.support.oracle import Oracle
+    from tests.support.rig import Target
 
 WAITERS: Final = 100
 SLOTS: Final = 10

@@ -19,15 +19,15 @@ import time
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from conftest import LOCKRUN, unmeasured
 
-from chaos.oracle import Oracle
+from tests.support.cli import LOCKRUN, unmeasured
+from tests.support.oracle import Oracle
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from chaos.rig import Target
+    from tests.support.rig import Target
 
 STORM: Final = 15.0  # seconds of killing
 TTL: Final = 5.0  # a SIGKILLed Redis holder's slot comes back a ttl later

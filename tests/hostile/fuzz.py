@@ -3,8 +3,8 @@
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
 
-    python tests/hostile/fuzz.py                 # Hypothesis, LOCKRUN_FUZZ_EXAMPLES inputs
-    python tests/hostile/fuzz.py -atheris ARGS   # coverage-guided, if atheris is installed
+    python -m tests.hostile.fuzz                 # Hypothesis, LOCKRUN_FUZZ_EXAMPLES inputs
+    python -m tests.hostile.fuzz -atheris ARGS   # coverage-guided, if atheris is installed
 
 CI runs it briefly through test_fuzz_target (tests/hostile/test_invariants.py).
 """

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
 
 from lockrun.backends import RECORD_ARGV
+from tests.support.cli import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -14,7 +14,8 @@ import threading
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from conftest import lockrun, one_line
+
+from tests.support.cli import lockrun, one_line
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

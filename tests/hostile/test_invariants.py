@@ -11,9 +11,9 @@ import subprocess
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 import pytest
-from conftest import LOCKRUN, unmeasured
 
-from hostile import fuzz
+from tests.hostile import fuzz
+from tests.support.cli import LOCKRUN, unmeasured
 
 if TYPE_CHECKING:
     from pathlib import Path

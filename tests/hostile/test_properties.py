@@ -14,16 +14,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile.strategies import (
-    TEMPLATES,
-    assert_hidden,
-    deep,
-    holder_like,
-    json_values,
-    passwords,
-    place,
-    plain_passwords,
-)
 from lockrun import ConfigError, Lock, UsageError
 from lockrun.backends import (
     Holder,
@@ -38,6 +28,16 @@ from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
 from lockrun.timing import parse_duration
 from lockrun.uri import HIDDEN, parse_uri, redact, redacted_by_lockrun, scrub, secrets_of
+from tests.support.strategies import (
+    TEMPLATES,
+    assert_hidden,
+    deep,
+    holder_like,
+    json_values,
+    passwords,
+    place,
+    plain_passwords,
+)
 
 # -- URIs and redaction --------------------------------------------------------------------
 

@@ -16,13 +16,10 @@ import psycopg
 import pymysql
 import pytest
 import redis
-from conftest import Held, lockrun, one_line, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymysql.constants import COMMAND
-from test_mysql_cli import query
 
-from hostile.strategies import deep, holder_like, json_values
 from lockrun.backends import Holder, Request, open_backend
 from lockrun.backends.mysql import lock_key as mysql_key
 from lockrun.backends.mysql import parse as mysql_parse
@@ -32,6 +29,9 @@ from lockrun.backends.redis import key_prefix
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import now
 from lockrun.uri import parse_uri
+from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.strategies import deep, holder_like, json_values
+from tests.test_mysql_cli import query
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
-from conftest import Held, holder_pids, lockrun, one_line, wait_for, waiter_pids
 
-from hostile.users import Runner, needs_root
 from lockrun.backends import directories
 from lockrun.backends.abstract import _base as abstract_base
+from tests.support.cli import Held, holder_pids, lockrun, one_line, wait_for, waiter_pids
+from tests.support.users import Runner, needs_root
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

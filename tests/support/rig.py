@@ -15,10 +15,10 @@ import uuid
 from typing import TYPE_CHECKING, Final
 
 import pytest
-from proxy import Proxy
-from servers import MariaServer, PostgresServer, RedisServer, free_port
 
-from chaos.oracle import Oracle
+from tests.support.oracle import Oracle
+from tests.support.proxy import Proxy
+from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

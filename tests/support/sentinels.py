@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Final
 
 import pytest
 import redis
-from conftest import wait_for
-from servers import RedisServer, _Server, free_port, installed, unavailable
 
-from chaos.oracle import Oracle
+from tests.support.cli import wait_for
+from tests.support.oracle import Oracle
+from tests.support.servers import RedisServer, _Server, free_port, installed, unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -1,0 +1,1 @@
+"""lockrun's tests: run them with scripts/check (CONTRIBUTING.md)."""

@@ -1,0 +1,210 @@
+"""Run lockrun as the tests do, and read back what it reports.
+
+Plain functions and classes, imported by test modules and fixtures alike; the fixtures that
+wrap them live in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from lockrun.lock import DEFAULT_NAMESPACE, states_for_status
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+
+LOCKRUN = (sys.executable, "-m", "lockrun")
+# Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.
+BACKENDS = ("file", "abstract", "redis", "mysql", "postgres")
+# Leases short enough that a killed holder frees its slot within a test's patience.
+TEST_TTL = "5"
+
+
+def unmeasured() -> dict[str, str]:
+    """Return our environment without coverage's subprocess hook, for stress loops.
+
+    Hundreds of traced interpreter start-ups add minutes and no coverage.
+    """
+    return {key: value for key, value in os.environ.items() if not key.startswith("COVERAGE_")}
+
+
+def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lockrun ARGS`` to completion and capture its output."""
+    return subprocess.run(
+        [*LOCKRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+    )
+
+
+def help_options(*subcommand: str) -> dict[str, bool]:
+    """Map each ``-x``/``--long`` of ``lockrun [SUBCOMMAND] --help`` to whether it takes a value."""
+    result = lockrun(*subcommand, "--help")
+    assert result.returncode == 0, result.stderr
+    options: dict[str, bool] = {}
+    # An option's line starts with two spaces and a dash; its help follows two more spaces.
+    for column in re.findall(r"^  (-\S.*?)(?: {2}|$)", result.stdout, flags=re.MULTILINE):
+        takes_value = re.search(r" [A-Z]", column) is not None
+        options.update(dict.fromkeys(re.findall(r"--?\w[\w-]*", column), takes_value))
+    assert {"-h", "--help"} <= options.keys(), result.stdout  # the parse found the column
+    return options
+
+
+def start(*args: str, under: Sequence[str] = (), **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``python -m lockrun ARGS`` (run by the command *under*) in the background.
+
+    Its stderr is captured.
+    """
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen([*under, *LOCKRUN, *args], text=True, **kwargs)
+
+
+def finish(process: subprocess.Popen[str], timeout: float = 30) -> int:
+    """Wait for a `start`ed process, drain its pipes, and return its status."""
+    process.communicate(timeout=timeout)
+    return process.returncode
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "") -> None:
+    """Poll *condition* until it is true; fail the test after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(0.01)
+
+
+def one_line(stderr: str) -> str:
+    """Assert *stderr* is exactly one ``lockrun: …`` line (no traceback) and return it."""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("lockrun: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def gone(pid: int) -> bool:
+    """Return whether *pid* has ended (a zombie awaiting its new parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in {b"Z", b"X"}
+    except FileNotFoundError:
+        return True
+
+
+def states(uri: str, name: str) -> list[dict[str, Any]]:
+    """Return what `lockrun status --json NAME` prints, asked in this process.
+
+    Tests poll it in loops, and a `lockrun status` process per poll kept a core busy with
+    interpreter start-ups beside the processes under test; the command's own output has
+    tests of its own (test_cli.py, the servers' *_cli.py).
+    """
+    found = states_for_status(uri, DEFAULT_NAMESPACE, name)
+    shown = json.loads(json.dumps([state.to_dict() for state in found]))  # as printed
+    assert isinstance(shown, list)
+    return shown
+
+
+def queue_length(uri: str, name: str) -> int:
+    """Return how many waiters `lockrun status` reports for *name*."""
+    return sum(len(state["waiters"]) for state in states(uri, name))
+
+
+def lock_state(uri: str, name: str) -> dict[str, Any]:
+    """Return `lockrun status --json NAME`'s one entry."""
+    (state,) = states(uri, name)
+    return state
+
+
+def waiter_pids(uri: str, name: str) -> list[int]:
+    """Return the lockrun pids `status` lists as waiting for *name*, in queue order."""
+    return [int(waiter["pid"]) for waiter in lock_state(uri, name)["waiters"]]
+
+
+def holder_pids(uri: str, name: str) -> list[int]:
+    """Return the lockrun pids `status` lists as holding *name*."""
+    return [int(holder["pid"]) for holder in lock_state(uri, name)["holders"]]
+
+
+class Held:
+    """A lockrun process whose command holds the lock until `finish` is called."""
+
+    def __init__(self, directory: Path, *options: str) -> None:
+        """Start ``lockrun OPTIONS -- sh …`` and wait until its command runs."""
+        tag = uuid.uuid4().hex[:8]
+        self.ready = directory / f"ready-{tag}"
+        self.go = directory / f"go-{tag}"
+        script = (
+            f'echo "$LOCKRUN_SLOT $LOCKRUN_FENCE" > {self.ready}.tmp; mv {self.ready}.tmp'
+            f" {self.ready}; while [ ! -e {self.go} ]; do sleep 0.01; done"
+        )
+        self.process = start(*options, "--", "sh", "-c", script)
+        wait_for(lambda: self.ready.exists() or self.process.poll() is not None, what="holder")
+        if not self.ready.exists():
+            _, err = self.process.communicate()
+            pytest.fail(f"holder did not start (status {self.process.returncode}): {err}")
+        slot, fence = self.ready.read_text().split()
+        self.slot, self.fence = int(slot), int(fence)
+
+    def finish(self) -> int:
+        """Let the command end and return lockrun's status."""
+        self.go.touch()
+        self.process.communicate(timeout=30)
+        return self.process.returncode
+
+
+# Holds its slot until SLOTS run at once (or 2 s passed), then logs [start, end, slot].
+INTERVAL = """
+import os, pathlib, sys, time
+start = time.monotonic_ns()
+active = pathlib.Path(sys.argv[2], str(os.getpid()))
+active.touch()
+deadline = time.monotonic() + 2  # hold until N run at once, if the lock allows it
+while len(list(active.parent.iterdir())) < int(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.005)
+time.sleep(0.02)
+active.unlink()
+end = time.monotonic_ns()
+with open(sys.argv[1], "a") as log:
+    log.write(f"{start} {end} {os.environ['LOCKRUN_SLOT']}\\n")
+"""
+
+
+def interval_log(
+    tmp_path: Path, options: Sequence[str], *, slots: int, rounds: int, workers: int = 8
+) -> tuple[int, set[int], int]:
+    """Run *workers* loops of *rounds* semaphore runs; return (runs, slots seen, most at once).
+
+    Each run is ``lockrun OPTIONS -s SLOTS -w forever`` around a command that logs its
+    interval.
+
+    The oracle is the commands' own log, not lockrun's word.
+    """
+    log, active = tmp_path / "intervals", tmp_path / "active"
+    active.mkdir()
+    script = tmp_path / "interval.py"
+    script.write_text(INTERVAL)
+    lockrun_argv = shlex.join([*LOCKRUN, *options, "-s", str(slots), "-w", "forever", "--"])
+    command = shlex.join([sys.executable, str(script), str(log), str(active), str(slots)])
+    loop = f"for i in $(seq {rounds}); do {lockrun_argv} {command} || exit 1; done"
+    started = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(workers)]
+    assert [worker.wait(300) for worker in started] == [0] * workers
+    events, seen = [], set()
+    for line in log.read_text().splitlines():
+        begin, end, slot = line.split()
+        seen.add(int(slot))
+        events += [(int(begin), 1), (int(end), -1)]
+    running = peak = 0
+    for _, change in sorted(events):  # at one instant an end comes before a start
+        running += change
+        peak = max(peak, running)
+    return len(events) // 2, seen, peak

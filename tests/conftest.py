@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from hypothesis import settings
 
-from tests.support.cli import BACKENDS, TEST_TTL, Held, start
+from lockrun.uri import BACKENDS
+from tests.support.cli import TEST_TTL, Held, start
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:

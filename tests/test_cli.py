@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import ConfigError, ExitCode, cli
-from lockrun.backends import Holder, Request
+from lockrun.backends import Holder, Request, parse_uri
 from lockrun.backends import file as file_backend
 from lockrun.backends.directories import Default
-from lockrun.uri import parse_uri
 from tests.support.cli import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
 from tests.support.terminal import Terminal
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lockrun.backends import SCHEMES
 from lockrun.cli import URI_STARTS
+from lockrun.uri import SCHEMES
 from tests.support.cli import lockrun
 from tests.support.servers import installed
 from tests.support.terminal import Terminal, press_tab

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import ConfigError, Lock, LockBusy
-from lockrun.backends import SCHEMES, Holder, Request, describe_pid, open_backend
+from lockrun.backends import Holder, Request, describe_pid, open_backend, parse_uri
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
-from lockrun.uri import parse_uri
+from lockrun.uri import SCHEMES, Scheme
 from tests.support.cli import Held, finish, lockrun, queue_length, start, wait_for
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def test_abstract_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme whose driver is not installed is a configuration error naming the extra."""
-    monkeypatch.setitem(SCHEMES, "nosuch", ("lockrun.backends.nosuch", "nosuch"))
+    monkeypatch.setitem(SCHEMES, "nosuch", Scheme("nosuch", "nosuch:", {}, extra="nosuch"))
     with pytest.raises(ConfigError, match=r"pip install 'lockrun-cli\[nosuch\]'"):
         open_backend(parse_uri("nosuch://x"))
 

@@ -14,10 +14,10 @@ import click
 import pytest
 
 from lockrun import __version__
-from lockrun.backends import SCHEMES
 from lockrun.cli import run_command
 from lockrun.errors import ExitCode
 from lockrun.supervise import FORWARDED
+from lockrun.uri import SCHEMES
 from tests.support.cli import help_options
 from tests.support.servers import installed
 
@@ -182,7 +182,7 @@ def test_exit_status_mentions_no_stale_number() -> None:
 
 
 def test_every_uri_scheme_has_an_entry_in_uris() -> None:
-    """Each scheme lockrun.backends.SCHEMES knows has an entry in URIS."""
+    """Each scheme lockrun.uri.SCHEMES knows has an entry in URIS."""
     entries = tags(section("URIS"))
     assert [scheme for scheme in SCHEMES if not mentions(entries, f"{scheme}:")] == []
 

@@ -23,9 +23,9 @@ import pymysql
 import pytest
 
 from lockrun import ConfigError, ExitCode
-from lockrun.backends import cut
+from lockrun.backends import cut, parse_uri
 from lockrun.backends.mysql import lock_key, parse, timeout_for
-from lockrun.uri import parse_uri, redact
+from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, start, wait_for
 from tests.support.servers import MariaServer, free_port, unavailable
 from tests.test_redis_cli import Listener, make_certificates, secret_free, timed_lockrun

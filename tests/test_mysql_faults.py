@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import pymysql
 import pytest
 
+from lockrun.backends import parse_uri
 from lockrun.backends.mysql import lock_key, parse
-from lockrun.uri import parse_uri
 from tests.support.cli import (
     Held,
     finish,

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import Lock, LockBusy
-from lockrun.backends import Holder, Request, open_backend
+from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends.postgres import slots_key
 from lockrun.errors import LeaseLost
-from lockrun.uri import parse_uri
 from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
 from tests.support.servers import postgres_bin
 

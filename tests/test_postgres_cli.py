@@ -29,8 +29,9 @@ import psycopg
 import pytest
 
 from lockrun import ConfigError, ExitCode
+from lockrun.backends import parse_uri
 from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
-from lockrun.uri import parse_uri, redact
+from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, queue_length, start, wait_for
 from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 
-from lockrun.backends import SCHEMES
 from lockrun.errors import ExitCode
 from lockrun.timing import parse_duration
+from lockrun.uri import SCHEMES
 from tests.support.cli import help_options
 
 if TYPE_CHECKING:

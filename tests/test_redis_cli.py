@@ -22,9 +22,9 @@ from urllib.parse import unquote
 import pytest
 
 from lockrun import ConfigError, ExitCode
-from lockrun.backends import timeout_for
+from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.redis import key_prefix, parse
-from lockrun.uri import parse_uri, redact
+from lockrun.uri import redact
 from tests.support.cli import Held, finish, lockrun, one_line, queue_length, start, wait_for
 from tests.support.servers import RedisServer, free_port, unavailable
 

@@ -12,12 +12,12 @@ import pytest
 
 from lockrun import lock as lock_module
 from lockrun import progress
-from lockrun.backends import Holder, LockState, Request, next_fence
+from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri
 from lockrun.errors import ConfigError, LeaseLost, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
 from lockrun.timing import clock_time, format_duration, now, parse_duration
-from lockrun.uri import parse_uri, redact
+from lockrun.uri import redact
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -32,7 +32,7 @@ from lockrun.lock import (
     states_for_status,
 )
 from lockrun.timing import clock_time, format_duration, parse_duration
-from lockrun.uri import DEFAULT_URI, HIDDEN, redact, secrets_of
+from lockrun.uri import DEFAULT_URI, HIDDEN, SCHEMES, redact, secrets_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -170,19 +170,9 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         return _offer({"forever": "wait as long as it takes"} if wanted else {})
 
 
-# What Tab offers for --uri: each scheme as it starts (tests check these against SCHEMES).
+# What Tab offers for --uri: each scheme as it starts.
 URI_STARTS: Final = {
-    "file:": "flock(2) in the default directory",
-    "file:///": "flock(2) in a directory",
-    "abstract:": "Linux abstract sockets",
-    "redis://": "Redis",
-    "rediss://": "Redis over TLS",
-    "unix:///": "Redis on a unix socket",
-    "redis+sentinel://": "Redis behind Sentinel",
-    "mysql://": "MySQL / MariaDB",
-    "mariadb://": "MariaDB / MySQL",
-    "postgresql://": "PostgreSQL",
-    "postgres://": "PostgreSQL",
+    start: what for kind in SCHEMES.values() for start, what in kind.starts.items()
 }
 
 
@@ -258,11 +248,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     allow_from_autoenv=False,  # LOCKRUN_NAME is what a command is told, not a setting
     help="Lock name, up to 255 bytes of UTF-8.  [default: the command's basename plus a hash]",
 )
-@_uri_option(
-    "Lock service: file:[///DIR], abstract:[PREFIX], redis://HOST[:PORT][/DB], rediss://…, "
-    "unix:///PATH.sock, redis+sentinel://H1,H2/SERVICE, mysql://[USER@]HOST[:PORT]/DB, "
-    "mariadb://…, postgresql://[USER@]HOST[:PORT]/DB (any libpq URI), postgres://…."
-)
+@_uri_option(f"Lock service: {', '.join(kind.usage for kind in SCHEMES.values())}.")
 @click.option(
     "-s",
     "--slots",

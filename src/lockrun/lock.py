@@ -10,7 +10,15 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
 
-from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend
+from lockrun.backends import (
+    Backend,
+    Holder,
+    Lease,
+    LockState,
+    Request,
+    open_backend,
+    parse_uri,
+)
 from lockrun.bounds import (
     MAX_KILL_AFTER,
     MAX_WAIT,
@@ -34,7 +42,7 @@ from lockrun.names import check_name, default_name
 from lockrun.progress import WaitReport
 from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
 from lockrun.timing import clock_time, format_duration, now
-from lockrun.uri import DEFAULT_URI, parse_uri, redact
+from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -254,7 +262,7 @@ def run(
     HUP are left ignored, so a late signal cannot replace the command's status.
     """
     uri = parse_uri(options.uri)
-    if options.close and uri.scheme != "file":
+    if options.close and not uri.kind.inherits_fds:
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
         raise UsageError(msg)
     check_options(options)
@@ -266,9 +274,9 @@ def run(
     request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
     with _interruptible(name, verbose) as waiting:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
-        # Only the file backend's lock fds go to the command and keep the lock if we die;
-        # otherwise a guardian must take the command's group down with us (SPEC §4.2).
-        guardian = Guardian() if options.close or uri.scheme != "file" else None
+        # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
+        # must take the command's group down with us (SPEC §4.2).
+        guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
         try:
             report = (
                 WaitReport(request, uri, log=log, live=live)

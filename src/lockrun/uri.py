@@ -6,17 +6,89 @@ own way: RFC 3986 ends the authority at the first ``/``, ``?`` or ``#``, libpq a
 ``@`` or ``/``. A URI on which they could disagree is refused before any of them sees it, and
 every message shows `redact`'s form, which hides the whole user information and every
 secret option (docs: README "Security model").
+
+The scheme table lives here too, with what each scheme's backend can do: the CLI, the
+runner, `open_backend` and the tests all read `SCHEMES`. This module imports nothing else of
+lockrun, so that whatever parses or redacts URIs can use it alone.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
-from lockrun.errors import ConfigError
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+class URIError(ValueError):
+    """A lock URI that is malformed, ambiguous or unknown; the message is safe to print.
+
+    lockrun.backends turns it into a `ConfigError` (exit status 78).
+    """
+
+
+class Scheme(NamedTuple):
+    """One URI scheme: its backend, and what that backend holds a lock with."""
+
+    backend: str  # the module under lockrun.backends that serves it
+    usage: str  # the URI's form, as --uri's help shows it
+    starts: Mapping[str, str]  # what Tab offers for --uri: a start of the URI → what it is
+    extra: str | None = None  # the pip extra that brings its driver
+    # The lock is an open file description the command inherits: it stays held while the
+    # command runs even if lockrun dies, so no guardian is needed unless --close.
+    inherits_fds: bool = False
+    # The lock is a lease the server expires unless lockrun renews it within --ttl.
+    leased: bool = False
+    # The lock belongs to a server session: it ends when that connection does.
+    session: bool = False
+
+    @property
+    def local(self) -> bool:
+        """Whether the lock lives on this host: no server, so no user and no password."""
+        return not (self.leased or self.session)
+
+
+# A plain table, no plugin discovery: a backend is a module and rows here (CONTRIBUTING.md).
+SCHEMES: Final[Mapping[str, Scheme]] = {
+    "file": Scheme(
+        "file",
+        "file:[///DIR]",
+        {"file:": "flock(2) in the default directory", "file:///": "flock(2) in a directory"},
+        inherits_fds=True,
+    ),
+    "abstract": Scheme("abstract", "abstract:[PREFIX]", {"abstract:": "Linux abstract sockets"}),
+    "redis": Scheme("redis", "redis://HOST[:PORT][/DB]", {"redis://": "Redis"}, leased=True),
+    "rediss": Scheme("redis", "rediss://…", {"rediss://": "Redis over TLS"}, leased=True),
+    "unix": Scheme(
+        "redis", "unix:///PATH.sock", {"unix:///": "Redis on a unix socket"}, leased=True
+    ),
+    "redis+sentinel": Scheme(
+        "redis",
+        "redis+sentinel://H1,H2/SERVICE",
+        {"redis+sentinel://": "Redis behind Sentinel"},
+        leased=True,
+    ),
+    "mysql": Scheme(
+        "mysql", "mysql://[USER@]HOST[:PORT]/DB", {"mysql://": "MySQL / MariaDB"}, session=True
+    ),
+    "mariadb": Scheme("mysql", "mariadb://…", {"mariadb://": "MariaDB / MySQL"}, session=True),
+    "postgresql": Scheme(
+        "postgres",
+        "postgresql://[USER@]HOST[:PORT]/DB (any libpq URI)",
+        {"postgresql://": "PostgreSQL"},
+        extra="postgres",
+        session=True,
+    ),
+    "postgres": Scheme(
+        "postgres", "postgres://…", {"postgres://": "PostgreSQL"}, extra="postgres", session=True
+    ),
+}
+# The backends, in the table's order: what the contract tests and the benchmarks loop over.
+BACKENDS: Final = tuple(dict.fromkeys(scheme.backend for scheme in SCHEMES.values()))
 
 DEFAULT_URI: Final = "file:"
-LOCAL_SCHEMES: Final = frozenset({"file", "abstract"})  # no server: no user, no password
+LOCAL_SCHEMES: Final = frozenset(name for name, scheme in SCHEMES.items() if scheme.local)
 HIDDEN: Final = "***"
 _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 # A query option whose %-decoded name holds one of these carries a secret
@@ -28,9 +100,9 @@ _OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
 # Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).
-_PATH_SCHEMES: Final = frozenset({"file", "abstract", "unix"})
+_PATH_SCHEMES: Final = LOCAL_SCHEMES | {"unix"}
 # Where a user information without a colon is often the password (redis://SECRET@host).
-_PASSWORD_ONLY: Final = frozenset({"redis", "rediss", "redis+sentinel", "unix"})
+_PASSWORD_ONLY: Final = frozenset(n for n, scheme in SCHEMES.items() if scheme.backend == "redis")
 _MIN_FRAGMENT: Final = 4  # a run this long of a secret, found in a driver's words, is hidden
 
 
@@ -59,20 +131,23 @@ class LockURI(NamedTuple):
         """The authority after its user information."""
         return self.netloc.rpartition("@")[2]
 
+    @property
+    def kind(self) -> Scheme:
+        """What the registry knows of this URI's scheme and its backend."""
+        return SCHEMES[self.scheme]
+
 
 def parse_uri(text: object) -> LockURI:
-    """Parse *text*; raise `ConfigError` for a malformed, ambiguous or unknown URI."""
-    from lockrun.backends import SCHEMES  # noqa: PLC0415 - backends imports this module
-
+    """Parse *text*; raise `URIError` for a malformed, ambiguous or unknown URI."""
     if not isinstance(text, str):
         msg = f"a lock URI must be a string, not {type(text).__name__}"
-        raise ConfigError(msg)
+        raise URIError(msg)
     scheme_match = _known_scheme(text)
     if scheme_match is None:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
         what = "unknown lock URI scheme in" if _SCHEME.match(text) else "malformed lock URI"
         msg = f"{what} {redact(text)!r}; expected {known}"
-        raise ConfigError(msg)
+        raise URIError(msg)
     scheme = scheme_match[0][:-1].lower()
     _refuse_unsafe(text, scheme)
     rest = text[scheme_match.end() :]
@@ -84,14 +159,14 @@ def parse_uri(text: object) -> LockURI:
     uri = LockURI(text, scheme, netloc, unquote(path), query)
     if scheme in LOCAL_SCHEMES and uri.userinfo is not None:
         msg = f"{uri.redacted}: {scheme}: URIs take no user name or password"
-        raise ConfigError(msg)
+        raise URIError(msg)
     if redacted_by_lockrun(text):
         msg = (
             f"{uri.redacted}: its password was replaced by {HIDDEN} by the lockrun that runs "
             "this command (no password reaches a command's environment); give this lockrun "
             "the URI itself, with --uri or LOCKRUN_URI"
         )
-        raise ConfigError(msg)
+        raise URIError(msg)
     return uri
 
 
@@ -113,7 +188,7 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
         hint = "percent-encode those characters: @ %40, / %2F, ? %3F, # %23, : %3A"
     if problem is not None:
         msg = f"lock URI {redact(text)!r} {problem}: {hint}"
-        raise ConfigError(msg)
+        raise URIError(msg)
 
 
 def _at_after_authority(text: str) -> bool:
@@ -148,8 +223,6 @@ def _userinfo_end(text: str) -> int | None:
 
 def _known_scheme(text: str) -> re.Match[str] | None:
     """Match a known scheme and its colon at the start of *text*."""
-    from lockrun.backends import SCHEMES  # noqa: PLC0415 - backends imports this module
-
     match = _SCHEME.match(text)
     return match if match is not None and match[0][:-1].lower() in SCHEMES else None
 
@@ -173,12 +246,12 @@ def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
     match = re.fullmatch(r"\[(.+)\](?::(\d*))?|([^:\[\]]*)(?::(\d*))?", text)
     if match is None:
         msg = f"{uri.redacted}: expected HOST[:PORT] or [IPV6][:PORT] after the last @"
-        raise ConfigError(msg)
+        raise URIError(msg)
     host = match[1] or match[3] or "localhost"
     port_text = match[2] if match[1] else match[4]
     if port_text and (len(port_text) > 5 or not 0 < int(port_text) < 65536):  # noqa: PLR2004
         msg = f"{uri.redacted}: port {port_text[:8]} is out of range"
-        raise ConfigError(msg)
+        raise URIError(msg)
     port = int(port_text) if port_text else default_port
     return host, port
 

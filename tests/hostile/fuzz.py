@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lockrun import ConfigError, UsageError
-from lockrun.backends import Holder, next_fence, open_backend, read_identity, read_json
+from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import parse_duration
-from lockrun.uri import parse_uri, redact, scrub, secret_spans, secrets_of
+from lockrun.uri import redact, scrub, secret_spans, secrets_of
 
 EXAMPLES = int(os.environ.get("LOCKRUN_FUZZ_EXAMPLES", "300"))
 

@@ -19,6 +19,7 @@ from lockrun.backends import (
     Holder,
     next_fence,
     open_backend,
+    parse_uri,
     read_identity,
     read_json,
 )
@@ -27,7 +28,7 @@ from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
 from lockrun.timing import parse_duration
-from lockrun.uri import HIDDEN, parse_uri, redact, redacted_by_lockrun, scrub, secrets_of
+from lockrun.uri import HIDDEN, redact, redacted_by_lockrun, scrub, secrets_of
 from tests.support.strategies import (
     TEMPLATES,
     assert_hidden,

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymysql.constants import COMMAND
 
-from lockrun.backends import Holder, Request, open_backend
+from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends.mysql import lock_key as mysql_key
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.backends.postgres import lock_key as postgres_key
@@ -28,7 +28,6 @@ from lockrun.backends.postgres import slots_key
 from lockrun.backends.redis import key_prefix
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import now
-from lockrun.uri import parse_uri
 from tests.support.cli import Held, lockrun, one_line, wait_for
 from tests.support.strategies import deep, holder_like, json_values
 from tests.test_mysql_cli import query

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 LOCKRUN = (sys.executable, "-m", "lockrun")
-# Every backend the conformance suite runs against; #4 and #5 each add one entry and a fixture.
-BACKENDS = ("file", "abstract", "redis", "mysql", "postgres")
 # Leases short enough that a killed holder frees its slot within a test's patience.
 TEST_TTL = "5"
 

@@ -1,4 +1,4 @@
-"""The backend interface every lock service implements, and the URI scheme table.
+"""The backend interface every lock service implements, and the way to open one.
 
 A backend is an adapter: it blocks natively until one of N slots is ours or a deadline
 passes, and hands back a `Lease`. Deadlines, lease cadence, exit statuses and process
@@ -16,25 +16,12 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import ConfigError
 from lockrun.names import MAX_NAME_BYTES
+from lockrun.uri import LockURI, URIError
+from lockrun.uri import host_port as _host_port
+from lockrun.uri import parse_uri as _parse_uri
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-    from lockrun.uri import LockURI
-
-# scheme → (module, pip extra); a plain table, no plugin discovery (STYLE.md).
-SCHEMES: Final[Mapping[str, tuple[str, str | None]]] = {
-    "file": ("lockrun.backends.file", None),
-    "abstract": ("lockrun.backends.abstract", None),
-    "redis": ("lockrun.backends.redis", None),
-    "rediss": ("lockrun.backends.redis", None),
-    "unix": ("lockrun.backends.redis", None),
-    "redis+sentinel": ("lockrun.backends.redis", None),
-    "mysql": ("lockrun.backends.mysql", None),
-    "mariadb": ("lockrun.backends.mysql", None),
-    "postgresql": ("lockrun.backends.postgres", "postgres"),
-    "postgres": ("lockrun.backends.postgres", "postgres"),
-}
+    from collections.abc import Callable, Sequence
 
 
 # Records are NamedTuples, not dataclasses: creating a frozen dataclass costs ~0.8 ms of
@@ -354,11 +341,11 @@ def open_backend(
     *warn* gets one-line warnings about the service (Python's `warnings` by default), *note*
     what `-v` shows (nothing by default).
     """
-    module_name, extra = SCHEMES[uri.scheme]
+    kind = uri.kind
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"lockrun.backends.{kind.backend}")
     except ImportError as err:  # the driver, not our module: missing, or without libpq
-        hint = f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
+        hint = f"pip install 'lockrun-cli[{kind.extra}]'" if kind.extra else "reinstall lockrun-cli"
         what = (
             f"the {err.name} module"
             if isinstance(err, ModuleNotFoundError)
@@ -366,8 +353,27 @@ def open_backend(
         )
         msg = f"{uri.scheme}: needs {what}: {hint}"
         raise ConfigError(msg) from err
-    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
+    try:
+        backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
+    except URIError as err:
+        raise ConfigError(str(err)) from None
     return backend
+
+
+def parse_uri(text: object) -> LockURI:
+    """Parse the lock URI *text*; a malformed, ambiguous or unknown one is a `ConfigError`."""
+    try:
+        return _parse_uri(text)
+    except URIError as err:
+        raise ConfigError(str(err)) from None
+
+
+def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
+    """Split ``HOST[:PORT]`` of *uri* as `lockrun.uri.host_port`; a bad one is a `ConfigError`."""
+    try:
+        return _host_port(uri, text, default_port)
+    except URIError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _warn(message: str) -> None:

@@ -38,6 +38,7 @@ from lockrun.backends import (
     Holder,
     LockState,
     Request,
+    host_port,
     read_identity,
     read_json,
     readable_file,
@@ -54,7 +55,6 @@ from lockrun.errors import (
 from lockrun.timing import now
 from lockrun.uri import (
     Secrets,
-    host_port,
     option_name,
     query_items,
     scrub,

@@ -30,6 +30,7 @@ from lockrun.backends import (
     Holder,
     LockState,
     Request,
+    host_port,
     read_json,
     readable_file,
     slots_mismatch,
@@ -38,7 +39,7 @@ from lockrun.backends import (
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
 from lockrun.timing import now
-from lockrun.uri import Secrets, host_port, option_name, scrub, secrets_of
+from lockrun.uri import Secrets, option_name, scrub, secrets_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping

@@ -51,7 +51,7 @@ COLUMNS = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
 
 def _readme_query() -> str:
     """Return the README's ready psql query that lists lockrun's holders, as printed."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "backends.md").read_text()
     blocks = re.findall(r"```sql\n(.*?)```", readme, re.DOTALL)
     found = [block for block in blocks if block.startswith("SELECT a.application_name")]
     assert len(found) == 1, "the README's holder query is missing"

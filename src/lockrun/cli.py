@@ -1,4 +1,4 @@
-"""The command line: a thin click skin over `lockrun.lock.run`; the only place that exits."""
+"""The command line: a thin click skin over `lockrun.runner.run`; the only place that exits."""
 
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ from lockrun.errors import (
     OutputError,
     UsageError,
 )
-from lockrun.lock import (
+from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL
+from lockrun.runner import (
     DEFAULT_KILL_AFTER,
     DEFAULT_LOST_KILL_AFTER,
-    DEFAULT_NAMESPACE,
-    DEFAULT_TTL,
     Options,
     run,
     states_for_status,

@@ -1,58 +1,43 @@
-"""Acquire, hold and release: the backend-independent policy and the Python API (SPEC §5)."""
+"""The Python API: `Lock`, a named lock or semaphore slot held around a block (docs/api.md).
+
+The CLI runs commands through `lockrun.runner`, which takes its slot with `acquire` here.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
 
 from lockrun.backends import (
     Backend,
     Holder,
     Lease,
-    LockState,
     Request,
     open_backend,
     parse_uri,
 )
 from lockrun.bounds import (
-    MAX_KILL_AFTER,
-    MAX_WAIT,
-    check_seconds,
     check_slots,
     check_ttl,
     check_wait,
 )
 from lockrun.errors import (
-    BackendUnavailable,
-    CommandNotExecutable,
-    CommandNotFound,
-    ConfigError,
-    Interrupted,
     LeaseLost,
     LockBusy,
-    TimedOut,
-    UsageError,
 )
-from lockrun.names import check_name, default_name
-from lockrun.progress import WaitReport
-from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
+from lockrun.names import check_name
 from lockrun.timing import clock_time, format_duration, now
-from lockrun.uri import DEFAULT_URI, redact
+from lockrun.uri import DEFAULT_URI
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
-    from types import FrameType, TracebackType
+    from collections.abc import Callable
+    from types import TracebackType
 
 DEFAULT_NAMESPACE: Final = "default"
 DEFAULT_TTL: Final = 30.0
-DEFAULT_KILL_AFTER: Final = 10.0
-# Once the lock is known gone someone else may hold it: a short grace (README "Guarantees").
-DEFAULT_LOST_KILL_AFTER: Final = 1.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -230,236 +215,4 @@ class _Renewer(threading.Thread):
         self.join()
 
 
-class Options(NamedTuple):
-    """The CLI's options (SPEC §1), with durations in seconds and None for forever/none."""
-
-    name: str | None = None
-    uri: str = DEFAULT_URI
-    slots: int = 1
-    wait: float | None = 0.0
-    ttl: float = DEFAULT_TTL
-    max_time: float | None = None
-    kill_after: float = DEFAULT_KILL_AFTER
-    namespace: str = DEFAULT_NAMESPACE
-    close: bool = False
-    verbose: bool = False
-    lost_kill_after: float = DEFAULT_LOST_KILL_AFTER
-
-
-def run(
-    argv: Sequence[str],
-    options: Options,
-    *,
-    log: Callable[[str], None],
-    live: Callable[[str], None] | None = None,
-) -> int:
-    """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises).
-
-    *log* gets lockrun's lines. With *live* (a terminal), ``-v`` shows the wait as one line
-    that *live* redraws in place; an empty string erases it.
-
-    Meant for a process that exits with the result: once the lock was held, INT, TERM and
-    HUP are left ignored, so a late signal cannot replace the command's status.
-    """
-    uri = parse_uri(options.uri)
-    if options.close and not uri.kind.inherits_fds:
-        msg = f"--close applies to the file: backend only, not {uri.scheme}:"
-        raise UsageError(msg)
-    check_options(options)
-    name = check_name(options.name) if options.name is not None else default_name(argv)
-    namespace = check_name(options.namespace, "namespace")
-    verbose = log if options.verbose else lambda _line: None
-    if options.name is None:
-        verbose(f"lock name {name} (derived from the command; set it with --name)")
-    request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
-    with _interruptible(name, verbose) as waiting:
-        backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
-        # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
-        # must take the command's group down with us (SPEC §4.2).
-        guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
-        try:
-            report = (
-                WaitReport(request, uri, log=log, live=live)
-                if options.verbose and options.wait != 0
-                else None
-            )
-            return _hold_and_run(
-                backend, request, argv, options, verbose, guardian, waiting, report
-            )
-        finally:
-            if guardian is not None:
-                guardian.stand_down()
-            backend.close()
-
-
-def _hold_and_run(
-    backend: Backend,
-    request: Request,
-    argv: Sequence[str],
-    options: Options,
-    verbose: Callable[[str], None],
-    guardian: Guardian | None,
-    waiting: _Waiting,
-    report: WaitReport | None,
-) -> int:
-    started = now()
-    try:
-        if report is not None:
-            try:
-                states = backend.status(request.namespace, request.name)
-            except BackendUnavailable:  # only a report: acquire() judges the outage itself
-                states = []
-            report.start(states)
-        lease = acquire(backend, request, options.wait)
-    except BaseException as err:
-        if report is not None:
-            report.stop()
-        if isinstance(err, BackendUnavailable | ConfigError):  # SPEC §2: the line names the lock
-            raise type(err)(f"{request.name}: {err}") from err
-        raise
-    held_since = started  # for the message only; set again at once
-    # From here on the signals of FORWARDED belong to the command: supervise() forwards them
-    # while it runs, and one that comes after it ended must not rewrite its exit status. One
-    # that lands before they are deferred still finds the slot released by the finally below.
-    try:
-        held_since = now()
-        with _deferred(FORWARDED):
-            waiting.over = True
-            if report is not None:  # here, where a signal cannot skip the release
-                report.stop()
-            fence = "" if lease.fence is None else f", fence {lease.fence}"
-            verbose(
-                f"acquired {request.name} slot {lease.slot} of {request.slots} "
-                f"after {format_duration(now() - started)}{fence}"
-            )
-            limits = Limits(
-                options.ttl / 3,
-                options.max_time,
-                options.kill_after,
-                min(options.kill_after, options.lost_kill_after),
-            )
-            if guardian is not None:
-                guardian.keep(lease.fds)
-            return supervise(
-                argv,
-                lease,
-                limits,
-                env=command_environment(request, lease),
-                pass_fds=lease.fds if guardian is None else (),
-                guardian=guardian,
-                forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
-                log=verbose,
-            )
-    except (
-        LeaseLost,
-        TimedOut,
-        CommandNotFound,
-        CommandNotExecutable,
-        BackendUnavailable,  # the lease could not be confirmed before the spawn
-    ) as err:
-        # SPEC §2: every lockrun-made status line names the lock.
-        raise type(err)(f"{request.name}: {err}") from err
-    finally:
-        lease.release()
-        verbose(f"released {request.name} after {format_duration(now() - held_since)}")
-
-
-def check_options(options: Options) -> None:
-    """Raise `UsageError` for a number of *options* out of its bounds (`lockrun.bounds`)."""
-    check_slots(options.slots, "--slots")
-    check_wait(options.wait, "--wait")
-    check_ttl(options.ttl, "--ttl")
-    if options.max_time is not None:  # 0 would stop every command
-        check_seconds(options.max_time, "--max-time", high=MAX_WAIT, above=True)
-    check_seconds(options.kill_after, "--kill-after", high=MAX_KILL_AFTER)
-    check_seconds(options.lost_kill_after, "--lost-kill-after", high=MAX_KILL_AFTER)
-
-
-def command_environment(request: Request, lease: Lease) -> dict[str, str]:
-    """Return the command's environment: ours plus LOCKRUN_NAME/SLOT/SLOTS/FENCE."""
-    env = dict(os.environ)
-    if "LOCKRUN_URI" in env:
-        # No password reaches the command; a lockrun it runs finds *** in the URI and
-        # refuses it (78) rather than fall back to file: (README "Security model").
-        env["LOCKRUN_URI"] = redact(env["LOCKRUN_URI"])
-    env |= {
-        "LOCKRUN_NAME": request.name,
-        "LOCKRUN_SLOT": str(lease.slot),
-        "LOCKRUN_SLOTS": str(request.slots),
-    }
-    if lease.fence is not None:
-        env["LOCKRUN_FENCE"] = str(lease.fence)
-    else:
-        env.pop("LOCKRUN_FENCE", None)
-    return env
-
-
-# While lockrun waits there is no command yet: these end the wait (exit 128+N, nothing held);
-# USR1 and USR2 are noted under -v and dropped. Once the command runs, every signal of
-# FORWARDED is the command's (supervise.py).
-_INTERRUPTS: Final = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
-
-
-class _Waiting:
-    """Whether we still wait for the lock, and which signals the caller had us ignore."""
-
-    def __init__(self) -> None:
-        self.over = False
-        self.ignored: frozenset[int] = frozenset()  # nohup's HUP: never forwarded either
-
-
-@contextlib.contextmanager
-def _interruptible(name: str, log: Callable[[str], None]) -> Iterator[_Waiting]:
-    """Turn INT, TERM, HUP and QUIT into `Interrupted`: waits unwind and release what they hold."""
-    waiting = _Waiting()
-
-    def interrupt(signo: int, _frame: FrameType | None) -> None:
-        if waiting.over:  # after the command: its status stands, lockrun is leaving anyway
-            return
-        what = signal.Signals(signo).name
-        if signo not in _INTERRUPTS:
-            log(f"{what} while waiting for {name}: no command yet to pass it to; dropped")
-            return
-        raise Interrupted(f"{what} while waiting for {name}; nothing is held", signo=signo)
-
-    previous = {}
-    ignored = set()
-    for signo in FORWARDED:
-        # Under nohup or `trap '' HUP` the signal stays ignored, for us and for the command.
-        if signal.getsignal(signo) is signal.SIG_IGN:
-            ignored.add(signo)
-        else:
-            previous[signo] = signal.signal(signo, interrupt)
-    waiting.ignored = frozenset(ignored)
-    try:
-        yield waiting
-    finally:
-        for signo, handler in previous.items():
-            # Once the lock was held, lockrun only finishes: the command's status stands.
-            signal.signal(signo, signal.SIG_IGN if waiting.over else handler)
-
-
-@contextlib.contextmanager
-def _deferred(signals: frozenset[signal.Signals]) -> Iterator[None]:
-    """Block *signals* for the block; drop those that arrived unclaimed before unblocking."""
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        while signal.sigtimedwait(signals, 0) is not None:
-            pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
-
-
-def states_for_status(uri: str, namespace: str, name: str | None) -> list[LockState]:
-    """Return what `lockrun status` shows."""
-    if name is not None:
-        check_name(name)
-    backend = open_backend(parse_uri(uri))
-    try:
-        return backend.status(check_name(namespace, "namespace"), name)
-    finally:
-        backend.close()
-
-
-__all__ = ["Lock", "Options", "acquire", "run"]
+__all__ = ["Lock", "acquire"]

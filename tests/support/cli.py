@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lockrun.lock import DEFAULT_NAMESPACE, states_for_status
+from lockrun.lock import DEFAULT_NAMESPACE
+from lockrun.runner import states_for_status
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

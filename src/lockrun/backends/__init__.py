@@ -2,7 +2,8 @@
 
 A backend is an adapter: it blocks natively until one of N slots is ours or a deadline
 passes, and hands back a `Lease`. Deadlines, lease cadence, exit statuses and process
-supervision live in `lockrun.lock` and `lockrun.supervise`, written once for all backends.
+supervision live in `lockrun.runner`, `lockrun.lock` and `lockrun.supervise`, written once for
+all backends.
 """
 
 from __future__ import annotations

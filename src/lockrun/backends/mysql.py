@@ -6,7 +6,7 @@ Names are digests, so a lock is the same on MySQL and MariaDB whatever the name'
 case or characters: ``lr:`` and 40 hex digits of SHA-256(namespace NUL name), then ``:0`` …
 ``:N-1`` for the slots and ``:gate`` for the queue of a semaphore.
 
-The semaphore is `lockrun.backends.gated`'s, on GET_LOCK, which the server grants in
+The semaphore is `lockrun.backends.sessionlock`'s, on GET_LOCK, which the server grants in
 arrival order; the head of a semaphore's queue KILLs its losing helper sessions.
 
 A slot lives with its session: the server frees it when the connection closes, or after the
@@ -27,7 +27,6 @@ import os
 import re
 import socket
 import ssl
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -44,15 +43,13 @@ from lockrun.backends import (
     readable_file,
     slots_mismatch,
 )
-from lockrun.backends.gated import GATE, Attempt, GatedBackend
+from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
-    LeaseLost,
     LockrunError,
 )
-from lockrun.timing import now
 from lockrun.uri import (
     Secrets,
     option_name,
@@ -242,7 +239,7 @@ def timeout_for(ttl: float) -> float:
 
     A tenth of the lease, at least a second: statements commit to disk, and a busy server
     takes longer than Redis (whose timeout is a twentieth). A check on the holding session
-    waits a whole lease instead (`MySQLLease.refresh`).
+    waits a whole lease instead (`SessionLease.refresh`).
     """
     return min(5.0, max(1.0, ttl / 10))
 
@@ -376,7 +373,7 @@ class Session:
             self.connection._force_close()  # noqa: SLF001 - close() would send COM_QUIT
 
 
-class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
+class MySQLBackend(SessionLockBackend[Session]):
     """Sessions on one MySQL or MariaDB server."""
 
     errors = (pymysql.err.Error,)
@@ -548,14 +545,16 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
                 with contextlib.suppress(pymysql.err.Error):
                     winner.one("KILL %s", (first.id,))
 
-    def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> MySQLLease:
+    def _grant(
+        self, session: Session, attempt: Attempt[Session], slot: int
+    ) -> SessionLease[Session]:
         """Record the holder, draw a fence, and refuse a live user with another N.
 
         Checking after recording ourselves catches two users of different N who got in at
         the same moment: the later check of the two sees the other's record.
         """
         fence = self._fence(session, attempt.request, attempt.key, slot)
-        lease = MySQLLease(self, session, attempt.key, slot, fence)
+        lease = SessionLease(self, session, f"{attempt.key}:{slot}", slot, fence)
         try:
             self._refuse_mismatch(session, attempt)
         except ConfigError:
@@ -606,6 +605,32 @@ class MySQLBackend(GatedBackend[Session, "MySQLLease"]):
         session.one(_RECORD, (key, slot, request.slots, request.namespace, request.name, record))
         self.tables = True
         return session.insert(_NEXT_FENCE, (key,))
+
+    # -- holding -------------------------------------------------------------------------
+
+    def holds(self, lease: SessionLease[Session]) -> bool:
+        """Whether the server still gives *lease*'s slot to its session."""
+        ours = lease.session.one(
+            "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (lease.key,), timeout=self.ttl
+        )
+        return bool(ours == 1)
+
+    def was_cancelled(self, err: Exception) -> bool:
+        """Whether *err* is KILL QUERY, max_statement_time or max_execution_time's."""
+        return isinstance(err, pymysql.err.Error) and err.args[0] in _CANCELLED
+
+    def said(self, err: Exception) -> str:
+        """Return the server's or the driver's words for *err*, without a password."""
+        assert isinstance(err, pymysql.err.Error)  # noqa: S101 - our `errors` are PyMySQL's
+        return _said(self.settings, err)
+
+    def give_back(self, lease: SessionLease[Session]) -> None:
+        """RELEASE_LOCK: the next waiter gets the slot at once.
+
+        The holder's row stays: it no longer counts once the slot is free, and the next
+        holder replaces it without waiting for a DELETE of ours to commit.
+        """
+        lease.session.one("SELECT RELEASE_LOCK(%s)", (lease.key,))
 
     # -- status --------------------------------------------------------------------------
 
@@ -757,69 +782,3 @@ def _mismatch(request: Request, slots: int, record: str) -> ConfigError:
             f"held with --slots {slots}; all users of a name must agree, "
             f"and this one has --slots {request.slots}"
         )
-
-
-class MySQLLease:
-    """A slot held by a server session, proven every ttl/3 and never reconnected."""
-
-    def __init__(
-        self, backend: MySQLBackend, session: Session, key: str, slot: int, fence: int | None
-    ) -> None:
-        """Describe *slot* of *key*, held by *session*."""
-        self.backend = backend
-        self.session = session
-        self.lock = f"{key}:{slot}"
-        self.key = key
-        self.slot = slot
-        self.fence = fence
-        self.ttl: float | None = backend.ttl
-        self.confirmed = now()  # the grant's time, set by the gated acquire
-        self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
-        self.sessions = self.fds  # the server frees the slot the moment it hangs up
-        self.released = False
-        self._busy = threading.Lock()  # one statement at a time on the session
-
-    def refresh(self) -> None:
-        """Prove the slot is still ours; `LeaseLost` if the session or the slot is gone."""
-        with self._busy:
-            if self.released:
-                return
-            try:
-                # No answer within the lease: the server has freed the slot by then. A
-                # shorter timeout would hang up while the slot may still be ours, and the
-                # supervisor stops a command whose check hangs on its own schedule.
-                ours = self.session.one(
-                    "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()",
-                    (self.lock,),
-                    timeout=self.backend.ttl,
-                )
-            except pymysql.err.Error as err:
-                # The session is not hung up on here: while the command may still run
-                # (its TERM grace), the server must not free the slot (README "Faults").
-                text = _said(self.backend.settings, err)
-                if err.args[0] in _CANCELLED:  # session and slot intact: ask again
-                    msg = f"the check was cancelled on the server ({text})"
-                    raise BackendUnavailable(msg) from err
-                msg = f"the session holding the lock ended ({text}); its locks are gone"
-                raise LeaseLost(msg) from err
-        if ours != 1:
-            msg = "the server no longer gives this session the lock"
-            raise LeaseLost(msg)
-
-    def release(self) -> None:
-        """Give the slot back (the next waiter gets it at once) and end the session."""
-        if self.released:
-            return
-        self.released = True
-        if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
-            self.session.abandon()
-            return
-        # The holder's row stays: it no longer counts once the slot is free, and the next
-        # holder replaces it without waiting for a DELETE of ours to commit.
-        try:
-            self.session.one("SELECT RELEASE_LOCK(%s)", (self.lock,))
-        except pymysql.err.Error:
-            self.session.abandon()  # the server frees what a lost session held
-        finally:
-            self.session.close()
-            self._busy.release()

@@ -7,7 +7,7 @@ part), where part is ``0`` … ``N-1`` for the slots and ``gate`` for the queue 
 semaphore (never ``hashtext``: 32 bits collide). pg_locks shows key k as ``classid = k >> 32``
 and ``objid = k & 0xffffffff`` (both unsigned), ``objsubid = 1``.
 
-The semaphore is `lockrun.backends.gated`'s, on pg_advisory_lock: the server grants in
+The semaphore is `lockrun.backends.sessionlock`'s, on pg_advisory_lock: the server grants in
 arrival order, and one ``lock_timeout`` bounds a wait (asking again would put us at the back
 of the queue; ``--wait forever`` sets none). The head of a semaphore's queue terminates its
 losing helper sessions with pg_terminate_backend.
@@ -30,7 +30,6 @@ import os
 import re
 import select
 import socket
-import threading
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -46,9 +45,9 @@ from lockrun.backends import (
     readable_file,
     slots_mismatch,
 )
-from lockrun.backends.gated import GATE, Attempt, GatedBackend
+from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
 from lockrun.bounds import MAX_SLOTS
-from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
+from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 from lockrun.timing import now
 from lockrun.uri import Secrets, scrub, secrets_of
 
@@ -340,7 +339,7 @@ class _Keys:
         self.agreed = slots_key(namespace, name)
 
 
-class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
+class PostgresBackend(SessionLockBackend[Session]):
     """Sessions on one PostgreSQL server (or a pooler in session mode)."""
 
     errors = (PgError,)
@@ -616,7 +615,9 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
                     raise
             return
 
-    def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> PostgresLease:
+    def _grant(
+        self, session: Session, attempt: Attempt[Session], slot: int
+    ) -> SessionLease[Session]:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
 
         Checking after taking it catches two users of different N who got in at the same
@@ -625,7 +626,7 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
         request = attempt.request
         holder = request.holder._replace(slot=slot, since=time.time())
         session.tag = _comment(request, attempt.token, holder)
-        lease = PostgresLease(self, session, attempt.key.slots[slot], slot, None)
+        lease = SessionLease(self, session, attempt.key.slots[slot], slot, None)
         try:
             lease.fence = self._fence(session, request, slot)
             self._refuse_mismatch(session, attempt)
@@ -692,6 +693,39 @@ class PostgresBackend(GatedBackend[Session, "PostgresLease"]):
                 raise ConfigError(msg)
             if (who.namespace, who.name) == (request.namespace, request.name):
                 raise slots_mismatch(request, who.holder, slots)
+
+    # -- holding -------------------------------------------------------------------------
+
+    def holds(self, lease: SessionLease[Session]) -> bool:
+        """Whether pg_locks still shows *lease*'s slot granted to its session."""
+        classid, objid = _halves(lease.key)
+        held = lease.session.one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND pid = pg_backend_pid() AND objsubid = 1 "
+            "AND classid = $1::oid AND objid = $2::oid",
+            classid,
+            objid,
+            timeout=self.ttl,
+        )
+        return held == "1"
+
+    def was_cancelled(self, err: Exception) -> bool:
+        """Whether *err* is pg_cancel_backend's or a statement timeout's (57014)."""
+        return isinstance(err, PgError) and err.sqlstate == _QUERY_CANCELED
+
+    def said(self, err: Exception) -> str:
+        """Return the server's or libpq's words for *err*, in one line, without a password."""
+        return _one_line(self.settings, err.message if isinstance(err, PgError) else str(err))
+
+    def give_back(self, lease: SessionLease[Session]) -> None:
+        """Unlock everything the session holds; sent, not awaited: the server unlocks first."""
+        lease.session.send("SELECT pg_advisory_unlock_all()")
+
+    def cut(self, lease: SessionLease[Session]) -> bool:
+        """Cut the connection under a hanging refresh; wait for that thread to leave libpq."""
+        lease.session.hang_up()
+        # Until the refresh thread is out of libpq's connection, leave the connection be.
+        return lease.busy.acquire(timeout=_REFRESH_GONE)
 
     # -- status --------------------------------------------------------------------------
 
@@ -848,72 +882,3 @@ def _stranger(pid: str | None, user: str | None, client: str | None, started: st
     where = client or "local socket"
     since = float(started) if started else None
     return Holder(f"{where} (backend {pid})", 0, user or "?", (), since=since)
-
-
-class PostgresLease:
-    """A slot held by a server session, proven every ttl/3 and never reconnected."""
-
-    def __init__(
-        self, backend: PostgresBackend, session: Session, key: int, slot: int, fence: int | None
-    ) -> None:
-        """Describe *slot* (advisory *key*), held by *session*."""
-        self.backend = backend
-        self.session = session
-        self.key = key
-        self.slot = slot
-        self.fence = fence
-        self.ttl: float | None = backend.ttl
-        self.confirmed = now()  # the grant's time, set by the gated acquire
-        self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
-        self.sessions = self.fds  # the server frees the slot the moment it hangs up
-        self.released = False
-        self._busy = threading.Lock()  # one statement at a time on the session
-
-    def refresh(self) -> None:
-        """Prove the slot is still ours in pg_locks; `LeaseLost` if the session or it is gone."""
-        classid, objid = _halves(self.key)
-        with self._busy:
-            if self.released:
-                return
-            try:
-                # No answer within the lease: the server has ended the session by then. A
-                # shorter timeout would hang up while the slot may still be ours, and the
-                # supervisor stops a command whose check hangs on its own schedule.
-                held = self.session.one(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                    "AND pid = pg_backend_pid() AND objsubid = 1 "
-                    "AND classid = $1::oid AND objid = $2::oid",
-                    classid,
-                    objid,
-                    timeout=self.backend.ttl,
-                )
-            except PgError as err:
-                # The session is not hung up on here: while the command may still run
-                # (its TERM grace), the server must not free the slot (README "Faults").
-                said = _one_line(self.backend.settings, err.message)
-                if err.sqlstate == _QUERY_CANCELED:  # pg_cancel_backend: session and slot intact
-                    msg = f"the check was cancelled on the server ({said})"
-                    raise BackendUnavailable(msg) from err
-                msg = f"the session holding the lock ended ({said}); its locks are gone"
-                raise LeaseLost(msg) from err
-        if held != "1":
-            msg = "the server no longer gives this session the lock"
-            raise LeaseLost(msg)
-
-    def release(self) -> None:
-        """Give the slot back (the next waiter gets it at once) and end the session."""
-        if self.released:
-            return
-        self.released = True
-        if not self._busy.acquire(blocking=False):  # a refresh hangs: hang up under it
-            self.session.hang_up()
-            if not self._busy.acquire(timeout=_REFRESH_GONE):
-                return  # the refresh thread still holds libpq's connection: leave it be
-        try:
-            # Sent, not awaited: the server unlocks before it reads our goodbye.
-            self.session.send("SELECT pg_advisory_unlock_all()")
-        except PgError:
-            self.session.abandon()  # the server frees what a lost session held
-        finally:
-            self.session.close()
-            self._busy.release()

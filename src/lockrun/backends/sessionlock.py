@@ -1,4 +1,7 @@
-"""A first-in first-out N-slot semaphore on a server's session locks; MySQL's and PostgreSQL's.
+"""Session locks with a gate: a first-in first-out N-slot semaphore on a server's session locks.
+
+MySQL's GET_LOCK and PostgreSQL's advisory locks are both session locks: held by a server
+session, freed when it ends.
 
 Both servers queue the waiters for a named lock in arrival order, hand a released lock to
 the next of them inside the release, and free every lock of a session that ends. On top
@@ -15,8 +18,8 @@ of that, with no polling anywhere:
   fence is drawn, so grants and fences follow the queue. ``--wait 0`` skips the gate and
   tries the slots once.
 
-A backend supplies sessions and the statements (`GatedBackend`'s abstract methods); the
-order of things lives here.
+A backend supplies sessions and the statements (`SessionLockBackend`'s abstract methods);
+the order of things lives here, and so does `SessionLease`, the slot a session holds.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from __future__ import annotations
 import abc
 import os
 import selectors
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
-from lockrun.errors import BackendUnavailable, Interrupted, LockrunError
+from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost, LockrunError
 from lockrun.timing import now
 
 if TYPE_CHECKING:
@@ -52,18 +56,7 @@ class Session(Protocol):
         """Hang up at once, mid-statement maybe. Never raises."""
 
 
-class Lease(Protocol):
-    """What a grant returns: a slot held by a session."""
-
-    confirmed: float  # see lockrun.backends.Lease
-
-    @property
-    def session(self) -> Any:  # noqa: ANN401 - the backend's own session type
-        """The session that holds the slot."""
-
-
 S = TypeVar("S", bound=Session)
-L = TypeVar("L", bound=Lease)
 
 
 class Attempt(Generic[S]):
@@ -89,7 +82,7 @@ class Attempt(Generic[S]):
         self.queued = False  # whether it got as far as waiting in the server's queue
 
 
-class GatedBackend(abc.ABC, Generic[S, L]):
+class SessionLockBackend(abc.ABC, Generic[S]):
     """The semaphore's order of things, over a backend's sessions and statements."""
 
     ttl: float
@@ -98,7 +91,7 @@ class GatedBackend(abc.ABC, Generic[S, L]):
     waits: str  # the statement that waits, for messages
     where: str  # the server, without a password, for messages
 
-    def acquire(self, request: Request, deadline: float | None) -> L | None:
+    def acquire(self, request: Request, deadline: float | None) -> SessionLease[S] | None:
         """Wait in the server's queue until a slot is ours, or *deadline* passes.
 
         A waiter that loses its connection (a server restart, a failover) connects and
@@ -123,7 +116,7 @@ class GatedBackend(abc.ABC, Generic[S, L]):
                     raise failure from err
                 time.sleep(min(_RECONNECT, self.ttl / 10))
 
-    def _attempt(self, attempt: Attempt[S]) -> L | None:
+    def _attempt(self, attempt: Attempt[S]) -> SessionLease[S] | None:
         """Queue once; close every session but the holder's, whatever happens.
 
         The gate is let go only after the grant drew its fence, so fences (and starts)
@@ -288,7 +281,7 @@ class GatedBackend(abc.ABC, Generic[S, L]):
         """From *winner*, end the other sessions' waits, and any slot they got meanwhile."""
 
     @abc.abstractmethod
-    def _grant(self, session: S, attempt: Attempt[S], slot: int) -> L:
+    def _grant(self, session: S, attempt: Attempt[S], slot: int) -> SessionLease[S]:
         """Draw a fence, record the holder, refuse another N: return the lease."""
 
     @abc.abstractmethod
@@ -298,3 +291,91 @@ class GatedBackend(abc.ABC, Generic[S, L]):
     @abc.abstractmethod
     def _end(self, sessions: Sequence[S]) -> None:
         """End *sessions* we hung up on, on the server, so their waits leave the queue now."""
+
+    # -- what a backend supplies for its leases -------------------------------------------
+
+    @abc.abstractmethod
+    def holds(self, lease: SessionLease[S]) -> bool:
+        """Ask on *lease*'s session whether it still holds the slot (the answer may take a ttl).
+
+        No answer within the lease: the server has freed the slot by then. A shorter
+        timeout would hang up while the slot may still be ours, and the supervisor stops a
+        command whose check hangs on its own schedule.
+        """
+
+    @abc.abstractmethod
+    def was_cancelled(self, err: Exception) -> bool:
+        """Whether *err* is our statement cancelled on the server, its session intact."""
+
+    @abc.abstractmethod
+    def said(self, err: Exception) -> str:
+        """Return what the driver's *err* says, in one line without a password."""
+
+    @abc.abstractmethod
+    def give_back(self, lease: SessionLease[S]) -> None:
+        """Release *lease*'s slot on its session; the next waiter gets it at once."""
+
+    def cut(self, lease: SessionLease[S]) -> bool:
+        """Hang up under a refresh that hangs; True once *lease* may say goodbye itself."""
+        lease.session.abandon()
+        return False
+
+
+class SessionLease(Generic[S]):
+    """A slot held by a server session, proven every ttl/3 and never reconnected."""
+
+    def __init__(
+        self,
+        backend: SessionLockBackend[S],
+        session: S,
+        key: Any,  # noqa: ANN401 - the backend's name for the slot
+        slot: int,
+        fence: int | None,
+    ) -> None:
+        """Describe *slot* (the backend's *key*), held by *session*."""
+        self.backend = backend
+        self.session = session
+        self.key = key
+        self.slot = slot
+        self.fence = fence
+        self.ttl: float | None = backend.ttl
+        self.confirmed = now()  # the grant's time, set by SessionLockBackend._attempt
+        self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
+        self.sessions = self.fds  # the server frees the slot the moment it hangs up
+        self.released = False
+        self.busy = threading.Lock()  # one statement at a time on the session
+
+    def refresh(self) -> None:
+        """Prove the slot is still ours; `LeaseLost` if the session or the slot is gone."""
+        with self.busy:
+            if self.released:
+                return
+            try:
+                ours = self.backend.holds(self)
+            except self.backend.errors as err:
+                # The session is not hung up on here: while the command may still run
+                # (its TERM grace), the server must not free the slot (README "Faults").
+                said = self.backend.said(err)
+                if self.backend.was_cancelled(err):  # session and slot intact: ask again
+                    msg = f"the check was cancelled on the server ({said})"
+                    raise BackendUnavailable(msg) from err
+                msg = f"the session holding the lock ended ({said}); its locks are gone"
+                raise LeaseLost(msg) from err
+        if not ours:
+            msg = "the server no longer gives this session the lock"
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Give the slot back (the next waiter gets it at once) and end the session."""
+        if self.released:
+            return
+        self.released = True
+        if not self.busy.acquire(blocking=False) and not self.backend.cut(self):  # a refresh hangs
+            return
+        try:
+            self.backend.give_back(self)
+        except self.backend.errors:
+            self.session.abandon()  # the server frees what a lost session held
+        finally:
+            self.session.close()
+            self.busy.release()

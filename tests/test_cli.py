@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -238,9 +239,12 @@ def test_slots_mismatch_exits_78(file_uri: str, name: str, held: Callable[..., H
     holder = held("--uri", file_uri, "-n", name, "-s", "2")
     result = lockrun("--uri", file_uri, "-n", name, "-s", "3", "--", "true")
     assert result.returncode == ExitCode.CONFIG
-    assert (
-        "held with --slots 2 by root@" in one_line(result.stderr)
-        or "held with --slots 2" in result.stderr
+    line = one_line(result.stderr)
+    assert f"in use with 2 slots by root@{socket.gethostname()} pid {holder.process.pid}" in line
+    # One message for CLI and API users alike: it names both ways of setting N.
+    assert "but this one asks for 3 slots;" in line
+    assert line.endswith(
+        "all users of a name must agree on its slots (--slots, or slots= in Python)"
     )
     holder.finish()
 

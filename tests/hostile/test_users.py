@@ -487,7 +487,7 @@ def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
         wait_until_locked(lock_file)
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 78
-        assert "held with --slots 7 by mallory@h pid 1" in one_line(result.stderr)
+        assert "in use with 7 slots by mallory@h pid 1" in one_line(result.stderr)
     finally:
         holder.kill()
         holder.wait()

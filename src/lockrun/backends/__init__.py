@@ -288,12 +288,24 @@ class Backend(Protocol):
         """Drop connections; held leases are released by their own `release`."""
 
 
-def slots_mismatch(request: Request, holder: Holder, slots: int) -> ConfigError:
-    """Return the error for a live *holder* that uses *request*'s name with other *slots*."""
+def slots_mismatch(
+    request: Request, slots: int, holder: Holder | None = None, where: str = ""
+) -> ConfigError:
+    """Return the one error for a name in use with other *slots* than *request*'s.
+
+    Said alike to CLI and API users; *holder* is who uses the other N, if known, and
+    *where* the server's name for the lock, where that helps to find it.
+    """
+    by = f" by {holder.user}@{holder.host} pid {holder.pid}" if holder is not None else ""
+    at = f" at {where}" if where else ""
     return ConfigError(
-        f"held with --slots {slots} by {holder.user}@{holder.host} pid "
-        f"{holder.pid}; all users of a name must agree, and this one has --slots {request.slots}"
+        f"in use with {_slots(slots)}{by}{at}, but this one asks for {_slots(request.slots)}; "
+        "all users of a name must agree on its slots (--slots, or slots= in Python)"
     )
+
+
+def _slots(count: int) -> str:
+    return "1 slot" if count == 1 else f"{count} slots"
 
 
 def next_fence(previous: bytes) -> int:

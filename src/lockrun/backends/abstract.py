@@ -281,7 +281,7 @@ class AbstractBackend:
         slots = [f"{base}/{slot}" for slot in range(request.slots)]
         for holder, their_slots in _holders(base):
             if their_slots != request.slots:
-                raise slots_mismatch(request, holder, their_slots)
+                raise slots_mismatch(request, their_slots, holder)
         with self._waiting(base, request):
             if request.slots == 1:
                 return self._grant(base, request.slots, take(slots, deadline))

@@ -301,7 +301,7 @@ class FileBackend:
                 continue
             locks = _proc_locks() if locks is None else locks  # only when a record disagrees
             if locks.get(identity, _Locks([], [])).holding:
-                raise slots_mismatch(request, record.holder, record.slots)
+                raise slots_mismatch(request, record.slots, record.holder)
 
     def _take_slot(
         self, base: str, slots: int, deadline: float | None

@@ -776,9 +776,7 @@ def _first_free(key: str, slots: int) -> str:
 
 def _mismatch(request: Request, slots: int, record: str) -> ConfigError:
     try:
-        return slots_mismatch(request, Holder.from_dict(read_json(record)), slots)
-    except ValueError:
-        return ConfigError(
-            f"held with --slots {slots}; all users of a name must agree, "
-            f"and this one has --slots {request.slots}"
-        )
+        holder = Holder.from_dict(read_json(record))
+    except ValueError:  # a row another client of the server wrote: said without it
+        holder = None
+    return slots_mismatch(request, slots, holder)

@@ -686,13 +686,9 @@ class PostgresBackend(SessionLockBackend[Session]):
             if not 1 <= slots <= MAX_SLOTS:  # no lockrun takes (key, N) with such an N
                 continue
             if who is None:  # another role's session: trust the 32-bit key
-                msg = (
-                    f"held with --slots {slots}; all users of a name must agree, "
-                    f"and this one has --slots {attempt.slots}"
-                )
-                raise ConfigError(msg)
+                raise slots_mismatch(request, slots)
             if (who.namespace, who.name) == (request.namespace, request.name):
-                raise slots_mismatch(request, who.holder, slots)
+                raise slots_mismatch(request, slots, who.holder)
 
     # -- holding -------------------------------------------------------------------------
 

@@ -1020,12 +1020,7 @@ class RedisBackend:
         """Return the --slots mismatch error, naming a live user of the other N."""
         users = self.status(request.namespace, request.name)
         people = [person for state in users for person in (*state.holders, *state.waiters)]
-        if people:
-            return slots_mismatch(request, people[0], slots)
-        return ConfigError(
-            f"in use with --slots {slots} at {prefix}; all users of a name "
-            f"must agree, and this one has --slots {request.slots}"
-        )
+        return slots_mismatch(request, slots, people[0] if people else None, prefix)
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""

@@ -1,6 +1,6 @@
 """Run a command under a named lock or one slot of an N-slot semaphore.
 
-``import lockrun`` imports neither click nor any database driver (SPEC §5).
+``import lockrun`` imports neither click nor any database driver (docs/api.md).
 """
 
 from lockrun.backends import Lease

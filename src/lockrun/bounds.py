@@ -1,7 +1,7 @@
 """The bounds of every number lockrun takes, checked once for the CLI and the Python API.
 
 A number out of bounds is a usage error (64; `UsageError` in the API) before anything is
-opened, so no backend meets a slot count, a lease or a wait it cannot express. The README's
+opened, so no backend meets a slot count, a lease or a wait it cannot express. docs/semantics.md's
 "Options" table lists the bounds.
 """
 

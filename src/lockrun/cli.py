@@ -422,7 +422,7 @@ def _table(states: Sequence[LockState]) -> str:
 
 
 def main(args: Sequence[str] | None = None) -> NoReturn:
-    """Run the CLI and exit with SPEC §2's status."""
+    """Run the CLI and exit with the status of docs/semantics.md "Exit status"."""
     _occupy_closed_standard_fds()
     if instruction := os.environ.get(COMPLETE_VAR):  # the completion scripts call us back
         _exit(_complete(instruction))

@@ -1,4 +1,7 @@
-"""Exit statuses and the exception hierarchy; each exception carries its status (SPEC §2)."""
+"""Exit statuses and the exception hierarchy; each exception carries its status.
+
+docs/semantics.md "Exit status" gives what each status means.
+"""
 
 from __future__ import annotations
 

@@ -43,12 +43,15 @@ if TYPE_CHECKING:
     from types import FrameType
 
 DEFAULT_KILL_AFTER: Final = 10.0
-# Once the lock is known gone someone else may hold it: a short grace (README "Guarantees").
+# Once the lock is known gone someone else may hold it: a short grace (docs/semantics.md G3).
 DEFAULT_LOST_KILL_AFTER: Final = 1.0
 
 
 class Options(NamedTuple):
-    """The CLI's options (SPEC §1), with durations in seconds and None for forever/none."""
+    """The CLI's options, with durations in seconds and None for forever or none.
+
+    docs/semantics.md "Options" describes each.
+    """
 
     name: str | None = None
     uri: str = DEFAULT_URI
@@ -70,7 +73,9 @@ def run(
     log: Callable[[str], None],
     live: Callable[[str], None] | None = None,
 ) -> int:
-    """Run *argv* under the lock of *options*; return its status (see SPEC §2 for raises).
+    """Run *argv* under the lock of *options*; return its status.
+
+    What it raises maps to an exit status (docs/semantics.md "Exit status").
 
     *log* gets lockrun's lines. With *live* (a terminal), ``-v`` shows the wait as one line
     that *live* redraws in place; an empty string erases it.
@@ -92,7 +97,7 @@ def run(
     with _interruptible(name, verbose) as waiting:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
-        # must take the command's group down with us (SPEC §4.2).
+        # must take the command's group down with us (docs/semantics.md G2).
         guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
         try:
             report = (
@@ -131,7 +136,9 @@ def _hold_and_run(
     except BaseException as err:
         if report is not None:
             report.stop()
-        if isinstance(err, BackendUnavailable | ConfigError):  # SPEC §2: the line names the lock
+        if isinstance(
+            err, BackendUnavailable | ConfigError
+        ):  # docs/semantics.md "Exit status": the line names the lock
             raise type(err)(f"{request.name}: {err}") from err
         raise
     held_since = started  # for the message only; set again at once
@@ -174,7 +181,7 @@ def _hold_and_run(
         CommandNotExecutable,
         BackendUnavailable,  # the lease could not be confirmed before the spawn
     ) as err:
-        # SPEC §2: every lockrun-made status line names the lock.
+        # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
     finally:
         lease.release()
@@ -197,7 +204,7 @@ def command_environment(request: Request, lease: Lease) -> dict[str, str]:
     env = dict(os.environ)
     if "LOCKRUN_URI" in env:
         # No password reaches the command; a lockrun it runs finds *** in the URI and
-        # refuses it (78) rather than fall back to file: (README "Security model").
+        # refuses it (78) rather than fall back to file: (docs/security.md "Passwords in URIs").
         env["LOCKRUN_URI"] = redact(env["LOCKRUN_URI"])
     env |= {
         "LOCKRUN_NAME": request.name,

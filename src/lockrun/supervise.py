@@ -2,7 +2,7 @@
 
 No Python signal handlers: the signals we care about are blocked and taken one at a time
 from `sigtimedwait`, whose timeout doubles as the lease-refresh and --max-time timer
-(aesthetics.md §5.6). Lease refreshes run in a short-lived thread each, so a backend that
+(docs/design.md A9). Lease refreshes run in a short-lived thread each, so a backend that
 hangs cannot hold up a stop the lease needs. A session lock (MySQL, PostgreSQL) is also
 watched for the server hanging up, which frees it at once, between two refreshes.
 """
@@ -50,7 +50,7 @@ _HANGUP: Final = signal.SIGURG
 _WATCHED: Final = FORWARDED | {signal.SIGCHLD, _HANGUP}
 # SIGTTOU: taking the terminal back from the command's group while we are in the background.
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
-# CPython ignores these and exec(2) would pass that on (aesthetics.md §5.6).
+# CPython ignores these and exec(2) would pass that on (docs/design.md A9).
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 _RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
 _POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally ~1 ms)
@@ -76,9 +76,9 @@ class Limits(NamedTuple):
 class Guardian:
     """A forked process that stops the command's group when lockrun cannot.
 
-    SPEC §4.2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
-    command alone, not its children, and only after a fork→prctl race (algorithms.md
-    pitfall 18). The guardian instead leads a new process group that the command is then
+    docs/semantics.md G2: the command never runs without the lock. PR_SET_PDEATHSIG would cover the
+    command alone, not its children, and only after a fork→prctl race (docs/design.md
+    P18). The guardian instead leads a new process group that the command is then
     spawned into, so no moment exists when the command runs unguarded. It is forked before
     the wait, off the hand-over path, and then given copies of the lock's descriptors, so
     the lock stays held until the group is dead.

@@ -17,7 +17,7 @@ FOREVER: Final = "forever"
 def now() -> float:
     """Return seconds on a clock that never steps back and keeps counting through suspend."""
     # clock_gettime(2): CLOCK_MONOTONIC stops while the machine sleeps; a laptop that
-    # suspends mid-lease must not believe its lease is still fresh (algorithms.md P1).
+    # suspends mid-lease must not believe its lease is still fresh (docs/design.md D1).
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 

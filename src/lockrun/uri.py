@@ -5,7 +5,7 @@ typed by hand and often not percent-encoded. Each parser downstream splits such 
 own way: RFC 3986 ends the authority at the first ``/``, ``?`` or ``#``, libpq at the first
 ``@`` or ``/``. A URI on which they could disagree is refused before any of them sees it, and
 every message shows `redact`'s form, which hides the whole user information and every
-secret option (docs: README "Security model").
+secret option (docs: docs/security.md "Passwords in URIs").
 
 The scheme table lives here too, with what each scheme's backend can do: the CLI, the
 runner, `open_backend` and the tests all read `SCHEMES`. This module imports nothing else of

@@ -1,7 +1,7 @@
 """Linux abstract-namespace UNIX sockets: locks with no files, gone the instant a holder dies.
 
 A slot is a listening socket bound to an abstract name; bind(2) is exclusive and the kernel
-frees the name when the last descriptor closes, SIGKILL included (algorithms.md §2.1).
+frees the name when the last descriptor closes, SIGKILL included (docs/design.md A3).
 Waiters connect to the holder and sit in its accept backlog, which is FIFO. On release the
 holder accepts the oldest waiter and hands it the listening socket itself with SCM_RIGHTS,
 so the name never becomes free for a latecomer to take. With N slots every waiter first
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from lockrun.uri import LockURI
 
 _BACKLOG: Final = 4096  # capped by net.core.somaxconn; a full backlog looks like a transition
-_RECHECK: Final = 5.0  # every wait re-reads the truth this often (algorithms.md P2)
+_RECHECK: Final = 5.0  # every wait re-reads the truth this often (docs/design.md D2)
 TRANSITION: Final = 0.005  # a name bound but not yet listening: look again this soon
 GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is only sweeping
 _UCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid (unix(7))

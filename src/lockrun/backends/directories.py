@@ -5,7 +5,7 @@ one component at a time, each relative to the directory before it, and a symlink
 only if no other user could have planted or changed it: it is ours or root's, in a directory
 that no other user can write to (or a sticky one, where others cannot replace it). So a
 trailing slash, a symlinked parent or a link swapped in mid-way cannot send root's writes
-somewhere else (README "Security model").
+somewhere else (docs/security.md).
 """
 
 from __future__ import annotations

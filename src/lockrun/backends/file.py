@@ -5,7 +5,7 @@ mutex excludes flock(1) users and the other way round. Lock files are never unli
 unlink-on-release lets two processes lock two inodes of one path (portalocker #115,
 tox-dev/filelock #27). A semaphore queues its waiters on ``<name>.gate``, which the kernel
 grants in arrival order; only the gate's holder sweeps the slot files ``<name>~<i>.lock``
-and sleeps until a slot holder's abstract socket hangs up (algorithms.md §2.1).
+and sleeps until a slot holder's abstract socket hangs up (docs/design.md A2).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def wait_flock(fd: int, deadline: float | None) -> bool:
     if timeout <= 0:
         return False
     # A timed flock: an interval timer whose handler raises interrupts the blocking call
-    # (PEP 475 retries EINTR only when the handler returns) [algorithms.md §2.1, verified].
+    # (PEP 475 retries EINTR only when the handler returns) [docs/design.md A1, verified].
     try:
         previous = signal.signal(signal.SIGALRM, _raise_expired)
     except ValueError:  # not the main thread: no signals here, so look twice a second

@@ -1,6 +1,6 @@
 """MySQL and MariaDB: user locks (GET_LOCK) as a first-in first-out semaphore.
 
-algorithms.md §2.3 has the measurements behind this design.
+docs/design.md A6 and A7 give the reasons behind this design.
 
 Names are digests, so a lock is the same on MySQL and MariaDB whatever the name's length,
 case or characters: ``lr:`` and 40 hex digits of SHA-256(namespace NUL name), then ``:0`` …
@@ -12,7 +12,7 @@ arrival order; the head of a semaphore's queue KILLs its losing helper sessions.
 A slot lives with its session: the server frees it when the connection closes, or after the
 session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
 ttl/3 with ``IS_USED_LOCK(slot) = CONNECTION_ID()`` and never reconnects: a session that
-failed once has lost its locks (pitfall 19).
+failed once has lost its locks (docs/design.md P19).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ _OPTIONS: Final = frozenset(
 )
 _FILES: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key", "read_default_file"})
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
-# MariaDB returns NULL at once (pitfall 20). A wait this long is asked again when it ends.
+# MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
 _FOREVER: Final = 31_536_000
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
@@ -410,7 +410,7 @@ class MySQLBackend(SessionLockBackend[Session]):
         session = Session(connection, self.timeout)
         try:
             self._keepalive(session)
-            # A stalled holder keeps its locks only as long as its lease (pitfall 21); no
+            # A stalled holder keeps its locks only as long as its lease (docs/design.md P21); no
             # statement time limit may cut a long GET_LOCK short.
             limit = "max_statement_time" if session.mariadb else "max_execution_time"
             session.row(
@@ -438,7 +438,7 @@ class MySQLBackend(SessionLockBackend[Session]):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
     def _check(self, session: Session) -> None:
-        """Refuse a Galera node: its user locks are local to the node (pitfall 20)."""
+        """Refuse a Galera node: its user locks are local to the node (docs/design.md P20)."""
         row = session.row("SHOW VARIABLES LIKE 'wsrep\\_on'")
         if row is not None and str(row[1]).upper() == "ON":
             msg = (
@@ -500,7 +500,7 @@ class MySQLBackend(SessionLockBackend[Session]):
     def _lock(
         self, session: Session, part: int | str, seconds: float | None, attempt: Attempt[Session]
     ) -> bool:
-        """One GET_LOCK (never a negative timeout, pitfall 20)."""
+        """One GET_LOCK (never a negative timeout, docs/design.md P20)."""
         limit = _FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
         got = session.one(_get_lock(f"{attempt.key}:{part}", limit, attempt.tag), timeout=patience)

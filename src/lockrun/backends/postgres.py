@@ -1,6 +1,6 @@
 """PostgreSQL: session advisory locks as a first-in first-out semaphore (psycopg 3).
 
-algorithms.md §2.4 has the measurements behind this design.
+docs/design.md A6 and A8 give the reasons behind this design.
 
 Keys are signed 64-bit: the first 8 bytes, big-endian, of SHA-256(namespace NUL name NUL
 part), where part is ``0`` … ``N-1`` for the slots and ``gate`` for the queue of a
@@ -14,7 +14,7 @@ losing helper sessions with pg_terminate_backend.
 
 A slot lives with its session: the server frees it when the connection ends, or once the
 session idled for its ``idle_session_timeout``, which is the lease. The holder proves
-ownership in pg_locks every ttl/3 and never reconnects (no pools, pitfall 19). Every holder
+ownership in pg_locks every ttl/3 and never reconnects (no pools, docs/design.md P19). Every holder
 also takes the shared int-pair lock (hash32(namespace NUL name), N), which tells users of
 another N apart. Statements carry a ``/* lockrun {json} */`` comment naming who runs them,
 which `lockrun status` reads back from pg_stat_activity.
@@ -451,7 +451,7 @@ class PostgresBackend(SessionLockBackend[Session]):
             raise BackendUnavailable(msg)
 
     def _check_pooler(self, session: Session) -> None:
-        """Refuse a pooler that shares server sessions between clients (pitfall 22).
+        """Refuse a pooler that shares server sessions between clients (docs/design.md P22).
 
         Something between us and the server answered with its own process id. In session
         pooling our server session is ours alone; in transaction pooling the session we

@@ -1,4 +1,4 @@
-"""Redis: a first-in first-out lease semaphore in Lua (algorithms.md §2.2).
+"""Redis: a first-in first-out lease semaphore in Lua (docs/design.md A4).
 
 Every lock is a handful of keys under one hash tag, ``lockrun:{NS/NAME}:…``, so Redis
 Cluster keeps them in one slot. Holders are a sorted set of acquisition tokens scored by
@@ -69,10 +69,10 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 
 # -- the scripts -----------------------------------------------------------------------------
-# KEYS: holders queue waiters ticket fence owners info n clients (README "What lockrun stores")
+# KEYS: holders queue waiters ticket fence owners info n clients (docs/backends.md "Redis")
 # ARGV: key prefix, token, N, lease ms, holder JSON, mode, our connection's CLIENT ID
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
-# is stored, because Lua's own tostring() would round a 16-digit integer (pitfall 27).
+# is stored, because Lua's own tostring() would round a 16-digit integer (docs/design.md P27).
 
 _PRELUDE: Final = (
     f"local MAX_SLOTS = {MAX_SLOTS}\n"
@@ -501,7 +501,7 @@ _FAILURES: Final[
         BackendUnavailable,
         (
             "{where}: a key of this lock holds data lockrun did not write (WRONGTYPE); delete "
-            "the lock's keys (README: What each backend stores)"
+            "the lock's keys (docs/backends.md: Redis)"
         ),
     ),
     (
@@ -554,7 +554,10 @@ _REPLY_ERRORS: Final = (
 
 
 class _NotDurable(errors.ConnectionError):
-    """The node answered, but what it grants now could be lost to a failover (README "Sentinel")."""
+    """The node answered, but a failover could lose what it grants now.
+
+    docs/backends.md "Sentinel".
+    """
 
 
 class _SentinelView(NamedTuple):
@@ -632,7 +635,7 @@ class RedisBackend:
                 "decode_responses": True,
                 "driver_info": None,  # no CLIENT SETINFO round trips on connect
             }
-            # No hidden retries: a retried BLPOP could outlive the lease (pitfall 8);
+            # No hidden retries: a retried BLPOP could outlive the lease (docs/design.md P8);
             # lockrun's own loops decide when to ask again.
             no_retries = Retry(NoBackoff(), 0)
             settings = self.settings
@@ -692,10 +695,10 @@ class RedisBackend:
 
         A demoted primary stays writable for seconds after a failover, and one cut off
         with its clients stays writable for as long as the cut lasts: a lease renewed
-        there is worth nothing (README "Sentinel"). So the node must be the one that most of the
-        sentinels name now, it must call itself a primary, and a grant or renewal counts
-        only once a connected replica has it (WAIT), so that promoting that replica
-        cannot forget it (`_check_durable`).
+        there is worth nothing (docs/backends.md "Sentinel"). So the node must be the one
+        that most of the sentinels name now, it must call itself a primary, and a grant or
+        renewal counts only once a connected replica has it (WAIT), so that promoting that
+        replica cannot forget it (`_check_durable`).
         """
         view = self._sentinel_view()
         self._named = view.primary
@@ -831,7 +834,10 @@ class RedisBackend:
         return BackendUnavailable(f"{where}: {text}")
 
     def check_eviction(self, client: redis.Redis) -> None:
-        """Warn once when the server may evict lock keys under memory pressure (pitfall 25)."""
+        """Warn once when the server may evict lock keys under memory pressure.
+
+        docs/design.md P25.
+        """
         try:
             config = client.config_get("maxmemory*")
         except errors.ResponseError:  # managed Redis often forbids CONFIG: nothing to say
@@ -881,8 +887,9 @@ class RedisBackend:
                     if remaining is not None and remaining <= 0:
                         self.leave(claim)
                         return None
-                    # Bounded sleeps: the wake list is only a hint (P2), and asking again
-                    # renews our place in the queue, which lapses after a ttl without word.
+                    # Bounded sleeps: the wake list is only a hint (docs/design.md D2), and
+                    # asking again renews our place in the queue, which lapses after a ttl
+                    # without word.
                     block = min(extra / 1000 + 0.002, request.ttl / 2)
                     if remaining is not None:
                         block = min(block, remaining)

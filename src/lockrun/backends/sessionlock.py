@@ -354,7 +354,7 @@ class SessionLease(Generic[S]):
                 ours = self.backend.holds(self)
             except self.backend.errors as err:
                 # The session is not hung up on here: while the command may still run
-                # (its TERM grace), the server must not free the slot (README "Faults").
+                # (its TERM grace), the server must not free the slot (docs/semantics.md "Faults").
                 said = self.backend.said(err)
                 if self.backend.was_cancelled(err):  # session and slot intact: ask again
                     msg = f"the check was cancelled on the server ({said})"

@@ -35,8 +35,6 @@ LOCKRUN = re.compile(r"(?:[A-Za-z]+=)?(?:\S*/)?lockrun")
 SHELL_WORDS = frozenset({"|", "||", "&&", ";", "&", ")", "#"})
 CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
 CRON_LINE = re.compile(r"[\d*][\d*/,-]*\s")
-# Linked from README.md, but written on another branch of #10: no failure while they are missing.
-ELSEWHERE = frozenset({"CONTRIBUTING.md", "SECURITY.md"})
 YAML_KEY = re.compile(r'([\w.$-]+|"[^"]*"):(?: (.*))?')
 
 
@@ -378,10 +376,9 @@ def test_every_link_between_the_pages_leads_somewhere() -> None:
                 continue
             path, _, anchor = target.partition("#")
             file = (ROOT / page).parent / path if path else ROOT / page
-            if not file.exists():
-                if file.resolve().relative_to(ROOT.resolve()).as_posix() not in ELSEWHERE:
-                    broken.append((page, target))
-            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+            if not file.exists() or (
+                anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text())
+            ):
                 broken.append((page, target))
     assert broken == []
 
@@ -393,3 +390,41 @@ def test_the_readme_is_short_and_every_page_is_reachable() -> None:
         if page.startswith("docs/") and page != "docs/benchmarks.md":
             assert f"({page})" in PAGES["README.md"], page
             assert "(../README.md)" in text, page
+
+
+# What comments and docstrings cite: `docs/design.md P20`, `docs/semantics.md "Exit status"`.
+CITATION = re.compile(r'docs/(\w+)\.md(?:,? (?:([A-Z]\d+)\b|"([^"]+)"))?')
+# Documents that lived outside the repository; nothing may cite them any more.
+OUTSIDE = re.compile(r"SPEC §|algorithms\.md|aesthetics\.md|STYLE\.md|\bpitfall \d")
+
+
+def _sources() -> Iterator[Path]:
+    for top in ("src", "tests", "bench", "scripts"):
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.is_file() and path.suffix not in {".pyc", ".png"}:
+                yield path
+
+
+def test_code_cites_documents_of_the_repository_that_exist() -> None:
+    """Every docs/ page, numbered item and section that code cites exists; nothing outside."""
+    labels = {
+        page: set(re.findall(r"\*\*([A-Z]\d+)\.|^#+ ([A-Z]\d+)\.", text, re.MULTILINE))
+        for page, text in PAGES.items()
+    }
+    broken = []
+    for path in _sources():
+        text = path.read_text(errors="replace")
+        where = path.relative_to(ROOT).as_posix()
+        if path.name != "test_readme.py":
+            broken += [(where, hit) for hit in OUTSIDE.findall(text)]
+        for page, label, section in CITATION.findall(text):
+            found = PAGES.get(f"docs/{page}.md")
+            if found is None:
+                broken.append((where, f"docs/{page}.md"))
+            elif label and label not in {
+                name for pair in labels[f"docs/{page}.md"] for name in pair
+            }:
+                broken.append((where, f"docs/{page}.md {label}"))
+            elif section and not re.search(rf"(?m)^#+ {re.escape(section)}", found):
+                broken.append((where, f'docs/{page}.md "{section}"'))
+    assert broken == []

@@ -556,7 +556,7 @@ _REPLY_ERRORS: Final = (
 class _NotDurable(errors.ConnectionError):
     """The node answered, but a failover could lose what it grants now.
 
-    docs/backends.md "Sentinel".
+    docs/design.md A5.
     """
 
 
@@ -695,7 +695,7 @@ class RedisBackend:
 
         A demoted primary stays writable for seconds after a failover, and one cut off
         with its clients stays writable for as long as the cut lasts: a lease renewed
-        there is worth nothing (docs/backends.md "Sentinel"). So the node must be the one
+        there is worth nothing (docs/design.md A5). So the node must be the one
         that most of the sentinels name now, it must call itself a primary, and a grant or
         renewal counts only once a connected replica has it (WAIT), so that promoting that
         replica cannot forget it (`_check_durable`).

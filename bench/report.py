@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """Write lockrun's benchmark report: one Markdown table per backend beside flock(1), and a plot.
 
-Run it as ``bench/report [--quick] [--out DIR] [--backends file,abstract,…]``. For each
-backend it measures start-up, handoff latency, the CPU of idle waiters and the acquire/release
-cycles of 8 contenders, each with flock(1) in the same run, and writes ``benchmarks.md`` and
-``handoff-latency.png`` into DIR (the repository's ``docs/`` by default). It builds on
-``bench.py`` beside it, which starts the Redis, MariaDB and PostgreSQL servers of its own.
-The exit status is 1 when something broke (listed at the end), 2 without matplotlib.
+Run it from the repository root as ``python -m bench.report [--quick] [--out DIR]
+[--backends file,abstract,…]``. For each backend it measures start-up, handoff latency, the
+CPU of idle waiters and the acquire/release cycles of 8 contenders, each with flock(1) in the
+same run, and writes ``benchmarks.md`` and ``handoff-latency.png`` into DIR (the repository's
+``docs/`` by default). The exit status is 1 when something broke (listed at the end), 2
+without matplotlib.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,49 +24,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py is our library
-
-from bench import (
+from bench.core import (
     FLOCK,
-    FULL,
     QUICK,
+    SERVED,
     Bench,
     Broken,
-    Kind,
-    MariaServer,
-    PostgresServer,
+    Effort,
     Processes,
-    RedisServer,
-    Unavailable,
+    catch_term,
     compile_bytecode,
     find_lockrun,
-    handoff_trials,
-    idle_case,
     load_average,
+    lockrun_version,
     make_target,
-    start_mysql,
-    start_postgres,
-    start_redis,
-    stop_on_term,
-    time_commands,
+    percentile,
+    problems,
 )
+from bench.measure import handoff_trials, idle_case, imports, time_commands
+from bench.servers import Unavailable, serving
+from lockrun.uri import BACKENDS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from bench import IdleResult
+    from bench.measure import IdleResult
 
-BACKENDS: Final[tuple[Kind, ...]] = ("file", "abstract", "redis", "mysql", "postgres")
-# What lockrun's start-up is divided by, as bench.py's (a), (e), (i) and (m) do: the
-# interpreter importing click and the backend's driver.
-IMPORTS: Final[dict[Kind, str]] = {
-    "file": "click",
-    "abstract": "click",
-    "redis": "click, redis",
-    "mysql": "click, pymysql",
-    "postgres": "click, psycopg",
-}
-SERVERS: Final = frozenset({"redis", "mysql", "postgres"})
 WAITERS: Final = 8  # idle waiters queued on a held lock
 CONTENDERS: Final = 8  # processes looping acquire, run `true`, release
 # One contender: run the command until STOP exists, then print how many runs completed.
@@ -80,22 +61,13 @@ NOT_MEASURED: Final = "—"
 PLOT_NAME: Final = "handoff-latency.png"
 REPORT_NAME: Final = "benchmarks.md"
 DOCS: Final = Path(__file__).resolve().parent.parent / "docs"
-
-
-@dataclass(frozen=True)
-class Effort:
-    """How long each measurement runs."""
-
-    startup_runs: int
-    handoff_trials: int
-    idle_window: float  # seconds
-    cycle_window: float  # seconds
-
-
+# The contenders loop as long as the idle waiters wait: idle_window is their window too.
 FULL_EFFORT: Final = Effort(
-    startup_runs=30, handoff_trials=100, idle_window=10.0, cycle_window=10.0
+    startup_runs=30, handoff_trials=100, idle_waiters=WAITERS, idle_window=10.0
 )
-QUICK_EFFORT: Final = Effort(startup_runs=5, handoff_trials=8, idle_window=0.5, cycle_window=0.5)
+QUICK_EFFORT: Final = Effort(
+    startup_runs=5, handoff_trials=8, idle_waiters=WAITERS, idle_window=0.5
+)
 
 
 @dataclass
@@ -114,7 +86,7 @@ class Column:
 class Table:
     """What one backend's section says: lockrun's numbers, flock(1)'s, or why it was skipped."""
 
-    backend: Kind
+    backend: str
     lockrun: Column = field(default_factory=Column)
     flock: Column = field(default_factory=Column)
     server: str = ""  # the server's name and version
@@ -124,98 +96,68 @@ class Table:
 # -- measuring -----------------------------------------------------------------------------
 
 
-def measure(bench: Bench, backend: Kind, effort: Effort) -> Table:
+def measure(bench: Bench, backend: str, effort: Effort) -> Table:
     """Measure *backend* and flock(1) side by side, with the backend's server if it needs one."""
     table = Table(backend)
     try:
-        server = start_server(bench, backend)
-    except (Unavailable, OSError) as err:
+        with serving(bench, backend) as server:
+            if server is not None:
+                try:
+                    table.server = f"{server.program} {server.version()}"
+                except Broken as err:
+                    table.server = f"version unknown: {err}"
+            steps: dict[str, Callable[[Bench, Table, Effort], None]] = {
+                "start-up": startup,
+                "handoff": handoff,
+                "idle waiters": idle,
+                "contenders": contend,
+            }
+            for what, step in steps.items():
+                began = time.monotonic()
+                step(bench, table, effort)
+                print(
+                    f"{backend}: {what} ({time.monotonic() - began:.1f} s, load {load_average()})"
+                )
+                sys.stdout.flush()
+    except Unavailable as err:
         table.skipped = str(err)
         print(f"{backend}: skipped: {err}")
-        return table
-    try:
-        table.server = "" if server is None else server_version(server)
-        progress(backend, "start-up", lambda: startup(bench, table, effort.startup_runs))
-        progress(backend, "handoff", lambda: handoff(bench, table, effort.handoff_trials))
-        progress(backend, "idle waiters", lambda: idle(bench, table, effort.idle_window))
-        progress(backend, "contenders", lambda: contend(bench, table, effort.cycle_window))
-    finally:
-        if server is not None:
-            bench.redis, bench.mysql, bench.postgres = None, None, None
-            server.stop()
     return table
 
 
-def progress(backend: Kind, what: str, run: Callable[[], None]) -> None:
-    """Run one measurement and say how long it took, to show the run is alive."""
-    began = time.monotonic()
-    run()
-    print(f"{backend}: {what} ({time.monotonic() - began:.1f} s, load {load_average()})")
-    sys.stdout.flush()
-
-
-def start_server(bench: Bench, backend: Kind) -> RedisServer | MariaServer | PostgresServer | None:
-    """Start *backend*'s server of our own and hand it to *bench*; None for a local backend.
-
-    Raises `Unavailable` or OSError when the server cannot start.
-    """
-    if backend == "redis":
-        bench.redis = start_redis(bench.root / "redis")
-        return bench.redis
-    if backend == "mysql":
-        bench.mysql = start_mysql(bench.root / "mysql")
-        return bench.mysql
-    if backend == "postgres":
-        bench.postgres = start_postgres()
-        return bench.postgres
-    return None
-
-
-def server_version(server: RedisServer | MariaServer | PostgresServer) -> str:
-    """Return the server's program and version, or what went wrong asking."""
-    try:
-        if isinstance(server, RedisServer):
-            return f"redis-server {server.info('server').get('redis_version', '?')}"
-        if isinstance(server, MariaServer):
-            return f"mariadbd {server.version()}"
-        return f"postgres {server.version()}"
-    except Broken as err:
-        return f"version unknown: {err}"
-
-
-def startup(bench: Bench, table: Table, runs: int) -> None:
+def startup(bench: Bench, table: Table, effort: Effort) -> None:
     """Time `lockrun … -- true`, `flock FILE true` and the backend's bare imports, interleaved."""
     scenario = bench.scenario_dir(f"report-startup-{table.backend}")
     target = make_target(bench, table.backend, scenario)
     commands = {
         "lockrun": target.argv(bench.lockrun, ["true"]),
         "flock": [FLOCK, str(scenario / "x"), "true"],
-        "imports": [sys.executable, "-c", f"import {IMPORTS[table.backend]}"],
+        "imports": [sys.executable, "-c", f"import {imports([table.backend])}"],
     }
     try:
-        times = time_commands(commands, runs)
+        times = time_commands(commands, effort.startup_runs)
     except subprocess.CalledProcessError as err:
         bench.broke(f"{table.backend} start-up", Broken(f"exit {err.returncode} from {err.cmd}"))
         return
-    imports = statistics.median(times["imports"])
+    bare = statistics.median(times["imports"])
     for column, label in ((table.lockrun, "lockrun"), (table.flock, "flock")):
         column.startup = statistics.median(times[label])
-        column.startup_ratio = column.startup / imports
+        column.startup_ratio = column.startup / bare
 
 
-def handoff(bench: Bench, table: Table, trials: int) -> None:
+def handoff(bench: Bench, table: Table, effort: Effort) -> None:
     """Time handoffs of the backend and of flock(1), interleaved; a broken one stays empty."""
-    labels: dict[Kind, str] = {table.backend: f"lockrun, {table.backend} backend"}
-    labels["flock"] = "flock(1) on a file"
-    results, broken = handoff_trials(bench, labels, trials)
+    labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
+    results, broken = handoff_trials(bench, labels, effort.handoff_trials)
     if table.backend not in broken:
         table.lockrun.handoff = results[table.backend]
     if "flock" not in broken:
         table.flock.handoff = results["flock"]
 
 
-def idle(bench: Bench, table: Table, window: float) -> None:
-    """Measure the CPU of WAITERS blocked waiters over *window*, and their server's."""
+def idle(bench: Bench, table: Table, effort: Effort) -> None:
+    """Measure the CPU of WAITERS blocked waiters over the window, and their server's."""
+    window = effort.idle_window
     for kind, column in ((table.backend, table.lockrun), ("flock", table.flock)):
         result = idle_case(bench, kind, 1, WAITERS, window)
         if result is None:
@@ -229,22 +171,22 @@ def idle(bench: Bench, table: Table, window: float) -> None:
 def per_waiter(result: IdleResult, window: float) -> float:
     """Return the waiters' CPU seconds per waiter per second of the window.
 
-    As bench.py (c) judges it, the larger of the two counts: /proc's clock ticks miss short
+    As `python -m bench` (c) judges it, the larger of the two counts: /proc's clock ticks miss short
     children below a tick, the exact schedstat run time misses processes that ended.
     """
     return max(result.usage.cpu, result.usage.run) / WAITERS / window
 
 
-def contend(bench: Bench, table: Table, window: float) -> None:
+def contend(bench: Bench, table: Table, effort: Effort) -> None:
     """Count the acquire/release cycles per second of CONTENDERS looping processes."""
     for kind, column in ((table.backend, table.lockrun), ("flock", table.flock)):
         try:
-            column.cycles = cycle_rate(bench, kind, window)
+            column.cycles = cycle_rate(bench, kind, effort.idle_window)
         except Broken as err:
             bench.broke(f"{kind}: {CONTENDERS} contenders", err)
 
 
-def cycle_rate(bench: Bench, kind: Kind, window: float) -> float:
+def cycle_rate(bench: Bench, kind: str, window: float) -> float:
     """Loop `lockrun -w forever -- true` (or `flock FILE true`) in CONTENDERS processes.
 
     Each stops after the run in progress once *window* has passed; every completed run is
@@ -268,13 +210,6 @@ def cycle_rate(bench: Bench, kind: Kind, window: float) -> float:
 
 
 # -- writing -------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], percent: int) -> float:
-    """Return the *percent*-th percentile of *values* (inclusive method, as bench.py's p99)."""
-    if len(values) < 2:  # quantiles needs two points
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[percent - 1]
 
 
 def number(value: float | None, digits: int = 2) -> str:
@@ -308,7 +243,7 @@ def table_lines(table: Table, effort: Effort) -> list[str]:
     rows = [
         ("start-up, median ms", [number(milliseconds(c.startup), 1) for c in columns]),
         (
-            f"start-up ratio, over `python -c 'import {IMPORTS[table.backend]}'`",
+            f"start-up ratio, over `python -c 'import {imports([table.backend])}'`",
             [number(c.startup_ratio) for c in columns],
         ),
         (f"handoff p50, ms ({trials} trials)", [handoff_cell(c, 50) for c in columns]),
@@ -318,7 +253,7 @@ def table_lines(table: Table, effort: Effort) -> list[str]:
             [small(c.idle) for c in columns],
         ),
     ]
-    if table.backend in SERVERS:
+    if table.backend in SERVED:
         rows.append(
             (
                 f"server CPU, s per waiter per s ({WAITERS} waiters)",
@@ -346,16 +281,14 @@ def etcd_note() -> str:
 
 def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
     """Return the report's title, the machine and run it describes, and what the rows mean."""
-    version = subprocess.run(
-        [*bench.lockrun, "--version"], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    version = lockrun_version(bench)
     window = f"{effort.idle_window:g} s"
     return [
         "# lockrun benchmarks",
         "",
-        "Measured in one run on one machine by `bench/report`; other work on the machine skews",
-        "every number. `python bench/bench.py` measures more (FIFO order, semaphores, the",
-        "unix sockets) with targets and verdicts.",
+        "Measured in one run on one machine by `python -m bench.report`; other work on the",
+        "machine skews every number. `python -m bench` measures more (FIFO order, semaphores,",
+        "the unix sockets) with targets and verdicts.",
         "",
         "| | |",
         "|---|---|",
@@ -371,7 +304,7 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         "",
         "- **start-up**: median wall time of `lockrun --uri URI -- true` and `flock FILE true`;",
         "  the ratio divides it by the median of `python -c 'import click'` plus the backend's",
-        "  driver, as `bench/bench.py` (a), (e), (i) and (m) do.",
+        "  driver, as `python -m bench` (a), (e), (i) and (m) do.",
         "- **handoff**: from the holder's command exiting to the waiter's command starting",
         "  (both print a `date +%s%N`), the waiter queued with `--wait forever`.",
         f"- **idle-waiter CPU**: {WAITERS} waiters blocked on a held lock for {window}: the CPU",
@@ -379,7 +312,7 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         "  run time. For a server backend, the server's CPU over the same window, per waiter.",
         f"- **cycles**: {CONTENDERS} processes, each looping",
         "  `lockrun --uri URI -n NAME -w forever -- true` (or `flock FILE true`) for",
-        f"  {effort.cycle_window:g} s: completed runs per second, all of them together.",
+        f"  {effort.idle_window:g} s: completed runs per second, all of them together.",
         "",
         etcd_note(),
         "",
@@ -459,7 +392,7 @@ def tick_label(table: Table) -> str:
 # -- main ----------------------------------------------------------------------------------
 
 
-def backend_list(text: str) -> list[Kind]:
+def backend_list(text: str) -> list[str]:
     """Parse --backends: a comma-separated subset of BACKENDS, kept in BACKENDS' order."""
     wanted = {item.strip() for item in text.split(",") if item.strip()}
     unknown = wanted - set(BACKENDS)
@@ -471,9 +404,10 @@ def backend_list(text: str) -> list[Kind]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, then write the report and the plot."""
-    for signo in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signo, stop_on_term)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    catch_term()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="few trials, short windows")
     parser.add_argument("--out", type=Path, default=DOCS, help=f"where to write (default {DOCS})")
     parser.add_argument(
@@ -486,15 +420,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import matplotlib as mpl  # noqa: PLC0415 - the bench extra is optional
     except ImportError as err:
-        print(f"bench/report: needs matplotlib ({err}): pip install -e '.[bench]'", file=sys.stderr)
+        print(
+            f"python -m bench.report: needs matplotlib ({err}): pip install -e '.[bench]'",
+            file=sys.stderr,
+        )
         return 2
     mpl.use("Agg")  # files only, never a window
-    command = shlex.join(sys.argv if argv is None else ["bench/report", *argv])
+    command = shlex.join(
+        ["python", "-m", "bench.report", *(sys.argv[1:] if argv is None else argv)]
+    )
     effort = QUICK_EFFORT if args.quick else FULL_EFFORT
     began, load = time.monotonic(), load_average()
     print(f"bytecode {compile_bytecode()}")
     root = Path(tempfile.mkdtemp(prefix="lockrun-report-"))
-    bench = Bench(find_lockrun(), root, QUICK if args.quick else FULL)
+    bench = Bench(find_lockrun(), root, QUICK)  # the report's own effort, not the plan's
     try:
         tables = [measure(bench, backend, effort) for backend in args.backends]
     finally:
@@ -505,12 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(args.out / PLOT_NAME, tables)
     print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")
     print(f"finished in {time.monotonic() - began:.1f} s; load {load_average()}")
-    if not bench.problems:
-        return 0
-    print("\nPROBLEMS (lockrun or the bench broke; reproduce with the command shown)")
-    for problem in bench.problems:
-        print(f"  - {problem}")
-    return 1
+    return problems(bench)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""What every measurement needs: the plan, targets, the processes of a scenario, /proc, output."""
+"""What every measurement needs: the plan, targets, a scenario's processes, /proc, the output."""
 
 from __future__ import annotations
 
+import compileall
 import contextlib
-import json
+import importlib.util
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -13,12 +13,15 @@ import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NoReturn, Self
+from subprocess import Popen
+from typing import TYPE_CHECKING, Final, Self
 
 from lockrun.uri import BACKENDS, SCHEMES
+from tests.support.cli import states
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -42,13 +45,10 @@ IDLE_POLL: Final = "0.1"
 IDLE_CPU_SHARE: Final = 0.01
 ABSTRACT_SETTLE: Final = 0.05  # status lists a waiter just before it connects
 STOP_GRACE: Final = 3.0
-WIDTH: Final = 100
 SOCKET: Final = "-socket"  # a kind's suffix: the server backend reached over its unix socket
 # The backends without a server, and those the bench starts a throwaway server for.
 LOCAL: Final = tuple(
-    backend
-    for backend in BACKENDS
-    if all(scheme.local for scheme in SCHEMES.values() if scheme.backend == backend)
+    b for b in BACKENDS if all(s.local for s in SCHEMES.values() if s.backend == b)
 )
 SERVED: Final = tuple(backend for backend in BACKENDS if backend not in LOCAL)
 
@@ -73,12 +73,12 @@ class Plan:
 
     efforts: dict[str, Effort]  # by backend
     fifo_waiters: int
-    long_fifo: bool  # also hold the lock LONG_HOLD seconds before releasing the FIFO queue
-    socket: bool  # also time a server's handoffs through its unix socket, for reference
+    # Not quick: also time a server's handoffs through its unix socket, for reference, and
+    # release a FIFO queue after a wait of seconds too.
+    quick: bool
 
 
 def efforts(local: Effort, redis: Effort, sql: Effort) -> dict[str, Effort]:
-    """Return the efforts by backend: one for the local backends, Redis, the SQL servers."""
     return dict.fromkeys(LOCAL, local) | {"redis": redis, "mysql": sql, "postgres": sql}
 
 
@@ -86,14 +86,12 @@ def efforts(local: Effort, redis: Effort, sql: Effort) -> dict[str, Effort]:
 FULL: Final = Plan(
     efforts(Effort(30, 20, 50, 5.0), Effort(30, 100, 200, 10.0), Effort(30, 100, 100, 10.0)),
     fifo_waiters=10,
-    long_fifo=True,
-    socket=True,
+    quick=False,
 )
 QUICK: Final = Plan(
     efforts(Effort(15, 5, 8, 1.0), Effort(10, 5, 30, 2.0), Effort(5, 5, 15, 1.0)),
     fifo_waiters=4,
-    long_fifo=False,
-    socket=False,
+    quick=True,
 )
 
 
@@ -105,15 +103,10 @@ class Bench:
     root: Path
     plan: Plan
     problems: list[str] = field(default_factory=list)
-    scenarios: int = 0
     servers: dict[str, Server] = field(default_factory=dict)  # the running ones, by backend
 
     def scenario_dir(self, label: str) -> Path:
-        """Return a fresh directory for one scenario."""
-        self.scenarios += 1
-        directory = self.root / f"{self.scenarios:03d}-{label}"
-        directory.mkdir()
-        return directory
+        return Path(tempfile.mkdtemp(prefix=f"{label}-", dir=self.root))
 
     def broke(self, what: str, err: Broken) -> None:
         """Record and print a problem; the report goes on."""
@@ -123,20 +116,94 @@ class Bench:
     def server_of(self, kind: str) -> Server | None:
         """Return the server a target of *kind* locks on, None for a local backend."""
         backend = kind.removesuffix(SOCKET)
-        if backend not in SERVED:
-            return None
-        if backend not in self.servers:
+        if backend in SERVED and backend not in self.servers:
             msg = f"no {backend} server is running"
             raise Broken(msg)
-        return self.servers[backend]
+        return self.servers.get(backend)
+
+    def target(self, kind: str, scenario: Path) -> Target:
+        """Return a target of *kind* private to *scenario* (its own directory, prefix or name)."""
+        directory = scenario / "locks"
+        directory.mkdir(exist_ok=True)
+        server = self.server_of(kind)
+        if server is not None:
+            uri = server.socket_uri if kind.endswith(SOCKET) else server.uri
+            return Target(kind, directory, uri, f"{NAME}-{scenario.name}")
+        if kind == "abstract":
+            return Target(kind, directory, f"abstract:bench{os.getpid()}-{scenario.name}")
+        return Target(kind, directory, f"file://{directory}")
+
+    def start_holders(
+        self, procs: Processes, target: Target, slots: int, poll: str, out: Path | None = None
+    ) -> Path:
+        """Start *slots* holders at once, wait until all run their commands; return GO."""
+        scenario = procs.directory
+        go = scenario / "GO"
+        procs.triggers.append(go)
+        holders = []
+        for index in range(slots):
+            ready = scenario / f"READY{index}"
+            command = ["sh", "-c", HOLD_SCRIPT, "sh", str(ready), str(go), str(scenario), poll]
+            holder = procs.spawn(target.argv(self.lockrun, command, slots=slots), stdout=out)
+            holders.append((ready, holder))
+        poll_until(lambda: all(r.exists() or h.poll() is not None for r, h in holders), 10, 0.002)
+        for ready, holder in holders:
+            if not ready.exists():
+                msg = f"holder never ran its command: {command_line(holder)}"
+                msg += f" ({procs.stderr_of(holder)})" if holder.poll() is not None else ""
+                raise Broken(msg)
+        return go
+
+    def queued(self, target: Target, wanted: set[int]) -> set[int]:
+        """Return which of *wanted* are queued for *target*'s lock right now."""
+        server = self.server_of(target.kind)
+        if server is not None:
+            return server.waiting(target.name, wanted) & wanted
+        if target.kind == "abstract":  # what `lockrun status` lists, asked in this process
+            found = states(target.uri, target.name)
+            return {int(waiter["pid"]) for state in found for waiter in state["waiters"]} & wanted
+        return flock_pids(target.directory) & wanted
+
+    def wait_queued(
+        self, procs: Processes, target: Target, waiters: Sequence[Popen[bytes]], timeout: float = 10
+    ) -> None:
+        """Return once all *waiters* are queued for the lock (blocked, or head of a gate)."""
+        wanted = {proc.pid for proc in waiters}
+        server = self.server_of(target.kind)
+        # How long between two looks: /proc/locks is cheap to read, a server's answer less so.
+        pause = 0.002 if server is None else server.pauses[len(wanted) > 1]
+
+        def done() -> bool:
+            exited = any(proc.poll() is not None for proc in waiters)
+            return exited or len(self.queued(target, wanted)) == len(wanted)
+
+        # Seen all at once is enough: a Redis waiter leaves BLPOP for a moment when it re-asks.
+        seen = poll_until(done, timeout, pause)
+        for early in (proc for proc in waiters if proc.poll() is not None):
+            msg = f"waiter exited {early.returncode} before it was granted: {command_line(early)}"
+            raise Broken(f"{msg} ({procs.stderr_of(early)})")
+        if not seen:
+            found = len(self.queued(target, wanted))
+            raise Broken(f"{found} of {len(wanted)} waiters queued after {timeout:.0f}s")
+        if target.kind == "abstract":
+            time.sleep(ABSTRACT_SETTLE)
+
+    def version(self) -> str:
+        command = [*self.lockrun, "--version"]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+    def finish(self, began: float) -> int:
+        """Say how long the run took, print the problems, if any; return the exit status."""
+        print(f"finished in {time.monotonic() - began:.1f} s; load {load_average()}")
+        if self.problems:
+            print("\nPROBLEMS (lockrun or the bench broke; reproduce with the command shown)")
+            print("\n".join(f"  - {problem}" for problem in self.problems))
+        return 1 if self.problems else 0
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where a scenario locks: its kind, its lock directory, lockrun URI and lock name.
-
-    A kind is a backend, a server backend with SOCKET (its unix socket), or flock (flock(1)).
-    """
+    """Where a scenario locks: its kind (a backend, one + SOCKET, or flock), URI and name."""
 
     kind: str
     directory: Path
@@ -150,33 +217,17 @@ class Target:
         if self.kind == "flock":
             return [FLOCK, str(self.directory / "x"), *command]
         options = ["--uri", self.uri, "-n", self.name]
-        if slots > 1:
-            options += ["--slots", str(slots)]
-        if wait:
-            options += ["--wait", "forever"]
+        options += ["--slots", str(slots)] if slots > 1 else []
+        options += ["--wait", "forever"] if wait else []
         return [*lockrun, *options, "--", *command]
-
-
-def make_target(bench: Bench, kind: str, scenario: Path) -> Target:
-    """Return a target of *kind* private to *scenario* (its own directory, prefix or name)."""
-    directory = scenario / "locks"
-    directory.mkdir(exist_ok=True)
-    server = bench.server_of(kind)
-    if server is not None:
-        uri = server.socket_uri if kind.endswith(SOCKET) else server.uri
-        return Target(kind, directory, uri, f"{NAME}-{scenario.name}")
-    if kind == "abstract":
-        return Target(kind, directory, f"abstract:bench{os.getpid()}-{scenario.name}")
-    return Target(kind, directory, f"file://{directory}")
 
 
 class Processes:
     """The processes of one scenario; leaving the block releases, stops and reaps them all."""
 
     def __init__(self, directory: Path) -> None:
-        """Keep stderr files and GO triggers in *directory*."""
-        self.directory = directory
-        self.started: list[subprocess.Popen[bytes]] = []
+        self.directory = directory  # their stderr files and the GO triggers
+        self.started: list[Popen[bytes]] = []
         self.triggers: list[Path] = []
 
     def __enter__(self) -> Self:
@@ -187,7 +238,7 @@ class Processes:
     ) -> None:
         self.stop()
 
-    def spawn(self, argv: Sequence[str], stdout: Path | None = None) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: Sequence[str], stdout: Path | None = None) -> Popen[bytes]:
         """Start *argv* in its own session, stdout to *stdout*, stderr to a file."""
         errors = self.directory / f"{len(self.started)}.err"
         with open(stdout or os.devnull, "wb") as out, errors.open("wb") as err:
@@ -197,8 +248,7 @@ class Processes:
         self.started.append(proc)
         return proc
 
-    def stderr_of(self, proc: subprocess.Popen[bytes]) -> str:
-        """Return what *proc* wrote to stderr, on one line."""
+    def stderr_of(self, proc: Popen[bytes]) -> str:
         path = self.directory / f"{self.started.index(proc)}.err"
         return " | ".join(path.read_text(errors="replace").split("\n")).strip(" |")
 
@@ -221,9 +271,7 @@ class Processes:
             with contextlib.suppress(OSError):
                 trigger.touch()
         live = [proc for proc in self.started if proc.poll() is None]
-        if not live:
-            return
-        family = descendants({proc.pid for proc in live})
+        family = descendants({proc.pid for proc in live}) if live else set()
         for proc in live:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -238,7 +286,7 @@ class Processes:
             proc.wait()
 
 
-def command_line(proc: subprocess.Popen[bytes]) -> str:
+def command_line(proc: Popen[bytes]) -> str:
     """Return *proc*'s command line as a shell would take it, to reproduce a problem."""
     args = proc.args
     if isinstance(args, str | bytes | os.PathLike):
@@ -246,12 +294,9 @@ def command_line(proc: subprocess.Popen[bytes]) -> str:
     return shlex.join(os.fsdecode(arg) for arg in args)
 
 
-# -- /proc ---------------------------------------------------------------------------------
-
-
-def stat_fields(pid: int) -> list[str]:
+def stat_fields(where: Path) -> list[str]:
     """Return /proc/PID/stat's fields from the state on (field 3 of proc(5) is index 0)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
+    text = (where / "stat").read_text()
     return text[text.rindex(")") + 2 :].split()
 
 
@@ -261,7 +306,8 @@ def descendants(pids: set[int]) -> set[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                children.setdefault(int(stat_fields(int(entry))[1]), []).append(int(entry))
+                parent = int(stat_fields(Path("/proc", entry))[1])
+                children.setdefault(parent, []).append(int(entry))
     found: set[int] = set()
     todo = list(pids)
     while todo:
@@ -272,51 +318,29 @@ def descendants(pids: set[int]) -> set[int]:
     return found
 
 
-def cpu_seconds(pid: int, fields: slice = slice(11, 13)) -> float:
-    """Return the user plus system CPU time *pid* has used, in seconds (clock ticks).
-
-    *fields* 13 and 14 instead are what the children it reaped used.
-    """
-    return sum(int(value) for value in stat_fields(pid)[fields]) / CLOCK_TICKS
-
-
-def proc_dir(pid: int, task: int | None = None) -> Path:
-    """Return /proc/PID, or /proc/PID/task/TASK for one thread of it."""
-    return Path(f"/proc/{pid}") if task is None else Path(f"/proc/{pid}/task/{task}")
-
-
-def run_seconds(pid: int, task: int | None = None) -> float:
-    """Return the time *pid*'s main thread (or *task*) spent on a CPU, to the ns (schedstat)."""
-    return int((proc_dir(pid, task) / "schedstat").read_text().split()[0]) / 1e9
-
-
-def context_switches(pid: int, task: int | None = None) -> int:
-    """Return how often *pid* (or its thread *task*) was switched out: its wake-ups, roughly."""
-    lines = (proc_dir(pid, task) / "status").read_text().splitlines()
-    return sum(int(line.split()[-1]) for line in lines if "ctxt_switches:" in line)
-
-
 @dataclass(frozen=True)
 class Usage:
     """A process's counters at one moment, or what it spent between two moments."""
 
-    cpu: float
-    run: float
-    switches: int
+    cpu: float  # user + system, in clock ticks: what short-lived children used may round to 0
+    run: float  # on a CPU, to the ns (schedstat)
+    switches: int  # how often it was switched out: its wake-ups, roughly
 
     @classmethod
-    def of(cls, pid: int) -> Usage:
-        """Sample *pid* now."""
-        return cls(cpu_seconds(pid), run_seconds(pid), context_switches(pid))
+    def of(cls, pid: int, task: int | None = None) -> Usage:
+        """Sample *pid* (or its thread *task*) now."""
+        where = Path(f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}")
+        fields = stat_fields(where)
+        status = (where / "status").read_text().splitlines()
+        switches = sum(int(line.split()[-1]) for line in status if "ctxt_switches:" in line)
+        run = int((where / "schedstat").read_text().split()[0]) / 1e9
+        return cls((int(fields[11]) + int(fields[12])) / CLOCK_TICKS, run, switches)
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(self.cpu + other.cpu, self.run + other.run, self.switches + other.switches)
 
     def __sub__(self, other: Usage) -> Usage:
         return Usage(self.cpu - other.cpu, self.run - other.run, self.switches - other.switches)
-
-
-NOTHING: Final = Usage(0.0, 0.0, 0)
 
 
 def family_usage(pids: Iterable[int]) -> dict[int, Usage]:
@@ -330,10 +354,8 @@ def family_usage(pids: Iterable[int]) -> dict[int, Usage]:
 
 def spent(before: dict[int, Usage], after: dict[int, Usage]) -> Usage:
     """Return what the processes of *after* spent since *before* (a newcomer: all it used)."""
-    total = NOTHING
-    for pid, late in after.items():
-        total += late - before.get(pid, NOTHING)
-    return total
+    nothing = Usage(0.0, 0.0, 0)
+    return sum((late - before.get(pid, nothing) for pid, late in after.items()), nothing)
 
 
 def flock_pids(directory: Path) -> set[int]:
@@ -355,70 +377,6 @@ def flock_pids(directory: Path) -> set[int]:
     return pids
 
 
-# -- queues --------------------------------------------------------------------------------
-
-
-def queued_pids(bench: Bench, target: Target, wanted: set[int]) -> set[int]:
-    """Return which of *wanted* are queued for *target*'s lock right now."""
-    server = bench.server_of(target.kind)
-    if server is not None:
-        return server.waiting(target.name, wanted) & wanted
-    if target.kind == "abstract":
-        out = subprocess.run(
-            [*bench.lockrun, "status", "--uri", target.uri, "--json", target.name],
-            capture_output=True,
-            check=False,
-            text=True,
-        )
-        if out.returncode != 0:
-            msg = f"exit {out.returncode} from lockrun status --uri {target.uri}: {out.stderr}"
-            raise Broken(msg.strip())
-        waiters = (waiter for state in json.loads(out.stdout) for waiter in state["waiters"])
-        return {int(waiter["pid"]) for waiter in waiters} & wanted
-    return flock_pids(target.directory) & wanted
-
-
-def queue_pause(bench: Bench, kind: str, waiters: int) -> float:
-    """Return how long to pause between two looks at the queue of *waiters* of *kind*."""
-    server = bench.server_of(kind)
-    if server is not None:
-        return server.pauses[waiters > 1]
-    if kind == "abstract":  # `lockrun status` costs a process start
-        return 0.02 if waiters == 1 else 0.25
-    return 0.002  # /proc/locks is cheap to read
-
-
-def wait_queued(
-    bench: Bench,
-    procs: Processes,
-    target: Target,
-    waiters: Sequence[subprocess.Popen[bytes]],
-    timeout: float = 10.0,
-) -> None:
-    """Return once every one of *waiters* is queued for the lock (blocked, or head of a gate)."""
-    wanted = {proc.pid for proc in waiters}
-    pause = queue_pause(bench, target.kind, len(wanted))
-
-    def done() -> bool:
-        if any(proc.poll() is not None for proc in waiters):
-            return True
-        return len(queued_pids(bench, target, wanted)) == len(wanted)
-
-    # Seen all at once is enough: a Redis waiter leaves BLPOP for a moment when it re-asks.
-    seen = poll_until(done, timeout, pause)
-    exited = [proc for proc in waiters if proc.poll() is not None]
-    if exited:
-        early = exited[0]
-        msg = f"waiter exited {early.returncode} before it was granted: {command_line(early)}"
-        raise Broken(f"{msg} ({procs.stderr_of(early)})")
-    if not seen:
-        found = len(queued_pids(bench, target, wanted))
-        msg = f"{found} of {len(wanted)} waiters queued after {timeout:.0f}s"
-        raise Broken(msg)
-    if target.kind == "abstract":
-        time.sleep(ABSTRACT_SETTLE)
-
-
 def poll_until(condition: Callable[[], bool], timeout: float, pause: float) -> bool:
     """Check *condition* every *pause* seconds until it holds (True) or *timeout* (False)."""
     deadline = time.monotonic() + timeout
@@ -429,53 +387,14 @@ def poll_until(condition: Callable[[], bool], timeout: float, pause: float) -> b
     return True
 
 
-def start_holders(
-    bench: Bench,
-    procs: Processes,
-    target: Target,
-    slots: int,
-    poll: str,
-    stdout: Path | None = None,
-) -> Path:
-    """Start *slots* holders at once, wait until all run their commands; return GO."""
-    scenario = procs.directory
-    go = scenario / "GO"
-    procs.triggers.append(go)
-    holders = []
-    for index in range(slots):
-        ready = scenario / f"READY{index}"
-        command = ["sh", "-c", HOLD_SCRIPT, "sh", str(ready), str(go), str(scenario), poll]
-        holder = procs.spawn(target.argv(bench.lockrun, command, slots=slots), stdout=stdout)
-        holders.append((ready, holder))
-    poll_until(lambda: all(started(ready, holder) for ready, holder in holders), 10.0, 0.002)
-    for ready, holder in holders:
-        if not ready.exists():
-            msg = f"holder never ran its command: {command_line(holder)}"
-            msg += f" ({procs.stderr_of(holder)})" if holder.poll() is not None else ""
-            raise Broken(msg)
-    return go
-
-
-def started(ready: Path, holder: subprocess.Popen[bytes]) -> bool:
-    """Tell whether *holder* has run its command (made *ready*) or died trying."""
-    return ready.exists() or holder.poll() is not None
-
-
-# -- output --------------------------------------------------------------------------------
-
-
-def row(what: str, numbers: str, target: str = "", verdict: str = "") -> None:
-    """Print one report line: what, the numbers, the target and PASS/MISS."""
+def row(what: str, numbers: str, target: str = "", verdict: bool | str = "") -> None:
+    """Print one report line: what, the numbers, the target and PASS/MISS (met or not)."""
+    if isinstance(verdict, bool):
+        verdict = "PASS" if verdict else "MISS"
     print(f"  {what:<36} {numbers:<44} {target:<10} {verdict}".rstrip())
 
 
-def verdict(ok: bool) -> str:
-    """Return PASS or MISS."""
-    return "PASS" if ok else "MISS"
-
-
 def section(title: str) -> None:
-    """Print a section heading."""
     print(f"\n{title}\n{'-' * len(title)}")
 
 
@@ -486,15 +405,10 @@ def percentile(values: Sequence[float], percent: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[percent - 1]
 
 
-def describe_ms(values: Sequence[float]) -> str:
-    """Return median and max of *values* (milliseconds) as text."""
-    return f"median {statistics.median(values):6.2f} ms  max {max(values):6.2f} ms  n={len(values)}"
-
-
-def describe_tail(values: Sequence[float]) -> str:
-    """Return median and 99th percentile of *values* (milliseconds) as text."""
-    median, p99 = statistics.median(values), percentile(values, 99)
-    return f"median {median:6.2f} ms  p99 {p99:6.2f} ms  n={len(values)}"
+def describe(values: Sequence[float], tail: bool = True) -> str:
+    """Return the median and the 99th percentile (or the max) of *values* (ms) as text."""
+    last = f"p99 {percentile(values, 99):6.2f}" if tail else f"max {max(values):6.2f}"
+    return f"median {statistics.median(values):6.2f} ms  {last} ms  n={len(values)}"
 
 
 def idle_row(what: str, usage: Usage, window: float) -> None:
@@ -505,10 +419,7 @@ def idle_row(what: str, usage: Usage, window: float) -> None:
     """
     numbers = f"{usage.cpu:5.3f} s CPU ({usage.run * 1000:.1f} ms exact), {usage.switches} wakeups"
     target = window * IDLE_CPU_SHARE
-    row(what, numbers, f"<= {target:.2g} s", verdict(max(usage.cpu, usage.run) <= target))
-
-
-# -- running -------------------------------------------------------------------------------
+    row(what, numbers, f"<= {target:.2g} s", max(usage.cpu, usage.run) <= target)
 
 
 def find_lockrun() -> list[str]:
@@ -519,22 +430,12 @@ def find_lockrun() -> list[str]:
     return [sys.executable, "-m", "lockrun"]
 
 
-def lockrun_version(bench: Bench) -> str:
-    """Return what `lockrun --version` prints."""
-    return subprocess.run(
-        [*bench.lockrun, "--version"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def compile_bytecode() -> str:
     """Compile lockrun's bytecode, as `pip install` does; say where it went.
 
     An editable install under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every
     module on every start, a cost no installed lockrun pays.
     """
-    import compileall  # noqa: PLC0415 - only the bench needs it
-    import importlib.util  # noqa: PLC0415
-
     spec = importlib.util.find_spec("lockrun")
     if spec is None or spec.submodule_search_locations is None:
         return "lockrun not importable here: bytecode not compiled"
@@ -544,31 +445,14 @@ def compile_bytecode() -> str:
 
 
 def load_average() -> str:
-    """Return the 1, 5 and 15 minute load averages as text."""
     return " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
-def machine() -> str:
-    """Return the kernel, architecture and CPUs."""
-    return f"{platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs"
-
-
-def problems(bench: Bench) -> int:
-    """Print the problems, if any; return the exit status."""
-    if not bench.problems:
-        return 0
-    print("\nPROBLEMS (lockrun or the bench broke; reproduce with the command shown)")
-    for problem in bench.problems:
-        print(f"  - {problem}")
-    return 1
-
-
-def stop_on_term(signo: int, _frame: FrameType | None) -> NoReturn:
-    """Turn TERM and HUP into SystemExit, so the finally blocks stop what we started."""
-    raise SystemExit(128 + signo)
-
-
 def catch_term() -> None:
-    """Stop on TERM and HUP through SystemExit (see `stop_on_term`)."""
+    """Turn TERM and HUP into SystemExit, so the finally blocks stop what we started."""
+
+    def stop(signo: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signo)
+
     for signo in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signo, stop_on_term)
+        signal.signal(signo, stop)

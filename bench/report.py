@@ -16,7 +16,6 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,31 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from bench.core import (
-    FLOCK,
-    QUICK,
-    SERVED,
-    Bench,
-    Broken,
-    Effort,
-    Processes,
-    catch_term,
-    compile_bytecode,
-    find_lockrun,
-    load_average,
-    lockrun_version,
-    make_target,
-    percentile,
-    problems,
-)
-from bench.measure import handoff_trials, idle_case, imports, time_commands
+from bench import core
+from bench.core import FLOCK, SERVED, Bench, Broken, Effort, Processes
+from bench.measure import handoff_trials, idle_case, imports, startup_medians
 from bench.servers import Unavailable, serving
 from lockrun.uri import BACKENDS
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-
-    from bench.measure import IdleResult
+    from collections.abc import Sequence
 
 WAITERS: Final = 8  # idle waiters queued on a held lock
 CONTENDERS: Final = 8  # processes looping acquire, run `true`, release
@@ -57,17 +39,12 @@ CYCLE_SCRIPT: Final = (
     'stop=$1; shift; n=0; while [ ! -e "$stop" ]; do "$@" || exit; n=$((n + 1)); done; echo "$n"'
 )
 ETCD: Final = ("etcd", "etcdctl")
-NOT_MEASURED: Final = "—"
 PLOT_NAME: Final = "handoff-latency.png"
 REPORT_NAME: Final = "benchmarks.md"
 DOCS: Final = Path(__file__).resolve().parent.parent / "docs"
-# The contenders loop as long as the idle waiters wait: idle_window is their window too.
-FULL_EFFORT: Final = Effort(
-    startup_runs=30, handoff_trials=100, idle_waiters=WAITERS, idle_window=10.0
-)
-QUICK_EFFORT: Final = Effort(
-    startup_runs=5, handoff_trials=8, idle_waiters=WAITERS, idle_window=0.5
-)
+# The contenders loop for as long as the idle waiters wait: idle_window is theirs too.
+FULL_EFFORT: Final = Effort(startup_runs=30, handoff_trials=100, idle_waiters=8, idle_window=10)
+QUICK_EFFORT: Final = Effort(startup_runs=5, handoff_trials=8, idle_waiters=8, idle_window=0.5)
 
 
 @dataclass
@@ -92,8 +69,8 @@ class Table:
     server: str = ""  # the server's name and version
     skipped: str = ""
 
-
-# -- measuring -----------------------------------------------------------------------------
+    def column(self, kind: str) -> Column:
+        return self.flock if kind == "flock" else self.lockrun
 
 
 def measure(bench: Bench, backend: str, effort: Effort) -> Table:
@@ -106,19 +83,12 @@ def measure(bench: Bench, backend: str, effort: Effort) -> Table:
                     table.server = f"{server.program} {server.version()}"
                 except Broken as err:
                     table.server = f"version unknown: {err}"
-            steps: dict[str, Callable[[Bench, Table, Effort], None]] = {
-                "start-up": startup,
-                "handoff": handoff,
-                "idle waiters": idle,
-                "contenders": contend,
-            }
-            for what, step in steps.items():
+            steps = {"start-up": startup, "handoff": handoff, "idle waiters": idle}
+            for what, step in (steps | {"contenders": contend}).items():
                 began = time.monotonic()
                 step(bench, table, effort)
-                print(
-                    f"{backend}: {what} ({time.monotonic() - began:.1f} s, load {load_average()})"
-                )
-                sys.stdout.flush()
+                took = f"{time.monotonic() - began:.1f} s, load {core.load_average()}"
+                print(f"{backend}: {what} ({took})", flush=True)
     except Unavailable as err:
         table.skipped = str(err)
         print(f"{backend}: skipped: {err}")
@@ -128,103 +98,76 @@ def measure(bench: Bench, backend: str, effort: Effort) -> Table:
 def startup(bench: Bench, table: Table, effort: Effort) -> None:
     """Time `lockrun … -- true`, `flock FILE true` and the backend's bare imports, interleaved."""
     scenario = bench.scenario_dir(f"report-startup-{table.backend}")
-    target = make_target(bench, table.backend, scenario)
+    target = bench.target(table.backend, scenario)
     commands = {
-        "lockrun": target.argv(bench.lockrun, ["true"]),
+        table.backend: target.argv(bench.lockrun, ["true"]),
         "flock": [FLOCK, str(scenario / "x"), "true"],
         "imports": [sys.executable, "-c", f"import {imports([table.backend])}"],
     }
-    try:
-        times = time_commands(commands, effort.startup_runs)
-    except subprocess.CalledProcessError as err:
-        bench.broke(f"{table.backend} start-up", Broken(f"exit {err.returncode} from {err.cmd}"))
+    medians = startup_medians(bench, commands, effort.startup_runs, f"{table.backend} start-up")
+    if medians is None:
         return
-    bare = statistics.median(times["imports"])
-    for column, label in ((table.lockrun, "lockrun"), (table.flock, "flock")):
-        column.startup = statistics.median(times[label])
-        column.startup_ratio = column.startup / bare
+    for kind in (table.backend, "flock"):
+        table.column(kind).startup = medians[kind]
+        table.column(kind).startup_ratio = medians[kind] / medians["imports"]
 
 
 def handoff(bench: Bench, table: Table, effort: Effort) -> None:
     """Time handoffs of the backend and of flock(1), interleaved; a broken one stays empty."""
     labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
     results, broken = handoff_trials(bench, labels, effort.handoff_trials)
-    if table.backend not in broken:
-        table.lockrun.handoff = results[table.backend]
-    if "flock" not in broken:
-        table.flock.handoff = results["flock"]
+    for kind in labels.keys() - broken:
+        table.column(kind).handoff = results[kind]
 
 
 def idle(bench: Bench, table: Table, effort: Effort) -> None:
-    """Measure the CPU of WAITERS blocked waiters over the window, and their server's."""
-    window = effort.idle_window
-    for kind, column in ((table.backend, table.lockrun), ("flock", table.flock)):
-        result = idle_case(bench, kind, 1, WAITERS, window)
-        if result is None:
-            continue
-        column.idle = per_waiter(result, window)
-        if result.server is not None:
-            usage = result.server.usage
-            column.server = max(usage.cpu, usage.run) / WAITERS / window
+    """Measure the CPU of WAITERS blocked waiters over the window, and their server's.
 
-
-def per_waiter(result: IdleResult, window: float) -> float:
-    """Return the waiters' CPU seconds per waiter per second of the window.
-
-    As `python -m bench` (c) judges it, the larger of the two counts: /proc's clock ticks miss short
-    children below a tick, the exact schedstat run time misses processes that ended.
+    As `python -m bench` (c) judges it, the larger of the two counts: /proc's clock ticks miss
+    short children below a tick, the exact schedstat run time misses processes that ended.
     """
-    return max(result.usage.cpu, result.usage.run) / WAITERS / window
+    window = effort.idle_window
+    for kind in (table.backend, "flock"):
+        if (result := idle_case(bench, kind, 1, WAITERS, window)) is None:
+            continue
+        table.column(kind).idle = max(result.usage.cpu, result.usage.run) / WAITERS / window
+        if result.server is not None:
+            usage = result.server
+            table.column(kind).server = max(usage.cpu, usage.run) / WAITERS / window
 
 
 def contend(bench: Bench, table: Table, effort: Effort) -> None:
-    """Count the acquire/release cycles per second of CONTENDERS looping processes."""
-    for kind, column in ((table.backend, table.lockrun), ("flock", table.flock)):
-        try:
-            column.cycles = cycle_rate(bench, kind, effort.idle_window)
-        except Broken as err:
-            bench.broke(f"{kind}: {CONTENDERS} contenders", err)
-
-
-def cycle_rate(bench: Bench, kind: str, window: float) -> float:
     """Loop `lockrun -w forever -- true` (or `flock FILE true`) in CONTENDERS processes.
 
-    Each stops after the run in progress once *window* has passed; every completed run is
+    Each stops after the run in progress once the window has passed; every completed run is
     counted, over the time until the last contender exited.
     """
-    scenario = bench.scenario_dir(f"report-cycles-{kind}")
-    target = make_target(bench, kind, scenario)
-    stop = scenario / "STOP"
-    cycle = target.argv(bench.lockrun, ["true"], wait=True)
-    counts = [scenario / f"count{index}" for index in range(CONTENDERS)]
-    with Processes(scenario) as procs:
-        procs.triggers.append(stop)  # whatever happens, the loops end
-        began = time.monotonic()
-        for count in counts:
-            procs.spawn(["sh", "-c", CYCLE_SCRIPT, "sh", str(stop), *cycle], stdout=count)
-        time.sleep(window)
-        stop.touch()
-        procs.finish(60.0)
-        elapsed = time.monotonic() - began
-    return sum(int(count.read_text()) for count in counts) / elapsed
+    for kind in (table.backend, "flock"):
+        scenario = bench.scenario_dir(f"report-cycles-{kind}")
+        target = bench.target(kind, scenario)
+        stop = scenario / "STOP"
+        cycle = ["sh", "-c", CYCLE_SCRIPT, "sh", str(stop)]
+        cycle += target.argv(bench.lockrun, ["true"], wait=True)
+        counts = [scenario / f"count{index}" for index in range(CONTENDERS)]
+        try:
+            with Processes(scenario) as procs:
+                procs.triggers.append(stop)  # whatever happens, the loops end
+                began = time.monotonic()
+                for count in counts:
+                    procs.spawn(cycle, stdout=count)
+                time.sleep(effort.idle_window)
+                stop.touch()
+                procs.finish(60.0)
+                elapsed = time.monotonic() - began
+        except Broken as err:
+            bench.broke(f"{kind}: {CONTENDERS} contenders", err)
+            continue
+        table.column(kind).cycles = sum(int(count.read_text()) for count in counts) / elapsed
 
 
-# -- writing -------------------------------------------------------------------------------
-
-
-def number(value: float | None, digits: int = 2) -> str:
-    """Return *value* as a table cell: fixed decimals, or `broke` when it was not measured."""
-    return "broke" if value is None else f"{value:.{digits}f}"
-
-
-def milliseconds(seconds: float | None) -> float | None:
-    """Return *seconds* in milliseconds, None staying None."""
-    return None if seconds is None else seconds * 1000
-
-
-def small(value: float | None) -> str:
-    """Return a CPU share as a table cell: two significant digits, which may be an exponent."""
-    return "broke" if value is None else f"{value:.2g}"
+def cell(value: float | None, form: str = ".2f") -> str:
+    """Return *value* as a table cell in *form*, or `broke` when it was not measured."""
+    return "broke" if value is None else format(value, form)
 
 
 def table_lines(table: Table, effort: Effort) -> list[str]:
@@ -234,55 +177,37 @@ def table_lines(table: Table, effort: Effort) -> list[str]:
         return [*lines, f"Not measured: {table.skipped}.", ""]
     if table.server:
         lines += [f"Against a throwaway {table.server} of the bench's own, over loopback TCP.", ""]
-    columns = (table.lockrun, table.flock)
+    both = (table.lockrun, table.flock)
     trials = len(table.lockrun.handoff) or effort.handoff_trials
 
-    def handoff_cell(column: Column, percent: int) -> str:
-        return number(percentile(column.handoff, percent)) if column.handoff else "broke"
+    def tail(column: Column, percent: int) -> str:
+        return cell(core.percentile(column.handoff, percent)) if column.handoff else "broke"
 
-    rows = [
-        ("start-up, median ms", [number(milliseconds(c.startup), 1) for c in columns]),
-        (
-            f"start-up ratio, over `python -c 'import {imports([table.backend])}'`",
-            [number(c.startup_ratio) for c in columns],
-        ),
-        (f"handoff p50, ms ({trials} trials)", [handoff_cell(c, 50) for c in columns]),
-        (f"handoff p99, ms ({trials} trials)", [handoff_cell(c, 99) for c in columns]),
-        (
-            f"idle-waiter CPU, s per waiter per s ({WAITERS} waiters)",
-            [small(c.idle) for c in columns],
-        ),
+    per_waiter = f"s per waiter per s ({WAITERS} waiters)"
+    rows = {
+        "start-up, median ms": [cell(c.startup and c.startup * 1000, ".1f") for c in both],
+        f"start-up ratio, over `python -c 'import {imports([table.backend])}'`": [
+            cell(c.startup_ratio) for c in both
+        ],
+        f"handoff p50, ms ({trials} trials)": [tail(c, 50) for c in both],
+        f"handoff p99, ms ({trials} trials)": [tail(c, 99) for c in both],
+        f"idle-waiter CPU, {per_waiter}": [cell(c.idle, ".2g") for c in both],
+    }
+    if table.backend in SERVED:  # a CPU share: two significant digits, maybe an exponent
+        rows[f"server CPU, {per_waiter}"] = [cell(table.lockrun.server, ".2g"), "—"]
+    rows[f"acquire/release cycles per s, {CONTENDERS} contenders"] = [
+        cell(c.cycles, ".1f") for c in both
     ]
-    if table.backend in SERVED:
-        rows.append(
-            (
-                f"server CPU, s per waiter per s ({WAITERS} waiters)",
-                [small(table.lockrun.server), NOT_MEASURED],
-            )
-        )
-    rows.append(
-        (
-            f"acquire/release cycles per s, {CONTENDERS} contenders",
-            [number(c.cycles, 1) for c in columns],
-        )
-    )
     lines += ["| metric | lockrun | flock(1) |", "|---|---:|---:|"]
-    lines += [f"| {what} | {' | '.join(cells)} |" for what, cells in rows]
+    lines += [f"| {what} | {' | '.join(cells)} |" for what, cells in rows.items()]
     return [*lines, ""]
-
-
-def etcd_note() -> str:
-    """Return the line that says why there is no `etcdctl lock` column."""
-    missing = [program for program in ETCD if shutil.which(program) is None]
-    if missing:
-        return f"`etcdctl lock`: not measured, {' and '.join(missing)} not installed (not on PATH)."
-    return "`etcdctl lock`: not measured, the report has no etcd column yet."
 
 
 def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
     """Return the report's title, the machine and run it describes, and what the rows mean."""
-    version = lockrun_version(bench)
     window = f"{effort.idle_window:g} s"
+    missing = [program for program in ETCD if shutil.which(program) is None]
+    etcd = f"{' and '.join(missing)} not installed (not on PATH)" if missing else ""
     return [
         "# lockrun benchmarks",
         "",
@@ -296,7 +221,7 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         f"| kernel | Linux {platform.release()} on {platform.machine()} |",
         f"| CPUs | {os.cpu_count()} |",
         f"| Python | {platform.python_version()} |",
-        f"| lockrun | {version} |",
+        f"| lockrun | {bench.version()} |",
         f"| load average (1, 5, 15 min) | {loads[0]} at the start, {loads[1]} at the end |",
         f"| command | `{command}` |",
         "",
@@ -312,21 +237,13 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         "  run time. For a server backend, the server's CPU over the same window, per waiter.",
         f"- **cycles**: {CONTENDERS} processes, each looping",
         "  `lockrun --uri URI -n NAME -w forever -- true` (or `flock FILE true`) for",
-        f"  {effort.idle_window:g} s: completed runs per second, all of them together.",
+        f"  {window}: completed runs per second, all of them together.",
         "",
-        etcd_note(),
+        f"`etcdctl lock`: not measured, {etcd or 'the report has no etcd column yet'}.",
         "",
         f"![Handoff latency per backend, beside flock(1)]({PLOT_NAME})",
         "",
     ]
-
-
-def write_report(path: Path, header: list[str], tables: Sequence[Table], effort: Effort) -> None:
-    """Write the Markdown report."""
-    lines = list(header)
-    for table in tables:
-        lines += table_lines(table, effort)
-    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
 
 
 def plot(path: Path, tables: Sequence[Table]) -> None:
@@ -363,20 +280,12 @@ def plot(path: Path, tables: Sequence[Table]) -> None:
     axes.set_ylabel("handoff latency (ms, log scale)")
     axes.grid(visible=True, axis="y", which="both", alpha=0.3)
     figure.suptitle("Handoff: holder's command exits → waiter's command starts")
-    handles = [
-        Patch(facecolor=color, alpha=0.35, edgecolor=color, label=tool) for tool, color, _ in tools
-    ]
+    handles = [Patch(facecolor=c, alpha=0.35, edgecolor=c, label=tool) for tool, c, _ in tools]
     figure.legend(
         handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncols=2, frameon=False
     )
-    figure.text(
-        0.5,
-        0.01,
-        "box: quartiles · thick line: median · whiskers: 1st–99th percentile · dots: beyond",
-        ha="center",
-        fontsize=8,
-        color="dimgray",
-    )
+    key = "box: quartiles · thick line: median · whiskers: 1st–99th percentile · dots: beyond"
+    figure.text(0.5, 0.01, key, ha="center", fontsize=8, color="dimgray")
     figure.tight_layout(rect=(0, 0.03, 1, 0.92))
     figure.savefig(path)
     plt.close(figure)
@@ -389,14 +298,10 @@ def tick_label(table: Table) -> str:
     return f"{table.backend}, n={trials}\nmedians {lockrun:.2f} | {flock:.2f} ms"
 
 
-# -- main ----------------------------------------------------------------------------------
-
-
 def backend_list(text: str) -> list[str]:
     """Parse --backends: a comma-separated subset of BACKENDS, kept in BACKENDS' order."""
     wanted = {item.strip() for item in text.split(",") if item.strip()}
-    unknown = wanted - set(BACKENDS)
-    if unknown or not wanted:
+    if wanted - set(BACKENDS) or not wanted:
         msg = f"choose from {','.join(BACKENDS)}, not {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return [backend for backend in BACKENDS if backend in wanted]
@@ -404,25 +309,20 @@ def backend_list(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, then write the report and the plot."""
-    catch_term()
+    core.catch_term()
     parser = argparse.ArgumentParser(
         prog="python -m bench.report", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="few trials, short windows")
     parser.add_argument("--out", type=Path, default=DOCS, help=f"where to write (default {DOCS})")
-    parser.add_argument(
-        "--backends",
-        type=backend_list,
-        default=list(BACKENDS),
-        help=f"comma-separated subset of {','.join(BACKENDS)}",
-    )
+    choices = f"comma-separated subset of {','.join(BACKENDS)}"
+    parser.add_argument("--backends", type=backend_list, default=list(BACKENDS), help=choices)
     args = parser.parse_args(argv)
     try:
         import matplotlib as mpl  # noqa: PLC0415 - the bench extra is optional
     except ImportError as err:
         print(
-            f"python -m bench.report: needs matplotlib ({err}): pip install -e '.[bench]'",
-            file=sys.stderr,
+            f"{parser.prog}: needs matplotlib ({err}): pip install -e '.[bench]'", file=sys.stderr
         )
         return 2
     mpl.use("Agg")  # files only, never a window
@@ -430,21 +330,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["python", "-m", "bench.report", *(sys.argv[1:] if argv is None else argv)]
     )
     effort = QUICK_EFFORT if args.quick else FULL_EFFORT
-    began, load = time.monotonic(), load_average()
-    print(f"bytecode {compile_bytecode()}")
+    began, load = time.monotonic(), core.load_average()
+    print(f"bytecode {core.compile_bytecode()}")
     root = Path(tempfile.mkdtemp(prefix="lockrun-report-"))
-    bench = Bench(find_lockrun(), root, QUICK)  # the report's own effort, not the plan's
+    bench = Bench(core.find_lockrun(), root, core.QUICK)  # the plan is unused: effort says all
     try:
         tables = [measure(bench, backend, effort) for backend in args.backends]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    header = header_lines(bench, command, (load, load_average()), effort)
-    write_report(args.out / REPORT_NAME, header, tables, effort)
+    header = header_lines(bench, command, (load, core.load_average()), effort)
+    lines = header + [line for table in tables for line in table_lines(table, effort)]
+    (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
     plot(args.out / PLOT_NAME, tables)
     print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")
-    print(f"finished in {time.monotonic() - began:.1f} s; load {load_average()}")
-    return problems(bench)
+    return bench.finish(began)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """The lock servers the bench measures against: the tests' throwaway ones, each with a probe.
 
-tests/support/servers.py starts them; here each listens on a free loopback port too, so that
-lockrun reaches it over TCP like a real deployment (and over its unix socket for reference).
-The probe, one session of the bench's own on the socket, asks the server who waits and how
-many clients it has; /proc says what CPU the server used.
+tests/support/servers.py starts them, here each on a free loopback port too: lockrun reaches
+it over TCP like a real deployment (and over its unix socket for reference). The probe, a
+session of the bench's own on the socket, asks who waits and how many clients there are.
 """
 
 from __future__ import annotations
@@ -16,36 +15,27 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 
 import pymysql
 import pytest
 import redis
 
-from bench.core import (
-    SERVED,
-    Broken,
-    Usage,
-    context_switches,
-    cpu_seconds,
-    descendants,
-    run_seconds,
-)
+from bench.core import CLOCK_TICKS, SERVED, Broken, Usage, descendants, stat_fields
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from bench.core import Bench
 
+# What a lockrun waiter's statement carries: who waits, lock name and pid. Its JSON never
+# holds a */ (MySQL's escapes it, PostgreSQL's every / and *), so the first */ ends it.
+TAG: Final = re.compile(r"/\* lockrun (\{.*?\}) \*/", re.DOTALL)
 USER_LOCK: Final = "User lock"  # PROCESSLIST STATE of a session waiting inside GET_LOCK
-# What a lockrun waiter puts after its GET_LOCK: who waits, with lockrun's pid.
-WAITER_TAG: Final = re.compile(r"/\* lockrun (\{.*\}) \*/\s*\Z", re.DOTALL)
-# The same before every PostgreSQL statement (pg_stat_activity keeps its first 1024 bytes);
-# its JSON escapes every / and *, so the first */ ends it.
-POSTGRES_TAG: Final = re.compile(r"/\* lockrun (\{[^*]*\}) \*/")
 MAX_CONNECTIONS: Final = 400  # a session per idle waiter, and the holders
 STARTS: Final = 3  # someone else may bind the free port before the server does
+T = TypeVar("T")
 
 
 class Unavailable(Exception):
@@ -53,91 +43,108 @@ class Unavailable(Exception):
 
 
 class Server:
-    """A throwaway lock server of the bench's own, and the bench's probe on it."""
+    """A throwaway lock server of the bench's own, and the bench's probe on it.
+
+    `clients` counts the connected clients but the probe, and those waiting; `waiting` says
+    which of the lockrun processes *pids* wait for *name* inside the server.
+    """
 
     program: ClassVar[str]
-    pauses: ClassVar[tuple[float, float]]  # between two looks at a queue: of one, of many
+    pauses: ClassVar[tuple[float, float]] = (0.002, 0.05)  # between looks at a queue of 1, of N
     probe: Any = None  # the bench's session, opened on first use
 
     def __init__(self, server: RedisServer | MariaServer | PostgresServer) -> None:
         self.server = server
         self.ready_in = 0.0  # seconds from a fresh data directory to the first session
-
-    @property
-    def uri(self) -> str:
-        """The lock URI that reaches the server over TCP, like a real deployment."""
-        return self.server.tcp_uri
-
-    @property
-    def socket_uri(self) -> str:
-        """The lock URI that reaches the server over its unix socket."""
-        return self.server.uri
+        self.uri, self.socket_uri = server.tcp_uri, server.uri
 
     @property
     def pid(self) -> int:
         if self.server.process is None:
-            msg = f"{self.program} is not running"
-            raise Broken(msg)
+            raise Broken(f"{self.program} is not running")
         return self.server.process.pid
 
+    def connect(self) -> Any:  # noqa: ANN401 - the driver's connection
+        raise NotImplementedError
+
     def version(self) -> str:
+        raise NotImplementedError
+
+    def clients(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:
         raise NotImplementedError
 
     def usage(self) -> Usage:
         """Sample the server now (Redis: its main thread does the work)."""
         return Usage.of(self.pid)
 
-    def clients(self) -> tuple[int, int]:
-        """Return how many clients are connected, not counting the probe, and how many wait."""
-        raise NotImplementedError
+    def ask(self, question: Callable[[Any], T]) -> T:
+        """Put *question* to the probe; `Broken` (and a new probe next time) if it fails."""
+        try:
+            if self.probe is None:
+                self.probe = self.connect()
+            return question(self.probe)
+        except Exception as err:  # the driver's
+            self.close_probe()
+            msg = f"{self.program} on {self.server.directory}: {' '.join(str(err).split())}"
+            raise Broken(msg) from err
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:
-        """Return which of the lockrun processes *pids* wait for *name* inside the server."""
-        raise NotImplementedError
+    def query(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        """Run *sql* on the probe; return every row."""
+
+        def run(connection: Any) -> list[tuple[Any, ...]]:  # noqa: ANN401
+            with connection.cursor() as cursor:
+                cursor.execute(sql, args or None)
+                return list(cursor.fetchall())
+
+        return self.ask(run)
+
+    def tagged(self, name: str, sql: str, *args: object) -> set[int]:
+        """Return the pids in the lockrun tags, naming *name*, of the statements *sql* lists.
+
+        The head of a semaphore's queue waits on the slots, the others on the gate: all queue.
+        """
+        pids = set()
+        for (statement,) in self.query(sql, *args):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                who = json.loads(TAG.search(str(statement))[1])  # type: ignore[index]
+                pids |= {int(who["holder"]["pid"])} if who["name"] == name else set()
+        return pids
+
+    def close_probe(self) -> None:
+        with contextlib.suppress(Exception):
+            self.probe.close()
+        self.probe = None
 
     def close(self) -> None:
         """Close the probe, stop the server and remove its directory."""
-        with contextlib.suppress(Exception):
-            if self.probe is not None:
-                self.probe.close()
-        self.probe = None
+        self.close_probe()
         self.server.close()
 
 
 class Redis(Server):
-    """A redis-server; the probe is a redis-py client."""
-
-    program = "redis-server"
-    pauses = (0.005, 0.1)
+    program, pauses = "redis-server", (0.005, 0.1)
     server: RedisServer
 
-    def call(self, method: str, *args: str) -> object:
-        """Call one of redis-py's methods on the probe."""
-        if self.probe is None:
-            self.probe = redis.Redis(unix_socket_path=self.server.socket, socket_timeout=5)
-        try:
-            return getattr(self.probe, method)(*args)  # type: ignore[no-any-return]
-        except redis.RedisError as err:
-            msg = f"redis-server on {self.server.socket}: {err}"
-            raise Broken(msg) from err
-
-    def info(self, part: str) -> dict[str, Any]:
-        return cast("dict[str, Any]", self.call("info", part))
+    def connect(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=self.server.socket, socket_timeout=5)
 
     def version(self) -> str:
-        return str(self.info("server")["redis_version"])
+        return str(self.ask(lambda probe: probe.info("server"))["redis_version"])
 
     def clients(self) -> tuple[int, int]:
-        info = self.info("clients")
+        info = self.ask(lambda probe: probe.info("clients"))
         return int(info["connected_clients"]) - 1, int(info["blocked_clients"])
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - one lock at a time
+    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - one lock at once
         """Return which of *pids* sleep in a blocking command (BLPOP) on the server.
 
         CLIENT LIST names each blocked client's port; /proc/net/tcp turns the port into a
         socket inode, and the processes' fds say whose socket that is.
         """
-        clients = cast("list[dict[str, str]]", self.call("client_list"))
+        clients = self.ask(lambda probe: probe.client_list())
         ports = {int(c["addr"].rpartition(":")[2]) for c in clients if "b" in c["flags"]}
         inodes = set()
         for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
@@ -154,70 +161,15 @@ class Redis(Server):
         return found
 
 
-class Sql(Server):
-    """A database server; the probe is a session of its driver, as root or lockrun."""
-
-    def connect(self) -> object:
-        raise NotImplementedError
-
-    def errors(self) -> type[Exception]:
-        raise NotImplementedError
-
-    def query(
-        self, sql: str, args: tuple[object, ...] | None = None
-    ) -> tuple[tuple[Any, ...], ...]:
-        """Run *sql* on the probe; return every row."""
-        try:
-            if self.probe is None:
-                self.probe = self.connect()
-            with self.probe.cursor() as cursor:
-                cursor.execute(sql, args)
-                return tuple(cursor.fetchall())
-        except self.errors() as err:
-            with contextlib.suppress(Exception):
-                self.probe.close()
-            self.probe = None
-            msg = f"{self.program} on {self.server.directory}: {' '.join(str(err).split())}"
-            raise Broken(msg) from err
-
-    def tagged(
-        self, sql: str, args: tuple[object, ...], tag: re.Pattern[str], name: str
-    ) -> set[int]:
-        """Return the lockrun pids in the `/* lockrun {json} */` tags of *sql*'s statements.
-
-        The tag names the lock and the waiter's pid. The head of a semaphore's queue waits
-        on the slots, the others on the gate: all are queued.
-        """
-        pids = set()
-        for (statement,) in self.query(sql, args):
-            match = tag.search(str(statement))
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                who = json.loads(match[1]) if match else {}
-                if who and who["name"] == name:
-                    pids.add(int(who["holder"]["pid"]))
-        return pids
-
-
-class Maria(Sql):
-    """A mariadbd, with a thread per connection plus InnoDB's own."""
-
+class Maria(Server):
     program = "mariadbd"
-    pauses = (0.002, 0.05)  # one PROCESSLIST query on the probe
     server: MariaServer
 
-    def connect(self) -> object:
+    def connect(self) -> pymysql.Connection[Any]:
+        timeouts: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 10, "write_timeout": 10}
         return pymysql.connect(
-            unix_socket=self.server.socket,
-            user="root",
-            password="",
-            autocommit=True,
-            connect_timeout=5,
-            read_timeout=10,
-            write_timeout=10,
+            unix_socket=self.server.socket, user="root", autocommit=True, **timeouts
         )
-
-    def errors(self) -> type[Exception]:
-        return pymysql.err.Error
 
     def version(self) -> str:
         return str(self.query("SELECT VERSION()")[0][0])
@@ -225,53 +177,40 @@ class Maria(Sql):
     def usage(self) -> Usage:
         """Sample the server's CPU, and its live threads' run time and switches.
 
-        The main thread alone says nothing. A thread that ends between two samples takes its
-        share of the exact numbers with it (the CPU column, the process's own, keeps it).
+        It runs a thread per connection plus InnoDB's own: the main thread alone says nothing.
+        A thread that ends between two samples takes its share of the exact numbers with it
+        (the CPU column, the process's own, keeps it).
         """
-        total = Usage(cpu_seconds(self.pid), 0.0, 0)
+        total = Usage(Usage.of(self.pid).cpu, 0.0, 0)
         for entry in os.listdir(f"/proc/{self.pid}/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
-                task = int(entry)
-                total += Usage(0.0, run_seconds(self.pid, task), context_switches(self.pid, task))
+                thread = Usage.of(self.pid, int(entry))
+                total += Usage(0.0, thread.run, thread.switches)
         return total
 
     def clients(self) -> tuple[int, int]:
         connected = self.query("SHOW GLOBAL STATUS LIKE 'Threads\\_connected'")[0][1]
-        waiting = self.query(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = %s", (USER_LOCK,)
-        )[0][0]
-        return int(connected) - 1, int(waiting)
+        sql = "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = %s"
+        return int(connected) - 1, int(self.query(sql, USER_LOCK)[0][0])
 
     def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - the tags tell
         """Return the lockrun pids whose session is blocked in GET_LOCK ('User lock')."""
         sql = "SELECT INFO FROM information_schema.PROCESSLIST WHERE STATE = %s AND INFO LIKE %s"
-        return self.tagged(sql, (USER_LOCK, "%/* lockrun %"), WAITER_TAG, name)
+        return self.tagged(name, sql, USER_LOCK, "%/* lockrun %")
 
 
-class Postgres(Sql):
-    """A postgres: the postmaster, and a process per backend."""
-
+class Postgres(Server):
     program = "postgres"
-    pauses = (0.002, 0.05)  # one pg_stat_activity query on the probe
     server: PostgresServer
 
-    def connect(self) -> object:
-        import psycopg  # noqa: PLC0415 - the postgres extra is optional; `start` checked
-
-        return psycopg.connect(
-            host=self.server.directory,
-            port=self.server.port,
-            user="lockrun",
-            dbname="lockrun",
-            autocommit=True,
-            connect_timeout=5,
-            options="-c statement_timeout=10s",
-        )
-
-    def errors(self) -> type[Exception]:
+    def connect(self) -> Any:  # noqa: ANN401 - psycopg is optional: `launch` checked
         import psycopg  # noqa: PLC0415
 
-        return psycopg.Error
+        where = f"host={self.server.directory} port={self.server.port} connect_timeout=5"
+        options = "-c statement_timeout=10s"
+        return psycopg.connect(
+            f"{where} user=lockrun dbname=lockrun", autocommit=True, options=options
+        )
 
     def version(self) -> str:
         return str(self.query("SHOW server_version")[0][0])
@@ -285,14 +224,15 @@ class Postgres(Sql):
         run time cut to whole clock ticks: a young backend that used less than a tick in all
         shows none, so with many of them the CPU column reads low and the exact one is right.
         """
-        total = Usage.of(self.pid) + Usage(cpu_seconds(self.pid, slice(13, 15)), 0.0, 0)
+        reaped = sum(map(int, stat_fields(Path(f"/proc/{self.pid}"))[13:15])) / CLOCK_TICKS
+        total = Usage.of(self.pid) + Usage(reaped, 0.0, 0)
         for child in descendants({self.pid}):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 total += Usage.of(child)
         return total
 
     def clients(self) -> tuple[int, int]:
-        """Return how many sessions use lockrun's database (not the probe), and how many wait."""
+        """Count the sessions on lockrun's database (but the probe), and those waiting."""
         connected, waiting = self.query(
             "SELECT count(*), count(*) FILTER (WHERE pid IN (SELECT pid FROM pg_locks "
             "WHERE locktype = 'advisory' AND NOT granted)) FROM pg_stat_activity "
@@ -307,11 +247,9 @@ class Postgres(Sql):
         every second (lockrun's client_connection_check_interval) and shows no wait event
         until it sleeps again, which on a busy machine a look at 100 waiters often catches.
         """
-        sql = (
-            "SELECT query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks "
-            "WHERE locktype = 'advisory' AND NOT granted) AND query LIKE %s"
-        )
-        return self.tagged(sql, ("%/* lockrun %",), POSTGRES_TAG, name)
+        sql = "SELECT query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks "
+        sql += "WHERE locktype = 'advisory' AND NOT granted) AND query LIKE %s"
+        return self.tagged(name, sql, "%/* lockrun %")
 
 
 def launch(backend: str, port: int) -> Server:
@@ -321,41 +259,36 @@ def launch(backend: str, port: int) -> Server:
     if backend == "mysql":
         return Maria(MariaServer(f"--max-connections={MAX_CONNECTIONS}", port=port))
     if importlib.util.find_spec("psycopg") is None:
-        msg = "psycopg is not installed (pip install -e '.[postgres]')"
-        raise Unavailable(msg)
+        raise Unavailable("psycopg is not installed (pip install -e '.[postgres]')")  # noqa: EM101
     return Postgres(PostgresServer(f"max_connections={MAX_CONNECTIONS}", port=port))
 
 
-def start(backend: str) -> Server:
-    """Start *backend*'s server and open the probe; `Unavailable` with the reason if not."""
+@contextlib.contextmanager
+def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
+    """Run *backend*'s server for *bench* while the block runs; None for a local backend.
+
+    `Unavailable`, with the reason, when the server is not installed or does not start.
+    """
+    if backend not in SERVED:
+        yield None
+        return
     began = time.monotonic()
     for attempt in range(1, STARTS + 1):
         try:
             server = launch(backend, free_port())
+            break
         except pytest.skip.Exception as err:  # not installed
             raise Unavailable(str(err)) from None
         except (pytest.fail.Exception, OSError, subprocess.SubprocessError) as err:
             reason = " | ".join(str(err).strip().splitlines()[-3:])
             if attempt == STARTS or "in use" not in reason:
                 raise Unavailable(reason) from None
-            continue
-        try:
-            server.version()
-        except Broken as err:
-            server.close()
-            raise Unavailable(str(err)) from err
-        server.ready_in = time.monotonic() - began
-        return server
-    raise AssertionError  # unreachable: the last attempt returns or raises
-
-
-@contextlib.contextmanager
-def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
-    """Run *backend*'s server for *bench* while the block runs; None for a local backend."""
-    if backend not in SERVED:
-        yield None
-        return
-    server = start(backend)
+    try:
+        server.version()  # the first session
+    except Broken as err:
+        server.close()
+        raise Unavailable(str(err)) from err
+    server.ready_in = time.monotonic() - began
     bench.servers[backend] = server
     try:
         yield server

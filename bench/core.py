@@ -17,15 +17,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from subprocess import Popen
-from typing import TYPE_CHECKING, Final, Self
+from typing import TYPE_CHECKING, Final, cast
 
 from lockrun.uri import BACKENDS, SCHEMES
 from tests.support.cli import states
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
-    from types import FrameType, TracebackType
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from subprocess import Popen
 
     from bench.servers import Server
 
@@ -69,27 +68,26 @@ class Effort:
 
 @dataclass(frozen=True)
 class Plan:
-    """How many repetitions one run makes."""
+    """How many repetitions one run makes; quick skips the unix sockets and the long FIFO."""
 
     efforts: dict[str, Effort]  # by backend
     fifo_waiters: int
-    # Not quick: also time a server's handoffs through its unix socket, for reference, and
-    # release a FIFO queue after a wait of seconds too.
     quick: bool
 
 
-def efforts(local: Effort, redis: Effort, sql: Effort) -> dict[str, Effort]:
-    return dict.fromkeys(LOCAL, local) | {"redis": redis, "mysql": sql, "postgres": sql}
-
-
-# A lockrun start with a server costs 3x one without; enough handoffs for a p99 in the full run.
+# By backend: the local ones, Redis, the SQL servers. A lockrun start with a server costs 3x one
+# without; enough handoffs for a p99 in the full run.
 FULL: Final = Plan(
-    efforts(Effort(30, 20, 50, 5.0), Effort(30, 100, 200, 10.0), Effort(30, 100, 100, 10.0)),
+    dict.fromkeys(LOCAL, Effort(30, 20, 50, 5.0))
+    | {"redis": Effort(30, 100, 200, 10.0)}
+    | dict.fromkeys(("mysql", "postgres"), Effort(30, 100, 100, 10.0)),
     fifo_waiters=10,
     quick=False,
 )
 QUICK: Final = Plan(
-    efforts(Effort(15, 5, 8, 1.0), Effort(10, 5, 30, 2.0), Effort(5, 5, 15, 1.0)),
+    dict.fromkeys(LOCAL, Effort(15, 5, 8, 1.0))
+    | {"redis": Effort(10, 5, 30, 2.0)}
+    | dict.fromkeys(("mysql", "postgres"), Effort(5, 5, 15, 1.0)),
     fifo_waiters=4,
     quick=True,
 )
@@ -105,6 +103,20 @@ class Bench:
     problems: list[str] = field(default_factory=list)
     servers: dict[str, Server] = field(default_factory=dict)  # the running ones, by backend
 
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, plan: Plan) -> Iterator[Bench]:
+        """Give a bench whose directory goes at the end; TERM and HUP end it the same way."""
+        for signo in (signal.SIGTERM, signal.SIGHUP):  # SystemExit: the finally blocks clean up
+            signal.signal(signo, lambda signo, _: sys.exit(128 + signo))
+        root = Path(tempfile.mkdtemp(prefix="lockrun-bench-"))
+        script = Path(sys.executable).parent / "lockrun"  # else the module
+        lockrun = [str(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "lockrun"]
+        try:
+            yield cls(lockrun, root, plan)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
     def scenario_dir(self, label: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{label}-", dir=self.root))
 
@@ -114,38 +126,31 @@ class Bench:
         row(what, "broke, see PROBLEMS below", "", "ERROR")
 
     def server_of(self, kind: str) -> Server | None:
-        """Return the server a target of *kind* locks on, None for a local backend."""
-        backend = kind.removesuffix(SOCKET)
-        if backend in SERVED and backend not in self.servers:
-            msg = f"no {backend} server is running"
-            raise Broken(msg)
-        return self.servers.get(backend)
+        return self.servers.get(kind.removesuffix(SOCKET))
 
     def target(self, kind: str, scenario: Path) -> Target:
         """Return a target of *kind* private to *scenario* (its own directory, prefix or name)."""
         directory = scenario / "locks"
         directory.mkdir(exist_ok=True)
-        server = self.server_of(kind)
-        if server is not None:
+        if (server := self.server_of(kind)) is not None:
             uri = server.socket_uri if kind.endswith(SOCKET) else server.uri
-            return Target(kind, directory, uri, f"{NAME}-{scenario.name}")
+            return Target(self.lockrun, kind, directory, uri, f"{NAME}-{scenario.name}")
         if kind == "abstract":
-            return Target(kind, directory, f"abstract:bench{os.getpid()}-{scenario.name}")
-        return Target(kind, directory, f"file://{directory}")
+            uri = f"abstract:bench{os.getpid()}-{scenario.name}"
+            return Target(self.lockrun, kind, directory, uri)
+        return Target(self.lockrun, kind, directory, f"file://{directory}")
 
     def start_holders(
         self, procs: Processes, target: Target, slots: int, poll: str, out: Path | None = None
     ) -> Path:
         """Start *slots* holders at once, wait until all run their commands; return GO."""
-        scenario = procs.directory
-        go = scenario / "GO"
+        go = procs.directory / "GO"
         procs.triggers.append(go)
         holders = []
         for index in range(slots):
-            ready = scenario / f"READY{index}"
-            command = ["sh", "-c", HOLD_SCRIPT, "sh", str(ready), str(go), str(scenario), poll]
-            holder = procs.spawn(target.argv(self.lockrun, command, slots=slots), stdout=out)
-            holders.append((ready, holder))
+            ready = procs.directory / f"READY{index}"
+            script = [HOLD_SCRIPT, "sh", str(ready), str(go), str(procs.directory), poll]
+            holders.append((ready, procs.spawn(target.argv("sh", "-c", *script, slots=slots), out)))
         poll_until(lambda: all(r.exists() or h.poll() is not None for r, h in holders), 10, 0.002)
         for ready, holder in holders:
             if not ready.exists():
@@ -156,8 +161,7 @@ class Bench:
 
     def queued(self, target: Target, wanted: set[int]) -> set[int]:
         """Return which of *wanted* are queued for *target*'s lock right now."""
-        server = self.server_of(target.kind)
-        if server is not None:
+        if (server := self.server_of(target.kind)) is not None:
             return server.waiting(target.name, wanted) & wanted
         if target.kind == "abstract":  # what `lockrun status` lists, asked in this process
             found = states(target.uri, target.name)
@@ -194,7 +198,7 @@ class Bench:
 
     def finish(self, began: float) -> int:
         """Say how long the run took, print the problems, if any; return the exit status."""
-        print(f"finished in {time.monotonic() - began:.1f} s; load {load_average()}")
+        print(f"\nfinished in {time.monotonic() - began:.1f} s; load {load_average()}")
         if self.problems:
             print("\nPROBLEMS (lockrun or the bench broke; reproduce with the command shown)")
             print("\n".join(f"  - {problem}" for problem in self.problems))
@@ -205,24 +209,23 @@ class Bench:
 class Target:
     """Where a scenario locks: its kind (a backend, one + SOCKET, or flock), URI and name."""
 
+    lockrun: list[str]
     kind: str
     directory: Path
     uri: str
     name: str = NAME
 
-    def argv(
-        self, lockrun: Sequence[str], command: Sequence[str], *, slots: int = 1, wait: bool = False
-    ) -> list[str]:
+    def argv(self, *command: str, slots: int = 1, wait: bool = False) -> list[str]:
         """Return the command line that runs *command* under this target's lock."""
         if self.kind == "flock":
             return [FLOCK, str(self.directory / "x"), *command]
         options = ["--uri", self.uri, "-n", self.name]
         options += ["--slots", str(slots)] if slots > 1 else []
         options += ["--wait", "forever"] if wait else []
-        return [*lockrun, *options, "--", *command]
+        return [*self.lockrun, *options, "--", *command]
 
 
-class Processes:
+class Processes(contextlib.AbstractContextManager["Processes"]):
     """The processes of one scenario; leaving the block releases, stops and reaps them all."""
 
     def __init__(self, directory: Path) -> None:
@@ -230,20 +233,13 @@ class Processes:
         self.started: list[Popen[bytes]] = []
         self.triggers: list[Path] = []
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
     def spawn(self, argv: Sequence[str], stdout: Path | None = None) -> Popen[bytes]:
         """Start *argv* in its own session, stdout to *stdout*, stderr to a file."""
         errors = self.directory / f"{len(self.started)}.err"
         with open(stdout or os.devnull, "wb") as out, errors.open("wb") as err:
+            devnull = subprocess.DEVNULL
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+                argv, stdin=devnull, stdout=out, stderr=err, start_new_session=True
             )
         self.started.append(proc)
         return proc
@@ -262,10 +258,9 @@ class Processes:
                 msg = f"still running after {timeout:.0f}s: {command_line(proc)}"
                 raise Broken(msg) from None
             if status != 0:
-                msg = f"exit {status} from {command_line(proc)}: {self.stderr_of(proc)}"
-                raise Broken(msg)
+                raise Broken(f"exit {status} from {command_line(proc)}: {self.stderr_of(proc)}")
 
-    def stop(self) -> None:
+    def __exit__(self, *_: object) -> None:
         """Release the holders, then TERM and at last KILL every process left, and reap."""
         for trigger in self.triggers:
             with contextlib.suppress(OSError):
@@ -288,10 +283,7 @@ class Processes:
 
 def command_line(proc: Popen[bytes]) -> str:
     """Return *proc*'s command line as a shell would take it, to reproduce a problem."""
-    args = proc.args
-    if isinstance(args, str | bytes | os.PathLike):
-        return os.fsdecode(args)
-    return shlex.join(os.fsdecode(arg) for arg in args)
+    return shlex.join(cast("list[str]", proc.args))
 
 
 def stat_fields(where: Path) -> list[str]:
@@ -303,18 +295,15 @@ def stat_fields(where: Path) -> list[str]:
 def descendants(pids: set[int]) -> set[int]:
     """Return every live descendant of *pids*, found through the ppid of /proc/*/stat."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                parent = int(stat_fields(Path("/proc", entry))[1])
-                children.setdefault(parent, []).append(int(entry))
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int(stat_fields(Path("/proc", entry))[1]), []).append(int(entry))
     found: set[int] = set()
     todo = list(pids)
     while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
+        for child in set(children.get(todo.pop(), [])) - found:
+            found.add(child)
+            todo.append(child)
     return found
 
 
@@ -360,11 +349,8 @@ def spent(before: dict[int, Usage], after: dict[int, Usage]) -> Usage:
 
 def flock_pids(directory: Path) -> set[int]:
     """Return the pids holding or waiting for a flock on a file in *directory* (/proc/locks)."""
-    inodes = {
-        (info.st_dev, info.st_ino)
-        for info in (entry.stat() for entry in directory.iterdir())
-        if not stat.S_ISDIR(info.st_mode)
-    }
+    files = (entry.stat() for entry in directory.iterdir())
+    inodes = {(info.st_dev, info.st_ino) for info in files if not stat.S_ISDIR(info.st_mode)}
     pids = set()
     for line in Path("/proc/locks").read_text().splitlines():
         fields = line.split()
@@ -389,8 +375,7 @@ def poll_until(condition: Callable[[], bool], timeout: float, pause: float) -> b
 
 def row(what: str, numbers: str, target: str = "", verdict: bool | str = "") -> None:
     """Print one report line: what, the numbers, the target and PASS/MISS (met or not)."""
-    if isinstance(verdict, bool):
-        verdict = "PASS" if verdict else "MISS"
+    verdict = ("PASS" if verdict else "MISS") if isinstance(verdict, bool) else verdict
     print(f"  {what:<36} {numbers:<44} {target:<10} {verdict}".rstrip())
 
 
@@ -412,30 +397,18 @@ def describe(values: Sequence[float], tail: bool = True) -> str:
 
 
 def idle_row(what: str, usage: Usage, window: float) -> None:
-    """Print CPU used over the idle window against the target (1 % of one CPU).
-
-    The verdict takes the larger of the two figures: ticks miss what many short-lived
-    processes used below a tick each, the exact run time misses processes that ended.
-    """
+    """Print CPU used over the idle window against the target (1 % of one CPU)."""
+    # The verdict takes the larger of the two figures: ticks miss what many short-lived
+    # processes used below a tick each, the exact run time misses processes that ended.
     numbers = f"{usage.cpu:5.3f} s CPU ({usage.run * 1000:.1f} ms exact), {usage.switches} wakeups"
     target = window * IDLE_CPU_SHARE
     row(what, numbers, f"<= {target:.2g} s", max(usage.cpu, usage.run) <= target)
 
 
-def find_lockrun() -> list[str]:
-    """Return the lockrun command next to this interpreter, else ``python -m lockrun``."""
-    script = Path(sys.executable).parent / "lockrun"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "lockrun"]
-
-
 def compile_bytecode() -> str:
-    """Compile lockrun's bytecode, as `pip install` does; say where it went.
-
-    An editable install under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every
-    module on every start, a cost no installed lockrun pays.
-    """
+    """Compile lockrun's bytecode, as `pip install` does; say where it went."""
+    # An editable install under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every
+    # module on every start, a cost no installed lockrun pays.
     spec = importlib.util.find_spec("lockrun")
     if spec is None or spec.submodule_search_locations is None:
         return "lockrun not importable here: bytecode not compiled"
@@ -446,13 +419,3 @@ def compile_bytecode() -> str:
 
 def load_average() -> str:
     return " ".join(f"{load:.2f}" for load in os.getloadavg())
-
-
-def catch_term() -> None:
-    """Turn TERM and HUP into SystemExit, so the finally blocks stop what we started."""
-
-    def stop(signo: int, _frame: FrameType | None) -> None:
-        raise SystemExit(128 + signo)
-
-    for signo in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signo, stop)

@@ -1,13 +1,9 @@
 """Benchmark lockrun: startup, handoff latency, idle waiters' CPU and FIFO order, per backend.
 
-Run it from the repository root as ``python -m bench [--quick]``. It prints one plain-text
-report measured in this one run; a missed target is a MISS line, not a failure. Each
-measurement is one function, run for the local backends together and then for each server
-backend against a throwaway server of the bench's own (bench/servers.py; never the machine's
-own server), skipped with the reason when the server (or its driver) is not installed or does
-not start. The exit status is 1 only when something broke (lockrun crashed, hung or exited
-with a status it should not have); every such problem is listed at the end with its command
-line. The scenario functions are `bench.report`'s too.
+``python -m bench [--quick]``, from the repository root, prints one report; a missed target is
+a MISS line. Each measurement is one function, run for the local backends, then for each server
+backend on a throwaway server of its own (bench/servers.py). It exits 1 only when something
+broke (lockrun crashed, hung or exited as it should not), listed at the end with its command.
 """
 
 from __future__ import annotations
@@ -16,14 +12,11 @@ import argparse
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from bench import core
@@ -36,7 +29,6 @@ if TYPE_CHECKING:
     from bench.core import Effort
 
 APPEND_SCRIPT: Final = 'echo "$1 ${LOCKRUN_FENCE:-}" >> "$2"'  # $1 index, $2 order file
-STAMP: Final = ("date", "+%s%N")
 FIFO_SPACING: Final = 0.1
 LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh queue
 STARTUP_TARGET: Final = 1.3
@@ -55,35 +47,30 @@ def imports(backends: Iterable[str]) -> str:
 
 @dataclass(frozen=True)
 class Group:
-    """Backends measured in the same sections: the local ones, or one server's."""
+    """Backends measured in the same four sections: the local ones, or one server's."""
 
     backends: tuple[str, ...]
     effort: Effort
     title: str  # "" for the local backends
-    letters: str  # of its four sections
+    letters: str  # of its sections
+
+    @classmethod
+    def all(cls, bench: Bench) -> list[Group]:
+        found = [(core.LOCAL, "")] + [((backend,), TITLES[backend]) for backend in SERVED]
+        return [
+            cls(backends, bench.plan.efforts[backends[0]], title, "abcdefghijklmnop"[4 * i :])
+            for i, (backends, title) in enumerate(found)
+        ]
 
     def heading(self, index: int, what: str) -> None:
         title = f"{self.title} {what}" if self.title else what[0].upper() + what[1:]
         core.section(f"({self.letters[index]}) {title}")
 
 
-def groups(bench: Bench) -> list[Group]:
-    """Return the local backends' group, then one group per server backend."""
-    found = [(core.LOCAL, "")] + [((backend,), TITLES[backend]) for backend in SERVED]
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return [
-        Group(backends, bench.plan.efforts[backends[0]], title, letters[4 * i : 4 * i + 4])
-        for i, (backends, title) in enumerate(found)
-    ]
-
-
 def startup_medians(
     bench: Bench, commands: dict[str, list[str]], runs: int, what: str
 ) -> dict[str, float] | None:
-    """Run every command *runs* times, round-robin after a warm-up; return median wall times.
-
-    None (a problem recorded) if one failed.
-    """
+    """Run every command *runs* times, round-robin after a warm-up; return median wall times."""
     times: dict[str, list[float]] = {label: [] for label in commands}
     quiet = subprocess.DEVNULL
     try:
@@ -114,10 +101,8 @@ def startup(bench: Bench, group: Group) -> None:
                 bench.broke(f"{backend} startup", err)
                 return
             row("server start", f"{server.ready_in:.1f} s: a fresh data directory, then a session")
-        shown = lock.uri.split(":")[0] + (":" if server is None else "://…")
-        commands[f"lockrun --uri {'file:DIR' if backend == 'file' else shown} -- true"] = lock.argv(
-            bench.lockrun, ["true"]
-        )
+        shown = "file:DIR" if backend == "file" else lock.uri.split(":")[0] + ":"
+        commands[f"lockrun --uri {shown}{'//…' if server else ''} -- true"] = lock.argv("true")
     lockruns = dict(zip(group.backends, commands, strict=True))
     modules = dict.fromkeys((imports(group.backends), "click"))  # the target's, then reference
     for module in modules:
@@ -137,33 +122,28 @@ def startup(bench: Bench, group: Group) -> None:
         row(f"{prefix}lockrun / flock(1)", f"{medians[label] / medians['flock DIR/x true']:5.1f}x")
 
 
-def handoff_trial(bench: Bench, kind: str) -> float:
-    """Return one handoff latency in ms: holder's command exits -> waiter's command starts."""
-    scenario = bench.scenario_dir(f"handoff-{kind}")
-    target = bench.target(kind, scenario)
-    end, start = scenario / "END", scenario / "START"
-    with Processes(scenario) as procs:
-        go = bench.start_holders(procs, target, 1, core.HANDOFF_POLL, out=end)
-        waiter = procs.spawn(target.argv(bench.lockrun, STAMP, wait=True), stdout=start)
-        bench.wait_queued(procs, target, [waiter])
-        go.touch()
-        procs.finish(10.0)
-    return (int(start.read_text()) - int(end.read_text())) / 1e6
-
-
 def handoff_trials(
     bench: Bench, labels: dict[str, str], trials: int
 ) -> tuple[dict[str, list[float]], set[str]]:
-    """Run *trials* handoffs of every kind in *labels*, interleaved; return ms and the broken."""
+    """Time *trials* handoffs (holder's command exits -> waiter's starts) of each kind, in ms."""
     results: dict[str, list[float]] = {kind: [] for kind in labels}
     broken: set[str] = set()
-    for _ in range(trials):
-        for kind in (kind for kind in labels if kind not in broken):
-            try:
-                results[kind].append(handoff_trial(bench, kind))
-            except Broken as err:
-                broken.add(kind)
-                bench.broke(f"handoff {labels[kind]}", err)
+    for kind in (kind for _ in range(trials) for kind in labels if kind not in broken):
+        scenario = bench.scenario_dir(f"handoff-{kind}")
+        target = bench.target(kind, scenario)
+        end, start = scenario / "END", scenario / "START"
+        try:
+            with Processes(scenario) as procs:
+                go = bench.start_holders(procs, target, 1, core.HANDOFF_POLL, out=end)
+                waiter = procs.spawn(target.argv("date", "+%s%N", wait=True), stdout=start)
+                bench.wait_queued(procs, target, [waiter])
+                go.touch()
+                procs.finish(10.0)
+        except Broken as err:
+            broken.add(kind)
+            bench.broke(f"handoff {labels[kind]}", err)
+            continue
+        results[kind].append((int(start.read_text()) - int(end.read_text())) / 1e6)
     return results, broken
 
 
@@ -175,8 +155,8 @@ def handoff(bench: Bench, group: Group) -> None:
     for backend in group.backends:
         if backend in SERVED:
             labels[backend] = f"lockrun, {backend} backend (TCP)"
-            socket = f"lockrun, {backend} backend (socket)"
-            labels[backend + SOCKET] = socket if not bench.plan.quick else None
+            socket = None if bench.plan.quick else f"lockrun, {backend} backend (socket)"
+            labels[backend + SOCKET] = socket
         else:
             labels[backend] = f"lockrun, {backend} backend"
     labels["flock"] = "flock(1) on a file"
@@ -195,14 +175,13 @@ def handoff(bench: Bench, group: Group) -> None:
     flock_median = statistics.median(results["flock"])
     for backend in (backend for backend in group.backends if backend not in broken):
         median = statistics.median(results[backend])
-        ratio = median / flock_median
+        ratio, target = median / flock_median, f"<= {FILE_HANDOFF_RATIO}x"
         if backend == "file":  # both flock(2): lockrun's own cost, over flock(1)'s
-            ok = ratio <= FILE_HANDOFF_RATIO
             row(
                 "file: lockrun / flock(1), median",
                 f"{ratio:5.2f}x",
-                f"<= {FILE_HANDOFF_RATIO}x",
-                ok,
+                target,
+                ratio <= FILE_HANDOFF_RATIO,
             )
         else:
             row(f"{backend}: lockrun / flock(1)", f"{ratio:5.2f}x")
@@ -223,45 +202,36 @@ class IdleResult:
     left: int = 0  # the server's connections once every waiter had run and exited
 
 
-def idle_scenario(bench: Bench, kind: str, slots: int, waiters: int, window: float) -> IdleResult:
-    """Hold *slots* slots, queue the waiters, measure their CPU (and the server's), drain."""
-    scenario = bench.scenario_dir(f"idle-{kind}-{slots}")
-    target = bench.target(kind, scenario)
-    server = bench.server_of(kind)
-    with Processes(scenario) as procs:
-        go = bench.start_holders(procs, target, slots, core.IDLE_POLL)
-        queue = [
-            procs.spawn(target.argv(bench.lockrun, ["true"], slots=slots, wait=True))
-            for _ in range(waiters)
-        ]
-        bench.wait_queued(procs, target, queue, timeout=60.0)
-        time.sleep(0.3)  # let the last starters finish whatever they do after queueing
-        pids = [proc.pid for proc in queue]
-        before = core.family_usage(pids)
-        server_start = None if server is None else server.usage()
-        time.sleep(window)
-        after = core.family_usage(pids)
-        result = IdleResult(core.spent(before, after), len(after), 0.0)
-        if server is not None and server_start is not None:
-            load = server.usage() - server_start
-            connected, blocked = server.clients()
-            result = replace(result, server=load, connected=connected, blocked=blocked)
-        go.touch()
-        began = time.monotonic()
-        procs.finish(60.0)
-        result = replace(result, drain=time.monotonic() - began)
-    if server is None:
-        return result
-    core.poll_until(lambda: server.clients()[0] == 0, 2.0, 0.01)  # a close lands a bit later
-    return replace(result, left=server.clients()[0])
-
-
 def idle_case(
     bench: Bench, kind: str, slots: int, waiters: int, window: float
 ) -> IdleResult | None:
-    """Run one idle scenario; on trouble record the problem and return None."""
+    """Hold *slots* slots, queue waiters, measure their CPU (and the server's); None: broke."""
+    scenario = bench.scenario_dir(f"idle-{kind}-{slots}")
+    target, server = bench.target(kind, scenario), bench.server_of(kind)
     try:
-        return idle_scenario(bench, kind, slots, waiters, window)
+        with Processes(scenario) as procs:
+            go = bench.start_holders(procs, target, slots, core.IDLE_POLL)
+            command = target.argv("true", slots=slots, wait=True)
+            queue = [procs.spawn(command) for _ in range(waiters)]
+            bench.wait_queued(procs, target, queue, timeout=60.0)
+            time.sleep(0.3)  # let the last starters finish whatever they do after queueing
+            before = core.family_usage(proc.pid for proc in queue)
+            server_start = None if server is None else server.usage()
+            time.sleep(window)
+            after = core.family_usage(proc.pid for proc in queue)
+            result = IdleResult(core.spent(before, after), len(after), 0.0)
+            if server is not None and server_start is not None:
+                load = server.usage() - server_start
+                connected, blocked = server.clients()
+                result = replace(result, server=load, connected=connected, blocked=blocked)
+            go.touch()
+            began = time.monotonic()
+            procs.finish(60.0)
+            result = replace(result, drain=time.monotonic() - began)
+        if server is None:
+            return result
+        core.poll_until(lambda: server.clients()[0] == 0, 2.0, 0.01)  # a close lands later
+        return replace(result, left=server.clients()[0])
     except (Broken, FileNotFoundError, ProcessLookupError) as err:
         problem = err if isinstance(err, Broken) else Broken(f"waiter vanished: {err}")
         bench.broke(f"{kind}: --slots {slots}", problem)
@@ -272,58 +242,57 @@ def idle(bench: Bench, group: Group) -> None:
     """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3."""
     waiters, window = group.effort.idle_waiters, group.effort.idle_window
     group.heading(2, f"idle waiters: {waiters} waiters (-w forever) on a held lock, {window:.0f} s")
-    for kind in group.backends:
-        for slots in SLOTS:
-            if (result := idle_case(bench, kind, slots, waiters, window)) is None:
-                continue
-            what, usage = f"{kind} --slots {slots}", result.usage
-            core.idle_row(f"{what}: waiters", usage, window)
-            each = f"{usage.run * 1000 / waiters:.3f} ms CPU (exact), "
-            each += f"{usage.switches / waiters:.1f} wakeups; {result.processes - waiters} children"
-            row(f"{what}: per waiter", each)
-            if result.server is None:
-                row(f"{what}: drain", f"all {waiters} ran in {result.drain:.2f} s")
-                continue
-            program, load = bench.servers[kind].program, result.server
-            core.idle_row(f"{what}: {program}", load, window)
-            # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client
-            # is still there, and so does PostgreSQL with the client_connection_check_interval
-            # lockrun sets (14+): their cost grows with the queue.
-            each = f"{load.run * 1000 / waiters / window:.3f} ms CPU/s, "
-            row(
-                f"{what}: {program}/waiter",
-                f"{each}{load.switches / waiters / window:.2f} wakeups/s",
-            )
-            # One session per waiter, and N - 1 more for the head, which waits on every slot.
-            theirs, expected = result.connected - slots, waiters + slots - 1
-            holders = "1 holder" if slots == 1 else f"{slots} holders"
-            numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
-            numbers += f"; {result.blocked} waiting"
-            row(f"{what}: sessions", numbers, f"<= {expected}", (theirs <= expected))
-            drained = f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left"
-            row(f"{what}: drain", drained)
+    for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
+        if (result := idle_case(bench, kind, slots, waiters, window)) is None:
+            continue
+        what, usage = f"{kind} --slots {slots}", result.usage
+        core.idle_row(f"{what}: waiters", usage, window)
+        each = f"{usage.run * 1000 / waiters:.3f} ms CPU (exact), "
+        each += f"{usage.switches / waiters:.1f} wakeups; {result.processes - waiters} children"
+        row(f"{what}: per waiter", each)
+        if result.server is None:
+            row(f"{what}: drain", f"all {waiters} ran in {result.drain:.2f} s")
+            continue
+        program, load = bench.servers[kind].program, result.server
+        core.idle_row(f"{what}: {program}", load, window)
+        # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client is
+        # still there, and so does PostgreSQL with the client_connection_check_interval lockrun
+        # sets (14+): their cost grows with the queue.
+        each = f"{load.run * 1000 / waiters / window:.3f} ms CPU/s, "
+        row(f"{what}: {program}/waiter", f"{each}{load.switches / waiters / window:.2f} wakeups/s")
+        # One session per waiter, and N - 1 more for the head, which waits on every slot.
+        theirs, expected = result.connected - slots, waiters + slots - 1
+        holders = "1 holder" if slots == 1 else f"{slots} holders"
+        numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
+        row(
+            f"{what}: sessions",
+            f"{numbers}; {result.blocked} waiting",
+            f"<= {expected}",
+            theirs <= expected,
+        )
+        row(
+            f"{what}: drain",
+            f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left",
+        )
 
 
 def fifo_scenario(bench: Bench, kind: str, slots: int, hold: float) -> tuple[list[int], list[int]]:
-    """Queue waiters one by one, release *hold* s after the first; return grant, append order.
-
-    The grant order is the order of the commands' LOCKRUN_FENCE (the append order without it).
-    """
+    """Queue waiters one by one, release *hold* s after the first; return grant, append order."""
     scenario = bench.scenario_dir(f"fifo-{kind}-{slots}")
-    target = bench.target(kind, scenario)
-    order = scenario / "order"
+    target, order = bench.target(kind, scenario), scenario / "order"
     with Processes(scenario) as procs:
         go = bench.start_holders(procs, target, slots, core.IDLE_POLL)
         first = time.monotonic()
         for index in range(bench.plan.fifo_waiters):
             began = time.monotonic()
-            command = ["sh", "-c", APPEND_SCRIPT, "sh", str(index), str(order)]
-            waiter = procs.spawn(target.argv(bench.lockrun, command, slots=slots, wait=True))
+            script = ["sh", "-c", APPEND_SCRIPT, "sh", str(index), str(order)]
+            waiter = procs.spawn(target.argv(*script, slots=slots, wait=True))
             bench.wait_queued(procs, target, [waiter])
             time.sleep(max(0.0, began + FIFO_SPACING - time.monotonic()))
         time.sleep(max(0.0, first + hold - time.monotonic()))
         go.touch()
         procs.finish(30.0)
+    # The grant order is the order of the commands' LOCKRUN_FENCE (the append order without).
     lines = [line.split() for line in order.read_text().splitlines()]
     appended = [int(fields[0]) for fields in lines]
     if any(len(fields) != 2 for fields in lines):
@@ -335,77 +304,52 @@ def fifo(bench: Bench, group: Group) -> None:
     """Do waiters get the lock in the order they queued: released at once, and (full) late."""
     waiters, spacing = bench.plan.fifo_waiters, FIFO_SPACING * 1000
     group.heading(3, f"FIFO: {waiters} waiters queued {spacing:.0f} ms apart, then release")
-    for hold in [0.0, LONG_HOLD] if not bench.plan.quick else [0.0]:
+    for hold in [0.0] if bench.plan.quick else [0.0, LONG_HOLD]:
         if hold:
             print(f"  -- released {hold:.0f} s after the first waiter queued (long waits):")
-        for kind in group.backends:
-            for slots in SLOTS:
-                fifo_case(bench, kind, slots, hold)
+        for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
+            what = f"{kind}: --slots {slots}" + (f", {hold:.0f} s" if hold else "")
+            try:
+                granted, appended = fifo_scenario(bench, kind, slots, hold)
+            except Broken as err:
+                bench.broke(what, err)
+                continue
+            in_order = granted == list(range(waiters))
+            row(what, f"granted {' '.join(map(str, granted))} (by fence)", "= arrival", in_order)
+            if appended != granted:  # with N slots, N commands race to append: for reference
+                row(f"{what}, append order", "ran " + " ".join(map(str, appended)))
+            if not in_order:  # docs/design.md lets N slots be overtaken N-1 times
+                later = (sum(x > w for x in granted[:i]) for i, w in enumerate(granted))
+                most = max(later, default=0)
+                row(f"{what}, overtaken", f"at most {most}x by a later waiter (N-1 = {slots - 1})")
     if bench.plan.quick:
         row(f"release after {LONG_HOLD:.0f} s", "skipped with --quick")
 
 
-def fifo_case(bench: Bench, kind: str, slots: int, hold: float) -> None:
-    what = f"{kind}: --slots {slots}" + (f", {hold:.0f} s" if hold else "")
-    arrival = list(range(bench.plan.fifo_waiters))
-    try:
-        granted, appended = fifo_scenario(bench, kind, slots, hold)
-    except Broken as err:
-        bench.broke(what, err)
-        return
-    numbers = "granted " + " ".join(map(str, granted)) + " (by fence)"
-    row(what, numbers, "= arrival", (granted == arrival))
-    if appended != granted:  # with N slots, N commands race to append: for reference
-        row(f"{what}, append order", "ran " + " ".join(map(str, appended)))
-    if granted != arrival:  # docs/design.md lets N slots be overtaken N-1 times
-        times = overtaken(granted)
-        row(f"{what}, overtaken", f"at most {times}x by a later waiter (N-1 = {slots - 1})")
-
-
-def overtaken(granted: Sequence[int]) -> int:
-    """Return how often the most overtaken waiter saw a later arrival granted before it."""
-    return max(
-        (sum(later > waiter for later in granted[:place]) for place, waiter in enumerate(granted)),
-        default=0,
-    )
-
-
-def measure(bench: Bench, group: Group) -> None:
-    """Run the group's four sections, with its server; each says how long it took."""
-    try:
-        with serving(bench, group.backends[0]):
-            for run in (startup, handoff, idle, fifo):
-                began = time.monotonic()
-                run(bench, group)
-                print(f"  ({time.monotonic() - began:.1f} s, load {core.load_average()})")
-                sys.stdout.flush()
-    except Unavailable as err:
-        core.section(f"({group.letters[0]}) to ({group.letters[-1]}) {group.title}: skipped")
-        row(f"{group.backends[0]} backend", f"skipped: {err}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every section once and print the report."""
-    core.catch_term()
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke)")
     quick = parser.parse_args(argv).quick
     began = time.monotonic()
-    root = Path(tempfile.mkdtemp(prefix="lockrun-bench-"))
-    bench = Bench(core.find_lockrun(), root, core.QUICK if quick else core.FULL)
-    print("lockrun benchmark" + (" (--quick)" if quick else ""), "=" * 100, sep="\n")
-    print(f"date     {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
-    print(f"kernel   {platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs")
-    print(f"python   {platform.python_version()} ({sys.executable})")
-    print(f"lockrun  {bench.version()} ({shlex.join(bench.lockrun)})")
-    print(f"bytecode {core.compile_bytecode()}")
-    print(f"flock    {FLOCK}")
-    print(f"load     {core.load_average()} (other work on the machine skews every number)")
-    print("columns: what, numbers, target, verdict (no target: for reference)")
-    try:
-        for group in groups(bench):
-            measure(bench, group)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    print()
-    return bench.finish(began)
+    with Bench.running(core.QUICK if quick else core.FULL) as bench:
+        print("lockrun benchmark" + (" (--quick)" if quick else ""), "=" * 100, sep="\n")
+        print(f"date     {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
+        print(f"kernel   {platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs")
+        print(f"python   {platform.python_version()} ({sys.executable})")
+        print(f"lockrun  {bench.version()} ({shlex.join(bench.lockrun)})")
+        print(f"bytecode {core.compile_bytecode()}\nflock    {FLOCK}")
+        print(f"load     {core.load_average()} (other work on the machine skews every number)")
+        print("columns: what, numbers, target, verdict (no target: for reference)")
+        for group in Group.all(bench):
+            try:
+                with serving(bench, group.backends[0]):
+                    for run in (startup, handoff, idle, fifo):
+                        section_began = time.monotonic()
+                        run(bench, group)
+                        took = f"{time.monotonic() - section_began:.1f} s"
+                        print(f"  ({took}, load {core.load_average()})", flush=True)
+            except Unavailable as err:
+                core.section(f"({group.letters[0]}) to ({group.letters[3]}) {group.title}: skipped")
+                row(f"{group.backends[0]} backend", f"skipped: {err}")
+        return bench.finish(began)

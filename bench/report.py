@@ -1,11 +1,8 @@
 """Write lockrun's benchmark report: one Markdown table per backend beside flock(1), and a plot.
 
-Run it from the repository root as ``python -m bench.report [--quick] [--out DIR]
-[--backends file,abstract,…]``. For each backend it measures start-up, handoff latency, the
-CPU of idle waiters and the acquire/release cycles of 8 contenders, each with flock(1) in the
-same run, and writes ``benchmarks.md`` and ``handoff-latency.png`` into DIR (the repository's
-``docs/`` by default). The exit status is 1 when something broke (listed at the end), 2
-without matplotlib.
+``python -m bench.report [--quick] [--out DIR] [--backends file,abstract,…]``, from the
+repository root, measures each backend beside flock(1) and writes ``benchmarks.md`` and
+``handoff-latency.png`` into DIR (``docs/``). It exits 1 when something broke, 2 without matplotlib.
 """
 
 from __future__ import annotations
@@ -17,11 +14,10 @@ import shlex
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from bench import core
 from bench.core import FLOCK, SERVED, Bench, Broken, Effort, Processes
@@ -98,9 +94,8 @@ def measure(bench: Bench, backend: str, effort: Effort) -> Table:
 def startup(bench: Bench, table: Table, effort: Effort) -> None:
     """Time `lockrun … -- true`, `flock FILE true` and the backend's bare imports, interleaved."""
     scenario = bench.scenario_dir(f"report-startup-{table.backend}")
-    target = bench.target(table.backend, scenario)
     commands = {
-        table.backend: target.argv(bench.lockrun, ["true"]),
+        table.backend: bench.target(table.backend, scenario).argv("true"),
         "flock": [FLOCK, str(scenario / "x"), "true"],
         "imports": [sys.executable, "-c", f"import {imports([table.backend])}"],
     }
@@ -123,31 +118,27 @@ def handoff(bench: Bench, table: Table, effort: Effort) -> None:
 def idle(bench: Bench, table: Table, effort: Effort) -> None:
     """Measure the CPU of WAITERS blocked waiters over the window, and their server's.
 
-    As `python -m bench` (c) judges it, the larger of the two counts: /proc's clock ticks miss
-    short children below a tick, the exact schedstat run time misses processes that ended.
+    As `python -m bench` (c) judges it: the larger of ticks and schedstat's run time counts.
     """
     window = effort.idle_window
     for kind in (table.backend, "flock"):
         if (result := idle_case(bench, kind, 1, WAITERS, window)) is None:
             continue
-        table.column(kind).idle = max(result.usage.cpu, result.usage.run) / WAITERS / window
-        if result.server is not None:
-            usage = result.server
-            table.column(kind).server = max(usage.cpu, usage.run) / WAITERS / window
+        for usage, attribute in ((result.usage, "idle"), (result.server, "server")):
+            if usage is not None:
+                setattr(table.column(kind), attribute, max(usage.cpu, usage.run) / WAITERS / window)
 
 
 def contend(bench: Bench, table: Table, effort: Effort) -> None:
     """Loop `lockrun -w forever -- true` (or `flock FILE true`) in CONTENDERS processes.
 
-    Each stops after the run in progress once the window has passed; every completed run is
-    counted, over the time until the last contender exited.
+    Each stops after its run once the window has passed: runs per s until the last one exited.
     """
     for kind in (table.backend, "flock"):
         scenario = bench.scenario_dir(f"report-cycles-{kind}")
-        target = bench.target(kind, scenario)
         stop = scenario / "STOP"
         cycle = ["sh", "-c", CYCLE_SCRIPT, "sh", str(stop)]
-        cycle += target.argv(bench.lockrun, ["true"], wait=True)
+        cycle += bench.target(kind, scenario).argv("true", wait=True)
         counts = [scenario / f"count{index}" for index in range(CONTENDERS)]
         try:
             with Processes(scenario) as procs:
@@ -258,18 +249,11 @@ def plot(path: Path, tables: Sequence[Table]) -> None:
     tools = (("lockrun", "tab:blue", -0.2), ("flock(1)", "tab:gray", 0.2))
     for place, table in enumerate(measured):
         for (_, color, offset), column in zip(tools, (table.lockrun, table.flock), strict=True):
-            axes.boxplot(
-                column.handoff,
-                positions=[place + offset],
-                widths=0.32,
-                whis=(1, 99),
-                patch_artist=True,
-                boxprops={"facecolor": color, "alpha": 0.35, "edgecolor": color},
-                medianprops={"color": color, "linewidth": 2},
-                whiskerprops={"color": color},
-                capprops={"color": color},
-                flierprops={"marker": ".", "markeredgecolor": color, "markersize": 4},
-            )
+            line, box = {"color": color}, {"facecolor": color, "alpha": 0.35, "edgecolor": color}
+            style: dict[str, Any] = {"boxprops": box, "whiskerprops": line, "capprops": line}
+            style |= {"medianprops": line | {"linewidth": 2}, "widths": 0.32, "whis": (1, 99)}
+            style |= {"flierprops": {"marker": ".", "markeredgecolor": color, "markersize": 4}}
+            axes.boxplot(column.handoff, positions=[place + offset], patch_artist=True, **style)
     axes.set_yscale("log")
     axes.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
@@ -294,8 +278,9 @@ def plot(path: Path, tables: Sequence[Table]) -> None:
 def tick_label(table: Table) -> str:
     """Return a backend's label under its boxes: name, trials, both medians."""
     lockrun, flock = (statistics.median(column.handoff) for column in (table.lockrun, table.flock))
-    trials = len(table.lockrun.handoff)
-    return f"{table.backend}, n={trials}\nmedians {lockrun:.2f} | {flock:.2f} ms"
+    return (
+        f"{table.backend}, n={len(table.lockrun.handoff)}\nmedians {lockrun:.2f} | {flock:.2f} ms"
+    )
 
 
 def backend_list(text: str) -> list[str]:
@@ -309,10 +294,8 @@ def backend_list(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, then write the report and the plot."""
-    core.catch_term()
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.report", description=__doc__.splitlines()[0]
-    )
+    about = __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=about)
     parser.add_argument("--quick", action="store_true", help="few trials, short windows")
     parser.add_argument("--out", type=Path, default=DOCS, help=f"where to write (default {DOCS})")
     choices = f"comma-separated subset of {','.join(BACKENDS)}"
@@ -326,25 +309,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     mpl.use("Agg")  # files only, never a window
-    command = shlex.join(
-        ["python", "-m", "bench.report", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = shlex.join([*parser.prog.split(), *(sys.argv[1:] if argv is None else argv)])
     effort = QUICK_EFFORT if args.quick else FULL_EFFORT
     began, load = time.monotonic(), core.load_average()
     print(f"bytecode {core.compile_bytecode()}")
-    root = Path(tempfile.mkdtemp(prefix="lockrun-report-"))
-    bench = Bench(core.find_lockrun(), root, core.QUICK)  # the plan is unused: effort says all
-    try:
+    with Bench.running(core.QUICK) as bench:  # the report's own effort, not the plan's
         tables = [measure(bench, backend, effort) for backend in args.backends]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    header = header_lines(bench, command, (load, core.load_average()), effort)
-    lines = header + [line for table in tables for line in table_lines(table, effort)]
-    (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
-    plot(args.out / PLOT_NAME, tables)
-    print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")
-    return bench.finish(began)
+        args.out.mkdir(parents=True, exist_ok=True)
+        lines = header_lines(bench, command, (load, core.load_average()), effort)
+        lines += [line for table in tables for line in table_lines(table, effort)]
+        (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+        plot(args.out / PLOT_NAME, tables)
+        print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")
+        return bench.finish(began)
 
 
 if __name__ == "__main__":

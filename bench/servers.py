@@ -1,8 +1,7 @@
 """The lock servers the bench measures against: the tests' throwaway ones, each with a probe.
 
-tests/support/servers.py starts them, here each on a free loopback port too: lockrun reaches
-it over TCP like a real deployment (and over its unix socket for reference). The probe, a
-session of the bench's own on the socket, asks who waits and how many clients there are.
+Each listens on a free loopback port too: lockrun reaches it over TCP like a real deployment.
+The probe, a session of the bench's own on the unix socket, asks who waits and how many.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar, cast
 
 import pymysql
 import pytest
@@ -26,6 +25,7 @@ from tests.support.servers import MariaServer, PostgresServer, RedisServer, free
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+    from subprocess import Popen
 
     from bench.core import Bench
 
@@ -43,10 +43,10 @@ class Unavailable(Exception):
 
 
 class Server:
-    """A throwaway lock server of the bench's own, and the bench's probe on it.
+    """A throwaway server of the bench's own, and its probe.
 
-    `clients` counts the connected clients but the probe, and those waiting; `waiting` says
-    which of the lockrun processes *pids* wait for *name* inside the server.
+    `clients` counts its clients but the probe, and those waiting; `waiting` says which of
+    *pids* wait for *name* in it.
     """
 
     program: ClassVar[str]
@@ -60,9 +60,7 @@ class Server:
 
     @property
     def pid(self) -> int:
-        if self.server.process is None:
-            raise Broken(f"{self.program} is not running")
-        return self.server.process.pid
+        return cast("Popen[bytes]", self.server.process).pid
 
     def connect(self) -> Any:  # noqa: ANN401 - the driver's connection
         raise NotImplementedError
@@ -102,10 +100,8 @@ class Server:
         return self.ask(run)
 
     def tagged(self, name: str, sql: str, *args: object) -> set[int]:
-        """Return the pids in the lockrun tags, naming *name*, of the statements *sql* lists.
-
-        The head of a semaphore's queue waits on the slots, the others on the gate: all queue.
-        """
+        """Return the pids the lockrun tags name *name* in, in the statements *sql* lists."""
+        # The head of a semaphore's queue waits on the slots, the others on the gate: all queue.
         pids = set()
         for (statement,) in self.query(sql, *args):
             with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -177,9 +173,8 @@ class Maria(Server):
     def usage(self) -> Usage:
         """Sample the server's CPU, and its live threads' run time and switches.
 
-        It runs a thread per connection plus InnoDB's own: the main thread alone says nothing.
-        A thread that ends between two samples takes its share of the exact numbers with it
-        (the CPU column, the process's own, keeps it).
+        A thread per connection plus InnoDB's own. One that ends between two samples takes its
+        share of the exact numbers with it (the CPU column, the process's own, keeps it).
         """
         total = Usage(Usage.of(self.pid).cpu, 0.0, 0)
         for entry in os.listdir(f"/proc/{self.pid}/task"):
@@ -218,11 +213,10 @@ class Postgres(Server):
     def usage(self) -> Usage:
         """Sample the postmaster and its children (a process per backend).
 
-        The postmaster's cutime and cstime keep what the backends it reaped used, so a
-        backend that ends between two samples still counts in the CPU column; its run time
-        and switches (the exact numbers) leave with it. Each process's utime + stime is its
-        run time cut to whole clock ticks: a young backend that used less than a tick in all
-        shows none, so with many of them the CPU column reads low and the exact one is right.
+        Its cutime and cstime keep what the backends it reaped used, so one that ends between
+        two samples still counts in the CPU column; its exact run time and switches leave with
+        it. Each utime + stime is cut to whole clock ticks: a young backend that used less than
+        a tick shows none, so with many the CPU column reads low and the exact one is right.
         """
         reaped = sum(map(int, stat_fields(Path(f"/proc/{self.pid}"))[13:15])) / CLOCK_TICKS
         total = Usage.of(self.pid) + Usage(reaped, 0.0, 0)
@@ -265,10 +259,7 @@ def launch(backend: str, port: int) -> Server:
 
 @contextlib.contextmanager
 def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
-    """Run *backend*'s server for *bench* while the block runs; None for a local backend.
-
-    `Unavailable`, with the reason, when the server is not installed or does not start.
-    """
+    """Run *backend*'s server for *bench* while the block runs (None: local); or `Unavailable`."""
     if backend not in SERVED:
         yield None
         return

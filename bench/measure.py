@@ -153,12 +153,11 @@ def handoff(bench: Bench, group: Group) -> None:
     group.heading(1, f"handoff: holder's command exits -> waiter's command starts, {trials} trials")
     labels: dict[str, str | None] = {}  # None: skipped with --quick
     for backend in group.backends:
-        if backend in SERVED:
-            labels[backend] = f"lockrun, {backend} backend (TCP)"
+        server = bench.server_of(backend)
+        labels[backend] = f"lockrun, {backend} backend" + (" (TCP)" if server else "")
+        if server and server.sockets:
             socket = None if bench.plan.quick else f"lockrun, {backend} backend (socket)"
             labels[backend + SOCKET] = socket
-        else:
-            labels[backend] = f"lockrun, {backend} backend"
     labels["flock"] = "flock(1) on a file"
     measured = {kind: label for kind, label in labels.items() if label is not None}
     results, broken = handoff_trials(bench, measured, trials)

@@ -34,7 +34,6 @@ CONTENDERS: Final = 8  # processes looping acquire, run `true`, release
 CYCLE_SCRIPT: Final = (
     'stop=$1; shift; n=0; while [ ! -e "$stop" ]; do "$@" || exit; n=$((n + 1)); done; echo "$n"'
 )
-ETCD: Final = ("etcd", "etcdctl")
 PLOT_NAME: Final = "handoff-latency.png"
 REPORT_NAME: Final = "benchmarks.md"
 DOCS: Final = Path(__file__).resolve().parent.parent / "docs"
@@ -197,7 +196,7 @@ def table_lines(table: Table, effort: Effort) -> list[str]:
 def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
     """Return the report's title, the machine and run it describes, and what the rows mean."""
     window = f"{effort.idle_window:g} s"
-    missing = [program for program in ETCD if shutil.which(program) is None]
+    missing = [program for program in ("etcd", "etcdctl") if shutil.which(program) is None]
     etcd = f"{' and '.join(missing)} not installed (not on PATH)" if missing else ""
     return [
         "# lockrun benchmarks",

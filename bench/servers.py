@@ -51,6 +51,7 @@ class Server:
 
     program: ClassVar[str]
     pauses: ClassVar[tuple[float, float]] = (0.002, 0.05)  # between looks at a queue of 1, of N
+    sockets: ClassVar[bool] = True  # also time handoffs over its unix socket (not --quick)
     probe: Any = None  # the bench's session, opened on first use
 
     def __init__(self, server: RedisServer | MariaServer | PostgresServer) -> None:
@@ -122,6 +123,7 @@ class Server:
 
 class Redis(Server):
     program, pauses = "redis-server", (0.005, 0.1)
+    sockets = False  # `waiting` finds the blocked clients by their TCP port
     server: RedisServer
 
     def connect(self) -> redis.Redis:

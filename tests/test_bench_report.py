@@ -1,8 +1,7 @@
-"""bench/report writes one Markdown table per backend beside flock(1), and a PNG plot (#7)."""
+"""`python -m bench.report` writes a Markdown table per backend beside flock(1), and a plot (#7)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from tests.support.cli import unmeasured
 from tests.support.servers import installed, unavailable
 
-REPORT: Final = Path(__file__).resolve().parent.parent / "bench" / "report"
+ROOT: Final = Path(__file__).resolve().parent.parent  # where `python -m bench.report` runs
 PNG_MAGIC: Final = b"\x89PNG\r\n\x1a\n"
 # Each table's rows, by how their labels start, in order.
 LOCAL_ROWS: Final = (
@@ -28,10 +27,10 @@ HEADER: Final = ("date", "kernel", "CPUs", "Python", "load average", "command")
 
 
 def report(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run bench/report itself, by its shebang, with this interpreter's python3 first on PATH."""
-    env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+    """Run `python -m bench.report` from the repository root, with this interpreter."""
+    command = [sys.executable, "-m", "bench.report", *args]
     return subprocess.run(
-        [str(REPORT), *args], capture_output=True, text=True, timeout=90, check=False, env=env
+        command, cwd=ROOT, capture_output=True, text=True, timeout=90, check=False, env=env
     )
 
 

@@ -1,0 +1,1 @@
+"""lockrun's benchmarks: ``python -m bench`` (targets, verdicts), ``python -m bench.report``."""

@@ -1,0 +1,350 @@
+"""Benchmark lockrun: startup, handoff latency, idle waiters' CPU and FIFO order, per backend.
+
+``python -m bench [--quick]``, from the repository root, prints one report; a missed target is
+a MISS line. Each measurement is one function, run for the local backends, then for each server
+backend on a throwaway server of its own (bench/servers.py). It exits 1 only when something
+broke (lockrun crashed, hung or exited as it should not), listed at the end with its command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final
+
+from bench import core
+from bench.core import FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
+from bench.servers import Unavailable, serving
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from bench.core import Effort
+
+APPEND_SCRIPT: Final = 'echo "$1 ${LOCKRUN_FENCE:-}" >> "$2"'  # $1 index, $2 order file
+FIFO_SPACING: Final = 0.1
+LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh queue
+STARTUP_TARGET: Final = 1.3
+FILE_HANDOFF_RATIO: Final = 2.0
+OTHER_HANDOFF_MS: Final = 10.0
+SLOTS: Final = (1, 3)
+# What lockrun's start-up is divided by: the interpreter importing click and the driver.
+DRIVERS: Final = {"redis": "redis", "mysql": "pymysql", "postgres": "psycopg"}
+TITLES: Final = {"redis": "Redis", "mysql": "MySQL", "postgres": "PostgreSQL"}
+
+
+def imports(backends: Iterable[str]) -> str:
+    """Return what `python -c 'import …'` imports for *backends*: click and their drivers."""
+    return ", ".join(["click", *(DRIVERS[b] for b in backends if b in DRIVERS)])
+
+
+@dataclass(frozen=True)
+class Group:
+    """Backends measured in the same four sections: the local ones, or one server's."""
+
+    backends: tuple[str, ...]
+    effort: Effort
+    title: str  # "" for the local backends
+    letters: str  # of its sections
+
+    @classmethod
+    def all(cls, bench: Bench) -> list[Group]:
+        found = [(core.LOCAL, "")] + [((backend,), TITLES[backend]) for backend in SERVED]
+        return [
+            cls(backends, bench.plan.efforts[backends[0]], title, "abcdefghijklmnop"[4 * i :])
+            for i, (backends, title) in enumerate(found)
+        ]
+
+    def heading(self, index: int, what: str) -> None:
+        title = f"{self.title} {what}" if self.title else what[0].upper() + what[1:]
+        core.section(f"({self.letters[index]}) {title}")
+
+
+def startup_medians(
+    bench: Bench, commands: dict[str, list[str]], runs: int, what: str
+) -> dict[str, float] | None:
+    """Run every command *runs* times, round-robin after a warm-up; return median wall times."""
+    times: dict[str, list[float]] = {label: [] for label in commands}
+    quiet = subprocess.DEVNULL
+    try:
+        for attempt in range(runs + 1):
+            for label, argv in commands.items():
+                began = time.perf_counter()
+                subprocess.run(argv, check=True, stdin=quiet, stdout=quiet, stderr=quiet)
+                if attempt > 0:  # the first round warms the page cache
+                    times[label].append(time.perf_counter() - began)
+    except subprocess.CalledProcessError as err:
+        bench.broke(what, Broken(f"exit {err.returncode} from {shlex.join(err.cmd)}"))
+        return None
+    return {label: statistics.median(values) for label, values in times.items()}
+
+
+def startup(bench: Bench, group: Group) -> None:
+    """Compare `lockrun … -- true` with importing click (and the driver) and with flock(1)."""
+    runs = group.effort.startup_runs
+    group.heading(0, f"startup: median wall time of {runs} runs each")
+    scenario = bench.scenario_dir("startup")
+    commands: dict[str, list[str]] = {}
+    for backend in group.backends:
+        lock = bench.target(backend, scenario)
+        if (server := bench.server_of(backend)) is not None:
+            try:
+                row("server", f"{server.program} {server.version()}, {server.uri}")
+            except Broken as err:
+                bench.broke(f"{backend} startup", err)
+                return
+            row("server start", f"{server.ready_in:.1f} s: a fresh data directory, then a session")
+        shown = "file:DIR" if backend == "file" else lock.uri.split(":")[0] + ":"
+        commands[f"lockrun --uri {shown}{'//…' if server else ''} -- true"] = lock.argv("true")
+    lockruns = dict(zip(group.backends, commands, strict=True))
+    modules = dict.fromkeys((imports(group.backends), "click"))  # the target's, then reference
+    for module in modules:
+        commands[f"python -c 'import {module}'"] = [sys.executable, "-c", f"import {module}"]
+    commands["python -c pass"] = [sys.executable, "-c", "pass"]
+    commands["flock DIR/x true"] = [FLOCK, str(scenario / "x"), "true"]
+    if (medians := startup_medians(bench, commands, runs, "startup")) is None:
+        return
+    for label, median in medians.items():
+        row(label, f"{median * 1000:7.1f} ms")
+    for backend, label in lockruns.items():
+        prefix = f"{backend}: " if len(group.backends) > 1 else ""
+        for module, target in zip(modules, (f"<= {STARTUP_TARGET}x", ""), strict=False):
+            ratio = medians[label] / medians[f"python -c 'import {module}'"]
+            ok = ratio <= STARTUP_TARGET if target else ""
+            row(f"{prefix}lockrun / import {module}", f"{ratio:5.2f}x", target, ok)
+        row(f"{prefix}lockrun / flock(1)", f"{medians[label] / medians['flock DIR/x true']:5.1f}x")
+
+
+def handoff_trials(
+    bench: Bench, labels: dict[str, str], trials: int
+) -> tuple[dict[str, list[float]], set[str]]:
+    """Time *trials* handoffs (holder's command exits -> waiter's starts) of each kind, in ms."""
+    results: dict[str, list[float]] = {kind: [] for kind in labels}
+    broken: set[str] = set()
+    for kind in (kind for _ in range(trials) for kind in labels if kind not in broken):
+        scenario = bench.scenario_dir(f"handoff-{kind}")
+        target = bench.target(kind, scenario)
+        end, start = scenario / "END", scenario / "START"
+        try:
+            with Processes(scenario) as procs:
+                go = bench.start_holders(procs, target, 1, core.HANDOFF_POLL, out=end)
+                waiter = procs.spawn(target.argv("date", "+%s%N", wait=True), stdout=start)
+                bench.wait_queued(procs, target, [waiter])
+                go.touch()
+                procs.finish(10.0)
+        except Broken as err:
+            broken.add(kind)
+            bench.broke(f"handoff {labels[kind]}", err)
+            continue
+        results[kind].append((int(start.read_text()) - int(end.read_text())) / 1e6)
+    return results, broken
+
+
+def handoff(bench: Bench, group: Group) -> None:
+    """Time handoffs of each backend (and a server's socket) against flock(1), interleaved."""
+    trials = group.effort.handoff_trials
+    group.heading(1, f"handoff: holder's command exits -> waiter's command starts, {trials} trials")
+    labels: dict[str, str | None] = {}  # None: skipped with --quick
+    for backend in group.backends:
+        server = bench.server_of(backend)
+        labels[backend] = f"lockrun, {backend} backend" + (" (TCP)" if server else "")
+        if server and server.sockets:
+            socket = None if bench.plan.quick else f"lockrun, {backend} backend (socket)"
+            labels[backend + SOCKET] = socket
+    labels["flock"] = "flock(1) on a file"
+    measured = {kind: label for kind, label in labels.items() if label is not None}
+    results, broken = handoff_trials(bench, measured, trials)
+    for kind, label in labels.items():
+        if label is None:
+            row(f"{kind.removesuffix(SOCKET)} backend (socket)", "skipped with --quick")
+        elif kind not in broken:
+            row(label, core.describe(results[kind], tail=kind != "flock"))
+            if kind in group.backends:
+                slowest = sorted(results[kind], reverse=True)[:3]
+                row(f"{kind}: slowest three", "  ".join(f"{ms:.2f}" for ms in slowest) + " ms")
+    if "flock" in broken:
+        return
+    flock_median = statistics.median(results["flock"])
+    for backend in (backend for backend in group.backends if backend not in broken):
+        median = statistics.median(results[backend])
+        ratio, target = median / flock_median, f"<= {FILE_HANDOFF_RATIO}x"
+        if backend == "file":  # both flock(2): lockrun's own cost, over flock(1)'s
+            ok = ratio <= FILE_HANDOFF_RATIO
+            row("file: lockrun / flock(1), median", f"{ratio:5.2f}x", target, ok)
+        else:
+            row(f"{backend}: lockrun / flock(1)", f"{ratio:5.2f}x")
+            ok = median <= OTHER_HANDOFF_MS
+            row(f"{backend}: median", f"{median:6.2f} ms", f"<= {OTHER_HANDOFF_MS:.0f} ms", ok)
+
+
+@dataclass(frozen=True)
+class IdleResult:
+    """What the idle waiters (and their server) cost during the window, and the drain."""
+
+    usage: Usage
+    processes: int  # the waiters and their children
+    drain: float
+    server: Usage | None = None
+    connected: int = 0  # the server's clients at the window's end, without the probe
+    blocked: int = 0  # of which blocked (in BLPOP, inside GET_LOCK or pg_advisory_lock)
+    left: int = 0  # the server's connections once every waiter had run and exited
+
+
+def idle_case(
+    bench: Bench, kind: str, slots: int, waiters: int, window: float
+) -> IdleResult | None:
+    """Hold *slots* slots, queue waiters, measure their CPU (and the server's); None: broke."""
+    scenario = bench.scenario_dir(f"idle-{kind}-{slots}")
+    target, server = bench.target(kind, scenario), bench.server_of(kind)
+    try:
+        with Processes(scenario) as procs:
+            go = bench.start_holders(procs, target, slots, core.IDLE_POLL)
+            command = target.argv("true", slots=slots, wait=True)
+            queue = [procs.spawn(command) for _ in range(waiters)]
+            bench.wait_queued(procs, target, queue, timeout=60.0)
+            time.sleep(0.3)  # let the last starters finish whatever they do after queueing
+            before = core.family_usage(proc.pid for proc in queue)
+            server_start = None if server is None else server.usage()
+            time.sleep(window)
+            after = core.family_usage(proc.pid for proc in queue)
+            result = IdleResult(core.spent(before, after), len(after), 0.0)
+            if server is not None and server_start is not None:
+                load = server.usage() - server_start
+                connected, blocked = server.clients()
+                result = replace(result, server=load, connected=connected, blocked=blocked)
+            go.touch()
+            began = time.monotonic()
+            procs.finish(60.0)
+            result = replace(result, drain=time.monotonic() - began)
+        if server is None:
+            return result
+        core.poll_until(lambda: server.clients()[0] == 0, 2.0, 0.01)  # a close lands later
+        return replace(result, left=server.clients()[0])
+    except (Broken, FileNotFoundError, ProcessLookupError) as err:
+        problem = err if isinstance(err, Broken) else Broken(f"waiter vanished: {err}")
+        bench.broke(f"{kind}: --slots {slots}", problem)
+        return None
+
+
+def idle(bench: Bench, group: Group) -> None:
+    """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3."""
+    waiters, window = group.effort.idle_waiters, group.effort.idle_window
+    group.heading(2, f"idle waiters: {waiters} waiters (-w forever) on a held lock, {window:.0f} s")
+    for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
+        if (result := idle_case(bench, kind, slots, waiters, window)) is None:
+            continue
+        what, usage = f"{kind} --slots {slots}", result.usage
+        core.idle_row(f"{what}: waiters", usage, window)
+        each = f"{usage.run * 1000 / waiters:.3f} ms CPU (exact), "
+        each += f"{usage.switches / waiters:.1f} wakeups; {result.processes - waiters} children"
+        row(f"{what}: per waiter", each)
+        if result.server is None:
+            row(f"{what}: drain", f"all {waiters} ran in {result.drain:.2f} s")
+            continue
+        program, load = bench.servers[kind].program, result.server
+        core.idle_row(f"{what}: {program}", load, window)
+        # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client is
+        # still there, and so does PostgreSQL with the client_connection_check_interval lockrun
+        # sets (14+): their cost grows with the queue.
+        each = f"{load.run * 1000 / waiters / window:.3f} ms CPU/s, "
+        row(f"{what}: {program}/waiter", f"{each}{load.switches / waiters / window:.2f} wakeups/s")
+        # One session per waiter, and N - 1 more for the head, which waits on every slot.
+        theirs, expected = result.connected - slots, waiters + slots - 1
+        holders = "1 holder" if slots == 1 else f"{slots} holders"
+        numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
+        row(
+            f"{what}: sessions",
+            f"{numbers}; {result.blocked} waiting",
+            f"<= {expected}",
+            theirs <= expected,
+        )
+        row(
+            f"{what}: drain",
+            f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left",
+        )
+
+
+def fifo_scenario(bench: Bench, kind: str, slots: int, hold: float) -> tuple[list[int], list[int]]:
+    """Queue waiters one by one, release *hold* s after the first; return grant, append order."""
+    scenario = bench.scenario_dir(f"fifo-{kind}-{slots}")
+    target, order = bench.target(kind, scenario), scenario / "order"
+    with Processes(scenario) as procs:
+        go = bench.start_holders(procs, target, slots, core.IDLE_POLL)
+        first = time.monotonic()
+        for index in range(bench.plan.fifo_waiters):
+            began = time.monotonic()
+            script = ["sh", "-c", APPEND_SCRIPT, "sh", str(index), str(order)]
+            waiter = procs.spawn(target.argv(*script, slots=slots, wait=True))
+            bench.wait_queued(procs, target, [waiter])
+            time.sleep(max(0.0, began + FIFO_SPACING - time.monotonic()))
+        time.sleep(max(0.0, first + hold - time.monotonic()))
+        go.touch()
+        procs.finish(30.0)
+    # The grant order is the order of the commands' LOCKRUN_FENCE (the append order without).
+    lines = [line.split() for line in order.read_text().splitlines()]
+    appended = [int(fields[0]) for fields in lines]
+    if any(len(fields) != 2 for fields in lines):
+        return appended, appended
+    return [int(fields[0]) for fields in sorted(lines, key=lambda f: int(f[1]))], appended
+
+
+def fifo(bench: Bench, group: Group) -> None:
+    """Do waiters get the lock in the order they queued: released at once, and (full) late."""
+    waiters, spacing = bench.plan.fifo_waiters, FIFO_SPACING * 1000
+    group.heading(3, f"FIFO: {waiters} waiters queued {spacing:.0f} ms apart, then release")
+    for hold in [0.0] if bench.plan.quick else [0.0, LONG_HOLD]:
+        if hold:
+            print(f"  -- released {hold:.0f} s after the first waiter queued (long waits):")
+        for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
+            what = f"{kind}: --slots {slots}" + (f", {hold:.0f} s" if hold else "")
+            try:
+                granted, appended = fifo_scenario(bench, kind, slots, hold)
+            except Broken as err:
+                bench.broke(what, err)
+                continue
+            in_order = granted == list(range(waiters))
+            row(what, f"granted {' '.join(map(str, granted))} (by fence)", "= arrival", in_order)
+            if appended != granted:  # with N slots, N commands race to append: for reference
+                row(f"{what}, append order", "ran " + " ".join(map(str, appended)))
+            if not in_order:  # docs/design.md lets N slots be overtaken N-1 times
+                later = (sum(x > w for x in granted[:i]) for i, w in enumerate(granted))
+                most = max(later, default=0)
+                row(f"{what}, overtaken", f"at most {most}x by a later waiter (N-1 = {slots - 1})")
+    if bench.plan.quick:
+        row(f"release after {LONG_HOLD:.0f} s", "skipped with --quick")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every section once and print the report."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke)")
+    quick = parser.parse_args(argv).quick
+    began = time.monotonic()
+    with Bench.running(core.QUICK if quick else core.FULL) as bench:
+        print("lockrun benchmark" + (" (--quick)" if quick else ""), "=" * 100, sep="\n")
+        print(f"date     {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
+        print(f"kernel   {platform.release()} on {platform.machine()}, {os.cpu_count()} CPUs")
+        print(f"python   {platform.python_version()} ({sys.executable})")
+        print(f"lockrun  {bench.version()} ({shlex.join(bench.lockrun)})")
+        print(f"bytecode {core.compile_bytecode()}\nflock    {FLOCK}")
+        print(f"load     {core.load_average()} (other work on the machine skews every number)")
+        print("columns: what, numbers, target, verdict (no target: for reference)")
+        for group in Group.all(bench):
+            try:
+                with serving(bench, group.backends[0]):
+                    for run in (startup, handoff, idle, fifo):
+                        section_began = time.monotonic()
+                        run(bench, group)
+                        took = f"{time.monotonic() - section_began:.1f} s"
+                        print(f"  ({took}, load {core.load_average()})", flush=True)
+            except Unavailable as err:
+                core.section(f"({group.letters[0]}) to ({group.letters[3]}) {group.title}: skipped")
+                row(f"{group.backends[0]} backend", f"skipped: {err}")
+        return bench.finish(began)

@@ -1,0 +1,327 @@
+"""Write lockrun's benchmark report: one Markdown table per backend beside flock(1), and a plot.
+
+``python -m bench.report [--quick] [--out DIR] [--backends file,abstract,…]``, from the
+repository root, measures each backend beside flock(1) and writes ``benchmarks.md`` and
+``handoff-latency.png`` into DIR (``docs/``). It exits 1 when something broke, 2 without matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from bench import core
+from bench.core import FLOCK, SERVED, Bench, Broken, Effort, Processes
+from bench.measure import handoff_trials, idle_case, imports, startup_medians
+from bench.servers import Unavailable, serving
+from lockrun.uri import BACKENDS
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+WAITERS: Final = 8  # idle waiters queued on a held lock
+CONTENDERS: Final = 8  # processes looping acquire, run `true`, release
+# One contender: run the command until STOP exists, then print how many runs completed.
+CYCLE_SCRIPT: Final = (
+    'stop=$1; shift; n=0; while [ ! -e "$stop" ]; do "$@" || exit; n=$((n + 1)); done; echo "$n"'
+)
+PLOT_NAME: Final = "handoff-latency.png"
+REPORT_NAME: Final = "benchmarks.md"
+DOCS: Final = Path(__file__).resolve().parent.parent / "docs"
+# The contenders loop for as long as the idle waiters wait: idle_window is theirs too.
+FULL_EFFORT: Final = Effort(startup_runs=30, handoff_trials=100, idle_waiters=8, idle_window=10)
+QUICK_EFFORT: Final = Effort(startup_runs=5, handoff_trials=8, idle_waiters=8, idle_window=0.5)
+
+
+@dataclass
+class Column:
+    """One tool's numbers in a backend's table; None where the measurement broke."""
+
+    startup: float | None = None  # median seconds
+    startup_ratio: float | None = None  # over the backend's `python -c 'import …'`
+    handoff: list[float] = field(default_factory=list)  # milliseconds
+    idle: float | None = None  # CPU seconds per waiter per second
+    server: float | None = None  # the lock server's CPU seconds per waiter per second
+    cycles: float | None = None  # per second, all contenders together
+
+
+@dataclass
+class Table:
+    """What one backend's section says: lockrun's numbers, flock(1)'s, or why it was skipped."""
+
+    backend: str
+    lockrun: Column = field(default_factory=Column)
+    flock: Column = field(default_factory=Column)
+    server: str = ""  # the server's name and version
+    skipped: str = ""
+
+    def column(self, kind: str) -> Column:
+        return self.flock if kind == "flock" else self.lockrun
+
+
+def measure(bench: Bench, backend: str, effort: Effort) -> Table:
+    """Measure *backend* and flock(1) side by side, with the backend's server if it needs one."""
+    table = Table(backend)
+    try:
+        with serving(bench, backend) as server:
+            if server is not None:
+                try:
+                    table.server = f"{server.program} {server.version()}"
+                except Broken as err:
+                    table.server = f"version unknown: {err}"
+            steps = {"start-up": startup, "handoff": handoff, "idle waiters": idle}
+            for what, step in (steps | {"contenders": contend}).items():
+                began = time.monotonic()
+                step(bench, table, effort)
+                took = f"{time.monotonic() - began:.1f} s, load {core.load_average()}"
+                print(f"{backend}: {what} ({took})", flush=True)
+    except Unavailable as err:
+        table.skipped = str(err)
+        print(f"{backend}: skipped: {err}")
+    return table
+
+
+def startup(bench: Bench, table: Table, effort: Effort) -> None:
+    """Time `lockrun … -- true`, `flock FILE true` and the backend's bare imports, interleaved."""
+    scenario = bench.scenario_dir(f"report-startup-{table.backend}")
+    commands = {
+        table.backend: bench.target(table.backend, scenario).argv("true"),
+        "flock": [FLOCK, str(scenario / "x"), "true"],
+        "imports": [sys.executable, "-c", f"import {imports([table.backend])}"],
+    }
+    medians = startup_medians(bench, commands, effort.startup_runs, f"{table.backend} start-up")
+    if medians is None:
+        return
+    for kind in (table.backend, "flock"):
+        table.column(kind).startup = medians[kind]
+        table.column(kind).startup_ratio = medians[kind] / medians["imports"]
+
+
+def handoff(bench: Bench, table: Table, effort: Effort) -> None:
+    """Time handoffs of the backend and of flock(1), interleaved; a broken one stays empty."""
+    labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
+    results, broken = handoff_trials(bench, labels, effort.handoff_trials)
+    for kind in labels.keys() - broken:
+        table.column(kind).handoff = results[kind]
+
+
+def idle(bench: Bench, table: Table, effort: Effort) -> None:
+    """Measure the CPU of WAITERS blocked waiters over the window, and their server's.
+
+    As `python -m bench` (c) judges it: the larger of ticks and schedstat's run time counts.
+    """
+    window = effort.idle_window
+    for kind in (table.backend, "flock"):
+        if (result := idle_case(bench, kind, 1, WAITERS, window)) is None:
+            continue
+        for usage, attribute in ((result.usage, "idle"), (result.server, "server")):
+            if usage is not None:
+                setattr(table.column(kind), attribute, max(usage.cpu, usage.run) / WAITERS / window)
+
+
+def contend(bench: Bench, table: Table, effort: Effort) -> None:
+    """Loop `lockrun -w forever -- true` (or `flock FILE true`) in CONTENDERS processes.
+
+    Each stops after its run once the window has passed: runs per s until the last one exited.
+    """
+    for kind in (table.backend, "flock"):
+        scenario = bench.scenario_dir(f"report-cycles-{kind}")
+        stop = scenario / "STOP"
+        cycle = ["sh", "-c", CYCLE_SCRIPT, "sh", str(stop)]
+        cycle += bench.target(kind, scenario).argv("true", wait=True)
+        counts = [scenario / f"count{index}" for index in range(CONTENDERS)]
+        try:
+            with Processes(scenario) as procs:
+                procs.triggers.append(stop)  # whatever happens, the loops end
+                began = time.monotonic()
+                for count in counts:
+                    procs.spawn(cycle, stdout=count)
+                time.sleep(effort.idle_window)
+                stop.touch()
+                procs.finish(60.0)
+                elapsed = time.monotonic() - began
+        except Broken as err:
+            bench.broke(f"{kind}: {CONTENDERS} contenders", err)
+            continue
+        table.column(kind).cycles = sum(int(count.read_text()) for count in counts) / elapsed
+
+
+def cell(value: float | None, form: str = ".2f") -> str:
+    """Return *value* as a table cell in *form*, or `broke` when it was not measured."""
+    return "broke" if value is None else format(value, form)
+
+
+def table_lines(table: Table, effort: Effort) -> list[str]:
+    """Return one backend's Markdown section."""
+    lines = [f"## {table.backend}", ""]
+    if table.skipped:
+        return [*lines, f"Not measured: {table.skipped}.", ""]
+    if table.server:
+        lines += [f"Against a throwaway {table.server} of the bench's own, over loopback TCP.", ""]
+    both = (table.lockrun, table.flock)
+    trials = len(table.lockrun.handoff) or effort.handoff_trials
+
+    def tail(column: Column, percent: int) -> str:
+        return cell(core.percentile(column.handoff, percent)) if column.handoff else "broke"
+
+    per_waiter = f"s per waiter per s ({WAITERS} waiters)"
+    rows = {
+        "start-up, median ms": [cell(c.startup and c.startup * 1000, ".1f") for c in both],
+        f"start-up ratio, over `python -c 'import {imports([table.backend])}'`": [
+            cell(c.startup_ratio) for c in both
+        ],
+        f"handoff p50, ms ({trials} trials)": [tail(c, 50) for c in both],
+        f"handoff p99, ms ({trials} trials)": [tail(c, 99) for c in both],
+        f"idle-waiter CPU, {per_waiter}": [cell(c.idle, ".2g") for c in both],
+    }
+    if table.backend in SERVED:  # a CPU share: two significant digits, maybe an exponent
+        rows[f"server CPU, {per_waiter}"] = [cell(table.lockrun.server, ".2g"), "—"]
+    rows[f"acquire/release cycles per s, {CONTENDERS} contenders"] = [
+        cell(c.cycles, ".1f") for c in both
+    ]
+    lines += ["| metric | lockrun | flock(1) |", "|---|---:|---:|"]
+    lines += [f"| {what} | {' | '.join(cells)} |" for what, cells in rows.items()]
+    return [*lines, ""]
+
+
+def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
+    """Return the report's title, the machine and run it describes, and what the rows mean."""
+    window = f"{effort.idle_window:g} s"
+    missing = [program for program in ("etcd", "etcdctl") if shutil.which(program) is None]
+    etcd = f"{' and '.join(missing)} not installed (not on PATH)" if missing else ""
+    return [
+        "# lockrun benchmarks",
+        "",
+        "Measured in one run on one machine by `python -m bench.report`; other work on the",
+        "machine skews every number. `python -m bench` measures more (FIFO order, semaphores,",
+        "the unix sockets) with targets and verdicts.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| date | {time.strftime('%Y-%m-%d %H:%M:%S %z')} |",
+        f"| kernel | Linux {platform.release()} on {platform.machine()} |",
+        f"| CPUs | {os.cpu_count()} |",
+        f"| Python | {platform.python_version()} |",
+        f"| lockrun | {bench.version()} |",
+        f"| load average (1, 5, 15 min) | {loads[0]} at the start, {loads[1]} at the end |",
+        f"| command | `{command}` |",
+        "",
+        "What the rows measure, lockrun and flock(1) alike, in the same run:",
+        "",
+        "- **start-up**: median wall time of `lockrun --uri URI -- true` and `flock FILE true`;",
+        "  the ratio divides it by the median of `python -c 'import click'` plus the backend's",
+        "  driver, as `python -m bench` (a), (e), (i) and (m) do.",
+        "- **handoff**: from the holder's command exiting to the waiter's command starting",
+        "  (both print a `date +%s%N`), the waiter queued with `--wait forever`.",
+        f"- **idle-waiter CPU**: {WAITERS} waiters blocked on a held lock for {window}: the CPU",
+        "  seconds each used per second, the larger of /proc's tick count and schedstat's exact",
+        "  run time. For a server backend, the server's CPU over the same window, per waiter.",
+        f"- **cycles**: {CONTENDERS} processes, each looping",
+        "  `lockrun --uri URI -n NAME -w forever -- true` (or `flock FILE true`) for",
+        f"  {window}: completed runs per second, all of them together.",
+        "",
+        f"`etcdctl lock`: not measured, {etcd or 'the report has no etcd column yet'}.",
+        "",
+        f"![Handoff latency per backend, beside flock(1)]({PLOT_NAME})",
+        "",
+    ]
+
+
+def plot(path: Path, tables: Sequence[Table]) -> None:
+    """Draw each backend's handoff latencies beside flock(1)'s, as box plots on a log axis."""
+    # The bench extra is optional: main imported matplotlib and chose Agg.
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.patches import Patch  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+
+    measured = [table for table in tables if table.lockrun.handoff and table.flock.handoff]
+    figure, axes = plt.subplots(figsize=(max(6.4, 1.7 * len(measured) + 2.0), 5.2), dpi=120)
+    tools = (("lockrun", "tab:blue", -0.2), ("flock(1)", "tab:gray", 0.2))
+    for place, table in enumerate(measured):
+        for (_, color, offset), column in zip(tools, (table.lockrun, table.flock), strict=True):
+            line, box = {"color": color}, {"facecolor": color, "alpha": 0.35, "edgecolor": color}
+            style: dict[str, Any] = {"boxprops": box, "whiskerprops": line, "capprops": line}
+            style |= {"medianprops": line | {"linewidth": 2}, "widths": 0.32, "whis": (1, 99)}
+            style |= {"flierprops": {"marker": ".", "markeredgecolor": color, "markersize": 4}}
+            axes.boxplot(column.handoff, positions=[place + offset], patch_artist=True, **style)
+    axes.set_yscale("log")
+    axes.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.yaxis.set_minor_formatter(NullFormatter())
+    axes.set_xticks(range(len(measured)))
+    axes.set_xticklabels([tick_label(table) for table in measured])
+    axes.set_xlim(-0.6, len(measured) - 0.4)
+    axes.set_ylabel("handoff latency (ms, log scale)")
+    axes.grid(visible=True, axis="y", which="both", alpha=0.3)
+    figure.suptitle("Handoff: holder's command exits → waiter's command starts")
+    handles = [Patch(facecolor=c, alpha=0.35, edgecolor=c, label=tool) for tool, c, _ in tools]
+    figure.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncols=2, frameon=False
+    )
+    key = "box: quartiles · thick line: median · whiskers: 1st–99th percentile · dots: beyond"
+    figure.text(0.5, 0.01, key, ha="center", fontsize=8, color="dimgray")
+    figure.tight_layout(rect=(0, 0.03, 1, 0.92))
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def tick_label(table: Table) -> str:
+    """Return a backend's label under its boxes: name, trials, both medians."""
+    lockrun, flock = (statistics.median(column.handoff) for column in (table.lockrun, table.flock))
+    return (
+        f"{table.backend}, n={len(table.lockrun.handoff)}\nmedians {lockrun:.2f} | {flock:.2f} ms"
+    )
+
+
+def backend_list(text: str) -> list[str]:
+    """Parse --backends: a comma-separated subset of BACKENDS, kept in BACKENDS' order."""
+    wanted = {item.strip() for item in text.split(",") if item.strip()}
+    if wanted - set(BACKENDS) or not wanted:
+        msg = f"choose from {','.join(BACKENDS)}, not {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return [backend for backend in BACKENDS if backend in wanted]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, then write the report and the plot."""
+    about = __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=about)
+    parser.add_argument("--quick", action="store_true", help="few trials, short windows")
+    parser.add_argument("--out", type=Path, default=DOCS, help=f"where to write (default {DOCS})")
+    choices = f"comma-separated subset of {','.join(BACKENDS)}"
+    parser.add_argument("--backends", type=backend_list, default=list(BACKENDS), help=choices)
+    args = parser.parse_args(argv)
+    try:
+        import matplotlib as mpl  # noqa: PLC0415 - the bench extra is optional
+    except ImportError as err:
+        print(
+            f"{parser.prog}: needs matplotlib ({err}): pip install -e '.[bench]'", file=sys.stderr
+        )
+        return 2
+    mpl.use("Agg")  # files only, never a window
+    command = shlex.join([*parser.prog.split(), *(sys.argv[1:] if argv is None else argv)])
+    effort = QUICK_EFFORT if args.quick else FULL_EFFORT
+    began, load = time.monotonic(), core.load_average()
+    print(f"bytecode {core.compile_bytecode()}")
+    with Bench.running(core.QUICK) as bench:  # the report's own effort, not the plan's
+        tables = [measure(bench, backend, effort) for backend in args.backends]
+        args.out.mkdir(parents=True, exist_ok=True)
+        lines = header_lines(bench, command, (load, core.load_average()), effort)
+        lines += [line for table in tables for line in table_lines(table, effort)]
+        (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+        plot(args.out / PLOT_NAME, tables)
+        print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")
+        return bench.finish(began)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The lock servers the bench measures against: the tests' throwaway ones, each with a probe.
+
+Each listens on a free loopback port too: lockrun reaches it over TCP like a real deployment.
+The probe, a session of the bench's own on the unix socket, asks who waits and how many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar, cast
+
+import pymysql
+import pytest
+import redis
+
+from bench.core import CLOCK_TICKS, SERVED, Broken, Usage, descendants, stat_fields
+from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from subprocess import Popen
+
+    from bench.core import Bench
+
+# What a lockrun waiter's statement carries: who waits, lock name and pid. Its JSON never
+# holds a */ (MySQL's escapes it, PostgreSQL's every / and *), so the first */ ends it.
+TAG: Final = re.compile(r"/\* lockrun (\{.*?\}) \*/", re.DOTALL)
+USER_LOCK: Final = "User lock"  # PROCESSLIST STATE of a session waiting inside GET_LOCK
+MAX_CONNECTIONS: Final = 400  # a session per idle waiter, and the holders
+STARTS: Final = 3  # someone else may bind the free port before the server does
+T = TypeVar("T")
+
+
+class Unavailable(Exception):
+    """A server cannot run here; the message says why."""
+
+
+class Server:
+    """A throwaway server of the bench's own, and its probe.
+
+    `clients` counts its clients but the probe, and those waiting; `waiting` says which of
+    *pids* wait for *name* in it.
+    """
+
+    program: ClassVar[str]
+    pauses: ClassVar[tuple[float, float]] = (0.002, 0.05)  # between looks at a queue of 1, of N
+    sockets: ClassVar[bool] = True  # also time handoffs over its unix socket (not --quick)
+    probe: Any = None  # the bench's session, opened on first use
+
+    def __init__(self, server: RedisServer | MariaServer | PostgresServer) -> None:
+        self.server = server
+        self.ready_in = 0.0  # seconds from a fresh data directory to the first session
+        self.uri, self.socket_uri = server.tcp_uri, server.uri
+
+    @property
+    def pid(self) -> int:
+        return cast("Popen[bytes]", self.server.process).pid
+
+    def connect(self) -> Any:  # noqa: ANN401 - the driver's connection
+        raise NotImplementedError
+
+    def version(self) -> str:
+        raise NotImplementedError
+
+    def clients(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:
+        raise NotImplementedError
+
+    def usage(self) -> Usage:
+        """Sample the server now (Redis: its main thread does the work)."""
+        return Usage.of(self.pid)
+
+    def ask(self, question: Callable[[Any], T]) -> T:
+        """Put *question* to the probe; `Broken` (and a new probe next time) if it fails."""
+        try:
+            if self.probe is None:
+                self.probe = self.connect()
+            return question(self.probe)
+        except Exception as err:  # the driver's
+            self.close_probe()
+            msg = f"{self.program} on {self.server.directory}: {' '.join(str(err).split())}"
+            raise Broken(msg) from err
+
+    def query(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        """Run *sql* on the probe; return every row."""
+
+        def run(connection: Any) -> list[tuple[Any, ...]]:  # noqa: ANN401
+            with connection.cursor() as cursor:
+                cursor.execute(sql, args or None)
+                return list(cursor.fetchall())
+
+        return self.ask(run)
+
+    def tagged(self, name: str, sql: str, *args: object) -> set[int]:
+        """Return the pids the lockrun tags name *name* in, in the statements *sql* lists."""
+        # The head of a semaphore's queue waits on the slots, the others on the gate: all queue.
+        pids = set()
+        for (statement,) in self.query(sql, *args):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                who = json.loads(TAG.search(str(statement))[1])  # type: ignore[index]
+                pids |= {int(who["holder"]["pid"])} if who["name"] == name else set()
+        return pids
+
+    def close_probe(self) -> None:
+        with contextlib.suppress(Exception):
+            self.probe.close()
+        self.probe = None
+
+    def close(self) -> None:
+        """Close the probe, stop the server and remove its directory."""
+        self.close_probe()
+        self.server.close()
+
+
+class Redis(Server):
+    program, pauses = "redis-server", (0.005, 0.1)
+    sockets = False  # `waiting` finds the blocked clients by their TCP port
+    server: RedisServer
+
+    def connect(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=self.server.socket, socket_timeout=5)
+
+    def version(self) -> str:
+        return str(self.ask(lambda probe: probe.info("server"))["redis_version"])
+
+    def clients(self) -> tuple[int, int]:
+        info = self.ask(lambda probe: probe.info("clients"))
+        return int(info["connected_clients"]) - 1, int(info["blocked_clients"])
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - one lock at once
+        """Return which of *pids* sleep in a blocking command (BLPOP) on the server.
+
+        CLIENT LIST names each blocked client's port; /proc/net/tcp turns the port into a
+        socket inode, and the processes' fds say whose socket that is.
+        """
+        clients = self.ask(lambda probe: probe.client_list())
+        ports = {int(c["addr"].rpartition(":")[2]) for c in clients if "b" in c["flags"]}
+        inodes = set()
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+            local, remote = (int(address.rpartition(":")[2], 16) for address in fields[1:3])
+            if local in ports and remote == self.server.port:
+                inodes.add(f"socket:[{fields[9]}]")
+        found = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                fds = Path(f"/proc/{pid}/fd")
+                if any(os.readlink(fds / fd) in inodes for fd in os.listdir(fds)):
+                    found.add(pid)
+        return found
+
+
+class Maria(Server):
+    program = "mariadbd"
+    server: MariaServer
+
+    def connect(self) -> pymysql.Connection[Any]:
+        timeouts: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 10, "write_timeout": 10}
+        return pymysql.connect(
+            unix_socket=self.server.socket, user="root", autocommit=True, **timeouts
+        )
+
+    def version(self) -> str:
+        return str(self.query("SELECT VERSION()")[0][0])
+
+    def usage(self) -> Usage:
+        """Sample the server's CPU, and its live threads' run time and switches.
+
+        A thread per connection plus InnoDB's own. One that ends between two samples takes its
+        share of the exact numbers with it (the CPU column, the process's own, keeps it).
+        """
+        total = Usage(Usage.of(self.pid).cpu, 0.0, 0)
+        for entry in os.listdir(f"/proc/{self.pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                thread = Usage.of(self.pid, int(entry))
+                total += Usage(0.0, thread.run, thread.switches)
+        return total
+
+    def clients(self) -> tuple[int, int]:
+        connected = self.query("SHOW GLOBAL STATUS LIKE 'Threads\\_connected'")[0][1]
+        sql = "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = %s"
+        return int(connected) - 1, int(self.query(sql, USER_LOCK)[0][0])
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - the tags tell
+        """Return the lockrun pids whose session is blocked in GET_LOCK ('User lock')."""
+        sql = "SELECT INFO FROM information_schema.PROCESSLIST WHERE STATE = %s AND INFO LIKE %s"
+        return self.tagged(name, sql, USER_LOCK, "%/* lockrun %")
+
+
+class Postgres(Server):
+    program = "postgres"
+    server: PostgresServer
+
+    def connect(self) -> Any:  # noqa: ANN401 - psycopg is optional: `launch` checked
+        import psycopg  # noqa: PLC0415
+
+        where = f"host={self.server.directory} port={self.server.port} connect_timeout=5"
+        options = "-c statement_timeout=10s"
+        return psycopg.connect(
+            f"{where} user=lockrun dbname=lockrun", autocommit=True, options=options
+        )
+
+    def version(self) -> str:
+        return str(self.query("SHOW server_version")[0][0])
+
+    def usage(self) -> Usage:
+        """Sample the postmaster and its children (a process per backend).
+
+        Its cutime and cstime keep what the backends it reaped used, so one that ends between
+        two samples still counts in the CPU column; its exact run time and switches leave with
+        it. Each utime + stime is cut to whole clock ticks: a young backend that used less than
+        a tick shows none, so with many the CPU column reads low and the exact one is right.
+        """
+        reaped = sum(map(int, stat_fields(Path(f"/proc/{self.pid}"))[13:15])) / CLOCK_TICKS
+        total = Usage.of(self.pid) + Usage(reaped, 0.0, 0)
+        for child in descendants({self.pid}):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += Usage.of(child)
+        return total
+
+    def clients(self) -> tuple[int, int]:
+        """Count the sessions on lockrun's database (but the probe), and those waiting."""
+        connected, waiting = self.query(
+            "SELECT count(*), count(*) FILTER (WHERE pid IN (SELECT pid FROM pg_locks "
+            "WHERE locktype = 'advisory' AND NOT granted)) FROM pg_stat_activity "
+            "WHERE datname = 'lockrun' AND pid <> pg_backend_pid()"
+        )[0]
+        return int(connected), int(waiting)
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - the tags tell
+        """Return the lockrun pids whose session waits for an advisory lock.
+
+        pg_locks says who waits, not pg_stat_activity's wait_event: a waiting backend wakes
+        every second (lockrun's client_connection_check_interval) and shows no wait event
+        until it sleeps again, which on a busy machine a look at 100 waiters often catches.
+        """
+        sql = "SELECT query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks "
+        sql += "WHERE locktype = 'advisory' AND NOT granted) AND query LIKE %s"
+        return self.tagged(name, sql, "%/* lockrun %")
+
+
+def launch(backend: str, port: int) -> Server:
+    """Start *backend*'s server on loopback *port*, with room for every waiter's session."""
+    if backend == "redis":
+        return Redis(RedisServer(port=port))
+    if backend == "mysql":
+        return Maria(MariaServer(f"--max-connections={MAX_CONNECTIONS}", port=port))
+    if importlib.util.find_spec("psycopg") is None:
+        raise Unavailable("psycopg is not installed (pip install -e '.[postgres]')")  # noqa: EM101
+    return Postgres(PostgresServer(f"max_connections={MAX_CONNECTIONS}", port=port))
+
+
+@contextlib.contextmanager
+def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
+    """Run *backend*'s server for *bench* while the block runs (None: local); or `Unavailable`."""
+    if backend not in SERVED:
+        yield None
+        return
+    began = time.monotonic()
+    for attempt in range(1, STARTS + 1):
+        try:
+            server = launch(backend, free_port())
+            break
+        except pytest.skip.Exception as err:  # not installed
+            raise Unavailable(str(err)) from None
+        except (pytest.fail.Exception, OSError, subprocess.SubprocessError) as err:
+            reason = " | ".join(str(err).strip().splitlines()[-3:])
+            if attempt == STARTS or "in use" not in reason:
+                raise Unavailable(reason) from None
+    try:
+        server.version()  # the first session
+    except Broken as err:
+        server.close()
+        raise Unavailable(str(err)) from err
+    server.ready_in = time.monotonic() - began
+    bench.servers[backend] = server
+    try:
+        yield server
+    finally:
+        del bench.servers[backend]
+        server.close()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 # Records are NamedTuples, not dataclasses: creating a frozen dataclass costs ~0.8 ms of
-# start-up each, and lockrun starts once per cron run (bench/bench.py, section a).
+# start-up each, and lockrun starts once per cron run (`python -m bench`, section a).
 
 
 class Holder(NamedTuple):

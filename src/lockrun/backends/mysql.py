@@ -268,7 +268,7 @@ class _Connection(pymysql.connections.Connection):
     """PyMySQL's connection, minus 40 ms of loading the system's CA store for nothing.
 
     Without TLS options PyMySQL still tries TLS ("preferred") but verifies nothing, so a
-    bare context does the same job (bench/bench.py, section i).
+    bare context does the same job (`python -m bench`, section i).
     """
 
     def _create_ssl_ctx(self, sslp: object) -> ssl.SSLContext:

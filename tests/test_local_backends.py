@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import ConfigError, Lock, LockBusy
-from lockrun.backends import Holder, Request, describe_pid, open_backend, parse_uri
+from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
 from lockrun.uri import SCHEMES, Scheme
@@ -176,27 +176,6 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(SCHEMES, "nosuch", Scheme("nosuch", "nosuch:", {}, extra="nosuch"))
     with pytest.raises(ConfigError, match=r"pip install 'lockrun-cli\[nosuch\]'"):
         open_backend(parse_uri("nosuch://x"))
-
-
-def test_holders_that_vanished_are_described_without_details() -> None:
-    """A pid that no longer exists is still described, with what is known."""
-    gone = subprocess.run(["true"], check=True)
-    assert gone.returncode == 0
-    holder = describe_pid(2**22 + 1)  # above pid_max: never a live process
-    assert (holder.pid, holder.user, holder.argv) == (2**22 + 1, "?", ())
-
-
-def test_unknown_uid_is_shown_as_a_number(tmp_path: Path) -> None:
-    """A holder whose uid has no passwd entry shows the number."""
-    probe = tmp_path / "probe"
-    probe.touch()
-    os.chown(probe, 54321, 54321) if os.geteuid() == 0 else pytest.skip("needs root")
-    process = subprocess.Popen(["sleep", "30"], user=54321)
-    try:
-        assert describe_pid(process.pid).user == "54321"
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_in_a_pipeline_the_terminal_stays_with_the_pipeline() -> None:

@@ -12,10 +12,6 @@ import json
 import os
 import pwd
 import re
-import socket
-import subprocess
-import threading
-import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +19,21 @@ import pymysql
 import pytest
 
 from lockrun import ConfigError, ExitCode
-from lockrun.backends import cut, parse_uri
+from lockrun.backends import parse_uri
 from lockrun.backends.mysql import lock_key, parse, timeout_for
 from lockrun.uri import redact
-from tests.support.cli import finish, lockrun, one_line, start, wait_for
+from tests.support.cli import lockrun, one_line, start, wait_for
+from tests.support.net import (
+    Greeter,
+    Listener,
+    make_certificates,
+    secret_free,
+    timed_lockrun,
+)
+from tests.support.net import (
+    mysql_query as query,
+)
 from tests.support.servers import MariaServer, free_port, unavailable
-from tests.test_redis_cli import Listener, make_certificates, secret_free, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -48,17 +53,6 @@ GALERA = "/usr/lib/galera/libgalera_smm.so"
 MAX_LOCK_NAME = 64
 # 256 bytes that look random but are the same in every run.
 NOISE = b"".join(hashlib.sha256(bytes([block])).digest() for block in range(8))
-
-
-def query(uri: str, sql: str, args: object = None) -> tuple[Any, ...]:
-    """Run *sql* on the server of a lock URI (with its credentials) and return every row."""
-    connection = pymysql.connect(**parse(parse_uri(uri)).kwargs, autocommit=True)
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, args)
-            return tuple(cursor.fetchall())
-    finally:
-        connection.close()
 
 
 def create_user(server: MariaServer, user: str, password: str, *grants: str) -> None:
@@ -408,50 +402,6 @@ def test_a_missing_socket_or_host_exits_69(tmp_path: Path, name: str) -> None:
         result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
         assert result.returncode == ExitCode.UNAVAILABLE, uri
         assert needle in one_line(result.stderr)
-
-
-class Greeter:
-    """A loopback TCP port that greets each connection with *greeting* at once, like MySQL.
-
-    A MySQL server speaks first; this one then closes, or keeps the connection and says no
-    more (``hang``).
-    """
-
-    def __init__(self, greeting: bytes, *, hang: bool = False) -> None:
-        """Listen on a free loopback port and serve from a thread until `close`."""
-        self.greeting = greeting
-        self.hang = hang
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.05)
-        self.port: int = self.server.getsockname()[1]
-        self.kept: list[socket.socket] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="not-mysql", daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        """Accept until told to stop; greet, then hang up or keep quiet."""
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under us
-                return
-            with contextlib.suppress(OSError):
-                connection.sendall(self.greeting)
-            if self.hang:
-                self.kept.append(connection)
-            else:
-                connection.close()
-
-    def close(self) -> None:
-        """Stop the thread and close every socket."""
-        self.stopping.set()
-        self.thread.join(5)
-        for connection in self.kept:
-            connection.close()
-        self.server.close()
 
 
 def test_a_server_that_never_answers_exits_69_within_the_ttls_timeout(name: str) -> None:
@@ -944,183 +894,3 @@ def test_a_galera_node_is_refused_with_78(name: str) -> None:
 
 
 # -- J. lockrun status -------------------------------------------------------------------------
-
-
-def state_of(uri: str, namespace: str, name: str) -> dict[str, Any]:
-    """Return `lockrun status --json` for one name."""
-    result = lockrun("status", "--uri", uri, "--namespace", namespace, "--json", name)
-    assert result.returncode == 0, result.stderr
-    [state] = json.loads(result.stdout)
-    assert isinstance(state, dict)
-    return state
-
-
-def waiting_sessions(uri: str, key: str) -> int:
-    """Return how many server sessions wait in a GET_LOCK of *key* (slots or gate)."""
-    [[count]] = query(
-        uri,
-        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
-        (f"SELECT GET_LOCK('{key}:%",),
-    )
-    return int(count)
-
-
-def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
-    mysql_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """The JSON, the table and the listing show holder and queue; -v names the holder."""
-    uri = mysql_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    order = tmp_path / "order"
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    waiting = ("--uri", uri, "-n", name, "--namespace", namespace, "--wait", "forever")
-    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
-    second = None
-    err = ""
-    try:
-        wait_for(lambda: len(state_of(uri, namespace, name)["waiters"]) == 1, what="waiter 1")
-        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
-        wait_for(lambda: len(state_of(uri, namespace, name)["waiters"]) == 2, what="waiter 2")
-
-        state = state_of(uri, namespace, name)
-        assert (state["name"], state["namespace"], state["slots"]) == (name, namespace, 1)
-        assert state["where"] == lock_key(namespace, name)
-        [owner] = state["holders"]
-        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
-        assert owner["argv"][:2] == ["sh", "-c"]
-        assert owner["slot"] == 0
-        assert time.time() - 60 < owner["since"] <= time.time()
-        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
-        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
-            f"echo first >> {order}",
-            f"echo second >> {order}",
-        ]
-        assert {waiter["user"] for waiter in state["waiters"]} == {ME}
-
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        assert table.returncode == 0, table.stderr
-        header, *rows = table.stdout.splitlines()
-        columns = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
-        assert header.split() == columns
-        assert [row.split()[:6] for row in rows] == [
-            [name, "0", "holding", str(holder.process.pid), ME, HOST],
-            [name, "-", "waiting", str(first.pid), ME, HOST],
-            [name, "-", "waiting", str(second.pid), ME, HOST],
-        ]
-
-        listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
-        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
-        everything = lockrun("status", "--uri", uri, "--namespace", namespace)
-        assert everything.stdout == table.stdout
-        elsewhere = lockrun("status", "--uri", uri, "--namespace", f"{namespace}-x", "--json")
-        assert json.loads(elsewhere.stdout) == []
-    finally:
-        statuses = [holder.finish(), finish(first)]
-        if second is not None:
-            _, err = second.communicate(timeout=30)
-            statuses.append(second.returncode)
-    assert statuses == [0, 0, 0], err
-    assert order.read_text() == "first\nsecond\n"
-    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(redact(uri))}\) — held by "
-    assert re.search(
-        rf"{pattern}{re.escape(HOST)}:{holder.process.pid} since ", err, re.MULTILINE
-    ), err
-    assert_free(uri, namespace, name)
-
-
-def assert_free(uri: str, namespace: str, name: str) -> None:
-    """Assert that `status` shows *name* free (exit 0) and does not list it; no one waits."""
-    free = state_of(uri, namespace, name)
-    assert (free["holders"], free["waiters"]) == ([], [])
-    table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-    assert (table.returncode, table.stderr) == (0, "")
-    [row] = table.stdout.splitlines()[1:]
-    assert row.split() == [name, "-", "free", lock_key(namespace, name)]
-    listing = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert (listing.returncode, listing.stderr) == (0, "")
-    assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
-    listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
-    assert json.loads(listing.stdout) == []
-    assert waiting_sessions(uri, lock_key(namespace, name)) == 0
-
-
-def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
-    mysql_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """--slots 3: three holders on distinct slots; the head waits on every slot but shows once."""
-    uri = mysql_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    key = lock_key(namespace, name)
-    order = tmp_path / "order"
-    options = ("--uri", uri, "-n", name, "--namespace", namespace, "--slots", "3")
-    holders = [held(*options) for _ in range(3)]
-    assert sorted(holder.slot for holder in holders) == [0, 1, 2]
-    assert [holder.fence for holder in holders] == sorted({holder.fence for holder in holders})
-    script = f'echo "$0 $LOCKRUN_SLOT" >> {order}'
-    head = start(*options, "--wait", "forever", "--", "sh", "-c", script, "head")
-    second = None
-    try:
-        # The head waits on slots 0, 1 and 2 through three sessions.
-        wait_for(lambda: waiting_sessions(uri, key) == 3, what="the head on every slot")
-        second = start(*options, "--wait", "forever", "--", "sh", "-c", script, "second")
-        wait_for(lambda: waiting_sessions(uri, key) == 4, what="the second on the gate")
-
-        state = state_of(uri, namespace, name)
-        assert (state["slots"], state["where"]) == (3, key)
-        assert sorted((owner["slot"], owner["pid"]) for owner in state["holders"]) == sorted(
-            (holder.slot, holder.process.pid) for holder in holders
-        )
-        assert [waiter["pid"] for waiter in state["waiters"]] == [head.pid, second.pid]
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        roles = [row.split()[1:4] for row in table.stdout.splitlines()[1:]]
-        assert sorted(roles[:3]) == [
-            [str(holder.slot), "holding", str(holder.process.pid)]
-            for holder in sorted(holders, key=lambda holder: holder.slot)
-        ]
-        assert roles[3:] == [["-", "waiting", str(head.pid)], ["-", "waiting", str(second.pid)]]
-
-        [freed] = [holder for holder in holders if holder.slot == 1]
-        assert freed.finish() == 0
-        assert finish(head) == 0
-        assert finish(second) == 0
-    finally:
-        for holder in holders:
-            if holder.process.poll() is None:
-                holder.finish()
-        for waiter in (head, second):
-            if waiter is not None and waiter.poll() is None:
-                waiter.kill()
-                waiter.communicate(timeout=30)
-    assert order.read_text() == "head 1\nsecond 1\n"
-    assert_free(uri, namespace, name)
-    assert holding_connection(uri, f"{key}:gate") is None
-
-
-def test_status_reads_awkward_names_and_commands_back_unchanged(
-    mysql_uri: str, held: Callable[..., Held]
-) -> None:
-    """Quotes, newlines, emoji and */ in a name or command survive the waiter's SQL comment."""
-    awkward = "a*/b'c\"d\\e\nf 🔒 -- #"
-    namespace = f"x/y*/{uuid.uuid4().hex[:8]}"
-    holder = held("--uri", mysql_uri, "-n", awkward, "--namespace", namespace)
-    argv = ["echo", "*/ SELECT 1; --", "ü\n*/", "y" * 5000]
-    waiter = start(
-        *("--uri", mysql_uri, "-n", awkward, "--namespace", namespace, "-w", "forever", "--"),
-        *argv,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: len(state_of(mysql_uri, namespace, awkward)["waiters"]) == 1)
-        listing = lockrun("status", "--uri", mysql_uri, "--namespace", namespace, "--json")
-        [state] = json.loads(listing.stdout)
-        assert (state["name"], state["namespace"]) == (awkward, namespace)
-        assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
-        [queued] = state["waiters"]
-        assert queued["pid"] == waiter.pid
-        assert queued["argv"] == list(cut(argv))  # a long command line is cut, with a marker
-        assert queued["argv"][-1].endswith("more characters not recorded]")
-        other = lockrun("status", "--uri", mysql_uri, "--namespace", f"{namespace}x", "--json")
-        assert json.loads(other.stdout) == []
-    finally:
-        assert holder.finish() == 0
-        assert finish(waiter) == 0

@@ -7,15 +7,9 @@ unix socket or a loopback port; the "servers" that are not Redis are sockets thi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
-import re
-import shutil
-import socket
 import subprocess
-import threading
-import time
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -25,8 +19,9 @@ from lockrun import ConfigError, ExitCode
 from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.redis import key_prefix, parse
 from lockrun.uri import redact
-from tests.support.cli import Held, finish, lockrun, one_line, queue_length, start, wait_for
-from tests.support.servers import RedisServer, free_port, unavailable
+from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
+from tests.support.servers import RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -41,21 +36,6 @@ ME = pwd.getpwuid(os.geteuid()).pw_name
 HOST = os.uname().nodename
 
 
-def secret_free(result: subprocess.CompletedProcess[str], *secrets: str) -> None:
-    """Assert that none of *secrets* (nor their percent-encodings) was printed anywhere."""
-    for secret in secrets:
-        for form in {secret, secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")}:
-            assert form not in result.stdout, result.stdout
-            assert form not in result.stderr, result.stderr
-
-
-def timed_lockrun(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run lockrun and return its result and how many seconds it took."""
-    began = time.monotonic()
-    result = lockrun(*args, timeout=30)
-    return result, time.monotonic() - began
-
-
 def password_server(password: str) -> RedisServer:
     """Return a Redis with a loopback port that requires *password*.
 
@@ -68,46 +48,6 @@ def password_server(password: str) -> RedisServer:
         server.close()
         raise
     return server
-
-
-class Listener:
-    """A loopback TCP port of our own: answers each connection with *reply*, or never (None)."""
-
-    def __init__(self, reply: bytes | None) -> None:
-        """Listen on a free loopback port and serve from a thread until `close`."""
-        self.reply = reply
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.05)
-        self.port: int = self.server.getsockname()[1]
-        self.silent: list[socket.socket] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="not-redis", daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        """Accept until told to stop; keep silent connections open, answer and close others."""
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under us
-                return
-            if self.reply is None:
-                self.silent.append(connection)  # accepted, read from by nobody, never answered
-                continue
-            with connection, contextlib.suppress(OSError):
-                connection.settimeout(2)
-                connection.recv(4096)  # the client's first command (or TLS hello)
-                connection.sendall(self.reply)
-
-    def close(self) -> None:
-        """Stop the thread and close every socket."""
-        self.stopping.set()
-        self.thread.join(5)
-        for connection in self.silent:
-            connection.close()
-        self.server.close()
 
 
 @pytest.fixture(scope="module")
@@ -302,55 +242,6 @@ def test_rediss_to_a_plain_port_exits_69(tcp_server: RedisServer, name: str) -> 
     assert elapsed < PATIENCE
 
 
-def make_certificates(directory: Path) -> None:
-    """Write a CA, a server and a client certificate signed by it, and an unrelated CA."""
-    if shutil.which("openssl") is None:
-        unavailable("openssl is not installed")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(
-            ["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30
-        )
-
-    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    for ca in ("ca", "other-ca"):
-        openssl(
-            "req",
-            "-x509",
-            *new_key,
-            "-keyout",
-            f"{ca}.key",
-            "-out",
-            f"{ca}.crt",
-            "-days",
-            "2",
-            "-subj",
-            f"/CN=lockrun test {ca}",
-        )
-    (directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for leaf in ("server", "client"):
-        openssl(
-            "req", *new_key, "-keyout", f"{leaf}.key", "-out", f"{leaf}.csr", "-subj", f"/CN={leaf}"
-        )
-        extensions = ("-extfile", "server.ext") if leaf == "server" else ()
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{leaf}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{leaf}.crt",
-            "-days",
-            "2",
-            *extensions,
-        )
-
-
 def test_tls(tmp_path: Path, name: str) -> None:
     """rediss:// with our CA and client certificate runs; other set-ups exit 69, one line.
 
@@ -461,83 +352,6 @@ def test_an_evicting_server_gets_one_warning(
 
 
 # -- C. lockrun status against Redis ----------------------------------------------------------
-
-
-def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
-    redis_server: RedisServer, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """The JSON, the table and the listing show holder and queue; -v names the holder."""
-    uri = redis_server.uri
-    order = tmp_path / "order"
-    holder = held("--uri", uri, "-n", name, "--ttl", "5")
-    waiting = ("--uri", uri, "-n", name, "--ttl", "5", "--wait", "30")
-    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
-    second = None
-    err = ""
-    try:
-        wait_for(lambda: queue_length(uri, name) == 1, what="the first waiter")
-        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
-        wait_for(lambda: queue_length(uri, name) == 2, what="the second waiter")
-
-        result = lockrun("status", "--uri", uri, "--json", name)
-        assert result.returncode == 0, result.stderr
-        [state] = json.loads(result.stdout)
-        assert (state["name"], state["namespace"], state["slots"]) == (name, "default", 1)
-        [owner] = state["holders"]
-        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
-        assert owner["argv"][:2] == ["sh", "-c"]
-        assert owner["slot"] == 0
-        assert time.time() < owner["expires"] <= time.time() + 6
-        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
-        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
-            f"echo first >> {order}",
-            f"echo second >> {order}",
-        ]
-
-        table = lockrun("status", "--uri", uri, name)
-        assert table.returncode == 0, table.stderr
-        header, *rows = table.stdout.splitlines()
-        columns = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
-        assert header.split() == columns
-        assert [row.split()[1:6] for row in rows] == [
-            ["0", "holding", str(holder.process.pid), ME, HOST],
-            ["-", "waiting", str(first.pid), ME, HOST],
-            ["-", "waiting", str(second.pid), ME, HOST],
-        ]
-
-        listing = lockrun("status", "--uri", uri, "--json")
-        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
-        assert lockrun("status", "--uri", uri).stdout == table.stdout
-    finally:
-        statuses = [holder.finish(), finish(first)]
-        if second is not None:
-            _, err = second.communicate(timeout=30)
-            statuses.append(second.returncode)
-    assert statuses == [0, 0, 0], err
-    assert order.read_text() == "first\nsecond\n"
-    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(redact(uri))}\) — held by "
-    assert re.search(
-        rf"{pattern}{re.escape(HOST)}:{holder.process.pid} since ", err, re.MULTILINE
-    ), err
-
-    empty = lockrun("status", "--uri", uri, "--json", name)
-    [state] = json.loads(empty.stdout)
-    assert (state["holders"], state["waiters"]) == ([], [])
-    assert json.loads(lockrun("status", "--uri", uri, "--json").stdout) == []
-    assert lockrun("status", "--uri", uri).stdout.startswith("no locks held or awaited")
-
-
-def test_status_lists_a_name_with_awkward_characters_unchanged(
-    redis_server: RedisServer, held: Callable[..., Held]
-) -> None:
-    """The key escaping is undone in the listing: the name comes back exactly as given."""
-    awkward = "a/b {c}*% d\tüñí"
-    holder = held("--uri", redis_server.uri, "-n", awkward, "--namespace", "x/y*")
-    result = lockrun("status", "--uri", redis_server.uri, "--namespace", "x/y*", "--json")
-    assert [state["name"] for state in json.loads(result.stdout)] == [awkward]
-    other = lockrun("status", "--uri", redis_server.uri, "--namespace", "x", "--json")
-    assert json.loads(other.stdout) == []
-    assert holder.finish() == 0
 
 
 # -- D. Sentinel ------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +31,10 @@ from lockrun import ConfigError, ExitCode
 from lockrun.backends import parse_uri
 from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
 from lockrun.uri import redact
-from tests.support.cli import finish, lockrun, one_line, queue_length, start, wait_for
+from tests.support.cli import lockrun, one_line, wait_for
+from tests.support.net import Listener as Junk
+from tests.support.net import postgres_query as query
+from tests.support.net import secret_free, timed_lockrun
 from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
 
 if TYPE_CHECKING:
@@ -50,11 +52,16 @@ COLUMNS = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
 
 
 def _readme_query() -> str:
-    """Return the README's ready psql query that lists lockrun's holders, as printed."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```sql\n(.*?)```", readme, re.DOTALL)
+    """Return the documented ready psql query that lists lockrun's holders, as printed.
+
+    It lives in docs/backends.md, or (before that page existed) in README.md.
+    """
+    root = Path(__file__).parent.parent.parent
+    page = root / "docs" / "backends.md"
+    text = (page if page.exists() else root / "README.md").read_text()
+    blocks = re.findall(r"```sql\n(.*?)```", text, re.DOTALL)
     found = [block for block in blocks if block.startswith("SELECT a.application_name")]
-    assert len(found) == 1, "the README's holder query is missing"
+    assert len(found) == 1, "the documented holder query is missing"
     return str(found[0]).strip().rstrip(";")
 
 
@@ -79,27 +86,6 @@ NAMES = [
 ]
 
 
-def query(uri: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    """Run *sql* on the server of a lock URI and return every row."""
-    with psycopg.connect(uri, autocommit=True) as connection:
-        return connection.execute(sql, params or None).fetchall()
-
-
-def secret_free(result: subprocess.CompletedProcess[str], *secrets: str) -> None:
-    """Assert that none of *secrets* (nor their percent-encodings) was printed anywhere."""
-    for secret in secrets:
-        for form in {secret, secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")}:
-            assert form not in result.stdout, result.stdout
-            assert form not in result.stderr, result.stderr
-
-
-def timed_lockrun(*args: str, **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run lockrun and return its result and how many seconds it took."""
-    began = time.monotonic()
-    result = lockrun(*args, timeout=60, **kwargs)
-    return result, time.monotonic() - began
-
-
 def advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]:
     """Return (slot or 'gate', granted, pid) of every advisory lock on a name's keys (N ≤ 8)."""
     parts: list[str | int] = [*range(8), "gate"]
@@ -112,20 +98,6 @@ def advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]
         list(keys),
     )
     return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
-
-
-def waiting_on(uri: str, namespace: str, name: str) -> int:
-    """Return how many server sessions wait (ungranted) on a slot or the gate of a name."""
-    return sum(1 for _, granted, _ in advisory_locks(uri, namespace, name) if not granted)
-
-
-def state_of(uri: str, namespace: str, name: str, **kwargs: Any) -> dict[str, Any]:
-    """Return `lockrun status --json` for one name."""
-    result = lockrun("status", "--uri", uri, "--namespace", namespace, "--json", name, **kwargs)
-    assert result.returncode == 0, result.stderr
-    [state] = json.loads(result.stdout)
-    assert isinstance(state, dict)
-    return state
 
 
 def as_postgres() -> str | None:
@@ -661,40 +633,6 @@ def test_a_malformed_uri_exits_78_without_the_password(name: str) -> None:
 # -- E. bad input: nobody there, silence, not PostgreSQL, full ---------------------------------
 
 
-class Junk:
-    """A loopback TCP port of our own: reads what the client says, answers *reply*, hangs up."""
-
-    def __init__(self, reply: bytes) -> None:
-        """Listen on a free loopback port and serve from a thread until `close`."""
-        self.reply = reply
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.05)
-        self.port: int = self.server.getsockname()[1]
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="not-postgres", daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        """Accept until told to stop; read the startup (or SSL request), reply, close."""
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under us
-                return
-            with connection, contextlib.suppress(OSError):
-                connection.settimeout(2)
-                connection.recv(4096)
-                connection.sendall(self.reply)
-
-    def close(self) -> None:
-        """Stop the thread and close the socket."""
-        self.stopping.set()
-        self.thread.join(5)
-        self.server.close()
-
-
 @pytest.mark.parametrize(
     "where",
     ["closed-port", "silent-port", "no-such-host", "no-socket"],
@@ -1001,230 +939,6 @@ def test_transaction_pooling_with_round_robin_is_refused(
 
 
 # -- H. lockrun status -----------------------------------------------------------------------
-
-
-def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
-    postgres_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """The JSON, the table and the listing show holder and queue; -v names the holder."""
-    uri = postgres_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    order = tmp_path / "order"
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    waiting = ("--uri", uri, "-n", name, "--namespace", namespace, "--wait", "forever")
-    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
-    second = None
-    err = ""
-    try:
-        wait_for(lambda: waiting_on(uri, namespace, name) == 1, what="waiter 1")
-        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
-        wait_for(lambda: waiting_on(uri, namespace, name) == 2, what="waiter 2")
-
-        state = state_of(uri, namespace, name)
-        assert (state["name"], state["namespace"], state["slots"]) == (name, namespace, 1)
-        assert state["where"] == f"advisory key {lock_key(namespace, name, 0)}"
-        [owner] = state["holders"]
-        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
-        assert owner["argv"][:2] == ["sh", "-c"]
-        assert owner["slot"] == 0
-        assert time.time() - 60 < owner["since"] <= time.time()
-        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
-        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
-            f"echo first >> {order}",
-            f"echo second >> {order}",
-        ]
-        assert {waiter["user"] for waiter in state["waiters"]} == {ME}
-        assert queue_length(uri, name) == 0  # another namespace: default has none of it
-
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        assert table.returncode == 0, table.stderr
-        header, *rows = table.stdout.splitlines()
-        assert header.split() == COLUMNS
-        assert [row.split()[:6] for row in rows] == [
-            [name, "0", "holding", str(holder.process.pid), ME, HOST],
-            [name, "-", "waiting", str(first.pid), ME, HOST],
-            [name, "-", "waiting", str(second.pid), ME, HOST],
-        ]
-
-        listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
-        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
-        everything = lockrun("status", "--uri", uri, "--namespace", namespace)
-        assert everything.stdout == table.stdout
-        elsewhere = lockrun("status", "--uri", uri, "--namespace", f"{namespace}-x", "--json")
-        assert json.loads(elsewhere.stdout) == []
-    finally:
-        statuses = [holder.finish(), finish(first)]
-        if second is not None:
-            _, err = second.communicate(timeout=30)
-            statuses.append(second.returncode)
-    assert statuses == [0, 0, 0], err
-    assert order.read_text() == "first\nsecond\n"
-    assert re.search(
-        rf"^lockrun: waiting for {re.escape(name)} \({re.escape(redact(uri))}\) — held by "
-        rf"{re.escape(HOST)}:{holder.process.pid} since ",
-        err,
-        re.MULTILINE,
-    ), err
-    assert_free(uri, namespace, name)
-
-
-def assert_free(uri: str, namespace: str, name: str) -> None:
-    """Assert that `status` shows *name* free and does not list it; nothing left on the server."""
-    free = state_of(uri, namespace, name)
-    assert (free["holders"], free["waiters"]) == ([], [])
-    listing = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert (listing.returncode, listing.stderr) == (0, "")
-    assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
-    assert advisory_locks(uri, namespace, name) == []
-
-
-def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
-    postgres_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """--slots 3: three holders on distinct slots; the head waits on every slot but shows once."""
-    uri = postgres_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    order = tmp_path / "order"
-    options = ("--uri", uri, "-n", name, "--namespace", namespace, "--slots", "3")
-    holders = [held(*options) for _ in range(3)]
-    assert sorted(holder.slot for holder in holders) == [0, 1, 2]
-    assert [holder.fence for holder in holders] == sorted({holder.fence for holder in holders})
-    script = f'echo "$0 $LOCKRUN_SLOT" >> {order}'
-    head = start(*options, "--wait", "forever", "--", "sh", "-c", script, "head")
-    second = None
-    try:
-        # The head holds the gate and waits on slots 0, 1 and 2 through three sessions.
-        wait_for(lambda: waiting_on(uri, namespace, name) == 3, what="the head on every slot")
-        second = start(*options, "--wait", "forever", "--", "sh", "-c", script, "second")
-        wait_for(lambda: waiting_on(uri, namespace, name) == 4, what="the second on the gate")
-        locks = advisory_locks(uri, namespace, name)
-        assert [part for part, granted, _ in locks if not granted] == ["0", "1", "2", "gate"]
-
-        state = state_of(uri, namespace, name)
-        assert state["slots"] == 3
-        key, gate = lock_key(namespace, name, 0), lock_key(namespace, name, "gate")
-        assert state["where"] == f"advisory key {key}, gate {gate}"
-        assert sorted((owner["slot"], owner["pid"]) for owner in state["holders"]) == sorted(
-            (holder.slot, holder.process.pid) for holder in holders
-        )
-        assert [waiter["pid"] for waiter in state["waiters"]] == [head.pid, second.pid]
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        roles = [row.split()[1:4] for row in table.stdout.splitlines()[1:]]
-        assert sorted(roles[:3]) == [
-            [str(holder.slot), "holding", str(holder.process.pid)]
-            for holder in sorted(holders, key=lambda holder: holder.slot)
-        ]
-        assert roles[3:] == [["-", "waiting", str(head.pid)], ["-", "waiting", str(second.pid)]]
-
-        [freed] = [holder for holder in holders if holder.slot == 1]
-        assert freed.finish() == 0
-        assert finish(head) == 0
-        assert finish(second) == 0
-    finally:
-        for holder in holders:
-            if holder.process.poll() is None:
-                holder.finish()
-        for waiter in (head, second):
-            if waiter is not None and waiter.poll() is None:
-                waiter.kill()
-                waiter.communicate(timeout=30)
-    assert order.read_text() == "head 1\nsecond 1\n"
-    assert_free(uri, namespace, name)
-
-
-AWKWARD = [
-    "with spaces and 'single' \"double\" quotes",
-    "a*/b */ -- d; SELECT 1 *",
-    "100% _LIKE_ \\%",
-    "🔒 lock ✓ 名前",
-    "x" * 255,
-    "line\nbreak\ttab",
-]
-
-
-def test_status_and_the_environment_carry_awkward_names_unchanged(
-    postgres_uri: str, spawn: Callable[..., subprocess.Popen[str]], tmp_path: Path
-) -> None:
-    """Quotes, comment ends, %, emoji, newlines and 255 bytes survive status and LOCKRUN_NAME."""
-    namespace = f"x/y*/{uuid.uuid4().hex[:8]} %"
-    # Written aside, then renamed: the file must not be seen before the name is in it.
-    script = (
-        'printf %s "$LOCKRUN_NAME" > "$0.tmp" && mv "$0.tmp" "$0"; '
-        "while [ ! -e go ]; do sleep 0.05; done"
-    )
-    holders = {
-        name: spawn(
-            *("--uri", postgres_uri, "-n", name, "--namespace", namespace),
-            *("--", "sh", "-c", script, f"name-{index}"),
-            cwd=tmp_path,
-        )
-        for index, name in enumerate(AWKWARD)
-    }
-    for index in range(len(AWKWARD)):
-        wait_for((tmp_path / f"name-{index}").exists, what=f"holder {index}")
-    for index, name in enumerate(AWKWARD):
-        assert (tmp_path / f"name-{index}").read_text() == name
-    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
-    assert listing.returncode == 0, listing.stderr
-    states = {state["name"]: state for state in json.loads(listing.stdout)}
-    assert sorted(states) == sorted(AWKWARD)
-    for index, (name, holder) in enumerate(holders.items()):
-        assert states[name]["namespace"] == namespace
-        [owner] = states[name]["holders"]
-        assert (owner["pid"], owner["slot"]) == (holder.pid, 0)
-        assert owner["argv"] == ["sh", "-c", script, f"name-{index}"]
-        busy = lockrun("--uri", postgres_uri, "-n", name, "--namespace", namespace, "--", "true")
-        assert (busy.returncode, busy.stdout) == (ExitCode.BUSY, ""), name
-        shown = name.replace("\n", "\\x0a").replace("\t", "\\x09")  # escaped control chars
-        assert f"lockrun: {shown} busy, held by {ME}@{HOST} pid {holder.pid}" in busy.stderr
-    (tmp_path / "go").touch()
-    assert [finish(holder) for holder in holders.values()] == [0] * len(AWKWARD)
-    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
-    assert json.loads(listing.stdout) == []
-
-
-@pytest.mark.parametrize(
-    ("suffix", "namespace", "argv"),
-    [
-        (" /* x", "default", ["true"]),
-        ("", "/*", ["true"]),
-        ("", "default", ["echo", "/var/log/*.log"]),
-        ("", "default", ["sh", "-c", "ls /tmp/* >/dev/null"]),
-    ],
-    ids=["name", "namespace", "argument", "shell-glob"],
-)
-def test_a_comment_opener_in_a_name_or_command_runs(
-    postgres_uri: str, name: str, suffix: str, namespace: str, argv: list[str]
-) -> None:
-    """/* in a name, a namespace or the command (a glob like /var/log/*) runs like any text."""
-    result = lockrun(
-        "--uri", postgres_uri, "-n", f"{name}{suffix}", "--namespace", namespace, "--", *argv
-    )
-    assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize(
-    ("name", "argv"),
-    [
-        ("ü" * 127 + "z", ["sh", "-c", "sleep 30"]),
-        ("long-command", ["sh", "-c", "sleep 30", "y" * 600]),
-    ],
-    ids=["255-bytes-non-ascii-name", "600-byte-command"],
-)
-def test_status_reads_back_a_holder_with_a_long_name_or_command(
-    postgres_uri: str, spawn: Callable[..., subprocess.Popen[str]], name: str, argv: list[str]
-) -> None:
-    """A 255-byte non-ASCII name, or a long command, is still listed with its holder's pid."""
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    holder = spawn("--uri", postgres_uri, "-n", name, "--namespace", namespace, "--", *argv)
-    wait_for(
-        lambda: ("0", True) in {row[:2] for row in advisory_locks(postgres_uri, namespace, name)},
-        what="the holder",
-    )
-    listing = lockrun("status", "--uri", postgres_uri, "--namespace", namespace, "--json")
-    states = json.loads(listing.stdout)
-    assert [state["name"] for state in states] == [name]
-    assert [owner["pid"] for owner in states[0]["holders"]] == [holder.pid]
 
 
 # -- I. --slots must agree -------------------------------------------------------------------

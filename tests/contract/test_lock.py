@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shlex
@@ -275,42 +274,6 @@ def _kill_and_check(
     assert out.strip() == "alone"
     go.touch()
     wait_for(lambda: gone(first_command), what="the first command to end")
-
-
-def test_status_lists_holders_and_waiters(uri: str, name: str, held: Callable[..., Held]) -> None:
-    """`lockrun status` shows the holder's pid, slot and command, then the waiters in order."""
-    holder = held("--uri", uri, "-n", name, "-s", "2")
-    other = held("--uri", uri, "-n", name, "-s", "2")
-    waiters = [
-        start("--uri", uri, "-n", name, "-s", "2", "-w", "forever", "--", "true") for _ in range(2)
-    ]
-    wait_for(functools.partial(queued, uri, name, 2), what="waiters")
-    result = lockrun("status", "--uri", uri, "--json", name)
-    (state,) = json.loads(result.stdout)
-    assert state["name"] == name
-    by_slot = {entry["slot"]: entry for entry in state["holders"]}
-    assert set(by_slot) == {0, 1}
-    assert by_slot[holder.slot]["pid"] == holder.process.pid
-    assert by_slot[other.slot]["pid"] == other.process.pid
-    assert any("sh" in " ".join(entry["argv"]) for entry in state["holders"])
-    assert {waiter["pid"] for waiter in state["waiters"]} == {w.pid for w in waiters}
-    table = lockrun("status", "--uri", uri)
-    assert table.returncode == 0
-    assert table.stdout.splitlines()[0].split() == [
-        "NAME",
-        "SLOT",
-        "STATE",
-        "PID",
-        "USER",
-        "HOST",
-        "SINCE",
-        "COMMAND",
-    ]
-    assert sum(name in line and "holding" in line for line in table.stdout.splitlines()) == 2
-    holder.finish()
-    other.finish()
-    assert [finish(waiter) for waiter in waiters] == [0, 0]
-    assert json.loads(lockrun("status", "--uri", uri, "--json").stdout) == []
 
 
 def test_python_api_holds_and_reports_slot_and_fence(uri: str, name: str) -> None:

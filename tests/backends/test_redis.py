@@ -10,14 +10,16 @@ import contextlib
 import os
 import pwd
 import subprocess
+import time
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import pytest
 
-from lockrun import ConfigError, ExitCode
+from lockrun import ConfigError, ExitCode, Lock
 from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.redis import key_prefix, parse
+from lockrun.errors import LeaseLost
 from lockrun.uri import redact
 from tests.support.cli import Held, lockrun, one_line, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
@@ -669,3 +671,28 @@ def test_a_password_reaches_no_output_and_no_environment(
         secret_free(result, SECRET)
     finally:
         server.close()
+
+
+# -- G. the Python API: a lease lost while the block ran -----------------------------------------
+
+
+def test_api_reports_a_lease_lost_while_the_block_ran(redis_server: RedisServer, name: str) -> None:
+    """FLUSHALL during the block: leaving it raises LeaseLost, and the name is free again."""
+    lock = Lock(name, uri=redis_server.uri, ttl=1.5)
+    lock.acquire()
+    redis_server.command("FLUSHALL")
+    time.sleep(1.5)  # more than ttl/3: a renewal has found the lease gone
+    with pytest.raises(LeaseLost, match="lease is gone"):
+        lock.release()
+    with Lock(name, uri=redis_server.uri) as lease:
+        assert lease.slot == 0
+
+
+def test_api_reports_a_lease_it_could_not_confirm(redis_server: RedisServer, name: str) -> None:
+    """The server gone for longer than the ttl: leaving the block raises LeaseLost."""
+    lock = Lock(name, uri=redis_server.uri, ttl=1)
+    lock.acquire()
+    redis_server.stop()
+    time.sleep(2.5)  # renewals fail for more than a ttl
+    with pytest.raises(LeaseLost, match="could not be confirmed"):
+        lock.release()

@@ -1,9 +1,14 @@
-"""SPEC §4 semantics, run against every backend (the `uri` fixture); #3–#5 add backends."""
+"""What a lock does on every backend: exclusion, slots, waits, FIFO, fences, kills, the API.
+
+Each scenario runs once per backend of the registry (the `uri` fixture); the semantics are
+docs/design.md's.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
+import pty
 import re
 import shlex
 import signal
@@ -11,12 +16,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import TYPE_CHECKING, Final
 
 import pytest
 
 from lockrun import Lock, LockBusy
-from lockrun.uri import redact
+from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
     TEST_TTL,
     Held,
@@ -426,3 +432,114 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     assert done[0].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
     assert done[1].startswith(f"lockrun: released {name} after ")
     assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", "\n".join(lines))  # cron mails it
+
+
+def test_names_of_255_bytes_lock_and_show_in_status(uri: str, held: Callable[..., Held]) -> None:
+    """A name too long for a file or socket name is hashed, and still excludes and shows."""
+    name = "ü" * 120 + "-" + "x" * 14  # 255 bytes
+    holder = held("--uri", uri, "-n", name)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 75
+    other = name[:-1] + "y"  # same long prefix, another lock
+    assert lockrun("--uri", uri, "-n", other, "--", "true").returncode == 0
+    status = lockrun("status", "--uri", uri, name)
+    assert status.stdout.splitlines()[1].startswith(name)
+    assert "holding" in status.stdout
+    holder.finish()
+
+
+def test_a_queued_waiter_gets_in_when_the_holder_is_killed(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """SIGKILL of a holding lockrun lets the queued waiter in once its command is gone."""
+    holder = held("--uri", uri, "-n", name)
+    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    holder.process.kill()
+    holder.go.touch()  # file: the command kept the inherited lock; let it end
+    assert finish(waiter) == 0
+    holder.process.communicate(timeout=10)
+
+
+def test_one_shot_try_behind_a_queue_is_busy(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """With every slot taken and a waiter queued, --wait 0 is busy, not queued."""
+    holders = [held("--uri", uri, "-n", name, "-s", "2") for _ in range(2)]
+    waiter = start("--uri", uri, "-n", name, "-s", "2", "-w", "forever", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the head of the queue")
+    assert lockrun("--uri", uri, "-n", name, "-s", "2", "--", "true").returncode == 75
+    for holder in holders:
+        holder.finish()
+    assert finish(waiter) == 0
+
+
+def test_timed_waits_work_outside_the_main_thread(uri: str, name: str) -> None:
+    """Lock(wait=…) from a worker thread times out, and succeeds once the lock is free."""
+    outcome: list[str] = []
+
+    def worker(wait: float) -> None:
+        try:
+            with Lock(name, uri=uri, wait=wait):
+                outcome.append("acquired")
+        except LockBusy:
+            outcome.append("busy")
+
+    with Lock(name, uri=uri):
+        thread = threading.Thread(target=worker, args=(0.3,))
+        thread.start()
+        thread.join(30)
+    thread = threading.Thread(target=worker, args=(5,))
+    thread.start()
+    thread.join(30)
+    assert outcome == ["busy", "acquired"]
+
+
+def test_refreshes_that_succeed_keep_the_command_running(uri: str, name: str) -> None:
+    """With a short --ttl the lease is checked many times while the command runs."""
+    result = lockrun("--uri", uri, "-n", name, "--ttl", "1", "--", "sleep", "1.5")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_in_a_pipeline_the_terminal_stays_with_the_pipeline() -> None:
+    """In `lockrun … | cat` lockrun's group holds cat too, so the terminal is not handed over."""
+    inner = f"{sys.executable} -m lockrun --uri abstract:pty -- sh -c 'ps -o stat= -p $$' | cat"
+    pid, master = pty.fork()
+    if pid == 0:  # pragma: no cover - the child execs at once
+        os.execvp("sh", ["sh", "-c", inner])  # noqa: S606 - the test's own fixed command
+    output = b""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(master, 1024)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(master)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # Without the hand-over the command runs in a background group: no '+' in its state.
+    assert b"+" not in output.strip()
+
+
+def test_api_lease_outlives_its_ttl_while_the_block_runs(uri: str, name: str) -> None:
+    """A block that runs for several ttls keeps the lock: leases and sessions are renewed."""
+    with Lock(name, uri=uri, ttl=1) as lease:
+        time.sleep(2.5)
+        with pytest.raises(LockBusy), Lock(name, uri=uri, ttl=1):
+            pass
+        assert lease.fence is not None
+    with Lock(name, uri=uri, ttl=1) as lease:
+        assert lease.slot == 0
+
+
+def test_api_release_stops_renewing(uri: str, name: str) -> None:
+    """Leaving the block stops and joins the renewal thread; nothing runs on afterwards.
+
+    Only a lease or a server session needs one; a local lock has none to stop.
+    """
+    renewed = not parse_uri(uri).kind.local
+    with Lock(name, uri=uri, ttl=1):
+        assert ("lockrun-renewer" in {thread.name for thread in threading.enumerate()}) == renewed
+    assert "lockrun-renewer" not in {thread.name for thread in threading.enumerate()}

@@ -27,7 +27,7 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 # The chaos suite's servers, proxy, oracle and results; the hostile suite's other users.
-pytest_plugins = ("tests.support.rig", "tests.support.users")
+pytest_plugins = ("tests.support.harness", "tests.support.users")
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,6 @@ import pytest
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import parse_uri
 from lockrun.backends.mysql import lock_key, parse, timeout_for
-from lockrun.uri import redact
 from tests.support.cli import lockrun, one_line, start, wait_for
 from tests.support.net import (
     Greeter,
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from tests.support.cli import Held
 
 SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
 # --ttl 3 makes every connect or answer give up after timeout_for(3) = 1 s.
@@ -129,7 +127,7 @@ def tcp_server() -> Iterator[MariaServer]:
 
     ``secret`` may do anything in ``lockrun``; ``dml`` may only read and write rows in
     ``lockrun`` and ``bare`` (where nobody creates lockrun's tables); ``nobody`` may only log
-    in; ``odd`` has a password with ``@ : /`` in it.
+    in.
     """
     server = MariaServer(port=free_port())
     try:
@@ -138,7 +136,6 @@ def tcp_server() -> Iterator[MariaServer]:
         dml = "SELECT, INSERT, UPDATE, DELETE"
         create_user(server, "dml", "pw-dml", f"{dml} ON lockrun.*", f"{dml} ON bare.*")
         create_user(server, "nobody", "pw-nobody")
-        create_user(server, "odd", "p@ss:w/rd", "ALL ON lockrun.*")
     except BaseException:
         server.close()
         raise
@@ -489,65 +486,6 @@ def test_a_server_that_waits_for_the_client_to_speak_exits_69(
     assert elapsed < PATIENCE
 
 
-def test_an_unknown_database_exits_78(tcp_server: MariaServer, name: str) -> None:
-    """A database the server does not have is a configuration error (78), one line."""
-    for uri in (
-        f"mysql://root@127.0.0.1:{tcp_server.port}/nosuch",
-        f"mysql://root@localhost/nosuch?unix_socket={tcp_server.socket}",
-    ):
-        result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "echo", "ran")
-        assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
-        line = one_line(result.stderr)
-        assert "no such database" in line
-        assert "nosuch" in line
-        secret_free(result, SECRET)
-        status = lockrun("status", "--uri", uri, name)
-        assert status.returncode == ExitCode.CONFIG
-        assert "no such database" in one_line(status.stderr)
-
-
-def test_wrong_passwords_exit_69_and_are_never_printed(tcp_server: MariaServer, name: str) -> None:
-    """A wrong or missing password: 69, "authentication failed", no password anywhere."""
-    tcp = f"127.0.0.1:{tcp_server.port}"
-    for uri in (
-        f"mysql://secret:wrong-pw-1@{tcp}/lockrun",
-        f"mysql://secret@{tcp}/lockrun",
-        f"mysql://nosuchuser:{SECRET}@{tcp}/lockrun",
-        f"mariadb://secret:wrong-pw-1@localhost/lockrun?unix_socket={tcp_server.socket}",
-    ):
-        for args in (
-            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            assert "authentication failed" in one_line(result.stderr)
-            secret_free(result, SECRET, "wrong-pw-1")
-
-
-def test_a_user_without_access_to_the_database_exits_69(tcp_server: MariaServer, name: str) -> None:
-    """A database the user may not use, or (the server will not tell) that does not exist: 69."""
-    tcp = f"127.0.0.1:{tcp_server.port}"
-    for uri, database in (
-        (f"mysql://nobody:pw-nobody@{tcp}/lockrun", "lockrun"),
-        (f"mysql://secret:{SECRET}@{tcp}/nosuch", "nosuch"),
-    ):
-        result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-        assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), uri
-        line = one_line(result.stderr)
-        assert f"to database '{database}'" in line
-        assert "Access denied for user" in line
-        secret_free(result, "pw-nobody", SECRET)
-
-
-def test_a_percent_encoded_password_is_decoded(tcp_server: MariaServer, name: str) -> None:
-    """A password with @ : / is written %-encoded in the URI and reaches the server decoded."""
-    uri = f"mysql://odd:p%40ss%3Aw%2Frd@127.0.0.1:{tcp_server.port}/lockrun"
-    result = lockrun("-v", "--uri", uri, "-n", name, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (0, "ran\n"), result.stderr
-    secret_free(result, "p@ss:w/rd")
-
-
 def test_a_full_server_exits_69_naming_max_connections(name: str) -> None:
     """With every connection taken (max_connections), run and status exit 69, one line.
 
@@ -673,48 +611,6 @@ def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
 
 
 # -- E. passwords stay out of every output and of the command's environment -------------------
-
-
-def test_a_password_reaches_no_output_and_no_environment(
-    tcp_server: MariaServer, held: Callable[..., Held], name: str
-) -> None:
-    """-v, busy lines, status (table and JSON) and the command's env carry no password."""
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    uri = f"mysql://secret:{SECRET}@127.0.0.1:{tcp_server.port}/lockrun"
-    result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
-    assert result.returncode == 0, result.stderr
-    assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
-    assert "acquired" in result.stderr
-    secret_free(result, SECRET)
-
-    from_environment = {**os.environ, "LOCKRUN_URI": uri}
-    result = lockrun("-v", "-n", name, "--", "env", env=from_environment)
-    assert result.returncode == 0, result.stderr
-    assert f"LOCKRUN_URI={redact(uri)}" in result.stdout.splitlines()
-    secret_free(result, SECRET)
-    passwordless = {**os.environ, "LOCKRUN_URI": tcp_server.uri}
-    result = lockrun("-n", name, "--", "env", env=passwordless)
-    assert f"LOCKRUN_URI={redact(tcp_server.uri)}" in result.stdout.splitlines()
-
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    busy = lockrun(
-        "-v", "--wait", "0.2", "--uri", uri, "-n", name, "--namespace", namespace, "--", "true"
-    )
-    assert busy.returncode == ExitCode.BUSY
-    assert f"held by {ME}@{HOST} pid {holder.process.pid}" in busy.stderr
-    assert "mysql://***@" in busy.stderr
-    secret_free(busy, SECRET)
-    for args in (("--json", name), (name,), ("--json",), ()):
-        result = lockrun("status", "--uri", uri, "--namespace", namespace, *args)
-        assert result.returncode == 0, result.stderr
-        assert str(holder.process.pid) in result.stdout
-        secret_free(result, SECRET)
-    assert holder.finish() == 0
-
-    result = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert result.stdout.startswith("no locks held or awaited")
-    assert "mysql://***@" in result.stdout
-    secret_free(result, SECRET)
 
 
 # -- F. ~/.my.cnf -------------------------------------------------------------------------------

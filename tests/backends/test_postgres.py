@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -452,78 +451,6 @@ def test_the_fence_is_a_transaction_id_that_only_grows(
 
 
 @pytest.mark.usefixtures("no_pg_environment")
-def test_wrong_passwords_exit_69_and_are_never_printed(
-    auth_server: PostgresServer, name: str
-) -> None:
-    """A wrong, missing or unknown-user password: 69, "authentication failed", none printed."""
-    tcp = f"127.0.0.1:{auth_server.port}"
-    where = f"host={auth_server.directory}&port={auth_server.port}"
-    for uri in (
-        f"postgresql://app:wrong-pw-1@{tcp}/lockrun",
-        f"postgresql://app@{tcp}/lockrun",
-        f"postgresql://nosuch:{SECRET}@{tcp}/lockrun",
-        f"postgres://app:wrong-pw-1@/lockrun?{where}",
-        f"postgresql:///lockrun?{where}&user=app&password=wrong-pw-1",
-    ):
-        for args in (
-            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri),
-            ("status", "--uri", uri, "--json", name),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert "authentication failed" in line
-            assert re.search(r"password authentication failed|no password supplied", line)
-            secret_free(result, SECRET, "wrong-pw-1")
-
-
-@pytest.mark.usefixtures("no_pg_environment")
-def test_a_password_reaches_no_output_and_no_environment(
-    auth_server: PostgresServer, held: Callable[..., Held], name: str
-) -> None:
-    """-v, busy lines, status (table and JSON) and the command's env carry no password."""
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    uri = f"postgresql://app:{SECRET}@127.0.0.1:{auth_server.port}/lockrun"
-    result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
-    assert result.returncode == 0, result.stderr
-    assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
-    assert "acquired" in result.stderr
-    secret_free(result, SECRET)
-
-    in_query = f"postgresql:///lockrun?host={auth_server.directory}&port={auth_server.port}"
-    for from_environment in (uri, f"{in_query}&user=app&password={SECRET}"):
-        environment = {**os.environ, "LOCKRUN_URI": from_environment}
-        result = lockrun("-v", "-n", name, "--", "env", env=environment)
-        assert result.returncode == 0, (from_environment, result.stderr)
-        assert f"LOCKRUN_URI={redact(from_environment)}" in result.stdout.splitlines()
-        secret_free(result, SECRET)
-    passwordless = {**os.environ, "LOCKRUN_URI": auth_server.uri}
-    result = lockrun("-n", name, "--", "env", env=passwordless)
-    assert f"LOCKRUN_URI={redact(auth_server.uri)}" in result.stdout.splitlines()
-
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    busy = lockrun(
-        "-v", "--wait", "0.2", "--uri", uri, "-n", name, "--namespace", namespace, "--", "true"
-    )
-    assert busy.returncode == ExitCode.BUSY
-    assert f"held by {ME}@{HOST} pid {holder.process.pid}" in busy.stderr
-    assert "postgresql://***@" in busy.stderr
-    secret_free(busy, SECRET)
-    for args in (("--json", name), (name,), ("--json",), ()):
-        result = lockrun("status", "--uri", uri, "--namespace", namespace, *args)
-        assert result.returncode == 0, result.stderr
-        assert str(holder.process.pid) in result.stdout
-        secret_free(result, SECRET)
-    assert holder.finish() == 0
-
-    result = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert result.stdout.startswith("no locks held or awaited")
-    assert "postgresql://***@" in result.stdout
-    secret_free(result, SECRET)
-
-
-@pytest.mark.usefixtures("no_pg_environment")
 def test_pgpassword_and_a_pgpass_file_supply_the_password(
     auth_server: PostgresServer, tmp_path: Path, name: str
 ) -> None:
@@ -550,40 +477,6 @@ def test_pgpassword_and_a_pgpass_file_supply_the_password(
     wrong = lockrun("--uri", tcp, "-n", name, "--", "true", env={**os.environ, "PGPASSWORD": "x1"})
     assert wrong.returncode == ExitCode.UNAVAILABLE
     assert "authentication failed" in one_line(wrong.stderr)
-
-
-def test_an_unknown_database_exits_78_naming_it(auth_server: PostgresServer, name: str) -> None:
-    """A database the server lacks is a configuration error (78), one line naming it."""
-    for uri in (
-        f"postgresql://lockrun@127.0.0.1:{auth_server.port}/nosuchdb",
-        f"postgres://lockrun@/nosuchdb?host={auth_server.directory}&port={auth_server.port}",
-        f"postgresql://app:{SECRET}@127.0.0.1:{auth_server.port}/nosuchdb",
-    ):
-        for args in (("--uri", uri, "-n", name, "--", "echo", "ran"), ("status", "--uri", uri)):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
-            line = one_line(result.stderr)
-            assert "no such database" in line
-            assert '"nosuchdb"' in line
-            secret_free(result, SECRET)
-
-
-def test_a_role_without_connect_or_login_exits_69(auth_server: PostgresServer, name: str) -> None:
-    """No CONNECT on the database, or a role that may not log in: 69, one line, no password."""
-    tcp = f"127.0.0.1:{auth_server.port}"
-    local = f"host={auth_server.directory}&port={auth_server.port}"
-    for uri, needle in (
-        (f"postgresql://noconn:pw-noconn@{tcp}/lockrun", "User does not have CONNECT privilege"),
-        (
-            f"postgresql://noconn:pw-noconn@/lockrun?{local}",
-            "permission denied for database",
-        ),
-        (f"postgresql://nolog:pw-x9q@{tcp}/lockrun", 'role "***" is not permitted to log in'),
-    ):
-        result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-        assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), uri
-        assert needle in one_line(result.stderr)
-        secret_free(result, "pw-noconn", "pw-x9q")
 
 
 @pytest.mark.parametrize(

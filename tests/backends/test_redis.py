@@ -20,13 +20,12 @@ from lockrun import ConfigError, ExitCode, Lock
 from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.redis import key_prefix, parse
 from lockrun.errors import LeaseLost
-from lockrun.uri import redact
-from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.cli import lockrun, one_line, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
 from tests.support.servers import RedisServer, free_port
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from pathlib import Path
 
 SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
@@ -36,20 +35,6 @@ SHORT_TTL = "3"
 PATIENCE = 5.0
 ME = pwd.getpwuid(os.geteuid()).pw_name
 HOST = os.uname().nodename
-
-
-def password_server(password: str) -> RedisServer:
-    """Return a Redis with a loopback port that requires *password*.
-
-    The password is set once the server runs: RedisServer's readiness PING has none.
-    """
-    server = RedisServer(port=free_port())
-    try:
-        server.command("CONFIG", "SET", "requirepass", password)
-    except BaseException:
-        server.close()
-        raise
-    return server
 
 
 @pytest.fixture(scope="module")
@@ -129,63 +114,6 @@ def test_a_server_that_is_not_redis_exits_69(reply: bytes, name: str) -> None:
         result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true", timeout=30)
     assert result.returncode == ExitCode.UNAVAILABLE
     assert f"127.0.0.1:{listener.port}" in one_line(result.stderr)
-
-
-def test_passwords_are_checked_and_never_printed(name: str) -> None:
-    """Wrong or missing password: 69, one line, no password; the right one (either form) runs."""
-    server = password_server(SECRET)
-    try:
-        tcp = f"127.0.0.1:{server.port}"
-        for uri in (
-            f"redis://:wrong-pw-1@{tcp}/0",
-            f"redis://default:wrong-pw-1@{tcp}/0",
-            f"{server.uri}?password=wrong-pw-1",
-            f"redis://{tcp}/0",
-        ):
-            result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-            assert result.returncode == ExitCode.UNAVAILABLE, uri
-            line = one_line(result.stderr)
-            assert "authentication failed" in line or "requires a password" in line, line
-            secret_free(result, SECRET, "wrong-pw-1")
-        for uri in (f"redis://:{SECRET}@{tcp}/0", f"{server.uri}?password={SECRET}"):
-            result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-            assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", ""), uri
-    finally:
-        server.close()
-
-
-def test_a_percent_encoded_password_is_decoded(name: str) -> None:
-    """A password with @ : / is written %-encoded in the URI and reaches Redis decoded."""
-    secret = "p@ss:w/rd"  # noqa: S105 - a throwaway server's
-    server = password_server(secret)
-    try:
-        encoded = secret.replace("@", "%40").replace(":", "%3A").replace("/", "%2F")
-        uri = f"redis://:{encoded}@127.0.0.1:{server.port}/0"
-        result = lockrun("-v", "--uri", uri, "-n", name, "--", "true")
-        assert result.returncode == 0, result.stderr
-        secret_free(result, secret)
-    finally:
-        server.close()
-
-
-@pytest.mark.parametrize(
-    "rules",
-    [("~*", "&*", "+@all", "-@scripting"), ("~app:*", "&*", "+@all")],
-    ids=["no-scripting", "other-keys-only"],
-)
-def test_a_redis_user_without_permission_exits_69(rules: tuple[str, ...], name: str) -> None:
-    """An ACL user that may not run scripts, or not touch lockrun's keys: 69, one line."""
-    server = RedisServer("--user", "locky", "on", ">pw-locky", *rules)
-    try:
-        uri = f"{server.uri}?username=locky&password=pw-locky"
-        for args in (("--uri", uri, "-n", name, "--", "true"), ("status", "--uri", uri, name)):
-            result = lockrun(*args)
-            assert result.returncode == ExitCode.UNAVAILABLE, args
-            assert "lacks a permission" in one_line(result.stderr)
-            secret_free(result, "pw-locky")
-        assert server.command("KEYS", "*") == ""
-    finally:
-        server.close()
 
 
 def test_the_database_number_is_checked(tcp_server: RedisServer, name: str) -> None:
@@ -632,45 +560,6 @@ def test_key_prefix_keeps_the_hash_tag_and_the_separator_intact() -> None:
 
 
 # -- F. passwords stay out of every output and of the command's environment -------------------
-
-
-def test_a_password_reaches_no_output_and_no_environment(
-    held: Callable[..., Held], name: str
-) -> None:
-    """-v, status (table and JSON), busy lines and the command's env carry no password."""
-    server = password_server(SECRET)
-    try:
-        uri = f"redis://:{SECRET}@127.0.0.1:{server.port}/0"
-        result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
-        assert result.returncode == 0, result.stderr
-        assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
-        assert "acquired" in result.stderr
-        secret_free(result, SECRET)
-
-        from_environment = {**os.environ, "LOCKRUN_URI": uri}
-        result = lockrun("-v", "-n", name, "--", "env", env=from_environment)
-        assert result.returncode == 0, result.stderr
-        assert f"LOCKRUN_URI={redact(uri)}" in result.stdout.splitlines()
-        secret_free(result, SECRET)
-
-        holder = held("--uri", uri, "-n", name)
-        busy = lockrun("-v", "--wait", "0.2", "--uri", uri, "-n", name, "--", "true")
-        assert busy.returncode == ExitCode.BUSY
-        assert "held by" in busy.stderr
-        assert "redis://***@" in busy.stderr
-        secret_free(busy, SECRET)
-        for args in (("--json", name), (name,), ("--json",), ()):
-            result = lockrun("status", "--uri", uri, *args)
-            assert result.returncode == 0, result.stderr
-            assert str(holder.process.pid) in result.stdout
-            secret_free(result, SECRET)
-        assert holder.finish() == 0
-
-        result = lockrun("status", "--uri", uri)
-        assert "redis://***@" in result.stdout
-        secret_free(result, SECRET)
-    finally:
-        server.close()
 
 
 # -- G. the Python API: a lease lost while the block ran -----------------------------------------

@@ -32,7 +32,6 @@ from lockrun.backends.postgres import _application_name, _halves, lock_key, pars
 from lockrun.errors import LeaseLost
 from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
-from tests.support.net import Listener as Junk
 from tests.support.net import postgres_query as query
 from tests.support.net import secret_free, timed_lockrun
 from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
@@ -526,100 +525,6 @@ def test_a_malformed_uri_exits_78_without_the_password(name: str) -> None:
 
 
 # -- E. bad input: nobody there, silence, not PostgreSQL, full ---------------------------------
-
-
-@pytest.mark.parametrize(
-    "where",
-    ["closed-port", "silent-port", "no-such-host", "no-socket"],
-)
-def test_an_unreachable_server_exits_69_in_bounded_time(
-    where: str, tmp_path: Path, name: str
-) -> None:
-    """Nobody on the port, a port that never answers, no host, no socket: 69, one line, < 15 s."""
-    with contextlib.ExitStack() as stack:
-        if where == "silent-port":  # listens, and never accepts nor reads: the kernel's backlog
-            silent = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=16))
-            port, needle = silent.getsockname()[1], "no answer within"
-            uri = f"postgresql://app:{SECRET}@127.0.0.1:{port}/lockrun"
-        elif where == "closed-port":
-            port, needle = free_port(), "Connection refused"
-            uri = f"postgresql://app:{SECRET}@127.0.0.1:{port}/lockrun"
-        elif where == "no-such-host":
-            uri, needle = f"postgresql://app:{SECRET}@nonexistent.invalid/lockrun", "resolve"
-        else:
-            uri = f"postgresql://app:{SECRET}@/lockrun?host={tmp_path}&port=5999"
-            needle = f"{tmp_path}/.s.PGSQL.5999"
-        for args in (
-            ("--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("-v", "--wait", "5", "--ttl", "3", "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri, name),
-        ):
-            result, elapsed = timed_lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert needle in line
-            assert "postgresql://***@" in line
-            secret_free(result, SECRET)
-            assert elapsed < PATIENCE
-
-
-@pytest.mark.parametrize(
-    ("reply", "needle"),
-    [
-        (b"\x00\xff\x13garbage garbage\r\n" * 8, "does not answer like a PostgreSQL server"),
-        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "does not answer like a PostgreSQL server"),
-        (b"-ERR unknown command\r\n", "does not answer like a PostgreSQL server"),
-        (b"", "server closed the connection unexpectedly"),
-    ],
-    ids=["garbage", "http", "redis-like", "hang-up"],
-)
-def test_a_server_that_is_not_postgres_exits_69(reply: bytes, needle: str, name: str) -> None:
-    """Garbage, HTTP or a Redis error on the port: 69, one line naming the server, quickly."""
-    with contextlib.closing(Junk(reply)) as junk:
-        uri = f"postgresql://app:{SECRET}@127.0.0.1:{junk.port}/lockrun"
-        for args in (("--uri", uri, "-n", name, "--", "echo", "ran"), ("status", "--uri", uri)):
-            result, elapsed = timed_lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert f"127.0.0.1:{junk.port}" in line
-            assert needle in line
-            assert "internal error" not in line
-            secret_free(result, SECRET)
-            assert elapsed < PATIENCE
-
-
-def test_a_full_server_exits_69_naming_max_connections(name: str) -> None:
-    """Every connection taken (max_connections=3, none reserved): run and status exit 69."""
-    server = PostgresServer(
-        "max_connections=3", "superuser_reserved_connections=0", port=free_port()
-    )
-    taken: list[psycopg.Connection[Any]] = []
-    try:
-        assert lockrun("--uri", server.tcp_uri, "-n", name, "--", "true").returncode == 0
-        with pytest.raises(psycopg.OperationalError, match="too many clients"):  # noqa: PT012
-            while len(taken) < 10:
-                taken.append(psycopg.connect(server.tcp_uri))
-        assert len(taken) == 3
-        for args in (
-            ("--uri", server.tcp_uri, "-n", name, "--", "echo", "ran"),
-            ("--uri", server.uri, "-n", name, "-s", "2", "-w", "5", "--", "echo", "ran"),
-            ("status", "--uri", server.uri, name),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert "max_connections" in line
-            assert "too many clients" in line
-        taken.pop().close()
-        wait_for(
-            lambda: lockrun("--uri", server.tcp_uri, "-n", name, "--", "true").returncode == 0,
-            timeout=10,
-            what="a free connection",
-        )
-    finally:
-        for connection in taken:
-            connection.close()
-        server.close()
 
 
 # -- F. psycopg missing --------------------------------------------------------------------

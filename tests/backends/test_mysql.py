@@ -266,18 +266,6 @@ def test_parse_rejects_bad_uris_without_showing_the_password(text: str, needle: 
     assert "://***@" in message
 
 
-@pytest.mark.parametrize("password", ["hunter?2", "hunter#2"], ids=["question-mark", "hash"])
-def test_a_password_with_an_unencoded_question_mark_or_hash_is_not_shown(
-    password: str, name: str
-) -> None:
-    """Such a URI is malformed (78), and its line still hides the password."""
-    uri = f"mysql://app:{password}@127.0.0.1:{free_port()}/lockrun"
-    result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "")
-    one_line(result.stderr)
-    secret_free(result, password)
-
-
 def test_parse_rejects_an_unknown_charset() -> None:
     """?charset=nope is a ConfigError naming the charset, like any other bad option."""
     with pytest.raises(ConfigError, match="unknown charset 'nope'"):
@@ -543,15 +531,6 @@ def test_read_default_file_supplies_the_port_when_the_uri_has_none(
 
 
 # -- G. local files that are not what they claim: configuration errors -------------------------
-
-
-def test_an_unknown_charset_exits_78(name: str) -> None:
-    """?charset=nope is a bad URI: 78, one line naming the charset, no connection tried."""
-    uri = f"mysql://root:{SECRET}@127.0.0.1:{free_port()}/lockrun?charset=nope"
-    result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-    secret_free(result, SECRET)
-    assert result.returncode == ExitCode.CONFIG
-    assert "unknown charset 'nope'" in one_line(result.stderr)
 
 
 def test_a_malformed_option_file_exits_78_in_one_line(tmp_path: Path, name: str) -> None:

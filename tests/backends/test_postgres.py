@@ -479,18 +479,6 @@ def test_pgpassword_and_a_pgpass_file_supply_the_password(
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["postgresql://app:%ff%fe@127.0.0.1:{port}/lockrun", "postgresql://127.0.0.1:{port}/l%ff"],
-    ids=["password", "database"],
-)
-def test_escapes_that_are_not_utf8_exit_78(text: str, name: str) -> None:
-    """A URI whose %-escapes decode to no UTF-8 is a bad URI: 78, one line."""
-    result = lockrun("--uri", text.format(port=free_port()), "-n", name, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
-    one_line(result.stderr)
-
-
-@pytest.mark.parametrize(
     ("option", "needle"),
     [
         ("sslmode=bogus", 'invalid sslmode value: "bogus"'),
@@ -506,22 +494,6 @@ def test_an_invalid_option_value_exits_78(
     result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
     assert needle in one_line(result.stderr)
     assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "")
-
-
-def test_a_malformed_uri_exits_78_without_the_password(name: str) -> None:
-    """Through the CLI a URI libpq cannot parse exits 78 in one line; no password shows."""
-    for uri, secrets in (
-        (f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/lockrun?foo=bar", (SECRET,)),
-        (f"postgresql://app:p@ss%zz@127.0.0.1:{free_port()}/lockrun", ("p@ss%zz", "ss%zz")),
-    ):
-        for args in (
-            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
-            assert "not a libpq connection URI" in one_line(result.stderr)
-            secret_free(result, *secrets)
 
 
 # -- E. bad input: nobody there, silence, not PostgreSQL, full ---------------------------------

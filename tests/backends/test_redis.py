@@ -85,33 +85,6 @@ def test_the_database_number_is_checked(tcp_server: RedisServer, name: str) -> N
     )
 
 
-@pytest.mark.parametrize(
-    ("uri", "needle"),
-    [
-        ("redis://127.0.0.1:1/0?foo=1", "unknown option 'foo'"),
-        ("redis://127.0.0.1:1/0?ssl_ca_certs=/ca.pem", "unknown option 'ssl_ca_certs'"),
-        ("unix:///tmp/r.sock?timeout=3", "unknown option 'timeout'"),
-        ("redis+sentinel://127.0.0.1:1/m?password=x", "unknown option 'password'"),
-        ("redis://:hunter2@127.0.0.1:1/0?password=x", "unknown option 'password'"),
-        ("rediss://127.0.0.1:1?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
-        ("redis://127.0.0.1:99999/0", "port 99999 is out of range"),
-        ("redis://127.0.0.1:0/0", "port 0 is out of range"),
-        ("redis://127.0.0.1:abc/0", "abc"),
-        ("redis://127.0.0.1:1:2/0", "1:2"),
-        ("redis://[::1/0", "::1"),
-        ("redis://127.0.0.1:1/0/1", "'0/1' is not a number"),
-        ("unix://", "expected unix:///path"),
-        ("redis+sentinel://127.0.0.1:1", "SERVICE"),
-    ],
-)
-def test_bad_redis_uris_exit_78(uri: str, needle: str, name: str) -> None:
-    """Unknown options, malformed ports and paths are configuration errors: 78, one line."""
-    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-    assert result.returncode == ExitCode.CONFIG, result.stderr
-    assert needle in one_line(result.stderr)
-    secret_free(result, "hunter2")
-
-
 def test_rediss_to_a_plain_port_exits_69(tcp_server: RedisServer, name: str) -> None:
     """TLS to a server that does not speak it is unavailable (69), one line."""
     uri = f"rediss://127.0.0.1:{tcp_server.port}/0"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import uuid
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import pytest
 
@@ -377,3 +377,71 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(SCHEMES, "nosuch", Scheme("nosuch", "nosuch:", {}, extra="nosuch"))
     with pytest.raises(ConfigError, match=r"pip install 'lockrun-cli\[nosuch\]'"):
         open_backend(parse_uri("nosuch://x"))
+
+
+# Each backend's malformed URIs: what the one line names, and the secrets it must not show.
+BAD_URIS: Final = {
+    "redis-foo": ("redis://127.0.0.1:1/0?foo=1", "unknown option 'foo'", ()),
+    "redis-tls-option": (
+        "redis://127.0.0.1:1/0?ssl_ca_certs=/ca.pem",
+        "unknown option 'ssl_ca_certs'",
+        (),
+    ),
+    "unix-timeout": ("unix:///tmp/r.sock?timeout=3", "unknown option 'timeout'", ()),
+    "sentinel-password": (
+        "redis+sentinel://127.0.0.1:1/m?password=x",
+        "unknown option 'password'",
+        (),
+    ),
+    "redis-two-passwords": (
+        "redis://:hunter2@127.0.0.1:1/0?password=x",
+        "unknown option 'password'",
+        ("hunter2",),
+    ),
+    "rediss-cert-reqs": ("rediss://127.0.0.1:1?ssl_cert_reqs=maybe", "ssl_cert_reqs", ()),
+    "redis-port-99999": ("redis://127.0.0.1:99999/0", "port 99999 is out of range", ()),
+    "redis-port-0": ("redis://127.0.0.1:0/0", "port 0 is out of range", ()),
+    "redis-port-abc": ("redis://127.0.0.1:abc/0", "abc", ()),
+    "redis-two-ports": ("redis://127.0.0.1:1:2/0", "1:2", ()),
+    "redis-ipv6-unclosed": ("redis://[::1/0", "::1", ()),
+    "redis-db-path": ("redis://127.0.0.1:1/0/1", "'0/1' is not a number", ()),
+    "unix-no-path": ("unix://", "expected unix:///path", ()),
+    "sentinel-no-service": ("redis+sentinel://127.0.0.1:1", "SERVICE", ()),
+    "mysql-question-mark": ("mysql://app:hunter?2@127.0.0.1:1/lockrun", "", ("hunter?2",)),
+    "mysql-hash": ("mysql://app:hunter#2@127.0.0.1:1/lockrun", "", ("hunter#2",)),
+    "mysql-charset": (
+        f"mysql://root:{SECRET}@127.0.0.1:1/lockrun?charset=nope",
+        "unknown charset 'nope'",
+        (SECRET,),
+    ),
+    "postgres-foo": (
+        f"postgresql://app:{SECRET}@127.0.0.1:1/lockrun?foo=bar",
+        "not a libpq connection URI",
+        (SECRET,),
+    ),
+    "postgres-bad-escape": (
+        "postgresql://app:p@ss%zz@127.0.0.1:1/lockrun",
+        "not a libpq connection URI",
+        ("p@ss%zz", "ss%zz"),
+    ),
+    "postgres-password-not-utf8": ("postgresql://app:%ff%fe@127.0.0.1:1/lockrun", "", ()),
+    "postgres-database-not-utf8": ("postgresql://127.0.0.1:1/l%ff", "", ()),
+}
+
+
+@pytest.mark.parametrize("how", ["run", "status"])
+@pytest.mark.parametrize(("uri", "needle", "secrets"), BAD_URIS.values(), ids=BAD_URIS)
+def test_bad_uris_exit_78_without_the_password(
+    uri: str, needle: str, secrets: tuple[str, ...], how: str, name: str
+) -> None:
+    """Unknown options, malformed ports, paths and escapes: 78 before any connection, one line.
+
+    No piece of a password shows, however malformed the URI around it.
+    """
+    if how == "status":
+        result = lockrun("status", "--uri", uri)
+    else:
+        result = lockrun("-v", "--ttl", "3", "--uri", uri, "-n", name, "--", "echo", "ran")
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+    assert needle in one_line(result.stderr)
+    secret_free(result, *secrets)

@@ -1,7 +1,8 @@
-"""The MySQL/MariaDB backend through the real CLI: URIs, bad input, privileges, TLS, status.
+"""What only MySQL/MariaDB does: URIs, GET_LOCK names, greetings, privileges, option files, TLS.
 
-Every server here is a real mariadbd of the test's own (or the session's), on a unix socket
-or a loopback port; the "servers" that are not MySQL are sockets this file owns.
+What every backend shares (status, passwords, unreachable servers, bad URIs) is in
+tests/contract. Every server here is a real mariadbd of the test's own (or the session's), on
+a unix socket or a loopback port; the stand-ins that greet like MySQL are sockets of our own.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from lockrun.backends.mysql import lock_key, parse
 from tests.support.cli import lockrun, one_line, start, wait_for
 from tests.support.net import (
     Greeter,
+    create_user,
     make_certificates,
     secret_free,
     timed_lockrun,
 )
-from tests.support.net import (
-    mysql_query as query,
-)
+from tests.support.net import mysql_query as query
 from tests.support.servers import MariaServer, free_port, unavailable
 
 if TYPE_CHECKING:
@@ -49,15 +49,6 @@ MAX_LOCK_NAME = 64
 
 
 # 256 bytes that look random but are the same in every run.
-def create_user(server: MariaServer, user: str, password: str, *grants: str) -> None:
-    """Create *user* (from anywhere and from localhost) with *password* and *grants*."""
-    quoted = password.replace("'", "''")
-    for host in ("%", "localhost"):
-        statements = [f"CREATE USER '{user}'@'{host}' IDENTIFIED BY '{quoted}'"]
-        statements += [f"GRANT {grant} TO '{user}'@'{host}'" for grant in grants]
-        server.command("; ".join(statements))
-
-
 def server_key(uri: str, namespace: str, name: str) -> str:
     """Return the lock key the server itself computes for (namespace, name)."""
     [[key]] = query(
@@ -148,7 +139,7 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-# -- A. URI parsing and lock keys, in process -------------------------------------------------
+# -- A. URI parsing and lock keys, in process ------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -290,7 +281,7 @@ def test_lock_key_is_what_the_server_computes(mysql_uri: str, namespace: str, na
     assert key == server_key(mysql_uri, namespace, name)
 
 
-# -- B. names: long, non-ASCII, case --------------------------------------------------------------
+# -- B. names: long, non-ASCII, case ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -329,13 +320,6 @@ def test_any_valid_name_excludes_itself_under_a_short_server_lock_name(
     assert (again.returncode, again.stdout, again.stderr) == (0, "ran\n", "")
 
 
-def test_a_name_over_255_bytes_is_a_usage_error(mysql_uri: str) -> None:
-    """SPEC §1 allows names up to 255 bytes: 300 characters exit 64 before any connection."""
-    result = lockrun("--uri", mysql_uri, "-n", "n" * 300, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
-    assert "300 bytes" in one_line(result.stderr)
-
-
 def test_names_that_differ_only_in_case_are_different_locks(
     mysql_uri: str, holding: Callable[..., Holding], name: str
 ) -> None:
@@ -353,7 +337,7 @@ def test_names_that_differ_only_in_case_are_different_locks(
     assert (upper.finish(), lower.finish()) == (0, 0)
 
 
-# -- C. bad input: unreachable, refused, not MySQL at all, full --------------------------------
+# -- C. a stand-in that greets like MySQL but is not -----------------------------------------------
 
 
 def _packet(payload: bytes, sequence: int = 0) -> bytes:
@@ -394,7 +378,7 @@ def test_a_server_that_is_not_mysql_exits_69(
     assert elapsed < PATIENCE
 
 
-# -- D. privileges: no CREATE, no fence --------------------------------------------------------
+# -- D. privileges: no CREATE, no fence ------------------------------------------------------------
 
 
 def test_a_user_who_may_not_create_tables_runs_without_a_fence(
@@ -479,10 +463,7 @@ def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
     assert state["holders"] == []
 
 
-# -- E. passwords stay out of every output and of the command's environment -------------------
-
-
-# -- F. ~/.my.cnf -------------------------------------------------------------------------------
+# -- E. ~/.my.cnf ----------------------------------------------------------------------------------
 
 
 def test_read_default_file_supplies_the_user_password_and_server(
@@ -530,7 +511,7 @@ def test_read_default_file_supplies_the_port_when_the_uri_has_none(
     assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
 
 
-# -- G. local files that are not what they claim: configuration errors -------------------------
+# -- F. local files that are not what they claim: configuration errors -----------------------------
 
 
 def test_a_malformed_option_file_exits_78_in_one_line(tmp_path: Path, name: str) -> None:
@@ -564,9 +545,10 @@ def test_unusable_tls_files_exit_78(query_text: str, certificates: Path, name: s
     assert result.returncode == ExitCode.CONFIG
 
 
-# -- H. TLS -----------------------------------------------------------------------------------
+# -- G. TLS ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tls(certificates: Path, name: str) -> None:
     """?ssl_ca= checks the server's certificate and name; a client certificate logs in X509.
 
@@ -615,7 +597,7 @@ def test_tls(certificates: Path, name: str) -> None:
         server.close()
 
 
-# -- I. Galera ----------------------------------------------------------------------------------
+# -- H. Galera -------------------------------------------------------------------------------------
 
 
 def test_a_galera_node_is_refused_with_78(name: str) -> None:
@@ -647,6 +629,3 @@ def test_a_galera_node_is_refused_with_78(name: str) -> None:
         assert server.command("SHOW TABLES FROM lockrun") == ""
     finally:
         server.close()
-
-
-# -- J. lockrun status -------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The PostgreSQL backend through the real CLI: keys, URIs, bad input, poolers, standbys, status.
+"""What only PostgreSQL does: keys, libpq URIs, pg_locks, poolers, standbys, psycopg, sessions.
 
-Every server here is a real PostgreSQL (the session's, one of this module's, or a test's own);
-the "servers" that are not PostgreSQL are sockets this file owns, and the poolers are real
-PgBouncers in front of a real server.
+What every backend shares (status, passwords, unreachable servers, bad URIs, --slots
+mismatches) is in tests/contract. Every server here is a real PostgreSQL (the session's, one
+of this module's, or a test's own); the poolers are real PgBouncers in front of one.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from lockrun.backends.postgres import _application_name, _halves, lock_key, pars
 from lockrun.errors import LeaseLost
 from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
+from tests.support.net import postgres_advisory_locks as advisory_locks
 from tests.support.net import postgres_query as query
-from tests.support.net import secret_free, timed_lockrun
+from tests.support.net import secret_free
 from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
 
 if TYPE_CHECKING:
@@ -86,20 +87,6 @@ NAMES = [
 ]
 
 
-def advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]:
-    """Return (slot or 'gate', granted, pid) of every advisory lock on a name's keys (N ≤ 8)."""
-    parts: list[str | int] = [*range(8), "gate"]
-    keys = {lock_key(namespace, name, part): part for part in parts}
-    rows = query(
-        uri,
-        "SELECT l.classid::bigint << 32 | l.objid::bigint, l.granted, l.pid FROM pg_locks l "
-        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
-        "AND (l.classid::bigint << 32 | l.objid::bigint) = ANY(%s)",
-        list(keys),
-    )
-    return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
-
-
 def as_postgres() -> str | None:
     """Return the user to run PostgreSQL's programs as: ``postgres`` when we are root."""
     return "postgres" if os.geteuid() == 0 else None
@@ -140,7 +127,7 @@ def no_pg_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))
 
 
-# -- A. lock keys, URIs and session names, in process ----------------------------------------
+# -- A. lock keys, URIs and session names, in process ----------------------------------------------
 
 
 @pytest.mark.parametrize(("namespace", "name"), NAMES)
@@ -323,7 +310,7 @@ def test_application_name_fits_63_bytes_at_a_character_boundary(name: str, slot:
         assert kept == name
 
 
-# -- B. what an operator sees on the server --------------------------------------------------
+# -- B. what an operator sees on the server --------------------------------------------------------
 
 
 def test_a_holder_shows_in_pg_locks_under_its_application_name(
@@ -401,27 +388,7 @@ def test_a_tcp_holder_shows_its_client_address_in_the_readme_query(
     assert holder.finish() == 0
 
 
-# -- C. namespaces and fences ----------------------------------------------------------------
-
-
-def test_namespaces_partition_names(
-    postgres_uri: str, held: Callable[..., Held], name: str
-) -> None:
-    """One name in namespaces a and b: both run; a second user of a's is busy (75)."""
-    holder = held("--uri", postgres_uri, "-n", name, "--namespace", "a")
-    other = lockrun(
-        "--uri", postgres_uri, "-n", name, "--namespace", "b", "--", "printenv", "LOCKRUN_NAME"
-    )
-    assert (other.returncode, other.stdout, other.stderr) == (0, f"{name}\n", "")
-    same = lockrun("--uri", postgres_uri, "-n", name, "--namespace", "a", "--", "echo", "ran")
-    assert (same.returncode, same.stdout) == (ExitCode.BUSY, "")
-    assert name in one_line(same.stderr)
-    environment = {**os.environ, "LOCKRUN_NAMESPACE": "a"}
-    also_same = lockrun("--uri", postgres_uri, "-n", name, "--", "true", env=environment)
-    assert also_same.returncode == ExitCode.BUSY
-    assert [row[:2] for row in advisory_locks(postgres_uri, "a", name)] == [("0", True)]
-    assert advisory_locks(postgres_uri, "b", name) == []  # a failed try leaves nothing
-    assert holder.finish() == 0
+# -- C. namespaces and fences ----------------------------------------------------------------------
 
 
 def test_the_fence_is_a_transaction_id_that_only_grows(
@@ -446,7 +413,7 @@ def test_the_fence_is_a_transaction_id_that_only_grows(
     assert holder.finish() == 0
 
 
-# -- D. bad input: passwords, roles, databases -----------------------------------------------
+# -- D. passwords from libpq's environment, option values libpq refuses ----------------------------
 
 
 @pytest.mark.usefixtures("no_pg_environment")
@@ -496,10 +463,7 @@ def test_an_invalid_option_value_exits_78(
     assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "")
 
 
-# -- E. bad input: nobody there, silence, not PostgreSQL, full ---------------------------------
-
-
-# -- F. psycopg missing --------------------------------------------------------------------
+# -- E. psycopg missing ----------------------------------------------------------------------------
 
 
 def run_without(
@@ -566,7 +530,7 @@ def test_psycopg_without_any_libpq_exits_78_in_one_line(name: str) -> None:
     assert line.endswith("pip install 'lockrun-cli[postgres]'")
 
 
-# -- G. PgBouncer --------------------------------------------------------------------------
+# -- F. PgBouncer ----------------------------------------------------------------------------------
 
 
 class Bouncer:
@@ -710,45 +674,7 @@ def test_transaction_pooling_with_round_robin_is_refused(
     assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
 
 
-# -- H. lockrun status -----------------------------------------------------------------------
-
-
-# -- I. --slots must agree -------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("held_slots", "other_slots"),
-    [("3", ["1", "2"]), ("1", ["3", "2"])],
-    ids=["semaphore-then-fewer", "mutex-then-semaphore"],
-)
-def test_a_slots_mismatch_exits_78_naming_the_holder(
-    postgres_uri: str, held: Callable[..., Held], name: str, held_slots: str, other_slots: list[str]
-) -> None:
-    """Another --slots than a live holder's: 78 naming it, at once even with --wait; none left."""
-    holder = held("--uri", postgres_uri, "-n", name, "-s", held_slots)
-    before = advisory_locks(postgres_uri, "default", name)
-    for slots in other_slots:
-        for wait in ("0", "30"):
-            result, elapsed = timed_lockrun(
-                "--uri", postgres_uri, "-n", name, "-s", slots, "-w", wait, "--", "echo", "ran"
-            )
-            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
-            line = one_line(result.stderr)
-            assert f"held with --slots {held_slots} by {ME}@{HOST} pid {holder.process.pid}" in line
-            assert f"this one has --slots {slots}" in line
-            assert elapsed < PATIENCE  # not the 30 s of --wait
-    assert advisory_locks(postgres_uri, "default", name) == before
-    same = lockrun(
-        "--uri", postgres_uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT"
-    )
-    if held_slots == "1":
-        assert same.returncode == ExitCode.BUSY
-    else:
-        assert (same.returncode, same.stdout) == (0, "1\n"), same.stderr
-    assert holder.finish() == 0
-
-
-# -- J. a standby --------------------------------------------------------------------------
+# -- G. a standby ----------------------------------------------------------------------------------
 
 
 def test_a_standby_is_refused_with_69(pg_server: PostgresServer, name: str) -> None:
@@ -822,7 +748,7 @@ def test_a_standby_is_refused_with_69(pg_server: PostgresServer, name: str) -> N
         shutil.rmtree(directory, ignore_errors=True)
 
 
-# -- K. the Python API and the backend itself: lost sessions, checks, other roles ---------------
+# -- H. the Python API and the backend itself: lost sessions, checks, other roles ------------------
 
 
 PASSWORD = "pw-for-roles"  # noqa: S105 - the throwaway server's

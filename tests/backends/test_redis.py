@@ -1,7 +1,8 @@
-"""The Redis backend through the real CLI: bad input, warnings, status, Sentinel, TLS, secrets.
+"""What only Redis does: TLS, replicas, database numbers, eviction, Sentinel, keys, lost leases.
 
-Every server here is a real redis-server (or redis-server --sentinel) of the test's own, on a
-unix socket or a loopback port; the "servers" that are not Redis are sockets this file owns.
+What every backend shares (status, passwords, unreachable servers, bad URIs) is in
+tests/contract. Every server here is a real redis-server (or redis-server --sentinel) of the
+test's own, on a unix socket or a loopback port.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
-import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import unquote
 
 import pytest
@@ -22,6 +22,7 @@ from lockrun.backends.redis import key_prefix, parse
 from lockrun.errors import LeaseLost
 from tests.support.cli import lockrun, one_line, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
+from tests.support.sentinels import SentinelServer
 from tests.support.servers import RedisServer, free_port
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def tcp_server() -> Iterator[RedisServer]:
     server.close()
 
 
-# -- A. bad input: unreachable, refused, misconfigured, not Redis at all ------------------------
+# -- A. TLS, a replica, a database number ----------------------------------------------------------
 
 
 def test_a_server_silent_during_the_tls_handshake_exits_69_within_the_ttls_timeout(
@@ -175,7 +176,7 @@ def test_a_read_only_replica_exits_69(name: str) -> None:
         master.close()
 
 
-# -- B. an eviction policy that could drop lock keys ------------------------------------------
+# -- B. an eviction policy that could drop lock keys -----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -203,69 +204,36 @@ def test_an_evicting_server_gets_one_warning(
         assert result.stderr == ""
 
 
-# -- C. lockrun status against Redis ----------------------------------------------------------
+# -- C. Sentinel -----------------------------------------------------------------------------------
 
 
-# -- D. Sentinel ------------------------------------------------------------------------------
+class Watched(NamedTuple):
+    """A master with a loopback port, and the port of one sentinel that monitors it."""
 
-
-class Sentinel:
-    """A master with a loopback port and one redis-server --sentinel that monitors it."""
-
-    def __init__(self, directory: Path) -> None:
-        """Start both; the sentinel's config goes in *directory*, which it rewrites."""
-        self.master = RedisServer(port=free_port())
-        self.port = free_port()
-        conf = directory / "sentinel.conf"
-        conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\n"
-            f"sentinel monitor mymaster 127.0.0.1 {self.master.port} 1\n"
-            f"dir {directory}\nlogfile {directory}/sentinel.log\n"
-        )
-        self.process = subprocess.Popen(["redis-server", str(conf), "--sentinel"])
-        try:
-            wait_for(
-                lambda: self.answers() or self.process.poll() is not None,
-                timeout=10,
-                what="the sentinel",
-            )
-            if self.process.poll() is not None:
-                pytest.fail(
-                    f"the sentinel did not start: {(directory / 'sentinel.log').read_text()}"
-                )
-        except BaseException:
-            self.close()
-            raise
-
-    def answers(self) -> bool:
-        """Return whether the sentinel names our master."""
-        query = [
-            "redis-cli",
-            "-p",
-            str(self.port),
-            "SENTINEL",
-            "get-master-addr-by-name",
-            "mymaster",
-        ]
-        result = subprocess.run(query, capture_output=True, text=True, timeout=5, check=False)
-        return result.stdout.split() == ["127.0.0.1", str(self.master.port)]
-
-    def close(self) -> None:
-        """Kill the sentinel and the master."""
-        self.process.kill()
-        self.process.wait(10)
-        self.master.close()
+    master: RedisServer
+    port: int
 
 
 @pytest.fixture
-def sentinel(tmp_path: Path) -> Iterator[Sentinel]:
-    """Return a running Sentinel set-up, killed at teardown."""
-    setup = Sentinel(tmp_path)
-    yield setup
-    setup.close()
+def sentinel() -> Iterator[Watched]:
+    """Return a master and a sentinel that names it, both stopped at teardown."""
+    master = RedisServer(port=free_port())
+    try:
+        watcher = SentinelServer(("127.0.0.1", master.port), ("127.0.0.1",))
+    except BaseException:
+        master.close()
+        raise
+    try:
+        wait_for(
+            lambda: watcher.named() == ("127.0.0.1", master.port), timeout=10, what="the sentinel"
+        )
+        yield Watched(master, watcher.port)
+    finally:
+        watcher.close()
+        master.close()
 
 
-def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Sentinel, name: str) -> None:
+def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Watched, name: str) -> None:
     """redis+sentinel://…/mymaster/3 runs the command with a fence kept in db 3 of the master."""
     uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster/3"
     args = ("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE")
@@ -277,7 +245,7 @@ def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Sentinel, 
     assert sentinel.master.command("-n", "3", "GET", key) == str(fence)
 
 
-def test_sentinel_with_an_unknown_service_exits_69(sentinel: Sentinel, name: str) -> None:
+def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str) -> None:
     """A service the sentinels do not monitor is unavailable (69), one line naming it."""
     uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/nosuch"
     result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
@@ -321,7 +289,7 @@ def test_no_sentinel_answering_gives_a_readable_line(name: str) -> None:
     assert "<redis." not in line, "the message carries redis-py's repr of its client"
 
 
-# -- E. URI parsing and key names, in process ---------------------------------------------------
+# -- D. URI parsing and key names, in process ------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -481,10 +449,7 @@ def test_key_prefix_keeps_the_hash_tag_and_the_separator_intact() -> None:
     assert len(prefixes) == len(AWKWARD_PAIRS)
 
 
-# -- F. passwords stay out of every output and of the command's environment -------------------
-
-
-# -- G. the Python API: a lease lost while the block ran -----------------------------------------
+# -- E. the Python API: a lease lost while the block ran -------------------------------------------
 
 
 def test_api_reports_a_lease_lost_while_the_block_ran(redis_server: RedisServer, name: str) -> None:

@@ -20,7 +20,7 @@ from lockrun.backends import open_backend, parse_uri
 from lockrun.uri import SCHEMES, Scheme, redact
 from tests.support.cli import lockrun, one_line
 from tests.support.harness import SERVERS
-from tests.support.net import encoded, secret_free
+from tests.support.net import create_user, encoded, secret_free
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
@@ -146,16 +146,9 @@ def redis_secured() -> Secured:
 def mysql_secured() -> Secured:
     """Return a MariaDB where app and odd may do anything in lockrun, and nobody only log in."""
     server = MariaServer(port=free_port())
-    for user, password, grants in (
-        ("app", SECRET, ("ALL ON lockrun.*",)),
-        ("odd", ODD, ("ALL ON lockrun.*",)),
-        ("nobody", "pw-nobody", ()),
-    ):
-        quoted = password.replace("'", "''")
-        for host in ("%", "localhost"):
-            statements = [f"CREATE USER '{user}'@'{host}' IDENTIFIED BY '{quoted}'"]
-            statements += [f"GRANT {grant} TO '{user}'@'{host}'" for grant in grants]
-            server.command("; ".join(statements))
+    create_user(server, "app", SECRET, "ALL ON lockrun.*")
+    create_user(server, "odd", ODD, "ALL ON lockrun.*")
+    create_user(server, "nobody", "pw-nobody")
     tcp = f"127.0.0.1:{server.port}"
     return Secured(
         scheme="mysql",

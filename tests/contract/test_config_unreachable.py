@@ -28,7 +28,7 @@ from lockrun.backends.postgres import timeout_for as postgres_timeout
 from lockrun.uri import redact
 from tests.support.cli import lockrun, one_line, wait_for
 from tests.support.harness import SERVERS
-from tests.support.net import Greeter, Listener, secret_free, timed_lockrun
+from tests.support.net import Greeter, Listener, create_user, secret_free, timed_lockrun
 from tests.support.servers import MariaServer, PostgresServer, free_port
 
 if TYPE_CHECKING:
@@ -235,13 +235,7 @@ def mysql_full(name: str) -> tuple[Any, list[str], list[Any]]:
     connections are taken, and lockrun connects, as a user without privileges.
     """
     server = MariaServer("--max-connections=10", port=free_port())
-    server.command(
-        "CREATE USER 'app'@'%' IDENTIFIED BY 'pw-app'; GRANT ALL ON lockrun.* TO 'app'@'%'"
-    )
-    server.command(
-        "CREATE USER 'app'@'localhost' IDENTIFIED BY 'pw-app'; "
-        "GRANT ALL ON lockrun.* TO 'app'@'localhost'"
-    )
+    create_user(server, "app", "pw-app", "ALL ON lockrun.*")
     uri = f"mysql://app:pw-app@127.0.0.1:{server.port}/lockrun"
     assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
     taken: list[Any] = []

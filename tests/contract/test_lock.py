@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pty
+import pwd
 import re
 import shlex
 import signal
@@ -17,11 +18,12 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Final
 
 import pytest
 
-from lockrun import Lock, LockBusy
+from lockrun import ExitCode, Lock, LockBusy
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
     TEST_TTL,
@@ -29,18 +31,25 @@ from tests.support.cli import (
     finish,
     gone,
     interval_log,
+    lock_state,
     lockrun,
+    one_line,
     queue_length,
     start,
     unmeasured,
     wait_for,
 )
+from tests.support.net import postgres_advisory_locks, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
 
+ME = pwd.getpwuid(os.geteuid()).pw_name
+HOST = os.uname().nodename
+# However slow a shared CI machine is, a refusal must not take this long (nor --wait's 30 s).
+PATIENCE = 15.0
 UNTIL = "while [ ! -e"  # a shell loop that ends once a file appears
 
 
@@ -134,6 +143,7 @@ def test_fence_increases_with_every_acquisition(
     assert fences == sorted(set(fences))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [1, 3])
 def test_waiters_are_served_in_arrival_order(
     uri: str, name: str, held: Callable[..., Held], tmp_path: Path, slots: int
@@ -202,6 +212,7 @@ def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     assert counter.read_text().strip() == str(PROCESSES * RUNS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_semaphore_never_exceeds_its_slots(uri: str, name: str, tmp_path: Path) -> None:
     """With --slots 3, an interval log never shows more than 3 at once, and shows 3."""
@@ -328,6 +339,7 @@ def test_command_that_cannot_start_releases_the_lock(uri: str, name: str) -> Non
     assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
 
 
+@pytest.mark.slow
 def test_lock_is_held_from_another_python_process(uri: str, name: str, tmp_path: Path) -> None:
     """The Python API and the CLI exclude each other."""
     ready = tmp_path / "ready"
@@ -396,6 +408,7 @@ def read_line_with(process: subprocess.Popen[str], text: str, timeout: float = 2
     return lines
 
 
+@pytest.mark.slow
 def test_verbose_waiter_names_each_holder_and_its_place(
     uri: str, name: str, held: Callable[..., Held], tmp_path: Path
 ) -> None:
@@ -543,3 +556,69 @@ def test_api_release_stops_renewing(uri: str, name: str) -> None:
     with Lock(name, uri=uri, ttl=1):
         assert ("lockrun-renewer" in {thread.name for thread in threading.enumerate()}) == renewed
     assert "lockrun-renewer" not in {thread.name for thread in threading.enumerate()}
+
+
+def server_locks(uri: str, name: str) -> object:
+    """Return what holds *name*: status's holders, and the server's own locks where asked."""
+    holders = [(entry["slot"], entry["pid"]) for entry in lock_state(uri, name)["holders"]]
+    if parse_uri(uri).kind.backend == "postgres":  # and no advisory lock left behind
+        return holders, postgres_advisory_locks(uri, "default", name)
+    return holders
+
+
+@pytest.mark.parametrize(
+    ("held_slots", "other_slots"),
+    [("3", ["1", "2"]), ("1", ["3", "2"])],
+    ids=["semaphore-then-fewer", "mutex-then-semaphore"],
+)
+def test_a_slots_mismatch_exits_78_naming_the_holder(
+    uri: str, held: Callable[..., Held], name: str, held_slots: str, other_slots: list[str]
+) -> None:
+    """Another --slots than a live holder's: 78 naming it, at once even with --wait; none left."""
+    holder = held("--uri", uri, "-n", name, "-s", held_slots)
+    before = server_locks(uri, name)
+    for slots in other_slots:
+        for wait in ("0", "30"):
+            result, elapsed = timed_lockrun(
+                "--uri", uri, "-n", name, "-s", slots, "-w", wait, "--", "echo", "ran"
+            )
+            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+            line = one_line(result.stderr)
+            assert f"held with --slots {held_slots} by {ME}@{HOST} pid {holder.process.pid}" in line
+            assert f"this one has --slots {slots}" in line
+            assert elapsed < PATIENCE  # not the 30 s of --wait
+    assert server_locks(uri, name) == before
+    same = lockrun("--uri", uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT")
+    if held_slots == "1":
+        assert same.returncode == ExitCode.BUSY
+    else:
+        assert (same.returncode, same.stdout) == (0, "1\n"), same.stderr
+    assert holder.finish() == 0
+
+
+def test_namespaces_partition_names(uri: str, held: Callable[..., Held], name: str) -> None:
+    """One name in namespaces a and b: both run; a second user of a's is busy (75).
+
+    On PostgreSQL the holder's advisory lock is a's alone: a failed try leaves nothing.
+    """
+    namespace = f"a-{uuid.uuid4().hex[:8]}"
+    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
+    other = lockrun("--uri", uri, "-n", name, "--namespace", "b", "--", "printenv", "LOCKRUN_NAME")
+    assert (other.returncode, other.stdout, other.stderr) == (0, f"{name}\n", "")
+    same = lockrun("--uri", uri, "-n", name, "--namespace", namespace, "--", "echo", "ran")
+    assert (same.returncode, same.stdout) == (ExitCode.BUSY, "")
+    assert name in one_line(same.stderr)
+    environment = {**os.environ, "LOCKRUN_NAMESPACE": namespace}
+    also_same = lockrun("--uri", uri, "-n", name, "--", "true", env=environment)
+    assert also_same.returncode == ExitCode.BUSY
+    if parse_uri(uri).kind.backend == "postgres":
+        assert [row[:2] for row in postgres_advisory_locks(uri, namespace, name)] == [("0", True)]
+        assert postgres_advisory_locks(uri, "b", name) == []
+    assert holder.finish() == 0
+
+
+def test_a_name_over_255_bytes_is_a_usage_error(uri: str) -> None:
+    """Names may have up to 255 bytes: 300 characters exit 64 before any connection."""
+    result = lockrun("--uri", uri, "-n", "n" * 300, "--", "echo", "ran")
+    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
+    assert "300 bytes" in one_line(result.stderr)

@@ -25,7 +25,8 @@ from lockrun.backends.postgres import lock_key as postgres_key
 from lockrun.lock import states_for_status
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import finish, lockrun, queue_length, start, wait_for
-from tests.support.net import mysql_query, postgres_query
+from tests.support.net import mysql_query
+from tests.support.net import postgres_advisory_locks as advisory_locks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,20 +82,6 @@ def where(uri: str, namespace: str, name: str, slots: int) -> str | None:
         key = f"advisory key {postgres_key(namespace, name, 0)}"
         return key if slots == 1 else f"{key}, gate {postgres_key(namespace, name, 'gate')}"
     return None
-
-
-def advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]:
-    """Return (slot or 'gate', granted, pid) of every advisory lock on a name's keys (N ≤ 8)."""
-    parts: list[str | int] = [*range(8), "gate"]
-    keys = {postgres_key(namespace, name, part): part for part in parts}
-    rows = postgres_query(
-        uri,
-        "SELECT l.classid::bigint << 32 | l.objid::bigint, l.granted, l.pid FROM pg_locks l "
-        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
-        "AND (l.classid::bigint << 32 | l.objid::bigint) = ANY(%s)",
-        list(keys),
-    )
-    return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
 
 
 def mysql_waiting(uri: str, namespace: str, name: str) -> int:
@@ -312,6 +299,7 @@ AWKWARD: Final = [
 AWKWARD_ARGV: Final = ["echo", "*/ SELECT 1; --", "ü\n*/", "y" * 5000]
 
 
+@pytest.mark.slow
 def test_status_and_the_environment_carry_awkward_names_unchanged(
     uri: str, spawn: Callable[..., subprocess.Popen[str]], tmp_path: Path
 ) -> None:

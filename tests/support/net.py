@@ -19,11 +19,14 @@ import pymysql
 
 from lockrun.backends import parse_uri
 from lockrun.backends.mysql import parse as mysql_parse
+from lockrun.backends.postgres import lock_key as postgres_key
 from tests.support.cli import lockrun
 from tests.support.servers import unavailable
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from tests.support.servers import MariaServer
 
 
 def encoded(secret: str) -> str:
@@ -57,10 +60,33 @@ def mysql_query(uri: str, sql: str, args: object = None) -> tuple[Any, ...]:
         connection.close()
 
 
+def create_user(server: MariaServer, user: str, password: str, *grants: str) -> None:
+    """Create MariaDB *user* (from anywhere and from localhost) with *password* and *grants*."""
+    quoted = password.replace("'", "''")
+    for host in ("%", "localhost"):
+        statements = [f"CREATE USER '{user}'@'{host}' IDENTIFIED BY '{quoted}'"]
+        statements += [f"GRANT {grant} TO '{user}'@'{host}'" for grant in grants]
+        server.command("; ".join(statements))
+
+
 def postgres_query(uri: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
     """Run *sql* on the PostgreSQL server of a lock URI and return every row."""
     with psycopg.connect(uri, autocommit=True) as connection:
         return connection.execute(sql, params or None).fetchall()
+
+
+def postgres_advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[Any, ...]]:
+    """Return (slot or 'gate', granted, pid) of every advisory lock on a name's keys (N ≤ 8)."""
+    parts: list[str | int] = [*range(8), "gate"]
+    keys = {postgres_key(namespace, name, part): part for part in parts}
+    rows = postgres_query(
+        uri,
+        "SELECT l.classid::bigint << 32 | l.objid::bigint, l.granted, l.pid FROM pg_locks l "
+        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
+        "AND (l.classid::bigint << 32 | l.objid::bigint) = ANY(%s)",
+        list(keys),
+    )
+    return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
 
 
 class Listener:

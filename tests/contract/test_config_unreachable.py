@@ -270,12 +270,13 @@ FULL: Final = {
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(FULL))
 def test_a_full_server_exits_69_naming_max_connections(backend: str, name: str) -> None:
-    """With every connection taken, run, a wait on a semaphore and status exit 69, one line."""
+    """With every connection taken, runs (TCP, socket), a semaphore's wait and status exit 69."""
     fill, needles = FULL[backend]
     server, (tcp, local), taken = fill(name)
     try:
         for args in (
             ("--ttl", SHORT_TTL, "--uri", tcp, "-n", name, "--", "echo", "ran"),
+            ("--ttl", SHORT_TTL, "--uri", local, "-n", name, "--", "echo", "ran"),
             ("--ttl", SHORT_TTL, "--uri", local, "-n", name, "-s", "2", "-w", "5", "--", "true"),
             ("status", "--uri", tcp, name),
         ):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from lockrun import ConfigError, ExitCode, Lock
+from lockrun import ConfigError, ExitCode
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
 from lockrun.errors import LeaseLost
@@ -763,21 +763,6 @@ def role_uri(server: PostgresServer, role: str) -> str:
 def as_role() -> dict[str, str]:
     """Return an environment in which libpq finds the roles' password (PGPASSWORD)."""
     return {**os.environ, "PGPASSWORD": PASSWORD}
-
-
-def test_api_reports_a_session_terminated_while_the_block_ran(
-    pg_server: PostgresServer, name: str
-) -> None:
-    """pg_terminate_backend during the block: leaving it raises LeaseLost; the name is free."""
-    lock = Lock(name, uri=pg_server.uri, ttl=1.5)
-    lock.acquire()
-    ended = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
-    pg_server.command(f"{ended} 'lockrun:{name}:0'")
-    time.sleep(1.5)  # more than ttl/3: a check has found the session gone
-    with pytest.raises(LeaseLost, match="session holding the lock ended"):
-        lock.release()
-    with Lock(name, uri=pg_server.uri) as lease:
-        assert lease.slot == 0
 
 
 def test_a_check_finds_a_lock_given_back_on_a_live_session(postgres_uri: str, name: str) -> None:

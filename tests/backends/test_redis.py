@@ -369,15 +369,6 @@ def test_a_sentinel_uri_without_tls_options_does_not_ask_for_tls(tmp_path: Path)
     assert (tls["ssl"], tls["ssl_ca_certs"]) == (True, f"{tmp_path}/ca.pem")
 
 
-def test_a_missing_tls_file_is_a_configuration_error() -> None:
-    """A CA, certificate or key file that cannot be read exits 78 naming it (not 69)."""
-    result = lockrun(
-        "--uri", "rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent/ca.pem", "--", "true"
-    )
-    assert result.returncode == ExitCode.CONFIG
-    assert "/nonexistent/ca.pem" in one_line(result.stderr)
-
-
 @pytest.mark.parametrize(
     "text",
     [
@@ -450,18 +441,6 @@ def test_key_prefix_keeps_the_hash_tag_and_the_separator_intact() -> None:
 
 
 # -- E. the Python API: a lease lost while the block ran -------------------------------------------
-
-
-def test_api_reports_a_lease_lost_while_the_block_ran(redis_server: RedisServer, name: str) -> None:
-    """FLUSHALL during the block: leaving it raises LeaseLost, and the name is free again."""
-    lock = Lock(name, uri=redis_server.uri, ttl=1.5)
-    lock.acquire()
-    redis_server.command("FLUSHALL")
-    time.sleep(1.5)  # more than ttl/3: a renewal has found the lease gone
-    with pytest.raises(LeaseLost, match="lease is gone"):
-        lock.release()
-    with Lock(name, uri=redis_server.uri) as lease:
-        assert lease.slot == 0
 
 
 def test_api_reports_a_lease_it_could_not_confirm(redis_server: RedisServer, name: str) -> None:

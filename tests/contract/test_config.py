@@ -400,6 +400,17 @@ BAD_URIS: Final = {
     "redis-db-path": ("redis://127.0.0.1:1/0/1", "'0/1' is not a number", ()),
     "unix-no-path": ("unix://", "expected unix:///path", ()),
     "sentinel-no-service": ("redis+sentinel://127.0.0.1:1", "SERVICE", ()),
+    # A CA, certificate or key file that cannot be read is 78 naming it (not 69).
+    "rediss-missing-ca": (
+        "rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent/ca.pem",
+        "/nonexistent/ca.pem",
+        (),
+    ),
+    "mysql-missing-ca": (
+        f"mysql://root:{SECRET}@127.0.0.1:1/lockrun?ssl_ca=/nonexistent/ca.pem",
+        "/nonexistent/ca.pem",
+        (SECRET,),
+    ),
     "mysql-question-mark": ("mysql://app:hunter?2@127.0.0.1:1/lockrun", "", ("hunter?2",)),
     "mysql-hash": ("mysql://app:hunter#2@127.0.0.1:1/lockrun", "", ("hunter#2",)),
     "mysql-charset": (

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Final
 import pytest
 
 from lockrun import ExitCode, Lock, LockBusy
+from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
     TEST_TTL,
@@ -44,6 +45,8 @@ from tests.support.net import postgres_advisory_locks, timed_lockrun
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
+
+    from tests.support.harness import Harness
 
 
 ME = pwd.getpwuid(os.geteuid()).pw_name
@@ -622,3 +625,18 @@ def test_a_name_over_255_bytes_is_a_usage_error(uri: str) -> None:
     result = lockrun("--uri", uri, "-n", "n" * 300, "--", "echo", "ran")
     assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
     assert "300 bytes" in one_line(result.stderr)
+
+
+def test_api_reports_a_lease_lost_while_the_block_ran(server_harness: Harness, name: str) -> None:
+    """The lease or session taken during the block: leaving it raises LeaseLost; name free.
+
+    (On Redis the keys go with a FLUSHALL; on MySQL and PostgreSQL the session is killed.)
+    """
+    lock = Lock(name, uri=server_harness.uri, ttl=1.5)
+    lock.acquire()
+    server_harness.end_session(name)
+    time.sleep(1.5)  # more than ttl/3: a renewal or a check has found it gone
+    with pytest.raises(LeaseLost, match=server_harness.lost_reason or "lease is gone"):
+        lock.release()
+    with Lock(name, uri=server_harness.uri) as lease:
+        assert lease.slot == 0

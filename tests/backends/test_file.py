@@ -38,17 +38,7 @@ def test_a_slot_held_by_flock1_is_respected_and_its_release_noticed(
     wait_for(flocked.exists, what="flock(1)")
     assert lockrun("--uri", uri, "-n", name, "-s", "2", "--", "true").returncode == 75
     waiter = start(
-        "--uri",
-        uri,
-        "-n",
-        name,
-        "-s",
-        "2",
-        "-w",
-        "forever",
-        "--",
-        "sh",
-        "-c",
+        *("--uri", uri, "-n", name, "-s", "2", "-w", "forever", "--", "sh", "-c"),
         "echo $LOCKRUN_SLOT",
         stdout=subprocess.PIPE,
     )

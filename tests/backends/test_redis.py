@@ -105,16 +105,10 @@ def test_tls(tmp_path: Path, name: str) -> None:
     port = free_port()
     try:
         server = RedisServer(
-            "--tls-port",
-            str(port),
-            "--tls-cert-file",
-            str(tmp_path / "server.crt"),
-            "--tls-key-file",
-            str(tmp_path / "server.key"),
-            "--tls-ca-cert-file",
-            str(tmp_path / "ca.crt"),
-            "--tls-auth-clients",
-            "yes",
+            *("--tls-port", str(port), "--tls-auth-clients", "yes"),
+            *("--tls-cert-file", str(tmp_path / "server.crt")),
+            *("--tls-key-file", str(tmp_path / "server.key")),
+            *("--tls-ca-cert-file", str(tmp_path / "ca.crt")),
         )
     except pytest.fail.Exception as err:
         if "tls" not in str(err).lower():
@@ -125,16 +119,8 @@ def test_tls(tmp_path: Path, name: str) -> None:
         ca, other = tmp_path / "ca.crt", tmp_path / "other-ca.crt"
         client = f"ssl_certfile={tmp_path}/client.crt&ssl_keyfile={tmp_path}/client.key"
         result = lockrun(
-            "--ttl",
-            SHORT_TTL,
-            "--uri",
-            f"{base}?ssl_ca_certs={ca}&{client}",
-            "-n",
-            name,
-            "--",
-            "sh",
-            "-c",
-            "echo $LOCKRUN_FENCE",
+            *("--ttl", SHORT_TTL, "--uri", f"{base}?ssl_ca_certs={ca}&{client}"),
+            *("-n", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE"),
         )
         assert result.returncode == 0, result.stderr
         assert int(result.stdout) > 0

@@ -126,15 +126,7 @@ def test_fence_increases_with_every_acquisition(
         holder.finish()
     first = held("--uri", uri, "-n", name)
     second = start(
-        "--uri",
-        uri,
-        "-n",
-        name,
-        "-w",
-        "forever",
-        "--",
-        "sh",
-        "-c",
+        *("--uri", uri, "-n", name, "-w", "forever", "--", "sh", "-c"),
         "echo $LOCKRUN_FENCE",
         stdout=subprocess.PIPE,
     )
@@ -275,16 +267,8 @@ def _kill_and_check(
     checker = tmp_path / "check.py"
     checker.write_text(FIRST_STILL_RUNNING)
     second = start(
-        "--uri",
-        uri,
-        "-n",
-        name,
-        "-w",
-        "forever",
-        "--",
-        sys.executable,
-        str(checker),
-        str(pid_file),
+        *("--uri", uri, "-n", name, "-w", "forever", "--", sys.executable),
+        *(str(checker), str(pid_file)),
         stdout=subprocess.PIPE,
     )
     if not gone(first_command):  # it kept the inherited lock fd: it must finish first

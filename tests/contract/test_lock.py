@@ -40,7 +40,7 @@ from tests.support.cli import (
     unmeasured,
     wait_for,
 )
-from tests.support.net import postgres_advisory_locks, timed_lockrun
+from tests.support.net import server_locks, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -545,12 +545,10 @@ def test_api_release_stops_renewing(uri: str, name: str) -> None:
     assert "lockrun-renewer" not in {thread.name for thread in threading.enumerate()}
 
 
-def server_locks(uri: str, name: str) -> object:
+def what_holds(uri: str, name: str) -> object:
     """Return what holds *name*: status's holders, and the server's own locks where asked."""
     holders = [(entry["slot"], entry["pid"]) for entry in lock_state(uri, name)["holders"]]
-    if parse_uri(uri).kind.backend == "postgres":  # and no advisory lock left behind
-        return holders, postgres_advisory_locks(uri, "default", name)
-    return holders
+    return holders, server_locks(uri, "default", name)  # and no session's lock left behind
 
 
 @pytest.mark.parametrize(
@@ -563,7 +561,7 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
 ) -> None:
     """Another --slots than a live holder's: 78 naming it, at once even with --wait; none left."""
     holder = held("--uri", uri, "-n", name, "-s", held_slots)
-    before = server_locks(uri, name)
+    before = what_holds(uri, name)
     for slots in other_slots:
         for wait in ("0", "30"):
             result, elapsed = timed_lockrun(
@@ -574,7 +572,7 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
             assert f"held with --slots {held_slots} by {ME}@{HOST} pid {holder.process.pid}" in line
             assert f"this one has --slots {slots}" in line
             assert elapsed < PATIENCE  # not the 30 s of --wait
-    assert server_locks(uri, name) == before
+    assert what_holds(uri, name) == before
     same = lockrun("--uri", uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT")
     if held_slots == "1":
         assert same.returncode == ExitCode.BUSY
@@ -586,7 +584,8 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
 def test_namespaces_partition_names(uri: str, held: Callable[..., Held], name: str) -> None:
     """One name in namespaces a and b: both run; a second user of a's is busy (75).
 
-    On PostgreSQL the holder's advisory lock is a's alone: a failed try leaves nothing.
+    Where locks are server sessions' locks, the holder's is a's alone: a failed try in b
+    leaves nothing.
     """
     namespace = f"a-{uuid.uuid4().hex[:8]}"
     holder = held("--uri", uri, "-n", name, "--namespace", namespace)
@@ -598,9 +597,9 @@ def test_namespaces_partition_names(uri: str, held: Callable[..., Held], name: s
     environment = {**os.environ, "LOCKRUN_NAMESPACE": namespace}
     also_same = lockrun("--uri", uri, "-n", name, "--", "true", env=environment)
     assert also_same.returncode == ExitCode.BUSY
-    if parse_uri(uri).kind.backend == "postgres":
-        assert [row[:2] for row in postgres_advisory_locks(uri, namespace, name)] == [("0", True)]
-        assert postgres_advisory_locks(uri, "b", name) == []
+    if (locks := server_locks(uri, namespace, name)) is not None:
+        assert [lock[:2] for lock in locks] == [("0", True)]
+        assert server_locks(uri, "b", name) == []
     assert holder.finish() == 0
 
 

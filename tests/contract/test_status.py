@@ -25,8 +25,7 @@ from lockrun.backends.postgres import lock_key as postgres_key
 from lockrun.lock import states_for_status
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import finish, lockrun, queue_length, start, wait_for
-from tests.support.net import mysql_query
-from tests.support.net import postgres_advisory_locks as advisory_locks
+from tests.support.net import server_locks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,43 +73,29 @@ def command(argv: list[str], *, recorded: bool) -> list[str]:
     return argv if recorded else argv[argv.index("--") + 1 :]
 
 
-def where(uri: str, namespace: str, name: str, slots: int) -> str | None:
-    """Return what `status` shows as WHERE for a name, for the backends that state it."""
-    if backend_of(uri) == "mysql":
-        return mysql_key(namespace, name)
-    if backend_of(uri) == "postgres":
-        key = f"advisory key {postgres_key(namespace, name, 0)}"
-        return key if slots == 1 else f"{key}, gate {postgres_key(namespace, name, 'gate')}"
-    return None
-
-
-def mysql_waiting(uri: str, namespace: str, name: str) -> int:
-    """Return how many MySQL sessions wait in a GET_LOCK of a name (slots or gate)."""
-    [[count]] = mysql_query(
-        uri,
-        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
-        (f"SELECT GET_LOCK('{mysql_key(namespace, name)}:%",),
-    )
-    return int(count)
-
-
-def postgres_waiting(uri: str, namespace: str, name: str) -> int:
-    """Return how many PostgreSQL sessions wait (ungranted) on a slot or the gate of a name."""
-    return sum(1 for _, granted, _ in advisory_locks(uri, namespace, name) if not granted)
-
-
-# The server sessions a name's waiters block in, for the backends whose waiters block in one:
-# the head of a semaphore's queue waits on every slot, the others on the gate.
-WAITING_SESSIONS: Final[dict[str, Callable[[str, str, str], int]]] = {
-    "mysql": mysql_waiting,
-    "postgres": postgres_waiting,
+# What `status` shows as WHERE, for the backends that say where the lock lives on the server.
+WHERE: Final[dict[str, Callable[[str, str, int], str]]] = {
+    "mysql": lambda namespace, name, _: mysql_key(namespace, name),
+    "postgres": lambda namespace, name, slots: (
+        f"advisory key {postgres_key(namespace, name, 0)}"
+        + ("" if slots == 1 else f", gate {postgres_key(namespace, name, 'gate')}")
+    ),
 }
 
 
+def where(uri: str, namespace: str, name: str, slots: int) -> str | None:
+    """Return what `status` shows as WHERE for a name, for the backends that state it."""
+    shown = WHERE.get(backend_of(uri))
+    return None if shown is None else shown(namespace, name, slots)
+
+
 def sessions_waiting(uri: str, namespace: str, name: str) -> int | None:
-    """Return how many server sessions wait on *name*, where the backend blocks in them."""
-    probe = WAITING_SESSIONS.get(backend_of(uri))
-    return None if probe is None else probe(uri, namespace, name)
+    """Return how many server sessions wait on *name*, where the backend blocks in them.
+
+    The head of a semaphore's queue waits on every slot, the others on the gate.
+    """
+    locks = server_locks(uri, namespace, name)
+    return None if locks is None else sum(not granted for _, granted, _ in locks)
 
 
 def state_of(uri: str, namespace: str, name: str) -> dict[str, Any]:
@@ -141,9 +126,7 @@ def assert_free(uri: str, namespace: str, name: str) -> None:
     assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
     listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
     assert json.loads(listing.stdout) == []
-    assert sessions_waiting(uri, namespace, name) in {0, None}
-    if backend_of(uri) == "postgres":
-        assert advisory_locks(uri, namespace, name) == []
+    assert server_locks(uri, namespace, name) in ([], None)  # no session holds or waits
 
 
 def assert_table(uri: str, namespace: str, name: str, pids: list[int]) -> None:
@@ -243,8 +226,7 @@ def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
         wait_for(lambda: waiting(uri, namespace, name) == 2, what="the second in the queue")
         if sessions_waiting(uri, namespace, name) is not None:  # and the second on the gate
             wait_for(lambda: sessions_waiting(uri, namespace, name) == 4, what="the gate")
-        if backend_of(uri) == "postgres":
-            locks = advisory_locks(uri, namespace, name)
+        if (locks := server_locks(uri, namespace, name)) is not None:
             assert [part for part, granted, _ in locks if not granted] == ["0", "1", "2", "gate"]
 
         state = state_of(uri, namespace, name)
@@ -279,10 +261,7 @@ def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
                 waiter.kill()
                 waiter.communicate(timeout=30)
     assert order.read_text() == "head 1\nsecond 1\n"
-    assert_free(uri, namespace, name)
-    if backend_of(uri) == "mysql":  # the gate is given back with the last waiter
-        gate = f"{mysql_key(namespace, name)}:gate"
-        assert mysql_query(uri, "SELECT IS_USED_LOCK(%s)", (gate,)) == ((None,),)
+    assert_free(uri, namespace, name)  # the gate too is given back with the last waiter
 
 
 AWKWARD: Final = [

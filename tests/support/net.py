@@ -7,23 +7,26 @@ certificates are a throwaway CA's; `secret_free` is the one check that a passwor
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
 import pymysql
 
 from lockrun.backends import parse_uri
+from lockrun.backends.mysql import lock_key as mysql_key
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.backends.postgres import lock_key as postgres_key
 from tests.support.cli import lockrun
 from tests.support.servers import unavailable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     from tests.support.servers import MariaServer
@@ -87,6 +90,41 @@ def postgres_advisory_locks(uri: str, namespace: str, name: str) -> list[tuple[A
         list(keys),
     )
     return sorted((str(keys[key]), granted, pid) for key, granted, pid in rows)
+
+
+def mysql_locks(uri: str, namespace: str, name: str) -> list[tuple[str, bool, int]]:
+    """Return (slot or 'gate', granted, session) of each GET_LOCK on a name's keys (N ≤ 8)."""
+    key = mysql_key(namespace, name)
+    parts = [*map(str, range(8)), "gate"]
+    locks = [f"{key}:{part}" for part in parts]
+    [held] = mysql_query(uri, f"SELECT {', '.join(['IS_USED_LOCK(%s)'] * len(parts))}", locks)
+    found = [(part, True, int(id_)) for part, id_ in zip(parts, held, strict=True) if id_]
+    waiting = mysql_query(
+        uri,
+        "SELECT ID, INFO FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
+        (f"SELECT GET_LOCK('{key}:%",),
+    )
+    for session, info in waiting:
+        part = re.match(rf"SELECT GET_LOCK\('{key}:(\w+)'", info)
+        assert part is not None, info
+        found.append((part[1], False, int(session)))
+    return sorted(found)
+
+
+def server_locks(uri: str, namespace: str, name: str) -> list[tuple[str, bool, int]] | None:
+    """Return (slot or 'gate', granted, session) of the server's own locks on a name.
+
+    None for a backend whose locks are no server session's (file:, abstract:, Redis' leases).
+    """
+    backend = parse_uri(uri).kind.backend
+    return SERVER_LOCKS[backend](uri, namespace, name) if backend in SERVER_LOCKS else None
+
+
+# The backends whose locks are their server sessions' locks, and how to list them.
+SERVER_LOCKS: Final[dict[str, Callable[[str, str, str], list[tuple[str, bool, int]]]]] = {
+    "mysql": mysql_locks,
+    "postgres": postgres_advisory_locks,
+}
 
 
 class Listener:

@@ -456,7 +456,7 @@ def test_pgpassword_and_a_pgpass_file_supply_the_password(
 def test_an_invalid_option_value_exits_78(
     auth_server: PostgresServer, option: str, needle: str, name: str
 ) -> None:
-    """An option value libpq refuses is a bad URI (SPEC §2: 78), not an unavailable server."""
+    """An option value libpq refuses is a bad URI (78, docs/design.md), not a server down."""
     uri = f"postgresql://lockrun@127.0.0.1:{auth_server.port}/lockrun?{option}"
     result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
     assert needle in one_line(result.stderr)
@@ -519,7 +519,7 @@ def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: s
 
 
 def test_psycopg_without_any_libpq_exits_78_in_one_line(name: str) -> None:
-    """Without psycopg_c, psycopg_binary and a loadable libpq: still one line (SPEC §6)."""
+    """Without psycopg_c, psycopg_binary and a loadable libpq: still one line (docs/design.md)."""
     hidden = ["psycopg_c", "psycopg_binary", "psycopg.pq.pq_ctypes"]
     result = run_without(
         hidden, "--uri", f"postgresql://h:{free_port()}/db", "-n", name, "--", "true"

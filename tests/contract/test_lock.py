@@ -228,18 +228,21 @@ print("overlap" if state not in {"Z", "X", "gone"} else "alone")
 """
 
 
+@pytest.mark.parametrize("close", [False, True], ids=["inherited", "close"])
 def test_killed_holder_never_lets_a_second_command_overlap(
-    uri: str, name: str, tmp_path: Path
+    uri: str, name: str, tmp_path: Path, close: bool
 ) -> None:
-    """After SIGKILL of a holding lockrun, no second command starts while the first runs."""
-    check_no_overlap_after_kill(uri, name, tmp_path, [])
+    """After SIGKILL of a holding lockrun, no second command starts while the first runs.
 
-
-def test_killed_holder_with_close_never_lets_a_second_command_overlap(
-    name: str, tmp_path: Path
-) -> None:
-    """With --close (no inherited fd) the guardian kills the command: still no overlap."""
-    check_no_overlap_after_kill(f"file://{tmp_path}/locks", name, tmp_path, ["--close"])
+    With --close (no inherited fd) the guardian kills the command; a backend whose lock is
+    no file descriptor refuses --close as a usage error.
+    """
+    if close and not parse_uri(uri).kind.inherits_fds:
+        result = lockrun("--uri", uri, "-n", name, "--close", "--", "true")
+        assert result.returncode == ExitCode.USAGE
+        assert "--close applies to the file: backend only" in one_line(result.stderr)
+        return
+    check_no_overlap_after_kill(uri, name, tmp_path, ["--close"] if close else [])
 
 
 def check_no_overlap_after_kill(

@@ -381,6 +381,7 @@ def test_a_server_that_is_not_mysql_exits_69(
 # -- D. privileges: no CREATE, no fence ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_user_who_may_not_create_tables_runs_without_a_fence(
     tcp_server: MariaServer, holding: Callable[..., Holding], name: str
 ) -> None:
@@ -600,6 +601,7 @@ def test_tls(certificates: Path, name: str) -> None:
 # -- H. Galera -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_galera_node_is_refused_with_78(name: str) -> None:
     """A node with wsrep_on=ON cannot exclude across its cluster: 78, one line, nothing run."""
     if not os.path.exists(GALERA):

@@ -416,6 +416,7 @@ def test_the_fence_is_a_transaction_id_that_only_grows(
 # -- D. passwords from libpq's environment, option values libpq refuses ----------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_pg_environment")
 def test_pgpassword_and_a_pgpass_file_supply_the_password(
     auth_server: PostgresServer, tmp_path: Path, name: str
@@ -677,6 +678,7 @@ def test_transaction_pooling_with_round_robin_is_refused(
 # -- G. a standby ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_standby_is_refused_with_69(pg_server: PostgresServer, name: str) -> None:
     """A hot standby's advisory locks are its own: 69 naming it; read-write picks the primary."""
     with open(os.path.join(pg_server.data, "pg_hba.conf"), "a") as hba:

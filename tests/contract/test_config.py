@@ -251,6 +251,7 @@ def _no_pg_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))
 
 
+@pytest.mark.slow
 def test_passwords_are_checked_and_never_printed(secured: Secured, name: str) -> None:
     """A wrong, missing or unknown user's password: 69, one line, none printed; the right runs."""
     wrong = (
@@ -286,6 +287,7 @@ def test_a_percent_encoded_password_is_decoded(secured: Secured, name: str) -> N
     secret_free(result, ODD)
 
 
+@pytest.mark.slow
 def test_a_password_reaches_no_output_and_no_environment(
     secured: Secured, held: Callable[..., Held], name: str
 ) -> None:
@@ -329,6 +331,7 @@ def test_a_password_reaches_no_output_and_no_environment(
     secret_free(result, SECRET)
 
 
+@pytest.mark.slow
 def test_an_unknown_database_exits_78_naming_it(secured: Secured, name: str) -> None:
     """A database the server lacks is a configuration error (78), one line naming it."""
     for uri in (

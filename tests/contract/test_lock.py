@@ -554,6 +554,7 @@ def what_holds(uri: str, name: str) -> object:
     return holders, server_locks(uri, "default", name)  # and no session's lock left behind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("held_slots", "other_slots"),
     [("3", ["1", "2"]), ("1", ["3", "2"])],
@@ -600,6 +601,8 @@ def test_namespaces_partition_names(uri: str, held: Callable[..., Held], name: s
     environment = {**os.environ, "LOCKRUN_NAMESPACE": namespace}
     also_same = lockrun("--uri", uri, "-n", name, "--", "true", env=environment)
     assert also_same.returncode == ExitCode.BUSY
+    assert name in lockrun("status", "--uri", uri, "--namespace", namespace).stdout
+    assert name not in lockrun("status", "--uri", uri, "--namespace", "b").stdout
     if (locks := server_locks(uri, namespace, name)) is not None:
         assert [lock[:2] for lock in locks] == [("0", True)]
         assert server_locks(uri, "b", name) == []

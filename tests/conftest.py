@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from hypothesis import settings
 
-from lockrun.uri import BACKENDS
 from tests.support.cli import TEST_TTL, Held, start
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
+
+    from tests.support.harness import Harness
 
 # Hypothesis: the same examples on every CI run (a red CI must mean a regression, not a
 # new find); fresh ones on a developer's machine. No deadline: subprocesses and servers.
@@ -27,7 +28,7 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 # The chaos suite's servers, proxy, oracle and results; the hostile suite's other users.
-pytest_plugins = ("tests.support.rig", "tests.support.users")
+pytest_plugins = ("tests.support.harness", "tests.support.users")
 
 
 @pytest.fixture(autouse=True)
@@ -124,15 +125,16 @@ def pg_server() -> Iterator[PostgresServer]:
     server.close()
 
 
-@pytest.fixture(params=BACKENDS)
-def uri(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Return a URI for each backend, private to this test (or to its unique lock names)."""
-    if request.param == "file":
-        return f"file://{tmp_path}/locks"
-    if request.param == "abstract":
-        return f"abstract:test-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("LOCKRUN_TTL", TEST_TTL)
-    return str(request.getfixturevalue(f"{request.param}_uri"))
+@pytest.fixture
+def uri(shared_harness: Harness, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Return a URI for each backend, private to this test (or to its unique lock names).
+
+    The harness's, on the session's servers (tests/support/harness.py); a server's leases
+    are short, so that a killed holder frees its slot within a test's patience.
+    """
+    if not shared_harness.kind.local:
+        monkeypatch.setenv("LOCKRUN_TTL", TEST_TTL)
+    return shared_harness.uri
 
 
 @pytest.fixture

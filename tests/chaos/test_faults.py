@@ -1,7 +1,7 @@
 """The same faults on every server backend: partitions, lag, resets, restarts and pauses.
 
-Each test holds a lock on a server of its own (tests/chaos/rig.py), breaks something, and
-judges lockrun by what the oracle saw (tests/chaos/oracle.py): when each command started
+Each test holds a lock on a server of its own (tests/support/harness.py), breaks something, and
+judges lockrun by what the oracle saw (tests/support/oracle.py): when each command started
 and ended, as the kernel tells it, and each command's fence. The margins measured are
 printed at the end of the run.
 """
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
+    from tests.support.harness import Rig
     from tests.support.oracle import Oracle, Run
-    from tests.support.rig import Rig
 
 TTL: Final = 3.0  # renewals every second
 KILL_AFTER: Final = 1.0
@@ -158,7 +158,7 @@ def test_reset_connections(
     exit 76, and the contender that gets in has the larger fence.
     """
     # A session lock's lease is long, so only the hang-up (not a check) can be that quick.
-    lease = LEASE if rig.kind == "redis" else ("--ttl", "30", "--kill-after", f"{KILL_AFTER:g}")
+    lease = LEASE if rig.backend == "redis" else ("--ttl", "30", "--kill-after", f"{KILL_AFTER:g}")
     holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *lease, "-n", name)
     contender = spawn(
         "--uri", rig.uri, *lease, "-n", name, "-w", "forever", "--", *oracle.command("second")
@@ -166,7 +166,7 @@ def test_reset_connections(
     queued(rig, name, contender)
     rig.proxy.reset()
     cut = time.monotonic()
-    if rig.kind == "redis":
+    if rig.backend == "redis":
         time.sleep(TTL + 0.5)  # several renewals, through a new connection
         assert first.end is None, "the holder stopped its command"
         assert not oracle.started("second")
@@ -216,7 +216,7 @@ def test_server_restart_stops_the_holder_and_the_next_fence_is_larger(
     )
     assert ended - killed < TTL / 3 + KILL_AFTER + SLACK
     assert second.fence > first.fence
-    if rig.kind != "redis":  # the hang-up stops it before the server is even back
+    if rig.backend != "redis":  # the hang-up stops it before the server is even back
         assert second.start > ended
     # A Redis that restarts without its data has forgotten the lease: the contender may
     # get in before the holder's next renewal finds that out (README: "Restart without
@@ -286,7 +286,7 @@ def test_certain_loss_kills_within_the_lost_grace(
     assert second is not None, contender.communicate(timeout=10)
     overlap = max(0.0, ended - second.start)
     record("certain loss", stopped_after=ended - restarted, overlap=overlap)
-    detection = TTL / 3 if rig.kind == "redis" else 0.0  # a session's end is heard at once
+    detection = TTL / 3 if rig.backend == "redis" else 0.0  # a session's end is heard at once
     assert ended - restarted < detection + 1 + SLACK
     assert overlap < detection + 1 + SLACK
     oracle.release(second)
@@ -333,11 +333,11 @@ class Canceller(threading.Thread):
     def __init__(self, rig: Rig, sessions: Callable[[Any], list[int]], *, blocking: bool) -> None:
         """Connect as the server's superuser; `start` begins the cancelling."""
         super().__init__(name="canceller", daemon=True)
-        self.kind = rig.kind
+        self.kind = rig.backend
         self.sessions = sessions
         self.stopping = threading.Event()
         self.connection: Any
-        if rig.kind == "mysql":
+        if rig.backend == "mysql":
             import pymysql
 
             assert isinstance(rig.server, MariaServer)
@@ -377,7 +377,7 @@ class Canceller(threading.Thread):
 
 def holder_session(rig: Rig, name: str) -> Callable[[Any], list[int]]:
     """Return a query for the server session that holds *name*'s slot 0: KILL's target."""
-    if rig.kind == "mysql":
+    if rig.backend == "mysql":
         key = f"{mysql_lock_key('default', name)}:0"
 
         def mysql_holder(cursor: Any) -> list[int]:
@@ -401,7 +401,7 @@ def holder_session(rig: Rig, name: str) -> Callable[[Any], list[int]]:
 
 def every_lockrun_session(rig: Rig) -> Callable[[Any], list[int]]:
     """Return a query for every client session but the canceller's own."""
-    if rig.kind == "mysql":
+    if rig.backend == "mysql":
 
         def mysql_sessions(cursor: Any) -> list[int]:
             cursor.execute(_MYSQL_CLIENTS)

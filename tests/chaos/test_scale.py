@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Final
 import pytest
 
 from tests.support.cli import LOCKRUN, queue_length, unmeasured
-from tests.support.rig import PeakSessions
+from tests.support.harness import PeakSessions
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
 
+    from tests.support.harness import Target
     from tests.support.oracle import Oracle
-    from tests.support.rig import Target
 
 WAITERS: Final = 100
 SLOTS: Final = 10

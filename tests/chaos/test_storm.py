@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from tests.support.rig import Target
+    from tests.support.harness import Target
 
 STORM: Final = 15.0  # seconds of killing
 TTL: Final = 5.0  # a SIGKILLed Redis holder's slot comes back a ttl later

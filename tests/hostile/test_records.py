@@ -29,8 +29,8 @@ from lockrun.backends.redis import key_prefix
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import now
 from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.net import mysql_query as query
 from tests.support.strategies import deep, holder_like, json_values
-from tests.test_mysql_cli import query
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -1,40 +1,40 @@
-"""The MySQL/MariaDB backend through the real CLI: URIs, bad input, privileges, TLS, status.
+"""What only MySQL/MariaDB does: URIs, GET_LOCK names, greetings, privileges, option files, TLS.
 
-Every server here is a real mariadbd of the test's own (or the session's), on a unix socket
-or a loopback port; the "servers" that are not MySQL are sockets this file owns.
+What every backend shares (status, passwords, unreachable servers, bad URIs) is in
+tests/contract. Every server here is a real mariadbd of the test's own (or the session's), on
+a unix socket or a loopback port; the stand-ins that greet like MySQL are sockets of our own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pwd
 import re
-import socket
-import subprocess
-import threading
-import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import pymysql
 import pytest
 
 from lockrun import ConfigError, ExitCode
-from lockrun.backends import cut, parse_uri
-from lockrun.backends.mysql import lock_key, parse, timeout_for
-from lockrun.uri import redact
-from tests.support.cli import finish, lockrun, one_line, start, wait_for
+from lockrun.backends import parse_uri
+from lockrun.backends.mysql import lock_key, parse
+from tests.support.cli import lockrun, one_line, start, wait_for
+from tests.support.net import (
+    Greeter,
+    create_user,
+    make_certificates,
+    secret_free,
+    timed_lockrun,
+)
+from tests.support.net import mysql_query as query
 from tests.support.servers import MariaServer, free_port, unavailable
-from tests.test_redis_cli import Listener, make_certificates, secret_free, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from tests.support.cli import Held
 
 SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
 # --ttl 3 makes every connect or answer give up after timeout_for(3) = 1 s.
@@ -46,30 +46,9 @@ HOST = os.uname().nodename
 GALERA = "/usr/lib/galera/libgalera_smm.so"
 # MySQL refuses GET_LOCK names longer than this (ER_USER_LOCK_WRONG_NAME).
 MAX_LOCK_NAME = 64
+
+
 # 256 bytes that look random but are the same in every run.
-NOISE = b"".join(hashlib.sha256(bytes([block])).digest() for block in range(8))
-
-
-def query(uri: str, sql: str, args: object = None) -> tuple[Any, ...]:
-    """Run *sql* on the server of a lock URI (with its credentials) and return every row."""
-    connection = pymysql.connect(**parse(parse_uri(uri)).kwargs, autocommit=True)
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, args)
-            return tuple(cursor.fetchall())
-    finally:
-        connection.close()
-
-
-def create_user(server: MariaServer, user: str, password: str, *grants: str) -> None:
-    """Create *user* (from anywhere and from localhost) with *password* and *grants*."""
-    quoted = password.replace("'", "''")
-    for host in ("%", "localhost"):
-        statements = [f"CREATE USER '{user}'@'{host}' IDENTIFIED BY '{quoted}'"]
-        statements += [f"GRANT {grant} TO '{user}'@'{host}'" for grant in grants]
-        server.command("; ".join(statements))
-
-
 def server_key(uri: str, namespace: str, name: str) -> str:
     """Return the lock key the server itself computes for (namespace, name)."""
     [[key]] = query(
@@ -135,7 +114,7 @@ def tcp_server() -> Iterator[MariaServer]:
 
     ``secret`` may do anything in ``lockrun``; ``dml`` may only read and write rows in
     ``lockrun`` and ``bare`` (where nobody creates lockrun's tables); ``nobody`` may only log
-    in; ``odd`` has a password with ``@ : /`` in it.
+    in.
     """
     server = MariaServer(port=free_port())
     try:
@@ -144,7 +123,6 @@ def tcp_server() -> Iterator[MariaServer]:
         dml = "SELECT, INSERT, UPDATE, DELETE"
         create_user(server, "dml", "pw-dml", f"{dml} ON lockrun.*", f"{dml} ON bare.*")
         create_user(server, "nobody", "pw-nobody")
-        create_user(server, "odd", "p@ss:w/rd", "ALL ON lockrun.*")
     except BaseException:
         server.close()
         raise
@@ -161,7 +139,7 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-# -- A. URI parsing and lock keys, in process -------------------------------------------------
+# -- A. URI parsing and lock keys, in process ------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -279,18 +257,6 @@ def test_parse_rejects_bad_uris_without_showing_the_password(text: str, needle: 
     assert "://***@" in message
 
 
-@pytest.mark.parametrize("password", ["hunter?2", "hunter#2"], ids=["question-mark", "hash"])
-def test_a_password_with_an_unencoded_question_mark_or_hash_is_not_shown(
-    password: str, name: str
-) -> None:
-    """Such a URI is malformed (78), and its line still hides the password."""
-    uri = f"mysql://app:{password}@127.0.0.1:{free_port()}/lockrun"
-    result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "")
-    one_line(result.stderr)
-    secret_free(result, password)
-
-
 def test_parse_rejects_an_unknown_charset() -> None:
     """?charset=nope is a ConfigError naming the charset, like any other bad option."""
     with pytest.raises(ConfigError, match="unknown charset 'nope'"):
@@ -315,7 +281,7 @@ def test_lock_key_is_what_the_server_computes(mysql_uri: str, namespace: str, na
     assert key == server_key(mysql_uri, namespace, name)
 
 
-# -- B. names: long, non-ASCII, case --------------------------------------------------------------
+# -- B. names: long, non-ASCII, case ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -354,13 +320,6 @@ def test_any_valid_name_excludes_itself_under_a_short_server_lock_name(
     assert (again.returncode, again.stdout, again.stderr) == (0, "ran\n", "")
 
 
-def test_a_name_over_255_bytes_is_a_usage_error(mysql_uri: str) -> None:
-    """SPEC §1 allows names up to 255 bytes: 300 characters exit 64 before any connection."""
-    result = lockrun("--uri", mysql_uri, "-n", "n" * 300, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
-    assert "300 bytes" in one_line(result.stderr)
-
-
 def test_names_that_differ_only_in_case_are_different_locks(
     mysql_uri: str, holding: Callable[..., Holding], name: str
 ) -> None:
@@ -378,104 +337,7 @@ def test_names_that_differ_only_in_case_are_different_locks(
     assert (upper.finish(), lower.finish()) == (0, 0)
 
 
-# -- C. bad input: unreachable, refused, not MySQL at all, full --------------------------------
-
-
-@pytest.mark.parametrize(
-    "where",
-    ["127.0.0.1:{port}", "[::1]:{port}", "localhost:{port}"],
-    ids=["ipv4", "ipv6", "name"],
-)
-def test_a_refused_connection_exits_69_quickly(where: str, name: str) -> None:
-    """Nobody on the port: 69 with one line naming the server, well within the timeout."""
-    uri = f"mysql://root:{SECRET}@{where.format(port=free_port())}/lockrun"
-    result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-    assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, "")
-    line = one_line(result.stderr)
-    assert line.startswith(f"lockrun: {name}: mysql://***@")
-    # Without IPv6 in the container, [::1] cannot even be tried.
-    assert re.search("refused|cannot assign|unreachable", line, re.IGNORECASE), line
-    secret_free(result, SECRET)
-    assert elapsed < PATIENCE
-
-
-def test_a_missing_socket_or_host_exits_69(tmp_path: Path, name: str) -> None:
-    """?unix_socket= to nothing and a host that does not resolve are unavailable, one line."""
-    for uri, needle in (
-        (f"mysql://root@localhost/lockrun?unix_socket={tmp_path}/nothing.sock", "nothing.sock"),
-        ("mysql://root@nonexistent.invalid/lockrun", "nonexistent.invalid"),
-    ):
-        result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-        assert result.returncode == ExitCode.UNAVAILABLE, uri
-        assert needle in one_line(result.stderr)
-
-
-class Greeter:
-    """A loopback TCP port that greets each connection with *greeting* at once, like MySQL.
-
-    A MySQL server speaks first; this one then closes, or keeps the connection and says no
-    more (``hang``).
-    """
-
-    def __init__(self, greeting: bytes, *, hang: bool = False) -> None:
-        """Listen on a free loopback port and serve from a thread until `close`."""
-        self.greeting = greeting
-        self.hang = hang
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.05)
-        self.port: int = self.server.getsockname()[1]
-        self.kept: list[socket.socket] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="not-mysql", daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        """Accept until told to stop; greet, then hang up or keep quiet."""
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under us
-                return
-            with contextlib.suppress(OSError):
-                connection.sendall(self.greeting)
-            if self.hang:
-                self.kept.append(connection)
-            else:
-                connection.close()
-
-    def close(self) -> None:
-        """Stop the thread and close every socket."""
-        self.stopping.set()
-        self.thread.join(5)
-        for connection in self.kept:
-            connection.close()
-        self.server.close()
-
-
-def test_a_server_that_never_answers_exits_69_within_the_ttls_timeout(name: str) -> None:
-    """A port that accepts and never greets costs one timeout (1 s at --ttl 3), not a hang."""
-    with contextlib.closing(Listener(None)) as listener:
-        uri = f"mysql://root:{SECRET}@127.0.0.1:{listener.port}/lockrun"
-        result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-    assert result.returncode == ExitCode.UNAVAILABLE
-    line = one_line(result.stderr)
-    assert f"no answer within {timeout_for(float(SHORT_TTL)):g}s" in line
-    assert f"127.0.0.1:{listener.port}" in line
-    secret_free(result, SECRET)
-    assert elapsed < PATIENCE
-
-
-def test_a_verbose_wait_on_a_silent_server_keeps_the_ttls_timeout(name: str) -> None:
-    """-v --wait first asks who holds the lock; that session must use --ttl's timeouts too."""
-    with contextlib.closing(Listener(None)) as listener:
-        uri = f"mysql://root@127.0.0.1:{listener.port}/lockrun"
-        args = ("-v", "--wait", "1", "--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-        result, elapsed = timed_lockrun(*args)
-    assert result.returncode == ExitCode.UNAVAILABLE
-    assert f"no answer within {timeout_for(float(SHORT_TTL)):g}s" in one_line(result.stderr)
-    assert elapsed < PATIENCE
+# -- C. a stand-in that greets like MySQL but is not -----------------------------------------------
 
 
 def _packet(payload: bytes, sequence: int = 0) -> bytes:
@@ -486,28 +348,18 @@ def _packet(payload: bytes, sequence: int = 0) -> bytes:
 @pytest.mark.parametrize(
     ("greeting", "hang", "needle"),
     [
-        (b"HTTP/1.1 400 Bad Request\r\n\r\n", False, "does not answer like"),
-        (b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n", True, "does not answer like"),
-        (b"\x00\xff\x13not-a-packet\r\n", False, "does not answer like"),
-        (NOISE, False, ""),
         (_packet(b"\x0a5.5.5-x\x00"), False, "does not answer like"),
         (_packet(b"\x0a8.0.0\x00\x01\x00\x00\x00abcdefgh\x00"), True, "does not answer like"),
         (_packet(b"\x09abc"), False, "does not answer like"),
         (b"\xff\xff\xff\x00" + b"a" * 20, True, "no answer within 1s"),
         (b"\xff\xff\xff\x00" + b"a" * 20, False, "Lost connection"),
-        (b"", False, "Lost connection"),
     ],
     ids=[
-        "http",
-        "ssh",
-        "binary-garbage",
-        "random-bytes",
         "short-handshake",
         "truncated-handshake",
         "protocol-9",
         "huge-packet-then-silence",
         "huge-packet-then-close",
-        "close-at-once",
     ],
 )
 def test_a_server_that_is_not_mysql_exits_69(
@@ -526,120 +378,10 @@ def test_a_server_that_is_not_mysql_exits_69(
     assert elapsed < PATIENCE
 
 
-@pytest.mark.parametrize("reply", [None, b"-ERR unknown command\r\n"], ids=["silent", "redis-like"])
-def test_a_server_that_waits_for_the_client_to_speak_exits_69(
-    reply: bytes | None, name: str
-) -> None:
-    """A Redis-like server waits for a command that a MySQL client never sends: 69, bounded."""
-    with contextlib.closing(Listener(reply)) as listener:
-        uri = f"mysql://root@127.0.0.1:{listener.port}/lockrun"
-        result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-    assert result.returncode == ExitCode.UNAVAILABLE
-    assert "no answer within 1s" in one_line(result.stderr)
-    assert elapsed < PATIENCE
+# -- D. privileges: no CREATE, no fence ------------------------------------------------------------
 
 
-def test_an_unknown_database_exits_78(tcp_server: MariaServer, name: str) -> None:
-    """A database the server does not have is a configuration error (78), one line."""
-    for uri in (
-        f"mysql://root@127.0.0.1:{tcp_server.port}/nosuch",
-        f"mysql://root@localhost/nosuch?unix_socket={tcp_server.socket}",
-    ):
-        result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "echo", "ran")
-        assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
-        line = one_line(result.stderr)
-        assert "no such database" in line
-        assert "nosuch" in line
-        secret_free(result, SECRET)
-        status = lockrun("status", "--uri", uri, name)
-        assert status.returncode == ExitCode.CONFIG
-        assert "no such database" in one_line(status.stderr)
-
-
-def test_wrong_passwords_exit_69_and_are_never_printed(tcp_server: MariaServer, name: str) -> None:
-    """A wrong or missing password: 69, "authentication failed", no password anywhere."""
-    tcp = f"127.0.0.1:{tcp_server.port}"
-    for uri in (
-        f"mysql://secret:wrong-pw-1@{tcp}/lockrun",
-        f"mysql://secret@{tcp}/lockrun",
-        f"mysql://nosuchuser:{SECRET}@{tcp}/lockrun",
-        f"mariadb://secret:wrong-pw-1@localhost/lockrun?unix_socket={tcp_server.socket}",
-    ):
-        for args in (
-            ("-v", "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            assert "authentication failed" in one_line(result.stderr)
-            secret_free(result, SECRET, "wrong-pw-1")
-
-
-def test_a_user_without_access_to_the_database_exits_69(tcp_server: MariaServer, name: str) -> None:
-    """A database the user may not use, or (the server will not tell) that does not exist: 69."""
-    tcp = f"127.0.0.1:{tcp_server.port}"
-    for uri, database in (
-        (f"mysql://nobody:pw-nobody@{tcp}/lockrun", "lockrun"),
-        (f"mysql://secret:{SECRET}@{tcp}/nosuch", "nosuch"),
-    ):
-        result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-        assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), uri
-        line = one_line(result.stderr)
-        assert f"to database '{database}'" in line
-        assert "Access denied for user" in line
-        secret_free(result, "pw-nobody", SECRET)
-
-
-def test_a_percent_encoded_password_is_decoded(tcp_server: MariaServer, name: str) -> None:
-    """A password with @ : / is written %-encoded in the URI and reaches the server decoded."""
-    uri = f"mysql://odd:p%40ss%3Aw%2Frd@127.0.0.1:{tcp_server.port}/lockrun"
-    result = lockrun("-v", "--uri", uri, "-n", name, "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (0, "ran\n"), result.stderr
-    secret_free(result, "p@ss:w/rd")
-
-
-def test_a_full_server_exits_69_naming_max_connections(name: str) -> None:
-    """With every connection taken (max_connections), run and status exit 69, one line.
-
-    MariaDB's smallest max_connections is 10, and it lets SUPER users in beyond it: the
-    connections are taken, and lockrun connects, as a user without privileges.
-    """
-    server = MariaServer("--max-connections=10", port=free_port())
-    taken: list[pymysql.Connection[Any]] = []
-    try:
-        create_user(server, "app", "pw-app", "ALL ON lockrun.*")
-        uri = f"mysql://app:pw-app@127.0.0.1:{server.port}/lockrun"
-        assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
-        app = parse(parse_uri(uri)).kwargs
-        with pytest.raises(pymysql.err.OperationalError, match="Too many"):  # noqa: PT012
-            while len(taken) < 20:  # fill up
-                taken.append(pymysql.connect(**app))
-        on_socket = server.uri.replace("root@", "app:pw-app@")
-        for args in (
-            ("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "echo", "ran"),
-            ("--ttl", SHORT_TTL, "--uri", on_socket, "-n", name, "--", "echo", "ran"),
-            ("status", "--uri", uri, name),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert "max_connections" in line
-            secret_free(result, "pw-app")
-        taken.pop().close()
-        wait_for(
-            lambda: lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0,
-            timeout=10,
-            what="a free connection",
-        )
-    finally:
-        for connection in taken:
-            connection.close()
-        server.close()
-
-
-# -- D. privileges: no CREATE, no fence --------------------------------------------------------
-
-
+@pytest.mark.slow
 def test_a_user_who_may_not_create_tables_runs_without_a_fence(
     tcp_server: MariaServer, holding: Callable[..., Holding], name: str
 ) -> None:
@@ -722,52 +464,7 @@ def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
     assert state["holders"] == []
 
 
-# -- E. passwords stay out of every output and of the command's environment -------------------
-
-
-def test_a_password_reaches_no_output_and_no_environment(
-    tcp_server: MariaServer, held: Callable[..., Held], name: str
-) -> None:
-    """-v, busy lines, status (table and JSON) and the command's env carry no password."""
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    uri = f"mysql://secret:{SECRET}@127.0.0.1:{tcp_server.port}/lockrun"
-    result = lockrun("-v", "--uri", uri, "-n", name, "--", "env")
-    assert result.returncode == 0, result.stderr
-    assert f"LOCKRUN_NAME={name}" in result.stdout.splitlines()
-    assert "acquired" in result.stderr
-    secret_free(result, SECRET)
-
-    from_environment = {**os.environ, "LOCKRUN_URI": uri}
-    result = lockrun("-v", "-n", name, "--", "env", env=from_environment)
-    assert result.returncode == 0, result.stderr
-    assert f"LOCKRUN_URI={redact(uri)}" in result.stdout.splitlines()
-    secret_free(result, SECRET)
-    passwordless = {**os.environ, "LOCKRUN_URI": tcp_server.uri}
-    result = lockrun("-n", name, "--", "env", env=passwordless)
-    assert f"LOCKRUN_URI={redact(tcp_server.uri)}" in result.stdout.splitlines()
-
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    busy = lockrun(
-        "-v", "--wait", "0.2", "--uri", uri, "-n", name, "--namespace", namespace, "--", "true"
-    )
-    assert busy.returncode == ExitCode.BUSY
-    assert f"held by {ME}@{HOST} pid {holder.process.pid}" in busy.stderr
-    assert "mysql://***@" in busy.stderr
-    secret_free(busy, SECRET)
-    for args in (("--json", name), (name,), ("--json",), ()):
-        result = lockrun("status", "--uri", uri, "--namespace", namespace, *args)
-        assert result.returncode == 0, result.stderr
-        assert str(holder.process.pid) in result.stdout
-        secret_free(result, SECRET)
-    assert holder.finish() == 0
-
-    result = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert result.stdout.startswith("no locks held or awaited")
-    assert "mysql://***@" in result.stdout
-    secret_free(result, SECRET)
-
-
-# -- F. ~/.my.cnf -------------------------------------------------------------------------------
+# -- E. ~/.my.cnf ----------------------------------------------------------------------------------
 
 
 def test_read_default_file_supplies_the_user_password_and_server(
@@ -815,16 +512,7 @@ def test_read_default_file_supplies_the_port_when_the_uri_has_none(
     assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
 
 
-# -- G. local files that are not what they claim: configuration errors -------------------------
-
-
-def test_an_unknown_charset_exits_78(name: str) -> None:
-    """?charset=nope is a bad URI: 78, one line naming the charset, no connection tried."""
-    uri = f"mysql://root:{SECRET}@127.0.0.1:{free_port()}/lockrun?charset=nope"
-    result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
-    secret_free(result, SECRET)
-    assert result.returncode == ExitCode.CONFIG
-    assert "unknown charset 'nope'" in one_line(result.stderr)
+# -- F. local files that are not what they claim: configuration errors -----------------------------
 
 
 def test_a_malformed_option_file_exits_78_in_one_line(tmp_path: Path, name: str) -> None:
@@ -858,9 +546,10 @@ def test_unusable_tls_files_exit_78(query_text: str, certificates: Path, name: s
     assert result.returncode == ExitCode.CONFIG
 
 
-# -- H. TLS -----------------------------------------------------------------------------------
+# -- G. TLS ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tls(certificates: Path, name: str) -> None:
     """?ssl_ca= checks the server's certificate and name; a client certificate logs in X509.
 
@@ -909,9 +598,10 @@ def test_tls(certificates: Path, name: str) -> None:
         server.close()
 
 
-# -- I. Galera ----------------------------------------------------------------------------------
+# -- H. Galera -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_galera_node_is_refused_with_78(name: str) -> None:
     """A node with wsrep_on=ON cannot exclude across its cluster: 78, one line, nothing run."""
     if not os.path.exists(GALERA):
@@ -941,186 +631,3 @@ def test_a_galera_node_is_refused_with_78(name: str) -> None:
         assert server.command("SHOW TABLES FROM lockrun") == ""
     finally:
         server.close()
-
-
-# -- J. lockrun status -------------------------------------------------------------------------
-
-
-def state_of(uri: str, namespace: str, name: str) -> dict[str, Any]:
-    """Return `lockrun status --json` for one name."""
-    result = lockrun("status", "--uri", uri, "--namespace", namespace, "--json", name)
-    assert result.returncode == 0, result.stderr
-    [state] = json.loads(result.stdout)
-    assert isinstance(state, dict)
-    return state
-
-
-def waiting_sessions(uri: str, key: str) -> int:
-    """Return how many server sessions wait in a GET_LOCK of *key* (slots or gate)."""
-    [[count]] = query(
-        uri,
-        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE %s",
-        (f"SELECT GET_LOCK('{key}:%",),
-    )
-    return int(count)
-
-
-def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
-    mysql_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """The JSON, the table and the listing show holder and queue; -v names the holder."""
-    uri = mysql_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    order = tmp_path / "order"
-    holder = held("--uri", uri, "-n", name, "--namespace", namespace)
-    waiting = ("--uri", uri, "-n", name, "--namespace", namespace, "--wait", "forever")
-    first = start(*waiting, "--", "sh", "-c", f"echo first >> {order}")
-    second = None
-    err = ""
-    try:
-        wait_for(lambda: len(state_of(uri, namespace, name)["waiters"]) == 1, what="waiter 1")
-        second = start("-v", *waiting, "--", "sh", "-c", f"echo second >> {order}")
-        wait_for(lambda: len(state_of(uri, namespace, name)["waiters"]) == 2, what="waiter 2")
-
-        state = state_of(uri, namespace, name)
-        assert (state["name"], state["namespace"], state["slots"]) == (name, namespace, 1)
-        assert state["where"] == lock_key(namespace, name)
-        [owner] = state["holders"]
-        assert (owner["pid"], owner["user"], owner["host"]) == (holder.process.pid, ME, HOST)
-        assert owner["argv"][:2] == ["sh", "-c"]
-        assert owner["slot"] == 0
-        assert time.time() - 60 < owner["since"] <= time.time()
-        assert [waiter["pid"] for waiter in state["waiters"]] == [first.pid, second.pid]
-        assert [waiter["argv"][-1] for waiter in state["waiters"]] == [
-            f"echo first >> {order}",
-            f"echo second >> {order}",
-        ]
-        assert {waiter["user"] for waiter in state["waiters"]} == {ME}
-
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        assert table.returncode == 0, table.stderr
-        header, *rows = table.stdout.splitlines()
-        columns = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
-        assert header.split() == columns
-        assert [row.split()[:6] for row in rows] == [
-            [name, "0", "holding", str(holder.process.pid), ME, HOST],
-            [name, "-", "waiting", str(first.pid), ME, HOST],
-            [name, "-", "waiting", str(second.pid), ME, HOST],
-        ]
-
-        listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
-        assert [state["name"] for state in json.loads(listing.stdout)] == [name]
-        everything = lockrun("status", "--uri", uri, "--namespace", namespace)
-        assert everything.stdout == table.stdout
-        elsewhere = lockrun("status", "--uri", uri, "--namespace", f"{namespace}-x", "--json")
-        assert json.loads(elsewhere.stdout) == []
-    finally:
-        statuses = [holder.finish(), finish(first)]
-        if second is not None:
-            _, err = second.communicate(timeout=30)
-            statuses.append(second.returncode)
-    assert statuses == [0, 0, 0], err
-    assert order.read_text() == "first\nsecond\n"
-    pattern = rf"^lockrun: waiting for {re.escape(name)} \({re.escape(redact(uri))}\) — held by "
-    assert re.search(
-        rf"{pattern}{re.escape(HOST)}:{holder.process.pid} since ", err, re.MULTILINE
-    ), err
-    assert_free(uri, namespace, name)
-
-
-def assert_free(uri: str, namespace: str, name: str) -> None:
-    """Assert that `status` shows *name* free (exit 0) and does not list it; no one waits."""
-    free = state_of(uri, namespace, name)
-    assert (free["holders"], free["waiters"]) == ([], [])
-    table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-    assert (table.returncode, table.stderr) == (0, "")
-    [row] = table.stdout.splitlines()[1:]
-    assert row.split() == [name, "-", "free", lock_key(namespace, name)]
-    listing = lockrun("status", "--uri", uri, "--namespace", namespace)
-    assert (listing.returncode, listing.stderr) == (0, "")
-    assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
-    listing = lockrun("status", "--uri", uri, "--namespace", namespace, "--json")
-    assert json.loads(listing.stdout) == []
-    assert waiting_sessions(uri, lock_key(namespace, name)) == 0
-
-
-def test_status_of_a_semaphore_shows_each_slot_and_the_head_waiter_once(
-    mysql_uri: str, held: Callable[..., Held], name: str, tmp_path: Path
-) -> None:
-    """--slots 3: three holders on distinct slots; the head waits on every slot but shows once."""
-    uri = mysql_uri
-    namespace = f"ns-{uuid.uuid4().hex[:8]}"
-    key = lock_key(namespace, name)
-    order = tmp_path / "order"
-    options = ("--uri", uri, "-n", name, "--namespace", namespace, "--slots", "3")
-    holders = [held(*options) for _ in range(3)]
-    assert sorted(holder.slot for holder in holders) == [0, 1, 2]
-    assert [holder.fence for holder in holders] == sorted({holder.fence for holder in holders})
-    script = f'echo "$0 $LOCKRUN_SLOT" >> {order}'
-    head = start(*options, "--wait", "forever", "--", "sh", "-c", script, "head")
-    second = None
-    try:
-        # The head waits on slots 0, 1 and 2 through three sessions.
-        wait_for(lambda: waiting_sessions(uri, key) == 3, what="the head on every slot")
-        second = start(*options, "--wait", "forever", "--", "sh", "-c", script, "second")
-        wait_for(lambda: waiting_sessions(uri, key) == 4, what="the second on the gate")
-
-        state = state_of(uri, namespace, name)
-        assert (state["slots"], state["where"]) == (3, key)
-        assert sorted((owner["slot"], owner["pid"]) for owner in state["holders"]) == sorted(
-            (holder.slot, holder.process.pid) for holder in holders
-        )
-        assert [waiter["pid"] for waiter in state["waiters"]] == [head.pid, second.pid]
-        table = lockrun("status", "--uri", uri, "--namespace", namespace, name)
-        roles = [row.split()[1:4] for row in table.stdout.splitlines()[1:]]
-        assert sorted(roles[:3]) == [
-            [str(holder.slot), "holding", str(holder.process.pid)]
-            for holder in sorted(holders, key=lambda holder: holder.slot)
-        ]
-        assert roles[3:] == [["-", "waiting", str(head.pid)], ["-", "waiting", str(second.pid)]]
-
-        [freed] = [holder for holder in holders if holder.slot == 1]
-        assert freed.finish() == 0
-        assert finish(head) == 0
-        assert finish(second) == 0
-    finally:
-        for holder in holders:
-            if holder.process.poll() is None:
-                holder.finish()
-        for waiter in (head, second):
-            if waiter is not None and waiter.poll() is None:
-                waiter.kill()
-                waiter.communicate(timeout=30)
-    assert order.read_text() == "head 1\nsecond 1\n"
-    assert_free(uri, namespace, name)
-    assert holding_connection(uri, f"{key}:gate") is None
-
-
-def test_status_reads_awkward_names_and_commands_back_unchanged(
-    mysql_uri: str, held: Callable[..., Held]
-) -> None:
-    """Quotes, newlines, emoji and */ in a name or command survive the waiter's SQL comment."""
-    awkward = "a*/b'c\"d\\e\nf 🔒 -- #"
-    namespace = f"x/y*/{uuid.uuid4().hex[:8]}"
-    holder = held("--uri", mysql_uri, "-n", awkward, "--namespace", namespace)
-    argv = ["echo", "*/ SELECT 1; --", "ü\n*/", "y" * 5000]
-    waiter = start(
-        *("--uri", mysql_uri, "-n", awkward, "--namespace", namespace, "-w", "forever", "--"),
-        *argv,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: len(state_of(mysql_uri, namespace, awkward)["waiters"]) == 1)
-        listing = lockrun("status", "--uri", mysql_uri, "--namespace", namespace, "--json")
-        [state] = json.loads(listing.stdout)
-        assert (state["name"], state["namespace"]) == (awkward, namespace)
-        assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
-        [queued] = state["waiters"]
-        assert queued["pid"] == waiter.pid
-        assert queued["argv"] == list(cut(argv))  # a long command line is cut, with a marker
-        assert queued["argv"][-1].endswith("more characters not recorded]")
-        other = lockrun("status", "--uri", mysql_uri, "--namespace", f"{namespace}x", "--json")
-        assert json.loads(other.stdout) == []
-    finally:
-        assert holder.finish() == 0
-        assert finish(waiter) == 0

@@ -1,0 +1,1 @@
+"""Every backend's shared contract, one scenario per test, parametrised by the scheme registry."""

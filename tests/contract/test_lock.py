@@ -573,8 +573,10 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
             )
             assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
             line = one_line(result.stderr)
-            assert f"held with --slots {held_slots} by {ME}@{HOST} pid {holder.process.pid}" in line
-            assert f"this one has --slots {slots}" in line
+            held_as = "1 slot" if held_slots == "1" else f"{held_slots} slots"
+            asked = "1 slot" if slots == "1" else f"{slots} slots"
+            assert f"in use with {held_as} by {ME}@{HOST} pid {holder.process.pid}" in line
+            assert f"but this one asks for {asked};" in line
             assert elapsed < PATIENCE  # not the 30 s of --wait
     assert what_holds(uri, name) == before
     same = lockrun("--uri", uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT")

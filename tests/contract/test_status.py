@@ -22,7 +22,7 @@ from lockrun import ExitCode
 from lockrun.backends import cut, describe_pid
 from lockrun.backends.mysql import lock_key as mysql_key
 from lockrun.backends.postgres import lock_key as postgres_key
-from lockrun.lock import states_for_status
+from lockrun.runner import states_for_status
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import finish, lockrun, queue_length, start, wait_for
 from tests.support.net import server_locks

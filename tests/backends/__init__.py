@@ -1,0 +1,1 @@
+"""What only one backend does: the scenarios no other backend shares."""

@@ -1,0 +1,1 @@
+"""Contract suites: every scenario once, on each backend the scheme registry names."""

@@ -297,6 +297,8 @@ class Harness:
     # What a waiter that was granted a slot while frozen may exit with once resumed and
     # too late: 69 (it gave up), or 76 (it counted the lock it never used as lost).
     gave_up: frozenset[int] = frozenset({69})
+    # How long the server may take to see that a waiting client hung up.
+    hangup_delay = 0.0
 
     @property
     def kind(self) -> Scheme:
@@ -340,8 +342,25 @@ class Harness:
         raise NotImplementedError(self.backend)
 
     def holder(self, name: str, slot: int | str = 0) -> int | None:
-        """Return the handle holding *name*'s *slot* (or ``"gate"``), None if it is free."""
-        raise NotImplementedError(self.backend)
+        """Return the handle holding *name*'s *slot* (or ``"gate"``), None if it is free.
+
+        Here: the pid of the lockrun whose record `lockrun status` shows on that slot.
+        """
+        found = [entry["pid"] for entry in self._holders(name) if entry["slot"] == slot]
+        return int(found[0]) if found else None
+
+    def _holders(self, name: str) -> list[dict[str, Any]]:
+        return [entry for state in states(self.uri, name) for entry in state["holders"]]
+
+    def expected_waits(self, slots: int, *, head: bool = True) -> list[str]:
+        """Return what `waits` shows of a waiter for a name of *slots* slots, sorted.
+
+        The head of the queue waits on every slot (one session each); a waiter behind it
+        waits on the gate, in front of which a mutex has none: it waits on slot 0 too.
+        """
+        if not head and slots > 1:
+            return ["gate"]
+        return [str(slot) for slot in range(slots if head else 1)]
 
     def alive(self, name: str, handle: int) -> bool:
         """Return whether the server still knows *handle* (its session, or its record)."""
@@ -487,11 +506,6 @@ class RedisHarness(ServerHarness):
             mine = client.client_id()
             return {int(each["id"]) for each in client.client_list()} - {mine}
 
-    def holder(self, name: str, slot: int | str = 0) -> int | None:
-        """Return the pid of the lockrun whose lease on *slot* the server keeps."""
-        found = [entry["pid"] for entry in self._holders(name) if entry["slot"] == slot]
-        return int(found[0]) if found else None
-
     def alive(self, name: str, handle: int) -> bool:
         """Return whether the server keeps a lease or a place in the queue for pid *handle*."""
         return any(
@@ -517,8 +531,9 @@ class RedisHarness(ServerHarness):
         with contextlib.closing(self.client()) as client:
             assert not client.exists(f"lockrun:{{{NAMESPACE}/{name}}}:fence")
 
-    def _holders(self, name: str) -> list[dict[str, Any]]:
-        return [entry for state in states(self.uri, name) for entry in state["holders"]]
+    def expected_waits(self, slots: int, *, head: bool = True) -> list[str]:  # noqa: ARG002
+        """Return ["queue"]: a waiter is a place in the queue, head or not."""
+        return ["queue"]
 
     def _connect_counter(self) -> tuple[Callable[[], int], Callable[[], object]]:
         client = self.client()
@@ -541,6 +556,7 @@ class MysqlHarness(ServerHarness):
     """MySQL/MariaDB: the lock is a GET_LOCK of lockrun's session; ending it is a KILL."""
 
     early_share = 0.1  # wait_timeout fires on a timer with a granularity of its own
+    hangup_delay = 1.0  # the server looks at a client waiting in GET_LOCK once a second
 
     def connect(self) -> Any:
         """Open a pymysql session of our own (not lockrun's) on the server."""
@@ -755,6 +771,7 @@ class PostgresHarness(ServerHarness):
         from lockrun.backends.postgres import slots_key
 
         assert self.activity()[handle][0] == f"lockrun:{name}:{slot}"
+        assert self.named(name) == sorted(self.holder(name, each) or 0 for each in range(slots))
         held = [lock for lock in self.advisory() if lock.pid == handle]
         assert all(lock.granted for lock in held), held
         pairs = sorted((lock.subid, lock.key if lock.subid == 1 else lock.objid) for lock in held)

@@ -4,7 +4,7 @@ Behind ``redis+sentinel://``, lockrun grants and renews only on the node a major
 URI's sentinels name, only while it says it is a primary, and only once a replica has the
 write (WAIT). Before that, a demoted primary stayed writable for seconds after a failover,
 and the holder went on renewing there while a contender got the lock on the new primary:
-both ran for about 9 s. These tests fail a real primary over (tests/chaos/sentinels.py),
+both ran for about 9 s. These tests fail a real primary over (tests/support/sentinels.py),
 on request and by cutting it off with its holder, and judge lockrun by the oracle's times.
 """
 
@@ -30,7 +30,7 @@ KILL_AFTER: Final = 1.0
 LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
 SLACK: Final = 3.0  # a shared 2-core machine, and Python start-ups on the way
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from tests.support.harness import Rig
-    from tests.support.oracle import Oracle, Run
+    from tests.support.oracle import Oracle
 
 TTL: Final = 3.0  # renewals every second
 KILL_AFTER: Final = 1.0
@@ -43,32 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 def deaf(command: list[str]) -> list[str]:
     """Return *command* run with TERM ignored, as a command that is slow to clean up is."""
     return ["bash", "-c", 'trap "" TERM; exec "$@"', "deaf", *command]
-
-
-def hold(
-    spawn: Callable[..., subprocess.Popen[str]],
-    oracle: Oracle,
-    tag: str,
-    *options: str,
-    wrap: Callable[[list[str]], list[str]] = list,
-    **kwargs: Any,
-) -> tuple[subprocess.Popen[str], Run]:
-    """Start ``lockrun OPTIONS -- <oracle's command>`` and wait until the command runs.
-
-    With a short lease every call may take only a fraction of it; a machine busy with other
-    tests can miss that while lockrun acquires, before anything under test happens. Such
-    a 69 is tried again, twice; any other early exit fails the test.
-    """
-    for attempt in range(3):
-        label = f"{tag}{attempt or ''}"
-        process = spawn(*options, "--", *wrap(oracle.command(label)), **kwargs)
-        if started := oracle.started_or_ended(label, process, 30):
-            return process, started
-        _, err = process.communicate(timeout=10)
-        if process.returncode != 69:
-            break
-        print(f"lockrun could not acquire, trying again: {err}")
-    pytest.fail(f"{tag} did not start (status {process.returncode}): {err}")
 
 
 def queued(rig: Rig, name: str, contender: subprocess.Popen[str]) -> None:
@@ -99,7 +73,7 @@ def test_slow_server_never_resurrects_a_lost_lease(
     """
     ttl, delay = 2.0, 2.0
     lease = ("--ttl", f"{ttl:g}", "--kill-after", "0.5")
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *lease, "-n", name)
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.proxied, *lease, "-n", name)
     rig.proxy.delay(delay)
     lagged = time.monotonic()
     spawn("--uri", rig.uri, *lease, "-n", name, "-w", "forever", "--", *oracle.command("second"))
@@ -137,7 +111,7 @@ def test_reset_connections(
     """
     # A session lock's lease is long, so only the hang-up (not a check) can be that quick.
     lease = LEASE if rig.kind.leased else ("--ttl", "30", "--kill-after", f"{KILL_AFTER:g}")
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *lease, "-n", name)
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.proxied, *lease, "-n", name)
     contender = spawn(
         "--uri", rig.uri, *lease, "-n", name, "-w", "forever", "--", *oracle.command("second")
     )
@@ -169,7 +143,7 @@ def test_a_stray_sigurg_is_not_a_hangup(
     rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any]
 ) -> None:
     """SIGURG, which the hang-up watch uses, stops nothing when no session hung up."""
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.uri, *LEASE, "-n", name)
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.uri, *LEASE, "-n", name)
     holder.send_signal(signal.SIGURG)
     time.sleep(0.3)
     assert first.end is None
@@ -325,7 +299,7 @@ def test_a_cancelled_check_keeps_the_lock(
     log = tmp_path / "holder.log"
     with log.open("w") as stderr:
         options = ("--uri", rig.uri, "--ttl", "6", "--kill-after", "1", "-v", "-n", name)
-        holder, first = hold(spawn, oracle, "holder", *options, stderr=stderr)
+        holder, first = oracle.hold(spawn, "holder", *options, stderr=stderr)
     canceller = Canceller(rig, holder_session(rig, name), blocking=True)
     canceller.start()
     try:
@@ -353,7 +327,7 @@ def test_a_command_outlives_no_session_its_checks_were_cancelled_on(
     long its TERM grace (an earlier lockrun: an overlap of up to --kill-after).
     """
     options = ("--uri", rig.uri, "--ttl", f"{TTL:g}", "--kill-after", "10", "-n", name)
-    holder, first = hold(spawn, oracle, "holder", *options, wrap=deaf)
+    holder, first = oracle.hold(spawn, "holder", *options, wrap=deaf)
     contender = spawn("--uri", rig.uri, "-n", name, "-w", "forever", "--", *oracle.command("2"))
     queued(rig, name, contender)
     canceller = Canceller(rig, holder_session(rig, name), blocking=True)

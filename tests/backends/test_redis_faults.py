@@ -23,10 +23,9 @@ from tests.support.cli import (
     wait_for,
     waiter_pids,
 )
-from tests.support.harness import command, read_run
+from tests.support.harness import RedisHarness, read_run
 
 if TYPE_CHECKING:
-    import subprocess
     from collections.abc import Callable
     from pathlib import Path
 
@@ -56,18 +55,6 @@ def lockrun_keys(server: RedisServer) -> dict[str, int]:
     return {key: int(pttl) for key, pttl in zip(reply[::2], reply[1::2], strict=True)}
 
 
-def queue_two(
-    spawn: Callable[..., subprocess.Popen[str]], uri: str, name: str, tmp_path: Path, ttl: str
-) -> tuple[subprocess.Popen[str], subprocess.Popen[str], Path, Path]:
-    """Queue a head waiter (`true`) and then a second one whose command logs its start."""
-    head = spawn("--uri", uri, "-n", name, "--ttl", ttl, "-w", "forever", "--", "true")
-    wait_for(lambda: waiter_pids(uri, name) == [head.pid], what="the head waiter")
-    argv, log, go = command(tmp_path, "second")
-    second = spawn("--uri", uri, "-n", name, "--ttl", ttl, "-w", "forever", "--", *argv)
-    wait_for(lambda: waiter_pids(uri, name) == [head.pid, second.pid], what="the second waiter")
-    return head, second, log, go
-
-
 def test_sigkilled_head_waiter_lapses_within_its_ttl_without_client_list(
     redis_server: RedisServer,
     name: str,
@@ -83,8 +70,9 @@ def test_sigkilled_head_waiter_lapses_within_its_ttl_without_client_list(
     """
     redis_server.command("ACL", "SETUSER", "noclient", "on", ">pw", "~*", "&*", "+@all", "-client")
     uri = f"{redis_server.uri}?username=noclient&password=pw"
-    holder = held("--uri", uri, "-n", name, "--ttl", f"{TTL:g}")
-    head, second, log, go = queue_two(spawn, uri, name, tmp_path, f"{TTL:g}")
+    options = ("--uri", uri, "-n", name, "--ttl", f"{TTL:g}")
+    holder = held(*options)
+    head, second, _, log, go = RedisHarness("redis", uri).queue_two(spawn, tmp_path, *options)
     try:
         head.send_signal(signal.SIGKILL)
         head.wait(10)
@@ -117,7 +105,8 @@ def test_dead_head_waiter_blocks_no_longer_than_its_own_ttl(
     """
     uri = redis_server.uri
     holder = held("--uri", uri, "-n", name, "--ttl", "30")
-    head, _second, log, go = queue_two(spawn, uri, name, tmp_path, f"{SHORT_TTL:g}")
+    options = ("--uri", uri, "-n", name, "--ttl", f"{SHORT_TTL:g}")
+    head, second, _, log, go = RedisHarness("redis", uri).queue_two(spawn, tmp_path, *options)
     try:
         head.send_signal(signal.SIGKILL)
         head.wait(10)
@@ -131,7 +120,7 @@ def test_dead_head_waiter_blocks_no_longer_than_its_own_ttl(
         assert read_run(log).begun - killed_at < SHORT_TTL + SLACK
     finally:
         go.touch()
-    assert finish(_second) == 0
+    assert finish(second) == 0
 
 
 def test_every_key_expires_and_only_the_fence_outlives_the_lock(

@@ -56,95 +56,61 @@ TIMER_SLACK: Final = 0.1  # how late a timer of lockrun's may fire on a busy mac
 # -- the server forgets the holder ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cut", ["end_session", "restart"])
 @pytest.mark.parametrize("exit_on_term", [True, False], ids=["exits-on-TERM", "ignores-TERM"])
-def test_ended_session_stops_the_command_and_exits_76(
-    server_harness: Harness,
-    name: str,
-    tmp_path: Path,
-    spawn: Callable[..., Any],
-    exit_on_term: bool,
-) -> None:
-    """The server takes the lock away: TERM at once, KILL if ignored, exit 76 with one line.
-
-    Redis forgets the lease (FLUSHALL), MySQL KILLs the holding
-    connection, PostgreSQL terminates its backend. The hang-up, or the next renewal
-    (≤ ttl/3), finds it: TERM at once, KILL after --kill-after, exit 76, and the server
-    knows neither the holder nor the lock any more.
-    """
-    harness = server_harness
-    victim = Victim(tmp_path, exit_on_term=exit_on_term)
-    process = victim.start(spawn, "--uri", harness.uri, *LEASE, "-n", name)
-    holding = harness.holder(name)
-    assert holding is not None
-    pidfd = os.pidfd_open(process.pid)
-    try:
-        cut_at = time.time()
-        cutting = threading.Thread(target=harness.end_session, args=(name,))
-        cutting.start()
-        ended = wait_for_death(pidfd, cut_at + TTL / 3 + KILL_AFTER + SLACK + 10)
-        cutting.join(60)
-    finally:
-        os.close(pidfd)
-    assert ended is not None, "lockrun did not exit"
-    _, err = process.communicate(timeout=10)
-    victim.check_stopped()
-    term, elapsed = victim.term_time() - cut_at, ended - cut_at
-    print(f"lock taken → TERM after {term:.2f}s, lockrun exited after {elapsed:.2f}s")
-    assert term < TTL / 3 + GRACE
-    assert elapsed < TTL / 3 + (GRACE if exit_on_term else KILL_AFTER + SLACK)
-    check_lost(process.returncode, err, name, harness.lost_reason)
-    assert harness.holder(name) is None
-    assert not harness.alive(name, holding)
-
-
-@pytest.mark.parametrize(
-    ("exit_on_term", "kill_after"),
-    [(True, KILL_AFTER), (False, 10.0)],
-    ids=["exits-on-TERM", "ignores-TERM"],
-)
-def test_restart_stops_the_holder_and_the_next_fence_is_larger(
+def test_the_server_takes_the_lock_away_and_the_holder_exits_76(
     server_harness: Harness,
     name: str,
     tmp_path: Path,
     spawn: Callable[..., Any],
     record: Callable[..., None],
+    cut: str,
     exit_on_term: bool,
-    kill_after: float,
 ) -> None:
-    """A restart mid-hold (TCP) stops the command (76); the next holder's fence is larger.
+    """The server forgets the holder, or restarts: TERM at once, exit 76; the next fence is larger.
 
-    A restart frees the lock at once, so the loss is certain: a command deaf to TERM is
-    KILLed within --lost-kill-after (1 s by default), not --kill-after (10 s), plus on a
-    lease the time until the next renewal finds it gone (up to ttl/3: README "Guarantees");
-    a session's end is heard at once. What the server kept (Redis nothing, not even the
-    fence; MySQL's InnoDB the last fence) is the harness's to check.
+    Redis forgets the lease (FLUSHALL), MySQL KILLs the holding connection, PostgreSQL
+    terminates its backend; or the server restarts mid-hold (TCP). The hang-up, or the next
+    renewal (≤ ttl/3), finds it: TERM at once. The loss is certain, so a command deaf to
+    TERM is KILLed within --lost-kill-after (1 s by default), not --kill-after (10 s here),
+    plus on a lease the time until the next renewal finds it gone (up to ttl/3: README
+    "Guarantees"). Then the server knows neither the holder nor the lock; what it kept
+    through a restart (Redis nothing, not even the fence; MySQL's InnoDB the last fence) is
+    the harness's to check.
     """
     harness = server_harness
     victim = Victim(tmp_path, exit_on_term=exit_on_term)
-    lease = ("--ttl", f"{TTL:g}", "--kill-after", f"{kill_after:g}")
+    lease = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER if exit_on_term else 10.0:g}")
     process = victim.start(spawn, "--uri", harness.uri, *lease, "-n", name)
+    holding = harness.holder(name)
+    assert holding is not None
     pidfd = os.pidfd_open(victim.pid)
     try:
-        restarted = time.time()
-        harness.restart()
-        died = wait_for_death(pidfd, restarted + TTL / 3 + KILL_AFTER + SLACK + 10)
+        cut_at = time.time()
+        args = (name,) if cut == "end_session" else ()
+        cutting = threading.Thread(target=getattr(harness, cut), args=args)
+        cutting.start()
+        died = wait_for_death(pidfd, cut_at + TTL / 3 + KILL_AFTER + SLACK + 10)
+        cutting.join(60)
     finally:
         os.close(pidfd)
     assert died is not None, "the command was never stopped"
     status = process.wait(timeout=KILL_AFTER + SLACK)
-    elapsed = time.time() - restarted
+    elapsed = time.time() - cut_at
     _, err = process.communicate(timeout=10)
     victim.check_stopped()
-    detection = TTL / 3 if harness.kind.leased else 0.0
-    record("restart mid-hold", stopped_after=died - restarted, deaf=not exit_on_term)
-    assert victim.term_time() - restarted < TTL / 3 + GRACE
-    assert died - restarted < detection + 1 + SLACK
-    assert elapsed < TTL / 3 + KILL_AFTER + SLACK
+    term = victim.term_time() - cut_at
+    record(f"{cut} mid-hold", term_after=term, stopped_after=died - cut_at, exited_after=elapsed)
+    assert term < TTL / 3 + GRACE
+    assert died - cut_at < (TTL / 3 if harness.kind.leased else 0.0) + 1 + SLACK
+    assert elapsed < TTL / 3 + (GRACE if exit_on_term else KILL_AFTER + SLACK)
     check_lost(status, err, name, harness.lost_reason)
-    harness.after_restart(name, victim.fence)
+    assert harness.holder(name) is None
+    assert not harness.alive(name, holding)
+    if cut == "restart":
+        harness.after_restart(name, victim.fence)
     second = lockrun("--uri", harness.uri, "-n", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE")
     assert second.returncode == 0, second.stderr
-    print(f"fence before the restart {victim.fence}, after {int(second.stdout)}")
     assert int(second.stdout) > victim.fence
 
 

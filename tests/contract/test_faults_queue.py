@@ -35,7 +35,6 @@ from tests.support.harness import (
 )
 
 if TYPE_CHECKING:
-    import subprocess
     from collections.abc import Callable
     from pathlib import Path
 
@@ -50,28 +49,6 @@ GRACE: Final = 2.0  # how soon a waiter's sessions are gone after it exits
 SESSIONS_ONLY: Final = pytest.mark.parametrize(
     "shared_server_harness", SESSION_BACKENDS, indirect=True
 )
-
-
-def queue_two(
-    harness: Harness,
-    spawn: Callable[..., subprocess.Popen[str]],
-    tmp_path: Path,
-    *options: str,
-) -> tuple[subprocess.Popen[str], subprocess.Popen[str], Path, Path, Path]:
-    """Queue a head waiter and a second one (-w forever), each running a `command`.
-
-    The head's command notes whether the second's is alive when it starts. Returns both
-    processes, the head's and the second's logs, and the second's go file.
-    """
-    next_argv, next_log, next_go = command(tmp_path, "next")
-    head_argv, head_log, head_go = command(tmp_path, "head", other=next_log)
-    head_go.touch()
-    head = spawn(*options, "-w", "forever", "--", *head_argv)
-    name = options[options.index("-n") + 1]
-    wait_for(lambda: harness.waits(name, head.pid), what="the head waiter")
-    second = spawn(*options, "-w", "forever", "--", *next_argv)
-    wait_for(lambda: harness.waits(name, second.pid), what="the second waiter")
-    return head, second, head_log, next_log, next_go
 
 
 def test_a_sigkilled_head_waiter_is_passed_over_at_once(
@@ -90,7 +67,7 @@ def test_a_sigkilled_head_waiter_is_passed_over_at_once(
     harness = shared_server_harness
     options = ("--uri", harness.uri, "-n", name, "--ttl", "20")
     holder = held(*options)
-    head, second, _, next_log, next_go = queue_two(harness, spawn, tmp_path, *options)
+    head, second, _, next_log, next_go = harness.queue_two(spawn, tmp_path, *options)
     try:
         head.send_signal(signal.SIGKILL)
         head.wait(10)
@@ -125,7 +102,7 @@ def test_a_paused_head_waiter_is_passed_over_and_never_runs_without_the_lock(
     harness = shared_server_harness
     options = ("--uri", harness.uri, *LEASE, "-n", name)
     holder = held(*options)
-    head, second, head_log, next_log, next_go = queue_two(harness, spawn, tmp_path, *options)
+    head, second, head_log, next_log, next_go = harness.queue_two(spawn, tmp_path, *options)
     (head_session,) = harness.waits(name, head.pid)
     try:
         with harness.paused(head):

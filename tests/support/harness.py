@@ -391,6 +391,24 @@ class Harness:
             time.sleep(0.01)
         return expiry
 
+    def queue_two(
+        self, spawn: Callable[..., subprocess.Popen[str]], tmp_path: Path, *options: str
+    ) -> tuple[subprocess.Popen[str], subprocess.Popen[str], Path, Path, Path]:
+        """Queue a head waiter and a second one (``OPTIONS -w forever``), each a `command`.
+
+        The head's command notes whether the second's is alive when it starts. Returns both
+        processes, the head's and the second's logs, and the second's go file.
+        """
+        next_argv, next_log, next_go = command(tmp_path, "next")
+        head_argv, head_log, head_go = command(tmp_path, "head", other=next_log)
+        head_go.touch()
+        name = options[options.index("-n") + 1]
+        head = spawn(*options, "-w", "forever", "--", *head_argv)
+        wait_for(lambda: self.waits(name, head.pid), what="the head waiter")
+        second = spawn(*options, "-w", "forever", "--", *next_argv)
+        wait_for(lambda: self.waits(name, second.pid), what="the second waiter")
+        return head, second, head_log, next_log, next_go
+
     def after_restart(self, name: str, fence: int) -> None:
         """Check what the server kept of *name* through a restart (the last *fence*)."""
 

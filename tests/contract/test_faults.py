@@ -25,6 +25,7 @@ import pytest
 from tests.support.cli import finish, lockrun, wait_for
 from tests.support.harness import (
     Harness,
+    Run,
     Victim,
     check_lost,
     command,
@@ -301,6 +302,38 @@ def fresh(harness: Harness, name: str, ttl: float) -> bool:
     return expiry is not None and expiry - time.time() > harness.free_after(ttl) - 0.2
 
 
+def across(
+    harness: Harness,
+    spawn: Callable[..., subprocess.Popen[str]],
+    tmp_path: Path,
+    name: str,
+    other: Path,
+    patience: float,
+) -> Callable[[], tuple[Run, list[float | None]]]:
+    """Start the clients that wait for *name* on the server's side; return how to await them.
+
+    A lockrun (-w forever) whose command notes whether *other*'s still runs; and, where the
+    lock is a server session, a client of our own on the slot itself, with no lockrun in
+    between: the moment the server let go. The function returned waits for both and
+    returns the command's run and when our client had the lock.
+    """
+    argv, log, go = command(tmp_path, "direct", other=other)
+    go.touch()
+    direct = spawn("--uri", harness.uri, *CALM, "-n", name, "-w", "forever", "--", *argv)
+    got: list[float | None] = []
+    grab = threading.Thread(target=lambda: got.append(harness.grab(name, patience)))
+    if harness.kind.session:
+        grab.start()
+
+    def done() -> tuple[Run, list[float | None]]:
+        assert finish(direct, timeout=patience) == 0
+        if harness.kind.session:
+            grab.join(patience)
+        return read_run(log), got
+
+    return done
+
+
 # C is the last call that got through; a session's server frees the slot ceil(ttl) after it,
 # a lease ends ttl after it. lockrun doubts its lock a ttl/3 after a call hangs and gives up
 # at C + 0.9 ttl − kill-after at the latest (README "The server does not answer").
@@ -355,15 +388,13 @@ def test_partition_stops_the_command_before_the_server_frees_the_lock(
         time.sleep(0.2)  # a call the proxy was already forwarding has landed by now
         assert harness.holder(name) == holding
         expiry = harness.settled_expiry(name, ttl)  # set by the last call that got through
-        argv, log, go = command(tmp_path, "direct", other=victim.pid_file)
-        go.touch()
-        direct = spawn("--uri", harness.uri, *CALM, "-n", name, "-w", "forever", "--", *argv)
+        others = across(harness, spawn, tmp_path, name, victim.pid_file, ttl + SLACK + 10)
         ended = wait_for_death(pidfd, expiry)
         overran = ended is None  # the kernel saw it alive at or after the expiry
         still = None if overran else harness.expiry(name, ttl)
         if ended is None:
             ended = wait_for_death(pidfd, expiry + ttl + SLACK)
-        assert finish(direct, timeout=ttl + SLACK + 10) == 0
+        run, got = others()
         assert harness.holder(name) is None
     finally:
         os.close(pidfd)
@@ -371,7 +402,6 @@ def test_partition_stops_the_command_before_the_server_frees_the_lock(
     assert ended is not None, "the command was never stopped"
     status = process.wait(timeout=kill_after + SLACK)
     _, err = process.communicate(timeout=10)
-    run = read_run(log)
     margin = expiry - ended  # a lower bound: we saw the end a little after it came
     term = expiry - victim.term_time() if victim.term_file.exists() else float("nan")
     report = (
@@ -380,7 +410,6 @@ def test_partition_stops_the_command_before_the_server_frees_the_lock(
         f"{margin:.3f}s before the server's expiry, the other command {run.begun - ended:.3f}s "
         f"after the death; lockrun exited {status}"
     )
-    print(report)
     record("partition", stopped_after=ended - cut, margin=run.begun - ended, ttl=ttl)
     if thin:  # a retry that hung must not have delayed the stop
         assert margin >= PROMISED_SHARE * ttl - TIMER_SLACK, report
@@ -388,10 +417,14 @@ def test_partition_stops_the_command_before_the_server_frees_the_lock(
         assert not overran, f"the command outlived its lease (seen dead {-margin:.3f}s after it)"
         assert margin > 0, report
     assert ended - cut < ttl, "the command outlived its lease"
-    # docs/design.md: never both "lock free" and "command running".
-    assert run.begun - ended > 0, report
-    assert run.begun > expiry - harness.early_share * ttl, report  # the server kept the slot
     assert run.verdict == "alone", report
     assert run.fence > victim.fence
+    # The other lockrun's command, and a client of our own without lockrun in between (the
+    # moment the server let go, where the lock is a session): docs/design.md, never both
+    # "lock free" and "command running"; and the server kept the slot until the expiry.
+    for taken in [run.begun, *got]:
+        assert taken is not None, "the direct client never got the lock"
+        assert taken - ended > 0, report
+        assert taken > expiry - harness.early_share * ttl, report
     line = check_lost(status, err, name)
     assert "lease could not be confirmed" in line

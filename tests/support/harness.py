@@ -382,6 +382,14 @@ class Harness:
         """
         raise NotImplementedError(self.backend)
 
+    def grab(self, name: str, patience: float, slot: int = 0) -> float | None:
+        """Wait up to *patience* s for *slot* on a session of our own, not lockrun's.
+
+        Return the Unix time it was ours (it is let go at once), None if it never was.
+        Only where the lock is a server session: a lease has no such lock to take.
+        """
+        raise NotImplementedError(self.backend)
+
     def settled_expiry(self, name: str, ttl: float, slot: int = 0) -> float:
         """Wait until the holder of *slot* is idle (a call may still run) and return `expiry`."""
         deadline = time.monotonic() + 15
@@ -605,6 +613,13 @@ class MysqlHarness(ServerHarness):
         ((holder,),) = self.query("SELECT IS_USED_LOCK(%s)", (self.lock(name, slot),))
         return None if holder is None else int(holder)
 
+    def grab(self, name: str, patience: float, slot: int = 0) -> float | None:
+        """GET_LOCK *slot* on a session of our own; return when it was ours."""
+        with contextlib.closing(self.connect()) as connection, connection.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, %s)", (self.lock(name, slot), patience))
+            ((result,),) = cursor.fetchall()
+            return time.time() if result == 1 else None
+
     def end_session(self, name: str, slot: int = 0) -> None:
         """KILL CONNECTION the session that holds *name*'s *slot*."""
         connection = self.holder(name, slot)
@@ -737,6 +752,18 @@ class PostgresHarness(ServerHarness):
             f"lockrun:{name}:%",
         )
         return [int(pid) for (pid,) in rows]
+
+    def grab(self, name: str, patience: float, slot: int = 0) -> float | None:
+        """pg_advisory_lock *slot*'s key on a session of our own; return when it was ours."""
+        import psycopg
+
+        with self.connect() as connection:
+            connection.execute(f"SET lock_timeout = {int(patience * 1000):d}")
+            try:
+                connection.execute("SELECT pg_advisory_lock(%s)", (self.key(name, slot),))
+            except psycopg.errors.LockNotAvailable:
+                return None
+            return time.time()
 
     def end_session(self, name: str, slot: int = 0) -> None:
         """pg_terminate_backend the session that holds *name*'s *slot*."""

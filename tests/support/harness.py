@@ -455,8 +455,8 @@ class ServerHarness(Harness):
         On a shared *uri* nothing may disturb the other tests: no restart, no partition.
         """
         self.backend = backend
-        self._counter: Callable[[], int] | None = None
-        self._closer: Callable[[], object] = lambda: None
+        self._link: Any = None
+        self._lock = threading.Lock()
         if uri is not None:
             self.uri = uri
             return
@@ -476,16 +476,31 @@ class ServerHarness(Harness):
         """Kill the server and start it again (Redis comes back empty), *outage* s later."""
         if self.server is None:
             raise NotImplementedError(f"{self.backend}: a shared server")
-        self._forget_counter()
+        self._unlink()
         self.server.stop()
         time.sleep(outage)
         self.server.start()
 
+    def connect(self) -> Any:
+        """Open a connection of our own (not lockrun's) to the server."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def linked(self) -> Iterator[Any]:
+        """Lend our one connection to the server (made on first use, and after a restart).
+
+        One, kept: a connection of ours that just closed would still be listed among the
+        server's sessions for a moment, and taken for lockrun's.
+        """
+        with self._lock:
+            if self._link is None:
+                self._link = self.connect()
+            yield self._link
+
     def sessions(self) -> int:
         """Return how many client connections the server has now, not counting ours."""
-        if self._counter is None:
-            self._counter, self._closer = self._connect_counter()
-        return self._counter()
+        with self.linked() as link:
+            return self._count(link)
 
     def alive(self, name: str, handle: int) -> bool:  # noqa: ARG002 - a session is server-wide
         """Return whether the session *handle* is still open."""
@@ -493,20 +508,21 @@ class ServerHarness(Harness):
 
     def close(self) -> None:
         """Stop the proxy and the server (a shared server is left alone)."""
-        self._forget_counter()
+        self._unlink()
         if self.proxy is not None:
             self.proxy.close()
         if self.server is not None:
             self.server.close()
 
-    def _connect_counter(self) -> tuple[Callable[[], int], Callable[[], object]]:
+    def _count(self, link: Any) -> int:
         raise NotImplementedError
 
-    def _forget_counter(self) -> None:
-        if self._counter is not None:
-            with contextlib.suppress(Exception):
-                self._closer()
-            self._counter = None
+    def _unlink(self) -> None:
+        with self._lock:
+            if self._link is not None:
+                with contextlib.suppress(Exception):
+                    self._link.close()
+                self._link = None
 
 
 class RedisHarness(ServerHarness):
@@ -518,9 +534,11 @@ class RedisHarness(ServerHarness):
 
         return redis.Redis.from_url(self.uri, decode_responses=True)
 
+    connect = client
+
     def end_session(self, name: str, slot: int = 0) -> None:  # noqa: ARG002 - one lease key
         """Make the server forget *name*: FLUSHALL on our own server, else DEL its keys."""
-        with contextlib.closing(self.client()) as client:
+        with self.linked() as client:
             if self.server is not None:
                 client.flushall()
             elif keys := client.keys(f"lockrun:{{{NAMESPACE}/{name}}}:*"):
@@ -528,7 +546,7 @@ class RedisHarness(ServerHarness):
 
     def session_ids(self) -> set[int]:
         """Return the CLIENT IDs of every connection but ours."""
-        with contextlib.closing(self.client()) as client:
+        with self.linked() as client:
             mine = client.client_id()
             return {int(each["id"]) for each in client.client_list()} - {mine}
 
@@ -554,16 +572,15 @@ class RedisHarness(ServerHarness):
 
     def after_restart(self, name: str, fence: int) -> None:  # noqa: ARG002
         """Check the fence is gone: a Redis without persistence forgets it too."""
-        with contextlib.closing(self.client()) as client:
+        with self.linked() as client:
             assert not client.exists(f"lockrun:{{{NAMESPACE}/{name}}}:fence")
 
     def expected_waits(self, slots: int, *, head: bool = True) -> list[str]:  # noqa: ARG002
         """Return ["queue"]: a waiter is a place in the queue, head or not."""
         return ["queue"]
 
-    def _connect_counter(self) -> tuple[Callable[[], int], Callable[[], object]]:
-        client = self.client()
-        return lambda: int(client.info("clients")["connected_clients"]) - 1, client.close
+    def _count(self, link: Any) -> int:
+        return int(link.info("clients")["connected_clients"]) - 1
 
 
 # Every client session on the server but ours: id, command, seconds in it, statement, clock.
@@ -597,8 +614,8 @@ class MysqlHarness(ServerHarness):
         )
 
     def query(self, sql: str, args: object = None) -> tuple[tuple[Any, ...], ...]:
-        """Run *sql* on a fresh session of our own and return every row."""
-        with contextlib.closing(self.connect()) as connection, connection.cursor() as cursor:
+        """Run *sql* on our session and return every row."""
+        with self.linked() as connection, connection.cursor() as cursor:
             cursor.execute(sql, args)
             return tuple(cursor.fetchall())
 
@@ -665,16 +682,11 @@ class MysqlHarness(ServerHarness):
         rows = self.query("SELECT fence FROM lockrun_fence WHERE lock_key = %s", (key,))
         assert rows == ((fence,),)
 
-    def _connect_counter(self) -> tuple[Callable[[], int], Callable[[], object]]:
-        connection = self.connect()
-
-        def count() -> int:
-            with connection.cursor() as cursor:
-                cursor.execute(_MYSQL_SESSIONS)
-                (found,) = cursor.fetchone() or (0,)
-            return int(found)
-
-        return count, connection.close
+    def _count(self, link: Any) -> int:
+        with link.cursor() as cursor:
+            cursor.execute(_MYSQL_SESSIONS)
+            (found,) = cursor.fetchone() or (0,)
+        return int(found)
 
 
 _POSTGRES_ACTIVITY: Final = (
@@ -734,8 +746,8 @@ class PostgresHarness(ServerHarness):
         return psycopg.connect(self.uri, autocommit=True, connect_timeout=10)
 
     def query(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
-        """Run *sql* on a fresh session of our own and return every row."""
-        with self.connect() as connection:
+        """Run *sql* on our session and return every row."""
+        with self.linked() as connection:
             rows: list[tuple[Any, ...]] = connection.execute(sql, params or None).fetchall()
             return rows
 
@@ -824,14 +836,9 @@ class PostgresHarness(ServerHarness):
         (pair,) = [lock for lock in held if lock.subid == 2]
         assert pair.classid == slots_key(NAMESPACE, name) & 0xFFFF_FFFF
 
-    def _connect_counter(self) -> tuple[Callable[[], int], Callable[[], object]]:
-        session = self.connect()
-
-        def count() -> int:
-            (found,) = session.execute(_POSTGRES_SESSIONS).fetchone() or (0,)
-            return int(found)
-
-        return count, session.close
+    def _count(self, link: Any) -> int:
+        (found,) = link.execute(_POSTGRES_SESSIONS).fetchone() or (0,)
+        return int(found)
 
 
 def _holds(lock: Advisory, key: int) -> bool:

@@ -6,13 +6,17 @@ server through a `Proxy`), the registry's `Scheme` as `kind` (what the backend h
 with: `inherits_fds`, `leased`, `session`, `local`), and the faults the tests inject — a
 server restart, the end of the session (or lease) that holds a lock, a silent partition, a
 paused lockrun. What the registry cannot know is a harness capability (`can_restart`,
-`can_partition`, `can_end_session`); a test asks for those, never for a backend's name.
+`can_partition`, `can_end_session`) or a small expectation (`early_share`, `gave_up`,
+`hangup_delay`, `after_restart`, `check_granted`); a test asks for those, never for a
+backend's name. The server's own view comes through it too: who holds a slot, on what a
+waiter waits, when the server would free a silent holder's slot (`holder`, `waits`,
+`expiry`).
 
 Loaded by tests/conftest.py as a plugin (`pytest_plugins`), so that its fixtures reach every
 test without a second module called ``conftest``: `harness` (each backend, a server of the
-test's own), `server_harness` (the server backends only), `shared_harness` (each backend on
-the session's servers: cheap, but nothing that would disturb other tests), and the chaos
-suite's `rig`, `target`, `oracle` and `record`.
+test's own), `server_harness` (the server backends only), `shared_harness` and
+`shared_server_harness` (on the session's servers: cheap, but nothing that would disturb
+other tests), and the chaos suite's `rig`, `target`, `oracle` and `record`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Behind ``redis+sentinel://``, lockrun grants and renews only on the node a major
 URI's sentinels name, only while it says it is a primary, and only once a replica has the
 write (WAIT). Before that, a demoted primary stayed writable for seconds after a failover,
 and the holder went on renewing there while a contender got the lock on the new primary:
-both ran for about 9 s. These tests fail a real primary over (tests/chaos/sentinels.py),
+both ran for about 9 s. These tests fail a real primary over (tests/support/sentinels.py),
 on request and by cutting it off with its holder, and judge lockrun by the oracle's times.
 """
 
@@ -30,7 +30,7 @@ KILL_AFTER: Final = 1.0
 LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
 SLACK: Final = 3.0  # a shared 2-core machine, and Python start-ups on the way
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
@@ -63,32 +63,6 @@ def unix_oracle(tmp_path: Path) -> Iterator[UnixOracle]:
     witness = UnixOracle(str(tmp_path))
     yield witness
     witness.close()
-
-
-def hold(
-    spawn: Callable[..., subprocess.Popen[str]],
-    oracle: Oracle,
-    tag: str,
-    *options: str,
-    log: Path,
-    **kwargs: Any,
-) -> tuple[subprocess.Popen[str], Run]:
-    """Start ``lockrun -v OPTIONS -- <oracle's command>`` and wait until the command runs.
-
-    Its stderr goes to *log*. A 69 (a call that took more than its share of the short
-    lease on a busy machine) is tried again, twice; any other early exit fails the test.
-    """
-    for attempt in range(3):
-        label = f"{tag}{attempt or ''}"
-        with log.open("a") as err:
-            process = spawn("-v", *options, "--", *oracle.command(label), stderr=err, **kwargs)
-        if started := oracle.started_or_ended(label, process, 30):
-            return process, started
-        process.wait(10)
-        if process.returncode != 69:
-            break
-        print(f"lockrun could not acquire, trying again: {log.read_text()}")
-    pytest.fail(f"{tag} did not start (status {process.returncode}): {log.read_text()}")
 
 
 def until(condition: Callable[[], object], timeout: float) -> bool:
@@ -172,7 +146,9 @@ def test_failover_never_runs_two_holders(
     """
     holder_log, contender_log = tmp_path / "holder.err", tmp_path / "contender.err"
     uri = sentinels.uri()
-    holder, first = hold(spawn, oracle, "holder", "--uri", uri, *LEASE, "-n", name, log=holder_log)
+    holder, first = oracle.hold(
+        spawn, "holder", "-v", "--uri", uri, *LEASE, "-n", name, log=holder_log
+    )
     time.sleep(TTL / 3 + 0.3)  # a renewal went through, replicated
     begun = time.monotonic()
     sentinels.failover()
@@ -239,10 +215,10 @@ def test_partitioned_primary_with_its_holder_never_runs_two_holders(
     holder_log, contender_log = tmp_path / "holder.err", tmp_path / "contender.err"
     old = sentinels.named()
     assert old is not None
-    holder, first = hold(
+    holder, first = oracle.hold(
         spawn,
-        oracle,
         "holder",
+        "-v",
         "--uri",
         sentinels.inner_uri,
         *LEASE,
@@ -310,7 +286,7 @@ def test_a_lease_longer_than_the_reconfiguration_rides_out_a_failover(
     holder_log, contender_log = tmp_path / "holder.err", tmp_path / "contender.err"
     uri, ttl = sentinels.uri(), 30.0
     lease = ("--ttl", f"{ttl:g}", "--kill-after", "1", "-n", name)
-    holder, first = hold(spawn, oracle, "holder", "--uri", uri, *lease, log=holder_log)
+    holder, first = oracle.hold(spawn, "holder", "-v", "--uri", uri, *lease, log=holder_log)
     begun = time.monotonic()
     new = sentinels.failover()
     (seconds, micros) = sentinels.nodes[new].command("TIME").split()
@@ -361,7 +337,9 @@ def test_a_crashed_primary_never_runs_two_holders_and_waiters_wait_for_the_promo
     """
     holder_log, contender_log = tmp_path / "holder.err", tmp_path / "contender.err"
     uri = sentinels.uri()
-    holder, first = hold(spawn, oracle, "holder", "--uri", uri, *LEASE, "-n", name, log=holder_log)
+    holder, first = oracle.hold(
+        spawn, "holder", "-v", "--uri", uri, *LEASE, "-n", name, log=holder_log
+    )
     contender = Contender(spawn, oracle, uri, name, contender_log)
     wait_for(lambda: waiter_pids(uri, name) == [contender.process.pid], 30, "the waiter to queue")
     old = sentinels.named()

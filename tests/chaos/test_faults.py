@@ -1,9 +1,11 @@
-"""The same faults on every server backend: partitions, lag, resets, restarts and pauses.
+"""Chaos on every server backend: lag, resets, stray signals, stalls and a DBA's cancels.
 
-Each test holds a lock on a server of its own (tests/support/harness.py), breaks something, and
-judges lockrun by what the oracle saw (tests/support/oracle.py): when each command started
-and ended, as the kernel tells it, and each command's fence. The margins measured are
-printed at the end of the run.
+Each test holds a lock on a server of its own with a proxy in front (`rig`, a harness of
+tests/support/harness.py), breaks something, and judges lockrun by what the oracle saw
+(tests/support/oracle.py): when each command started and ended, as the kernel tells it, and
+each command's fence. The margins measured are printed at the end of the run. Partitions,
+restarts and pauses, which every backend shares with the fault suite, are in
+tests/contract/test_faults.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from lockrun.backends.mysql import lock_key as mysql_lock_key
 from tests.support.cli import holder_pids, one_line, wait_for, waiter_pids
 from tests.support.cli import lockrun as run_lockrun
+from tests.support.harness import SESSION_BACKENDS
 from tests.support.servers import MariaServer
 
 if TYPE_CHECKING:
@@ -27,45 +30,19 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from tests.support.harness import Rig
-    from tests.support.oracle import Oracle, Run
+    from tests.support.oracle import Oracle
 
 TTL: Final = 3.0  # renewals every second
 KILL_AFTER: Final = 1.0
 LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
 SLACK: Final = 3.0  # a shared 2-core machine, and Python start-ups on the way
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def deaf(command: list[str]) -> list[str]:
     """Return *command* run with TERM ignored, as a command that is slow to clean up is."""
     return ["bash", "-c", 'trap "" TERM; exec "$@"', "deaf", *command]
-
-
-def hold(
-    spawn: Callable[..., subprocess.Popen[str]],
-    oracle: Oracle,
-    tag: str,
-    *options: str,
-    wrap: Callable[[list[str]], list[str]] = list,
-    **kwargs: Any,
-) -> tuple[subprocess.Popen[str], Run]:
-    """Start ``lockrun OPTIONS -- <oracle's command>`` and wait until the command runs.
-
-    With a short lease every call may take only a fraction of it; a machine busy with other
-    tests can miss that while lockrun acquires, before anything under test happens. Such
-    a 69 is tried again, twice; any other early exit fails the test.
-    """
-    for attempt in range(3):
-        label = f"{tag}{attempt or ''}"
-        process = spawn(*options, "--", *wrap(oracle.command(label)), **kwargs)
-        if started := oracle.started_or_ended(label, process, 30):
-            return process, started
-        _, err = process.communicate(timeout=10)
-        if process.returncode != 69:
-            break
-        print(f"lockrun could not acquire, trying again: {err}")
-    pytest.fail(f"{tag} did not start (status {process.returncode}): {err}")
 
 
 def queued(rig: Rig, name: str, contender: subprocess.Popen[str]) -> None:
@@ -84,31 +61,6 @@ def lost(process: subprocess.Popen[str], timeout: float) -> str:
     return one_line(err)
 
 
-def test_partitioned_holder_stops_before_anyone_else_can_acquire(
-    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
-) -> None:
-    """A silent partition: the holder's command is dead before a client across it gets in.
-
-    The holder reaches the server through the proxy, which then drops every byte; a
-    contender on the server's side waits. The oracle's times give the margin between the
-    command's end and the contender's start; SPEC §4.2 wants it positive.
-    """
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *LEASE, "-n", name)
-    time.sleep(TTL / 3 + 0.2)  # a renewal went through the proxy
-    rig.proxy.blackhole()
-    cut = time.monotonic()
-    spawn("--uri", rig.uri, *LEASE, "-n", name, "-w", "forever", "--", *oracle.command("second"))
-    ended = oracle.wait_ended(first, timeout=TTL + SLACK)
-    second = oracle.wait_started("second", timeout=TTL + SLACK + 10)
-    margin = second.start - ended
-    record("partition", stopped_after=ended - cut, margin=margin, ttl=TTL)
-    assert margin > 0, f"the contender started {-margin:.3f}s before the holder's command ended"
-    assert ended - cut < TTL, "the command outlived its lease"
-    assert "lease could not be confirmed" in lost(holder, KILL_AFTER + SLACK)
-    assert second.fence > first.fence
-    assert not oracle.overlaps()
-
-
 def test_slow_server_never_resurrects_a_lost_lease(
     rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
 ) -> None:
@@ -121,7 +73,7 @@ def test_slow_server_never_resurrects_a_lost_lease(
     """
     ttl, delay = 2.0, 2.0
     lease = ("--ttl", f"{ttl:g}", "--kill-after", "0.5")
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *lease, "-n", name)
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.proxied, *lease, "-n", name)
     rig.proxy.delay(delay)
     lagged = time.monotonic()
     spawn("--uri", rig.uri, *lease, "-n", name, "-w", "forever", "--", *oracle.command("second"))
@@ -158,15 +110,15 @@ def test_reset_connections(
     exit 76, and the contender that gets in has the larger fence.
     """
     # A session lock's lease is long, so only the hang-up (not a check) can be that quick.
-    lease = LEASE if rig.backend == "redis" else ("--ttl", "30", "--kill-after", f"{KILL_AFTER:g}")
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.proxied, *lease, "-n", name)
+    lease = LEASE if rig.kind.leased else ("--ttl", "30", "--kill-after", f"{KILL_AFTER:g}")
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.proxied, *lease, "-n", name)
     contender = spawn(
         "--uri", rig.uri, *lease, "-n", name, "-w", "forever", "--", *oracle.command("second")
     )
     queued(rig, name, contender)
     rig.proxy.reset()
     cut = time.monotonic()
-    if rig.backend == "redis":
+    if not rig.kind.session:
         time.sleep(TTL + 0.5)  # several renewals, through a new connection
         assert first.end is None, "the holder stopped its command"
         assert not oracle.started("second")
@@ -187,109 +139,17 @@ def test_reset_connections(
     oracle.release(second)
 
 
-def test_server_restart_stops_the_holder_and_the_next_fence_is_larger(
-    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
-) -> None:
-    """A restart mid-hold: the command stops within ttl/3 + grace; the next fence is larger.
-
-    A contender waits through the restart and gets in once the server is back. It rides
-    out a lost server for a ttl of its own (README: "A queued waiter that loses the
-    server"), here a long one: on a loaded machine a restart may take longer than the
-    holder's 3 s, and how fast a server starts is not what is judged.
-    """
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.uri, *LEASE, "-n", name)
-    patient = ("--ttl", "60", "-n", name, "-w", "forever")
-    contender = spawn("--uri", rig.uri, *patient, "--", *oracle.command("second"))
-    queued(rig, name, contender)
-    killed = time.monotonic()
-    rig.restart()
-    back = time.monotonic()
-    ended = oracle.wait_ended(first, timeout=TTL + SLACK)
-    lost(holder, KILL_AFTER + SLACK)
-    second = oracle.started_or_ended("second", contender, 60)
-    assert second is not None, contender.communicate(timeout=10)
-    record(
-        "restart",
-        stopped_after=ended - killed,
-        server_back_after=back - killed,
-        margin=second.start - ended,
-    )
-    assert ended - killed < TTL / 3 + KILL_AFTER + SLACK
-    assert second.fence > first.fence
-    if rig.backend != "redis":  # the hang-up stops it before the server is even back
-        assert second.start > ended
-    # A Redis that restarts without its data has forgotten the lease: the contender may
-    # get in before the holder's next renewal finds that out (README: "Restart without
-    # persistence, failover").
-    oracle.release(second)
-
-
 def test_a_stray_sigurg_is_not_a_hangup(
     rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any]
 ) -> None:
     """SIGURG, which the hang-up watch uses, stops nothing when no session hung up."""
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.uri, *LEASE, "-n", name)
+    holder, first = oracle.hold(spawn, "holder", "--uri", rig.uri, *LEASE, "-n", name)
     holder.send_signal(signal.SIGURG)
     time.sleep(0.3)
     assert first.end is None
     oracle.release(first)
     _, err = holder.communicate(timeout=10)
     assert holder.returncode == 0, err
-
-
-def test_stopped_lockrun_cannot_outlive_its_lease(
-    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
-) -> None:
-    """SIGSTOP of lockrun alone: its guardian stops the command before the lease runs out.
-
-    The command ignores TERM, so only the guardian's KILL, due before the server may give
-    the slot away, ends it; a contender gets in after that. On SIGCONT lockrun exits 76.
-    """
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.uri, *LEASE, "-n", name, wrap=deaf)
-    holder.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        spawn(
-            "--uri", rig.uri, *LEASE, "-n", name, "-w", "forever", "--", *oracle.command("second")
-        )
-        second = oracle.wait_started("second", timeout=TTL + SLACK + 10)
-    finally:
-        holder.send_signal(signal.SIGCONT)
-    line = lost(holder, KILL_AFTER + SLACK)
-    assert first.end is not None
-    record("pause", stopped_after=first.end - stopped, margin=second.start - first.end)
-    assert "guardian stopped the command" in line
-    assert not oracle.overlaps()
-    assert second.fence > first.fence
-    oracle.release(second)
-
-
-def test_certain_loss_kills_within_the_lost_grace(
-    rig: Rig, oracle: Oracle, name: str, spawn: Callable[..., Any], record: Callable[..., None]
-) -> None:
-    """A restart frees the lock at once; a command deaf to TERM is KILLed within --lost-kill-after.
-
-    Not within --kill-after (10 s here): the loss is certain, someone else may hold the
-    lock already. The overlap is bounded by the grace (1 s by default), plus, on Redis,
-    the time until the next renewal finds the lease gone (up to ttl/3: README "Guarantees").
-    """
-    options = ("--ttl", f"{TTL:g}", "--kill-after", "10", "-n", name)
-    holder, first = hold(spawn, oracle, "holder", "--uri", rig.uri, *options, wrap=deaf)
-    patient = ("--ttl", "60", "-n", name, "-w", "forever")
-    contender = spawn("--uri", rig.uri, *patient, "--", *oracle.command("second"))
-    queued(rig, name, contender)
-    restarted = time.monotonic()
-    rig.restart()
-    ended = oracle.wait_ended(first, timeout=TTL / 3 + 1 + SLACK)
-    lost(holder, SLACK)
-    second = oracle.started_or_ended("second", contender, 60)
-    assert second is not None, contender.communicate(timeout=10)
-    overlap = max(0.0, ended - second.start)
-    record("certain loss", stopped_after=ended - restarted, overlap=overlap)
-    detection = TTL / 3 if rig.backend == "redis" else 0.0  # a session's end is heard at once
-    assert ended - restarted < detection + 1 + SLACK
-    assert overlap < detection + 1 + SLACK
-    oracle.release(second)
 
 
 def test_stall_between_grant_and_command_is_counted(
@@ -424,7 +284,7 @@ _POSTGRES_ACTIVE: Final = (
     "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend'"
     " AND pid <> pg_backend_pid() AND state = 'active'"
 )
-SQL: Final = pytest.mark.parametrize("rig", ["mysql", "postgres"], indirect=True)
+SQL: Final = pytest.mark.parametrize("rig", SESSION_BACKENDS, indirect=True)
 
 
 @SQL
@@ -439,7 +299,7 @@ def test_a_cancelled_check_keeps_the_lock(
     log = tmp_path / "holder.log"
     with log.open("w") as stderr:
         options = ("--uri", rig.uri, "--ttl", "6", "--kill-after", "1", "-v", "-n", name)
-        holder, first = hold(spawn, oracle, "holder", *options, stderr=stderr)
+        holder, first = oracle.hold(spawn, "holder", *options, stderr=stderr)
     canceller = Canceller(rig, holder_session(rig, name), blocking=True)
     canceller.start()
     try:
@@ -467,7 +327,7 @@ def test_a_command_outlives_no_session_its_checks_were_cancelled_on(
     long its TERM grace (an earlier lockrun: an overlap of up to --kill-after).
     """
     options = ("--uri", rig.uri, "--ttl", f"{TTL:g}", "--kill-after", "10", "-n", name)
-    holder, first = hold(spawn, oracle, "holder", *options, wrap=deaf)
+    holder, first = oracle.hold(spawn, "holder", *options, wrap=deaf)
     contender = spawn("--uri", rig.uri, "-n", name, "-w", "forever", "--", *oracle.command("2"))
     queued(rig, name, contender)
     canceller = Canceller(rig, holder_session(rig, name), blocking=True)

@@ -1,7 +1,7 @@
 """100 waiters on one name with 10 slots, on every backend.
 
 Ten holders take the slots; 90 waiters then start 30 ms apart and queue; the holders
-let go, and each waiter runs a 50 ms command. The oracle (tests/chaos/oracle.py) checks
+let go, and each waiter runs a 50 ms command. The oracle (tests/support/oracle.py) checks
 that never more than 10 ran at once and gives the order they were granted in, which is
 compared with the order they started in (Kendall's tau; 1 is exactly first come, first
 served). Each lockrun is reaped with wait4, so its CPU (with its command's) is measured;
@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
 
-    from tests.support.harness import Target
+    from tests.support.harness import Harness
     from tests.support.oracle import Oracle
+
+pytestmark = pytest.mark.slow
 
 WAITERS: Final = 100
 SLOTS: Final = 10
@@ -61,12 +63,12 @@ def test_kendall_tau() -> None:
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_100_waiters_on_10_slots(
-    target: Target, oracle: Oracle, name: str, tmp_path: Path, record: Callable[..., None]
+    harness: Harness, oracle: Oracle, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """All 100 run, never more than 10 at once, granted close to the order they came in."""
-    options = ["--uri", target.uri, "-n", name, "-s", str(SLOTS), "-w", "forever"]
+    options = ["--uri", harness.uri, "-n", name, "-s", str(SLOTS), "-w", "forever"]
     errors = tmp_path / "stderr"
-    sessions = PeakSessions(target.rig) if target.rig else None
+    sessions = None if harness.kind.local else PeakSessions(harness)
     pids: list[int] = []
     try:
         pids += [
@@ -81,7 +83,7 @@ def test_100_waiters_on_10_slots(
             pids.append(spawn([*LOCKRUN, *options, "--", *command], errors))
             time.sleep(max(0.0, began + (i + 1) * PACE - time.monotonic()))
         oracle.wait(
-            lambda: queue_length(target.uri, name) == WAITERS - SLOTS,
+            lambda: queue_length(harness.uri, name) == WAITERS - SLOTS,
             120,
             f"{WAITERS - SLOTS} waiters to queue; lockrun said: {errors.read_text()[-2000:]}",
         )
@@ -108,7 +110,7 @@ def test_100_waiters_on_10_slots(
     tau = kendall_tau(granted)
     record(
         "100 waiters, 10 slots",
-        backend=target.kind,
+        backend=harness.backend,
         peak=oracle.peak,
         tau=tau,
         queued_in=queued,

@@ -3,7 +3,7 @@
 Two pools of lockrun processes contend for one name each, a mutex (N = 1) and a
 semaphore (N = 3), every process around a command that reports to the oracle and holds for
 a moment. A pool is topped up as its processes end, while a killer SIGKILLs a random
-holder, waiter or command every 0.1–0.4 s. The oracle (tests/chaos/oracle.py) must never
+holder, waiter or command every 0.1–0.4 s. The oracle (tests/support/oracle.py) must never
 see more than N commands at once, and once the storm is over all N slots of each name must
 be takeable at the same time within a ttl: nothing the dead left behind may hold one.
 """
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from tests.support.harness import Target
+    from tests.support.harness import Harness
+
+pytestmark = pytest.mark.slow
 
 STORM: Final = 15.0  # seconds of killing
 TTL: Final = 5.0  # a SIGKILLed Redis holder's slot comes back a ttl later
@@ -122,14 +124,14 @@ class Pool:
 @pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
-    target: Target, name: str, tmp_path: Path, record: Callable[..., None]
+    harness: Harness, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """SIGKILLs for 15 s: never more than N at once; then all N slots free within a ttl."""
     seed = os.getpid() ^ int(time.time())
     rng = random.Random(seed)  # noqa: S311 - chaos, not secrets
     pools = [
-        Pool(target.uri, f"{name}-mutex", 1, 3, tmp_path, rng),
-        Pool(target.uri, f"{name}-sem", 3, 5, tmp_path, rng),
+        Pool(harness.uri, f"{name}-mutex", 1, 3, tmp_path, rng),
+        Pool(harness.uri, f"{name}-sem", 3, 5, tmp_path, rng),
     ]
     try:
         storm(pools, rng)
@@ -149,7 +151,7 @@ def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
             )
         all_free = time.monotonic() - killed
         for pool in pools:
-            check(pool, target, all_free, seed, record)
+            check(pool, harness, all_free, seed, record)
     finally:
         for pool in pools:
             pool.close()
@@ -169,13 +171,13 @@ def storm(pools: list[Pool], rng: random.Random) -> None:
 
 
 def check(
-    pool: Pool, target: Target, all_free: float, seed: int, record: Callable[..., None]
+    pool: Pool, harness: Harness, all_free: float, seed: int, record: Callable[..., None]
 ) -> None:
     """Judge one pool by its oracle: the peak, the fences, the statuses, the release."""
     runs = [run for run in pool.oracle.runs if run.pid]
     record(
         f"kill storm N={pool.slots}",
-        backend=target.kind,
+        backend=harness.backend,
         runs=len(runs),
         kills=dict(pool.kills),
         peak=pool.oracle.peak,

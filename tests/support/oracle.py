@@ -23,10 +23,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Callable
+    from pathlib import Path
 
 import pytest
 
@@ -88,6 +90,37 @@ class Oracle:
             f'read -r {timeout}-u "$oracle" _; exit 0'
         )
         return ["bash", "-c", script]
+
+    def hold(
+        self,
+        spawn: Callable[..., subprocess.Popen[str]],
+        tag: str,
+        *options: str,
+        wrap: Callable[[list[str]], list[str]] = list,
+        log: Path | None = None,
+        **kwargs: Any,
+    ) -> tuple[subprocess.Popen[str], Run]:
+        """Start ``lockrun OPTIONS -- <our command>`` (*wrap*ped) and wait until it runs.
+
+        With a short lease every call may take only a fraction of it; a machine busy with
+        other tests can miss that while lockrun acquires, before anything under test
+        happens. Such a 69 is tried again, twice; any other early exit fails the test.
+        With *log*, lockrun's stderr goes to the end of that file.
+        """
+        for attempt in range(3):
+            label = f"{tag}{attempt or ''}"
+            with contextlib.ExitStack() as stack:
+                if log is not None:
+                    kwargs["stderr"] = stack.enter_context(log.open("a"))
+                process = spawn(*options, "--", *wrap(self.command(label)), **kwargs)
+            if started := self.started_or_ended(label, process, 30):
+                return process, started
+            _, err = process.communicate(timeout=10)
+            err = log.read_text() if log is not None else err or ""
+            if process.returncode != 69:
+                break
+            print(f"lockrun could not acquire, trying again: {err}")
+        pytest.fail(f"{tag} did not start (status {process.returncode}): {err}")
 
     def release(self, run: Run) -> None:
         """Tell a holding command to exit 0."""

@@ -48,6 +48,7 @@ def tables(markdown: str) -> dict[str, list[list[str]]]:
     return found
 
 
+@pytest.mark.slow  # half a minute of measuring
 def test_quick_report(tmp_path: Path) -> None:
     """`--quick --backends file,abstract` writes both tables with flock(1) and a valid PNG."""
     try:

@@ -331,7 +331,12 @@ def test_interrupted_waiter_leaves_no_session_and_no_gate(
     if ahead is not None:
         assert finish(ahead) == 0
     parts: list[int | str] = [*range(slots), "gate"]
-    assert [harness.holder(name, part) for part in parts] == [None] * (slots + 1)
+    # A holder's goodbye is sent, not awaited: the server frees its slot a moment later.
+    wait_for(
+        lambda: [harness.holder(name, part) for part in parts] == [None] * (slots + 1),
+        timeout=5,
+        what="every slot and the gate to be free",
+    )
     after = lockrun(*options, "--", "true")
     assert after.returncode == 0, after.stderr
 
@@ -394,32 +399,6 @@ def test_granted_head_keeps_one_session_and_one_slot(
 
 
 # -- --slots agreement and exclusion ------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("held_with", "asked"), [(3, 2), (1, 3), (3, 1)])
-def test_slots_mismatch_exits_78_naming_the_holder(
-    shared_harness: Harness, name: str, held: Callable[..., Held], held_with: int, asked: int
-) -> None:
-    """-s ASKED on a name held with -s HELD exits 78 naming the holder, which runs on to exit 0.
-
-    The refused try holds nothing: no other slot is taken. Once free, -s ASKED works.
-    """
-    harness = shared_harness
-    holder = held("--uri", harness.uri, *CALM, "-n", name, "-s", str(held_with))
-    result = lockrun("--uri", harness.uri, *CALM, "-n", name, "-s", str(asked), "--", "true")
-    try:
-        assert result.returncode == 78, result.stderr
-        line = one_line(result.stderr)
-        assert name in line
-        assert f"pid {holder.process.pid}" in line
-        assert f"--slots {held_with}" in line
-        others = [harness.holder(name, slot) for slot in range(1, max(held_with, asked))]
-        assert others == [None] * len(others)
-    finally:
-        assert holder.process.poll() is None
-        assert holder.finish() == 0
-    after = lockrun("--uri", harness.uri, *CALM, "-n", name, "-s", str(asked), "--", "true")
-    assert after.returncode == 0, after.stderr
 
 
 @pytest.mark.timeout(120)

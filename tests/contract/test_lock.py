@@ -578,13 +578,17 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
             assert f"in use with {held_as} by {ME}@{HOST} pid {holder.process.pid}" in line
             assert f"but this one asks for {asked};" in line
             assert elapsed < PATIENCE  # not the 30 s of --wait
-    assert what_holds(uri, name) == before
+    assert what_holds(uri, name) == before  # the refused tries took no other slot
     same = lockrun("--uri", uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT")
     if held_slots == "1":
         assert same.returncode == ExitCode.BUSY
     else:
         assert (same.returncode, same.stdout) == (0, "1\n"), same.stderr
+    assert holder.process.poll() is None  # the holder runs on, untouched
     assert holder.finish() == 0
+    for slots in other_slots:  # once the name is free, the other N works
+        after = lockrun("--uri", uri, "-n", name, "-s", slots, "--", "true")
+        assert after.returncode == 0, after.stderr
 
 
 def test_namespaces_partition_names(uri: str, held: Callable[..., Held], name: str) -> None:

@@ -403,7 +403,7 @@ def test_flock1_and_lockrun_exclude_each_other(file_uri: str, name: str, tmp_pat
 
 
 def test_lock_files_are_never_deleted(file_uri: str, name: str, tmp_path: Path) -> None:
-    """After runs, the lock, slot, gate and fence file_uri stay (unlink races split waiters)."""
+    """After runs, the lock, slot, gate and fence files stay (unlink races split waiters)."""
     assert lockrun("--uri", file_uri, "-n", name, "-s", "2", "--", "true").returncode == 0
     left = sorted(path.name for path in (tmp_path / "locks").iterdir())
     assert left == [f"{name}.fence", f"{name}.gate", f"{name}.lock", f"{name}~1.lock"]

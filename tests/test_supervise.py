@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.support.cli import gone, lockrun, one_line, python, queue_length, states, wait_for
+from tests.support.cli import gone, lockrun, one_line, python, queue_length, wait_for, waiter_pids
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -622,11 +622,6 @@ def test_unexpected_refresh_error_stops_and_reaps_command(
 # -- interrupted while waiting (SPEC §2, §4.6) ---------------------------------------------
 
 
-def is_waiting(uri: str, name: str, pid: int) -> bool:
-    """Return whether `lockrun status` lists *pid* as waiting for *name*."""
-    return any(waiter["pid"] == pid for state in states(uri, name) for waiter in state["waiters"])
-
-
 @pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])
 def test_signal_while_waiting_exits_and_leaves_nothing_held(
     uri: str,
@@ -639,7 +634,9 @@ def test_signal_while_waiting_exits_and_leaves_nothing_held(
     """INT or TERM while waiting for a busy lock: 130 or 143, one line, nothing held after."""
     holder = held("--uri", uri, "--name", name)
     waiter = spawn("--uri", uri, "--name", name, "-w", "forever", "--", "true")
-    wait_for(lambda: is_waiting(uri, name, waiter.pid) or waiter.poll() is not None, what="wait")
+    wait_for(
+        lambda: waiter.pid in waiter_pids(uri, name) or waiter.poll() is not None, what="the waiter"
+    )
     assert waiter.poll() is None, "the waiter ended instead of waiting"
     os.kill(waiter.pid, signal.Signals["SIG" + signame])
     _, err = waiter.communicate(timeout=30)

@@ -123,21 +123,19 @@ def test_status_options_complete() -> None:
     ]
 
 
-def test_the_command_word_completes_from_path(tmp_path: Path) -> None:
+def test_the_command_word_completes_from_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first word of the command is a program on PATH; the words after it are files."""
     program = tmp_path / "lockrun-test-program"
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
     (tmp_path / "lockrun-test-data").write_text("not executable\n")
-    env_path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    os.environ["PATH"], saved = env_path, os.environ["PATH"]
-    try:
-        assert complete("lockrun -n x -- lockrun-test-") == ["plain,lockrun-test-program"]
-        assert complete("lockrun lockrun-test-") == ["plain,lockrun-test-program"]
-        assert complete("lockrun -n x lockrun-test-program --ur") == ["file,--ur"]
-        assert complete("lockrun ./lockrun-te") == ["file,./lockrun-te"]
-    finally:
-        os.environ["PATH"] = saved
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert complete("lockrun -n x -- lockrun-test-") == ["plain,lockrun-test-program"]
+    assert complete("lockrun lockrun-test-") == ["plain,lockrun-test-program"]
+    assert complete("lockrun -n x lockrun-test-program --ur") == ["file,--ur"]
+    assert complete("lockrun ./lockrun-te") == ["file,./lockrun-te"]
 
 
 def completion_env(home: Path) -> dict[str, str]:

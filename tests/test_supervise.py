@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.support.cli import gone, lockrun, one_line, start, states, wait_for
+from tests.support.cli import gone, lockrun, one_line, python, queue_length, wait_for, waiter_pids
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -178,31 +178,6 @@ LAUNCHER = (
 )
 
 
-@pytest.fixture
-def reaper() -> Iterator[list[subprocess.Popen[str]]]:
-    """Return a list of processes to kill (if still running) and reap at teardown."""
-    processes: list[subprocess.Popen[str]] = []
-    yield processes
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
-
-
-@pytest.fixture
-def launch(reaper: list[subprocess.Popen[str]]) -> Callable[..., subprocess.Popen[str]]:
-    """Return `start`, with every lockrun still running at teardown killed and reaped."""
-
-    def factory(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
-        process = start(*args, **kwargs)
-        reaper.append(process)
-        return process
-
-    return factory
-
-
 def python_script(directory: Path, body: str) -> str:
     """Write a Python command (ANNOUNCE's helpers plus *body*) and return its path."""
     path = directory / f"command-{len(list(directory.glob('command-*')))}.py"
@@ -210,7 +185,7 @@ def python_script(directory: Path, body: str) -> str:
     return str(path)
 
 
-def wait_ready(path: Path, process: subprocess.Popen[str]) -> str:
+def wait_ready(path: Path, process: subprocess.Popen[Any]) -> str:
     """Wait until the command announced *path*; fail with lockrun's stderr if it ended first."""
     wait_for(lambda: path.exists() or process.poll() is not None, what=f"{path.name}")
     if not path.exists():
@@ -244,11 +219,7 @@ def state(pid: int) -> str:
 # -- exit statuses (SPEC §2) ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [0, 3, 255])
-def test_command_status_passes_through(file_uri: str, name: str, status: int) -> None:
-    """The command's own exit status is lockrun's, and lockrun says nothing."""
-    result = lockrun("--uri", file_uri, "--name", name, "--", "sh", "-c", f"exit {status}")
-    assert (result.returncode, result.stderr) == (status, "")
+# The command's own status passing through: tests/test_cli.py.
 
 
 @pytest.mark.parametrize("signo", [signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV])
@@ -269,14 +240,14 @@ def test_signal_reaches_every_process_of_the_group_once(
     uri: str,
     name: str,
     tmp_path: Path,
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     signame: str,
 ) -> None:
     """A forwarded signal sent to lockrun reaches each process of the command's group once."""
     log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
     ready.mkdir()
     command = [sys.executable, python_script(tmp_path, FORWARD_LOGGER), str(log), str(ready)]
-    process = launch("--uri", uri, "--name", name, "--", *command, str(go))
+    process = spawn("--uri", uri, "--name", name, "--", *command, str(go))
     pids = wait_pids(ready, 2, process)
     os.kill(process.pid, signal.Signals["SIG" + signame])
     wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 2, what="the log")
@@ -291,13 +262,13 @@ def test_forwarded_signal_does_not_end_lockrun(
     uri: str,
     name: str,
     tmp_path: Path,
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     signame: str,
 ) -> None:
     """HUP, INT or TERM to lockrun while the command runs: lockrun exits with its status."""
     ready = tmp_path / "ready"
     command = python_script(tmp_path, TRAP_AND_EXIT)
-    process = launch(
+    process = spawn(
         "--uri", uri, "--name", name, "--", sys.executable, command, str(ready), signame
     )
     wait_ready(ready, process)
@@ -330,10 +301,10 @@ def test_pipeline_in_command_ends_by_sigpipe(file_uri: str, name: str) -> None:
 def test_max_time_stops_command_with_124(file_uri: str, name: str) -> None:
     """--max-time stops a command that outlives it: exit 124, one line naming limit and lock."""
     started = time.monotonic()
-    result = lockrun("--uri", file_uri, "--name", name, "--max-time", "0.5", "--", "sleep", "30")
+    result = lockrun("--uri", file_uri, "--name", name, "--max-time", "0.2", "--", "sleep", "30")
     assert result.returncode == 124
     line = one_line(result.stderr)
-    assert "max-time" in line
+    assert "--max-time 0.20s expired" in line
     assert name in line  # SPEC §2: every lockrun-made status names the lock
     assert time.monotonic() - started < 20
 
@@ -351,7 +322,7 @@ def test_max_time_kills_processes_that_ignore_term(
     uri: str,
     name: str,
     tmp_path: Path,
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     who: str,
 ) -> None:
     """--max-time: whatever of the group ignores TERM gets KILL, grandchildren included."""
@@ -359,7 +330,7 @@ def test_max_time_kills_processes_that_ignore_term(
     ready.mkdir()
     started = time.monotonic()
     with (tmp_path / "stderr").open("w+") as stderr:  # a pipe would wait for the grandchild
-        process = launch(
+        process = spawn(
             "--uri", uri, "--name", name, "--max-time", "1", "--kill-after", "0.5",
             "--", "sh", "-c", IGNORING_TERM[who], "sh", str(ready),
             stderr=stderr,
@@ -377,6 +348,10 @@ def test_max_time_kills_processes_that_ignore_term(
     wait_for(lambda: all(gone(pid) for pid in pids), timeout=5, what=f"pids {pids} to end")
 
 
+# Writes its pid to the file $1 (renamed into place), then sleeps as that pid.
+SLEEPER = 'echo $$ > "$1.tmp" && mv "$1.tmp" "$1" && exec sleep 30'
+
+
 # -- lockrun killed (SPEC §4.2) ------------------------------------------------------------
 
 
@@ -387,7 +362,7 @@ def test_max_time_kills_processes_that_ignore_term(
 def test_sigkill_to_lockrun_never_leaves_command_running_unlocked(
     name: str,
     tmp_path: Path,
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     backend: str,
     options: tuple[str, ...],
     survives: bool,
@@ -397,10 +372,10 @@ def test_sigkill_to_lockrun_never_leaves_command_running_unlocked(
         f"file://{tmp_path}/locks" if backend == "file" else f"abstract:test-{uuid.uuid4().hex[:8]}"
     )
     ready = tmp_path / "ready"
-    script = f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready} && exec sleep 30"
-    process = launch(
-        "--uri", uri, "--name", name, *options, "--", "sh", "-c", script, stderr=subprocess.DEVNULL
-    )
+    process = spawn(
+        "--uri", uri, "--name", name, *options, "--", "sh", "-c", SLEEPER, "sh", str(ready),
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     pid = int(wait_ready(ready, process))
     try:
         process.kill()
@@ -427,17 +402,16 @@ def test_sigkill_to_lockrun_never_leaves_command_running_unlocked(
 def test_lost_lock_file_stops_command_with_76(
     name: str,
     tmp_path: Path,
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     how: str,
     options: tuple[str, ...],
 ) -> None:
     """A lock file deleted or replaced under a holder: command stopped, exit 76, one line."""
     ready = tmp_path / "ready"
-    script = f"echo $$ > {ready}.tmp && mv {ready}.tmp {ready} && exec sleep 30"
     started = time.monotonic()
-    process = launch(
+    process = spawn(
         "--uri", f"file://{tmp_path}/locks", "--name", name, "--ttl", "1", "--kill-after", "1",
-        *options, "--", "sh", "-c", script,
+        *options, "--", "sh", "-c", SLEEPER, "sh", str(ready),
     )  # fmt: skip
     pid = int(wait_ready(ready, process))
     lock_file = tmp_path / "locks" / f"{name}.lock"
@@ -449,23 +423,25 @@ def test_lost_lock_file_stops_command_with_76(
         (tmp_path / "new.lock").replace(lock_file)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 76, err
-    assert name in one_line(err)
+    line = one_line(err)
+    assert name in line
+    assert "was deleted or replaced" in line
     assert time.monotonic() - started < 20
     wait_for(lambda: gone(pid), timeout=5, what="the command to end")
 
 
 @pytest.fixture
-def supervised(
-    tmp_path: Path, reaper: list[subprocess.Popen[str]]
-) -> Callable[..., subprocess.Popen[str]]:
+def supervised(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """Return a starter of SUPERVISOR over TERM_RECORDER; it returns once both are under way.
 
-    Files in *tmp_path*: ``marker`` (create it to make refresh fail), ``marker.failed``,
-    ``marker.recovered``, ``ready`` (the command's pid), ``term`` (when it got TERM), ``go``.
+    Not waiting (``wait=False``) is for a spawn that stalls. Files in *tmp_path*: ``marker``
+    (create it to make refresh fail), ``marker.failed``, ``marker.recovered``, ``ready`` (the
+    command's pid), ``term`` (when it got TERM), ``go``. Killed and reaped at teardown.
     """
+    started: list[subprocess.Popen[str]] = []
 
     def factory(
-        mode: str, ttl: float, kill_after: float, command_mode: str = "record"
+        mode: str, ttl: float, kill_after: float, command_mode: str = "record", *, wait: bool = True
     ) -> subprocess.Popen[str]:
         supervisor = tmp_path / "supervisor.py"
         supervisor.write_text(SUPERVISOR)
@@ -481,12 +457,19 @@ def supervised(
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        reaper.append(process)
-        wait_ready(tmp_path / "ready", process)
-        wait_ready(tmp_path / "marker.confirmed", process)
+        started.append(process)
+        if wait:
+            wait_ready(tmp_path / "ready", process)
+            wait_ready(tmp_path / "marker.confirmed", process)
         return process
 
-    return factory
+    yield factory
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
 
 
 def supervisor_record(process: subprocess.Popen[str], tmp_path: Path) -> dict[str, Any]:
@@ -555,23 +538,15 @@ def test_a_lease_too_short_to_doubt_is_still_killed_by_its_deadline(
     assert record["reaped"]
 
 
-def test_a_spawn_that_stalls_past_the_lease_is_killed_at_once(tmp_path: Path) -> None:
+def test_a_spawn_that_stalls_past_the_lease_is_killed_at_once(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
     """The spawn itself stalls past the deadline: the command never had the lock, so KILL.
 
     Not TERM and a grace, as for a command that held the lock until it was lost: it may
     not run at all (strace can hold posix_spawn's clone3 for as long as it likes).
     """
-    supervisor = tmp_path / "supervisor.py"
-    supervisor.write_text(SUPERVISOR)
-    command = python_script(tmp_path, TERM_RECORDER)
-    files = [str(tmp_path / part) for part in ("marker", "ready", "out.json", "term", "go")]
-    marker, ready, out, term, go = files
-    process = subprocess.Popen(
-        [sys.executable, str(supervisor), marker, "slow-spawn", "1.0", "5.0", ready, out,
-         sys.executable, command, ready, "ignore", term, go],
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    process = supervised("slow-spawn", 1.0, 5.0, "ignore", wait=False)
     record = supervisor_record(process, tmp_path)
     assert process.returncode == 76
     assert record["message"].startswith("the lease ran out while the command was started")
@@ -647,29 +622,29 @@ def test_unexpected_refresh_error_stops_and_reaps_command(
 # -- interrupted while waiting (SPEC §2, §4.6) ---------------------------------------------
 
 
-def is_waiting(uri: str, name: str, pid: int) -> bool:
-    """Return whether `lockrun status` lists *pid* as waiting for *name*."""
-    return any(waiter["pid"] == pid for state in states(uri, name) for waiter in state["waiters"])
-
-
 @pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])
 def test_signal_while_waiting_exits_and_leaves_nothing_held(
     uri: str,
     name: str,
     held: Callable[..., Held],
-    launch: Callable[..., subprocess.Popen[str]],
+    spawn: Callable[..., subprocess.Popen[str]],
     signame: str,
     status: int,
 ) -> None:
     """INT or TERM while waiting for a busy lock: 130 or 143, one line, nothing held after."""
     holder = held("--uri", uri, "--name", name)
-    waiter = launch("--uri", uri, "--name", name, "-w", "forever", "--", "true")
-    wait_for(lambda: is_waiting(uri, name, waiter.pid) or waiter.poll() is not None, what="wait")
+    waiter = spawn("--uri", uri, "--name", name, "-w", "forever", "--", "true")
+    wait_for(
+        lambda: waiter.pid in waiter_pids(uri, name) or waiter.poll() is not None, what="the waiter"
+    )
     assert waiter.poll() is None, "the waiter ended instead of waiting"
     os.kill(waiter.pid, signal.Signals["SIG" + signame])
     _, err = waiter.communicate(timeout=30)
     assert waiter.returncode == status
-    assert name in one_line(err)
+    line = one_line(err)
+    assert name in line
+    assert "while waiting for" in line
+    assert queue_length(uri, name) == 0  # it left the queue, not only the process table
     assert holder.finish() == 0
     result = lockrun("--uri", uri, "--name", name, "-w", "0", "--", "true")
     assert (result.returncode, result.stderr) == (0, "")
@@ -725,9 +700,7 @@ def test_ctrl_c_reaches_command_once(
     process, master = on_terminal(
         "--uri", uri, "--name", name, "--", sys.executable, command, str(ready)
     )
-    wait_for(lambda: ready.exists() or process.poll() is not None, what="the command")
-    assert ready.exists(), f"lockrun ended with {process.returncode}"
-    group, foreground = map(int, ready.read_text().split())
+    group, foreground = map(int, wait_ready(ready, process).split())
     assert foreground == 1, "the command's group did not get the terminal"
     assert os.tcgetpgrp(master) == group
     os.write(master, b"\x03")
@@ -747,9 +720,7 @@ def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
         "--uri", uri, "--name", name, "--",
         sys.executable, command, str(ready), "record", str(tmp_path / "term"), str(go),
     )  # fmt: skip
-    wait_for(lambda: ready.exists() or process.poll() is not None, what="the command")
-    assert ready.exists(), f"lockrun ended with {process.returncode}"
-    pid = int(ready.read_text())
+    pid = int(wait_ready(ready, process))
     group = os.getpgid(pid)
     assert os.tcgetpgrp(master) == group
     os.write(master, b"\x1a")
@@ -784,9 +755,7 @@ def test_the_guardian_outlives_every_process_it_kills() -> None:
     When lockrun is gone, its copy of the lock must go last: killpg would kill the
     guardian too, maybe first.
     """
-    result = subprocess.run(
-        [sys.executable, "-c", LAST_ACT], capture_output=True, text=True, timeout=30, check=False
-    )
+    result = python(LAST_ACT, timeout=30)
     assert (result.returncode, result.stdout.strip()) == (0, "True"), result.stderr
 
 
@@ -815,13 +784,7 @@ def test_a_stopped_guardian_never_blocks_the_renewals() -> None:
     few hundred renewals, after which lockrun blocked and the lease ran out beside its
     command (about 95 s at ttl 1, found by an adversarial pass).
     """
-    result = subprocess.run(
-        [sys.executable, "-c", STOPPED_GUARDIAN],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = python(STOPPED_GUARDIAN)
     assert result.returncode == 0, result.stderr
     took, acted = result.stdout.split()
     assert acted == "False"  # nothing of its group was due

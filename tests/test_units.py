@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -18,6 +16,7 @@ from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
 from lockrun.timing import clock_time, format_duration, now, parse_duration
 from lockrun.uri import redact
+from tests.support.cli import python
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -155,9 +154,8 @@ def test_import_lockrun_loads_no_click_and_no_driver() -> None:
     """`import lockrun` imports neither click nor a database driver (SPEC §5)."""
     drivers = "('click', 'redis', 'pymysql', 'psycopg')"
     probe = f"import sys, lockrun; print(sorted(m for m in {drivers} if m in sys.modules))"
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
-    )
+    result = python(probe)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 

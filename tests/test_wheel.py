@@ -27,7 +27,7 @@ PLACES = {
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SHARED: dict[str, str] = PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["shared-data"]
 
-pytestmark = pytest.mark.timeout(300)  # venvs and installs, each a few seconds
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # venvs and installs, 10 s+ each
 
 
 def run(*argv: str | Path, **kwargs: Any) -> subprocess.CompletedProcess[str]:

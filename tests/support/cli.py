@@ -207,3 +207,11 @@ def interval_log(
         running += change
         peak = max(peak, running)
     return len(events) // 2, seen, peak
+
+
+def python(code: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c CODE`` (this interpreter) to completion and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
+        **kwargs,
+    )  # fmt: skip

@@ -1,4 +1,7 @@
-"""The command line end to end: every exit status of SPEC §2 and every bad input of #2."""
+"""The command line end to end: every exit status and every bad input of #2.
+
+The statuses are those of docs/semantics.md "Exit status".
+"""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount namespaces, chown)")
 
 
-# -- the statuses of SPEC §2, one test each ----------------------------------------------
+# -- the statuses of docs/semantics.md "Exit status", one test each --------------------------------
 # 76 (lost lock), 124 (--max-time), 128+N and INT or TERM while waiting are the supervisor's:
 # tests/test_supervise.py.
 

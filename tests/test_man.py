@@ -1,4 +1,4 @@
-"""The man page renders cleanly and stays in step with the code (aesthetics.md §5.11)."""
+"""The man page renders cleanly and stays in step with the code (docs/design.md C10)."""
 
 from __future__ import annotations
 
@@ -198,7 +198,12 @@ def test_every_setting_variable_has_an_entry_in_environment() -> None:
         and param.allow_from_autoenv
     }
     assert "LOCKRUN_URI" in settings  # the introspection found click's auto_envvar names
-    told = {"LOCKRUN_NAME", "LOCKRUN_SLOT", "LOCKRUN_SLOTS", "LOCKRUN_FENCE"}  # SPEC §4.8
+    told = {
+        "LOCKRUN_NAME",
+        "LOCKRUN_SLOT",
+        "LOCKRUN_SLOTS",
+        "LOCKRUN_FENCE",
+    }  # docs/semantics.md G8
     others = {"LOCKRUN_DEBUG", "_LOCKRUN_COMPLETE"}
     entries = tags(section("ENVIRONMENT"))
     assert {

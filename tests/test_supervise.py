@@ -1,4 +1,4 @@
-"""The supervisor (SPEC §2, §4.2, §4.3, §4.6, §4.7): statuses, signals, limits, leases, ttys."""
+"""The supervisor (docs/semantics.md G2, G3, G6, G7): statuses, signals, limits, leases, ttys."""
 
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def state(pid: int) -> str:
         return ""
 
 
-# -- exit statuses (SPEC §2) ----------------------------------------------------------------
+# -- exit statuses (docs/semantics.md "Exit status") -----------------------------------------------
 
 
 # The command's own status passing through: tests/test_cli.py.
@@ -232,7 +232,7 @@ def test_command_killed_by_signal_is_128_plus_n(
     assert result.returncode == 128 + signo, result.stderr
 
 
-# -- signals (SPEC §4.7) --------------------------------------------------------------------
+# -- signals (docs/semantics.md G7) ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("signame", FORWARDED)
@@ -295,7 +295,7 @@ def test_pipeline_in_command_ends_by_sigpipe(file_uri: str, name: str) -> None:
     assert (result.returncode, result.stdout, result.stderr) == (0, "y\n", "")
 
 
-# -- --max-time (SPEC §1, §2) ---------------------------------------------------------------
+# -- --max-time (docs/semantics.md "Options") ------------------------------------------------------
 
 
 def test_max_time_stops_command_with_124(file_uri: str, name: str) -> None:
@@ -305,7 +305,7 @@ def test_max_time_stops_command_with_124(file_uri: str, name: str) -> None:
     assert result.returncode == 124
     line = one_line(result.stderr)
     assert "--max-time 0.20s expired" in line
-    assert name in line  # SPEC §2: every lockrun-made status names the lock
+    assert name in line  # every lockrun-made status names the lock
     assert time.monotonic() - started < 20
 
 
@@ -341,7 +341,7 @@ def test_max_time_kills_processes_that_ignore_term(
         stderr.seek(0)
         line = one_line(stderr.read())
     assert "max-time" in line
-    assert name in line  # SPEC §2: every lockrun-made status names the lock
+    assert name in line  # every lockrun-made status names the lock
     assert elapsed < 20
     if who == "both":
         assert elapsed > 1.4  # TERM at 1 s was ignored; KILL came only after the grace
@@ -352,7 +352,7 @@ def test_max_time_kills_processes_that_ignore_term(
 SLEEPER = 'echo $$ > "$1.tmp" && mv "$1.tmp" "$1" && exec sleep 30'
 
 
-# -- lockrun killed (SPEC §4.2) ------------------------------------------------------------
+# -- lockrun killed (docs/semantics.md G2) ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -393,7 +393,7 @@ def test_sigkill_to_lockrun_never_leaves_command_running_unlocked(
             os.kill(pid, signal.SIGKILL)
 
 
-# -- lost lock (SPEC §4.3) ------------------------------------------------------------------
+# -- lost lock (docs/semantics.md G3) --------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -619,7 +619,7 @@ def test_unexpected_refresh_error_stops_and_reaps_command(
     assert (tmp_path / "term").exists() == (command_mode == "record")
 
 
-# -- interrupted while waiting (SPEC §2, §4.6) ---------------------------------------------
+# -- interrupted while waiting (docs/semantics.md G6) ---------------------------------------------
 
 
 @pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])
@@ -652,7 +652,7 @@ def test_signal_while_waiting_exits_and_leaves_nothing_held(
     assert (result.returncode, result.stderr) == (0, "")
 
 
-# -- the terminal (SPEC §4.7) ---------------------------------------------------------------
+# -- the terminal (docs/semantics.md G7) -----------------------------------------------------------
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     ],
 )
 def test_durations_parse(text: str, seconds: float) -> None:
-    """Every DURATION form of SPEC §1 parses to seconds."""
+    """Every DURATION form of docs/semantics.md "Options" parses to seconds."""
     assert parse_duration(text) == seconds
 
 
@@ -151,7 +151,7 @@ def test_holder_records_round_trip() -> None:
 
 
 def test_import_lockrun_loads_no_click_and_no_driver() -> None:
-    """`import lockrun` imports neither click nor a database driver (SPEC §5)."""
+    """`import lockrun` imports neither click nor a database driver (docs/api.md)."""
     drivers = "('click', 'redis', 'pymysql', 'psycopg')"
     probe = f"import sys, lockrun; print(sorted(m for m in {drivers} if m in sys.modules))"
     result = python(probe)

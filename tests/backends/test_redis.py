@@ -8,8 +8,6 @@ test's own, on a unix socket or a loopback port.
 from __future__ import annotations
 
 import contextlib
-import os
-import pwd
 import time
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import unquote
@@ -29,13 +27,10 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 0.15 s.
 SHORT_TTL = "3"
 # However slow a shared CI machine is, a 0.3 s timeout must not take this long.
 PATIENCE = 5.0
-ME = pwd.getpwuid(os.geteuid()).pw_name
-HOST = os.uname().nodename
 
 
 @pytest.fixture(scope="module")

@@ -40,17 +40,14 @@ def test_an_empty_command_name_is_not_found(file_uri: str, name: str) -> None:
     assert "command not found" in one_line(result.stderr)
 
 
-def sh(command: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+# ``python -m lockrun`` as a shell command line.
+LOCKRUN_SH = " ".join(LOCKRUN)
+
+
+def sh(command: str) -> subprocess.CompletedProcess[str]:
     """Run *command* in sh, with LOCKRUN standing for ``python -m lockrun``."""
-    lockrun_ = " ".join(LOCKRUN)
-    return subprocess.run(  # type: ignore[call-overload, no-any-return]
-        ["sh", "-c", command.replace("LOCKRUN", lockrun_)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        **kwargs,
-    )
+    argv = ["sh", "-c", command.replace("LOCKRUN", LOCKRUN_SH)]
+    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
 
 
 CLOSED_FDS = """
@@ -100,13 +97,9 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     reader, writer = os.pipe()
     os.close(reader)
     try:
+        argv = [*LOCKRUN, "status", "--uri", file_uri]
         broken = subprocess.run(
-            [*LOCKRUN, "status", "--uri", file_uri],
-            stdout=writer,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=60,
+            argv, stdout=writer, stderr=subprocess.PIPE, text=True, check=False, timeout=60
         )
     finally:
         os.close(writer)
@@ -163,8 +156,7 @@ def test_hup_ignored_by_the_caller_is_not_forwarded(
     """Under nohup, a HUP to lockrun is not sent on to a command that handles HUP."""
     script = tmp_path / "trap.py"
     script.write_text(HUP_TRAP)
-    lockrun_ = " ".join(LOCKRUN)
-    command = f"trap '' HUP; exec {lockrun_} --uri {file_uri} -n {name} --"
+    command = f"trap '' HUP; exec {LOCKRUN_SH} --uri {file_uri} -n {name} --"
     process = subprocess.Popen(
         ["sh", "-c", f"{command} {sys.executable} {script} {tmp_path}"], stderr=subprocess.PIPE
     )
@@ -178,7 +170,7 @@ def test_hup_ignored_by_the_caller_is_not_forwarded(
 def test_a_nested_lockrun_never_falls_back_to_file_silently(file_uri: str, name: str) -> None:
     """LOCKRUN_URI with a password reaches the command as ***: an inner lockrun says 78."""
     env = os.environ | {"LOCKRUN_URI": "redis://:hunter2secret@127.0.0.1:1/0"}
-    inner = f"{' '.join(LOCKRUN)} -n inner-{name} -- true"
+    inner = f"{LOCKRUN_SH} -n inner-{name} -- true"
     result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", inner, env=env)
     assert result.returncode == 78
     line = one_line(result.stderr)

@@ -210,12 +210,6 @@ def test_parse_rejects_bad_uris_without_showing_the_password(text: str, needle: 
     assert "://***@" in message
 
 
-def test_parse_rejects_an_unknown_charset() -> None:
-    """?charset=nope is a ConfigError naming the charset, like any other bad option."""
-    with pytest.raises(ConfigError, match="unknown charset 'nope'"):
-        parse(parse_uri(f"mysql://u:{SECRET}@db/app?charset=nope"))
-
-
 @pytest.mark.parametrize(
     ("namespace", "name"),
     [

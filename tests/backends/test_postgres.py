@@ -111,21 +111,19 @@ def no_pg_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("namespace", "name"), NAMES)
-def test_lock_key_is_what_the_server_computes(postgres_uri: str, namespace: str, name: str) -> None:
-    """lock_key() equals the documented SQL for slots 0, 1, 2, 63 and the gate."""
+def test_lock_key_and_slots_key_are_what_the_server_computes(
+    postgres_uri: str, namespace: str, name: str
+) -> None:
+    """lock_key() equals the documented SQL for slots 0, 1, 2, 63 and the gate.
+
+    slots_key() equals the int4 form of the same SQL (first 4 bytes of namespace NUL name).
+    """
     parts: list[str | int] = [0, 1, 2, 63, "gate"]
     keys = [lock_key(namespace, name, part) for part in parts]
     rows = query(postgres_uri, SERVER_KEY, namespace, name, [str(part) for part in parts])
     assert [row[0] for row in rows] == keys
     assert all(-(2**63) <= key < 2**63 for key in keys)
     assert len(set(keys)) == len(keys)
-
-
-@pytest.mark.parametrize(("namespace", "name"), NAMES)
-def test_slots_key_is_what_the_server_computes(
-    postgres_uri: str, namespace: str, name: str
-) -> None:
-    """slots_key() equals the int4 form of the same SQL (first 4 bytes of namespace NUL name)."""
     key = slots_key(namespace, name)
     assert -(2**31) <= key < 2**31
     assert query(postgres_uri, SERVER_SLOTS_KEY, namespace, name) == [(key,)]
@@ -785,15 +783,8 @@ def test_a_shared_key_collision_is_not_a_slots_mismatch(
     psql = (postgres_bin("psql"), "-X", "-h", pg_server.directory, "-p", str(pg_server.port))
     impostor = subprocess.Popen([*psql, "-U", "lockrun", "-d", "lockrun", "-c", tagged])
     try:
-        wait_for(
-            lambda: (
-                pg_server.command(
-                    "SELECT count(*) FROM pg_locks WHERE objsubid = 2 AND objid = 5 AND granted"
-                )
-                == "1"
-            ),
-            what="the colliding shared lock",
-        )
+        granted = "SELECT count(*) FROM pg_locks WHERE objsubid = 2 AND objid = 5 AND granted"
+        wait_for(lambda: pg_server.command(granted) == "1", what="the colliding shared lock")
         result = lockrun("--uri", pg_server.uri, "-n", name, "--", "true")
         assert result.returncode == 0, result.stderr
         untagged = lockrun("--uri", pg_server.uri, "-n", name, "-s", "2", "--", "true")

@@ -108,14 +108,24 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     holder.finish()
 
 
-@pytest.mark.parametrize(("signame", "status"), [("QUIT", 131), ("HUP", 129)])
-def test_quit_or_hup_while_waiting_ends_the_wait(
-    uri: str, name: str, held: Callable[..., Held], signame: str, status: int
+@pytest.mark.parametrize(
+    ("signame", "status", "wait"),
+    [("QUIT", 131, "forever"), ("HUP", 129, "forever"), ("TERM", 143, "300d")],
+    ids=["quit", "hup", "term-during-300d"],
+)
+def test_quit_hup_or_term_while_waiting_ends_the_wait(
+    uri: str, name: str, held: Callable[..., Held], signame: str, status: int, wait: str
 ) -> None:
-    """QUIT (Ctrl-Backslash) or HUP while waiting: 128+N, one line, nothing held, no core."""
+    """QUIT (Ctrl-Backslash), HUP or TERM while waiting: 128+N, one line, nothing held, no core.
+
+    --wait 300d (past what poll(2) takes in one call) is a wait on every backend, until TERM.
+    """
     holder = held("--uri", uri, "-n", name)
-    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "true")
+    waiter = start("--uri", uri, "-n", name, "-w", wait, "--", "true")
     wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    if wait == "300d":
+        time.sleep(1)
+        assert waiter.poll() is None, waiter.communicate()
     waiter.send_signal(signal.Signals["SIG" + signame])
     _, stderr = waiter.communicate(timeout=30)
     assert waiter.returncode == status
@@ -176,22 +186,6 @@ def test_a_nested_lockrun_never_falls_back_to_file_silently(file_uri: str, name:
     line = one_line(result.stderr)
     assert "redis://***@127.0.0.1:1/0: its password was replaced by ***" in line
     assert "hunter2" not in result.stderr
-
-
-def test_a_long_wait_is_a_wait_on_every_backend(
-    uri: str, name: str, held: Callable[..., Held]
-) -> None:
-    """--wait 300d (past what poll(2) takes in one call) waits, then ends on TERM: 143."""
-    holder = held("--uri", uri, "-n", name)
-    waiter = start("--uri", uri, "-n", name, "-w", "300d", "--", "true")
-    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
-    time.sleep(1)
-    assert waiter.poll() is None, waiter.communicate()
-    waiter.terminate()
-    _, stderr = waiter.communicate(timeout=30)
-    assert waiter.returncode == 143
-    assert "while waiting for" in one_line(stderr)
-    holder.finish()
 
 
 def test_a_command_line_past_64k_runs_and_is_recorded_cut(uri: str, name: str) -> None:

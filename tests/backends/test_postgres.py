@@ -147,63 +147,53 @@ def test_keys_are_signed_and_differ_between_namespaces() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("text", "where", "expected"),
-    [
-        (
-            "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
-            "postgresql://***@/lockrun?host=/tmp/pg&port=5433",
-            {"user": "lockrun", "dbname": "lockrun", "host": "/tmp/pg", "port": "5433"},
-        ),
-        (
-            "postgres:///app?host=/run/postgresql",
-            "postgres:///app?host=/run/postgresql",
-            {"dbname": "app", "host": "/run/postgresql"},
-        ),
-        (
-            "postgresql://%2Frun%2Fpostgresql/app",
-            "postgresql://%2Frun%2Fpostgresql/app",
-            {"dbname": "app", "host": "/run/postgresql"},
-        ),
-        (
-            f"postgres://u:{SECRET}@db.internal:5433/app?sslmode=require",
-            "postgres://***@db.internal:5433/app?sslmode=require",
-            {"user": "u", "password": SECRET, "host": "db.internal", "port": "5433"},
-        ),
-        (
-            f"postgresql://u@/app?host=/var/run/pg&password={SECRET}",
-            "postgresql://***@/app?host=/var/run/pg&password=***",
-            {"user": "u", "password": SECRET, "host": "/var/run/pg"},
-        ),
-        (
-            "postgresql://u:p%40ss%3Aw%2Frd@h/app",
-            "postgresql://***@h/app",
-            {"user": "u", "password": "p@ss:w/rd", "host": "h"},
-        ),
-        (
-            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
-            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
-            {"host": "h1,h2", "port": "5432,5433", "target_session_attrs": "read-write"},
-        ),
-        (
-            "postgresql://[::1]:5432/app",
-            "postgresql://[::1]:5432/app",
-            {"host": "::1", "port": "5432", "dbname": "app"},
-        ),
-        ("postgresql://", "postgresql://", {}),
-    ],
-    ids=[
-        "socket-dir",
-        "postgres-scheme-socket",
-        "encoded-socket-host",
-        "password",
-        "password-in-query",
-        "encoded-password",
-        "multi-host",
-        "ipv6",
-        "bare",
-    ],
-)
+# libpq URIs, what messages show of them, and what libpq reads from them.
+LIBPQ_URIS = {
+    "socket-dir": (
+        "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
+        "postgresql://***@/lockrun?host=/tmp/pg&port=5433",
+        {"user": "lockrun", "dbname": "lockrun", "host": "/tmp/pg", "port": "5433"},
+    ),
+    "postgres-scheme-socket": (
+        "postgres:///app?host=/run/postgresql",
+        "postgres:///app?host=/run/postgresql",
+        {"dbname": "app", "host": "/run/postgresql"},
+    ),
+    "encoded-socket-host": (
+        "postgresql://%2Frun%2Fpostgresql/app",
+        "postgresql://%2Frun%2Fpostgresql/app",
+        {"dbname": "app", "host": "/run/postgresql"},
+    ),
+    "password": (
+        f"postgres://u:{SECRET}@db.internal:5433/app?sslmode=require",
+        "postgres://***@db.internal:5433/app?sslmode=require",
+        {"user": "u", "password": SECRET, "host": "db.internal", "port": "5433"},
+    ),
+    "password-in-query": (
+        f"postgresql://u@/app?host=/var/run/pg&password={SECRET}",
+        "postgresql://***@/app?host=/var/run/pg&password=***",
+        {"user": "u", "password": SECRET, "host": "/var/run/pg"},
+    ),
+    "encoded-password": (
+        "postgresql://u:p%40ss%3Aw%2Frd@h/app",
+        "postgresql://***@h/app",
+        {"user": "u", "password": "p@ss:w/rd", "host": "h"},
+    ),
+    "multi-host": (
+        "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        {"host": "h1,h2", "port": "5432,5433", "target_session_attrs": "read-write"},
+    ),
+    "ipv6": (
+        "postgresql://[::1]:5432/app",
+        "postgresql://[::1]:5432/app",
+        {"host": "::1", "port": "5432", "dbname": "app"},
+    ),
+    "bare": ("postgresql://", "postgresql://", {}),
+}
+
+
+@pytest.mark.parametrize(("text", "where", "expected"), LIBPQ_URIS.values(), ids=LIBPQ_URIS)
 def test_parse_accepts_libpq_uris(text: str, where: str, expected: dict[str, str]) -> None:
     """postgresql:// and postgres:// URIs reach libpq as they are; messages name no password."""
     settings = parse(parse_uri(text))

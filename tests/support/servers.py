@@ -369,7 +369,8 @@ class PostgresServer(_Server):
         listen = f"listen_addresses={'127.0.0.1' if self.tcp else ''}"
         settings = (listen, "fsync=off", "logging_collector=off", *self.options)
         where = ("-D", self.data, "-k", self.directory, "-p", str(self.port))
-        command = (postgres_bin("postgres"), *where, *(a for s in settings for a in ("-c", s)))
+        flags = [arg for setting in settings for arg in ("-c", setting)]
+        command = (postgres_bin("postgres"), *where, *flags)
         self._launch(command, patience=60, pause=0.02, user=postgres_user(), log=True)
 
     def ping(self) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import uuid
+from subprocess import PIPE
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,9 +20,12 @@ import pytest
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import parse_uri
 from lockrun.backends.mysql import lock_key, parse
-from tests.support.cli import lockrun, one_line, start, wait_for
+from tests.support.cli import lockrun, one_line
 from tests.support.net import (
+    HOST,
+    ME,
     Greeter,
+    assert_refused,
     create_user,
     make_certificates,
     secret_free,
@@ -34,6 +37,9 @@ from tests.support.servers import MariaServer, free_port, unavailable
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
+    from subprocess import Popen
+
+    from tests.support.cli import Held
 
 
 SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must never show
@@ -41,14 +47,11 @@ SECRET = "s3cret-pw"  # noqa: S105 - the throwaway servers' password that must n
 SHORT_TTL = "3"
 # However slow a shared CI machine is, a 1 s timeout must not take this long.
 PATIENCE = 5.0
-ME = pwd.getpwuid(os.geteuid()).pw_name
-HOST = os.uname().nodename
 GALERA = "/usr/lib/galera/libgalera_smm.so"
 # MySQL refuses GET_LOCK names longer than this (ER_USER_LOCK_WRONG_NAME).
 MAX_LOCK_NAME = 64
 
 
-# 256 bytes that look random but are the same in every run.
 def server_key(uri: str, namespace: str, name: str) -> str:
     """Return the lock key the server itself computes for (namespace, name)."""
     [[key]] = query(
@@ -61,51 +64,6 @@ def holding_connection(uri: str, lock: str) -> int | None:
     """Return the id of the session that holds GET_LOCK *lock* on the server, or None."""
     [[connection]] = query(uri, "SELECT IS_USED_LOCK(%s)", (lock,))
     return None if connection is None else int(connection)
-
-
-class Holding:
-    """A lockrun whose command holds the lock until `finish`; unlike `Held`, maybe unfenced."""
-
-    def __init__(self, directory: Path, *options: str) -> None:
-        """Start ``lockrun OPTIONS -- sh …`` and wait until its command runs."""
-        tag = uuid.uuid4().hex[:8]
-        self.ready = directory / f"ready-{tag}"
-        self.go = directory / f"go-{tag}"
-        script = (
-            f'echo "$LOCKRUN_SLOT ${{LOCKRUN_FENCE-none}}" > {self.ready}.tmp; '
-            f"mv {self.ready}.tmp {self.ready}; while [ ! -e {self.go} ]; do sleep 0.01; done"
-        )
-        self.process = start(*options, "--", "sh", "-c", script)
-        wait_for(lambda: self.ready.exists() or self.process.poll() is not None, what="holder")
-        if not self.ready.exists():
-            _, err = self.process.communicate()
-            pytest.fail(f"holder did not start (status {self.process.returncode}): {err}")
-        slot, fence = self.ready.read_text().split()
-        self.slot = int(slot)
-        self.fence = None if fence == "none" else int(fence)
-        self.stderr = ""
-
-    def finish(self) -> int:
-        """Let the command end, keep lockrun's stderr, and return its status."""
-        self.go.touch()
-        _, self.stderr = self.process.communicate(timeout=30)
-        return self.process.returncode
-
-
-@pytest.fixture
-def holding(tmp_path: Path) -> Iterator[Callable[..., Holding]]:
-    """Return a factory of `Holding` processes, all finished at teardown."""
-    started: list[Holding] = []
-
-    def factory(*options: str) -> Holding:
-        holder = Holding(tmp_path, *options)
-        started.append(holder)
-        return holder
-
-    yield factory
-    for holder in started:
-        if holder.process.poll() is None:
-            holder.finish()
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +148,8 @@ def test_parse_tls_files_must_be_readable_and_a_ca_checks_the_name(
     """ssl_ca/ssl_cert/ssl_key go to PyMySQL as given; a CA turns on the host name check."""
     ca, cert, key = (str(certificates / pem) for pem in ("ca.crt", "client.crt", "client.key"))
     settings = parse(parse_uri(f"mysql://db/app?ssl_ca={ca}&ssl_cert={cert}&ssl_key={key}"))
-    assert {
-        option: settings.kwargs.get(option) for option in ("ssl_ca", "ssl_cert", "ssl_key")
-    } == {
-        "ssl_ca": ca,
-        "ssl_cert": cert,
-        "ssl_key": key,
-    }
+    given = {option: settings.kwargs.get(option) for option in ("ssl_ca", "ssl_cert", "ssl_key")}
+    assert given == {"ssl_ca": ca, "ssl_cert": cert, "ssl_key": key}
     assert settings.kwargs["ssl_verify_identity"] is True
     client_only = parse(parse_uri(f"mysql://db/app?ssl_cert={cert}&ssl_key={key}")).kwargs
     assert "ssl_verify_identity" not in client_only
@@ -257,12 +210,6 @@ def test_parse_rejects_bad_uris_without_showing_the_password(text: str, needle: 
     assert "://***@" in message
 
 
-def test_parse_rejects_an_unknown_charset() -> None:
-    """?charset=nope is a ConfigError naming the charset, like any other bad option."""
-    with pytest.raises(ConfigError, match="unknown charset 'nope'"):
-        parse(parse_uri(f"mysql://u:{SECRET}@db/app?charset=nope"))
-
-
 @pytest.mark.parametrize(
     ("namespace", "name"),
     [
@@ -297,15 +244,15 @@ def test_lock_key_is_what_the_server_computes(mysql_uri: str, namespace: str, na
     ids=["64", "65", "192", "255", "254-bytes-of-umlauts", "non-ascii"],
 )
 def test_any_valid_name_excludes_itself_under_a_short_server_lock_name(
-    mysql_uri: str, holding: Callable[..., Holding], name: str
+    mysql_uri: str, held: Callable[..., Held], name: str
 ) -> None:
     """Long and non-ASCII names run, exclude a second user, and become ≤ 64-char GET_LOCKs."""
     unique = f"{uuid.uuid4().hex[:6]}{name}"[: len(name)]
     key = lock_key("default", unique)
     assert len(f"{key}:0") <= MAX_LOCK_NAME
     assert len(f"{key}:gate") <= MAX_LOCK_NAME
-    holder = holding("--uri", mysql_uri, "-n", unique)
-    assert holder.fence is not None
+    holder = held("--uri", mysql_uri, "-n", unique)
+    assert holder.fence > 0
     assert holding_connection(mysql_uri, f"{server_key(mysql_uri, 'default', unique)}:0")
     busy = lockrun("--uri", mysql_uri, "-n", unique, "-w", "0", "--", "echo", "ran")
     assert (busy.returncode, busy.stdout) == (ExitCode.BUSY, "")
@@ -321,11 +268,11 @@ def test_any_valid_name_excludes_itself_under_a_short_server_lock_name(
 
 
 def test_names_that_differ_only_in_case_are_different_locks(
-    mysql_uri: str, holding: Callable[..., Holding], name: str
+    mysql_uri: str, held: Callable[..., Held], name: str
 ) -> None:
     """GET_LOCK names are case-insensitive on the server; lockrun's names are not."""
-    upper = holding("--uri", mysql_uri, "-n", f"Deploy-{name}")
-    lower = holding("--uri", mysql_uri, "-n", f"deploy-{name}")
+    upper = held("--uri", mysql_uri, "-n", f"Deploy-{name}")
+    lower = held("--uri", mysql_uri, "-n", f"deploy-{name}")
     shouting = lockrun("--uri", mysql_uri, "-n", f"DEPLOY-{name}", "--", "echo", "ran")
     assert (shouting.returncode, shouting.stdout, shouting.stderr) == (0, "ran\n", "")
     keys = {lock_key("default", f"{case}-{name}") for case in ("Deploy", "deploy", "DEPLOY")}
@@ -345,23 +292,21 @@ def _packet(payload: bytes, sequence: int = 0) -> bytes:
     return len(payload).to_bytes(3, "little") + bytes([sequence]) + payload
 
 
-@pytest.mark.parametrize(
-    ("greeting", "hang", "needle"),
-    [
-        (_packet(b"\x0a5.5.5-x\x00"), False, "does not answer like"),
-        (_packet(b"\x0a8.0.0\x00\x01\x00\x00\x00abcdefgh\x00"), True, "does not answer like"),
-        (_packet(b"\x09abc"), False, "does not answer like"),
-        (b"\xff\xff\xff\x00" + b"a" * 20, True, "no answer within 1s"),
-        (b"\xff\xff\xff\x00" + b"a" * 20, False, "Lost connection"),
-    ],
-    ids=[
-        "short-handshake",
-        "truncated-handshake",
-        "protocol-9",
-        "huge-packet-then-silence",
-        "huge-packet-then-close",
-    ],
-)
+# A greeting, whether the stand-in then keeps the connection silent, and what the line says.
+GREETINGS = {
+    "short-handshake": (_packet(b"\x0a5.5.5-x\x00"), False, "does not answer like"),
+    "truncated-handshake": (
+        _packet(b"\x0a8.0.0\x00\x01\x00\x00\x00abcdefgh\x00"),
+        True,
+        "does not answer like",
+    ),
+    "protocol-9": (_packet(b"\x09abc"), False, "does not answer like"),
+    "huge-packet-then-silence": (b"\xff\xff\xff\x00" + b"a" * 20, True, "no answer within 1s"),
+    "huge-packet-then-close": (b"\xff\xff\xff\x00" + b"a" * 20, False, "Lost connection"),
+}
+
+
+@pytest.mark.parametrize(("greeting", "hang", "needle"), GREETINGS.values(), ids=GREETINGS)
 def test_a_server_that_is_not_mysql_exits_69(
     greeting: bytes, hang: bool, needle: str, name: str
 ) -> None:
@@ -383,7 +328,7 @@ def test_a_server_that_is_not_mysql_exits_69(
 
 @pytest.mark.slow
 def test_a_user_who_may_not_create_tables_runs_without_a_fence(
-    tcp_server: MariaServer, holding: Callable[..., Holding], name: str
+    tcp_server: MariaServer, spawn: Callable[..., Popen[str]], name: str
 ) -> None:
     """No CREATE (or no database at all): exit 0, LOCKRUN_FENCE unset, one -v "no fence" line."""
     tcp = f"127.0.0.1:{tcp_server.port}"
@@ -404,8 +349,11 @@ def test_a_user_who_may_not_create_tables_runs_without_a_fence(
         quiet = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
         assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "ran\n", "")
 
-        holder = holding("--uri", uri, "-n", name)
-        assert (holder.slot, holder.fence) == (0, None)
+        # The holder's command says its slot and fence, then holds until its stdin ends.
+        script = 'echo "$LOCKRUN_SLOT ${LOCKRUN_FENCE-none}"; read _'
+        holder = spawn("--uri", uri, "-n", name, "--", "sh", "-c", script, stdin=PIPE, stdout=PIPE)
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "0 none\n"
         busy = lockrun("--uri", uri, "-n", name, "--", "true")
         assert busy.returncode == ExitCode.BUSY
         status = lockrun("status", "--uri", uri, "--json", name)
@@ -419,13 +367,13 @@ def test_a_user_who_may_not_create_tables_runs_without_a_fence(
         assert re.search(rf"^{re.escape(name)}\s+0\s+holding\s", table.stdout, re.MULTILINE), (
             table.stdout
         )
-        assert holder.finish() == 0
-        assert holder.stderr == ""
+        assert holder.communicate("\n", timeout=30) == ("", "")
+        assert holder.returncode == 0
     assert tcp_server.command("SHOW TABLES FROM bare") == ""
 
 
 def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
-    tcp_server: MariaServer, holding: Callable[..., Holding], name: str
+    tcp_server: MariaServer, held: Callable[..., Held], name: str
 ) -> None:
     """Tables made by an earlier root run: SELECT/INSERT/UPDATE/DELETE suffice for fences."""
     root = f"mysql://root@127.0.0.1:{tcp_server.port}/lockrun"
@@ -439,17 +387,12 @@ def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
     assert second.returncode == 0, second.stderr
     assert "no fence" not in second.stderr
     assert int(second.stdout) > int(first.stdout)
-    holder = holding("--uri", uri, "-n", name)
-    assert holder.fence is not None
+    holder = held("--uri", uri, "-n", name)
     assert holder.fence > int(second.stdout)
     [state] = json.loads(lockrun("status", "--uri", uri, "--json", name).stdout)
     [owner] = state["holders"]
-    assert (owner["pid"], owner["user"], owner["host"], owner["slot"]) == (
-        holder.process.pid,
-        ME,
-        HOST,
-        0,
-    )
+    shown = (owner["pid"], owner["user"], owner["host"], owner["slot"])
+    assert shown == (holder.process.pid, ME, HOST, 0)
     assert holder.finish() == 0
     key = lock_key("default", name)
     # The row stays for the next holder of the slot to replace (one per slot), but no
@@ -617,17 +560,7 @@ def test_a_galera_node_is_refused_with_78(name: str) -> None:
     )
     try:
         assert server.command("SHOW VARIABLES LIKE 'wsrep\\_on'").split() == ["wsrep_on", "ON"]
-        for args in (
-            ("--uri", server.uri, "-n", name, "--", "echo", "ran"),
-            ("--uri", server.uri, "-n", name, "--slots", "3", "--wait", "5", "--", "echo", "ran"),
-            ("status", "--uri", server.uri, name),
-            ("status", "--uri", server.uri),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
-            line = one_line(result.stderr)
-            assert "Galera" in line
-            assert "wsrep_on=ON" in line
+        assert_refused(server.uri, name, ExitCode.CONFIG, "Galera", "wsrep_on=ON")
         assert server.command("SHOW TABLES FROM lockrun") == ""
     finally:
         server.close()

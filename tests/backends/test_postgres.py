@@ -7,19 +7,15 @@ of this module's, or a test's own); the poolers are real PgBouncers in front of 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
-import pwd
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +28,17 @@ from lockrun.backends.postgres import _application_name, _halves, lock_key, pars
 from lockrun.errors import LeaseLost
 from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
+from tests.support.net import assert_refused, secret_free
 from tests.support.net import postgres_advisory_locks as advisory_locks
 from tests.support.net import postgres_query as query
-from tests.support.net import secret_free
-from tests.support.servers import PostgresServer, free_port, postgres_bin, unavailable
+from tests.support.servers import (
+    PostgresServer,
+    _Server,
+    free_port,
+    postgres_bin,
+    postgres_user,
+    unavailable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -44,12 +47,7 @@ if TYPE_CHECKING:
     from tests.support.cli import Held
 
 SECRET = "S3cr3t-pw"  # noqa: S105 - the throwaway servers' password that must never show
-# However slow a shared CI machine is, a connect that cannot succeed must not take this long.
-PATIENCE = 15.0
-ME = pwd.getpwuid(os.geteuid()).pw_name
-HOST = os.uname().nodename
 PGBOUNCER = "/usr/sbin/pgbouncer"
-COLUMNS = ["NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND"]
 
 
 def _readme_query() -> str:
@@ -80,19 +78,6 @@ NAMES = [
     ("default", "y" * 255),
     ("default", "ü" * 127 + "z"),  # 255 bytes of UTF-8
 ]
-
-
-def as_postgres() -> str | None:
-    """Return the user to run PostgreSQL's programs as: ``postgres`` when we are root."""
-    return "postgres" if os.geteuid() == 0 else None
-
-
-def postgres_dir(prefix: str) -> str:
-    """Return a new temp directory that the PostgreSQL programs' user owns."""
-    directory = tempfile.mkdtemp(prefix=prefix)
-    if os.geteuid() == 0:
-        shutil.chown(directory, "postgres")
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +111,19 @@ def no_pg_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("namespace", "name"), NAMES)
-def test_lock_key_is_what_the_server_computes(postgres_uri: str, namespace: str, name: str) -> None:
-    """lock_key() equals the documented SQL for slots 0, 1, 2, 63 and the gate."""
+def test_lock_key_and_slots_key_are_what_the_server_computes(
+    postgres_uri: str, namespace: str, name: str
+) -> None:
+    """lock_key() equals the documented SQL for slots 0, 1, 2, 63 and the gate.
+
+    slots_key() equals the int4 form of the same SQL (first 4 bytes of namespace NUL name).
+    """
     parts: list[str | int] = [0, 1, 2, 63, "gate"]
     keys = [lock_key(namespace, name, part) for part in parts]
     rows = query(postgres_uri, SERVER_KEY, namespace, name, [str(part) for part in parts])
     assert [row[0] for row in rows] == keys
     assert all(-(2**63) <= key < 2**63 for key in keys)
     assert len(set(keys)) == len(keys)
-
-
-@pytest.mark.parametrize(("namespace", "name"), NAMES)
-def test_slots_key_is_what_the_server_computes(
-    postgres_uri: str, namespace: str, name: str
-) -> None:
-    """slots_key() equals the int4 form of the same SQL (first 4 bytes of namespace NUL name)."""
     key = slots_key(namespace, name)
     assert -(2**31) <= key < 2**31
     assert query(postgres_uri, SERVER_SLOTS_KEY, namespace, name) == [(key,)]
@@ -164,63 +147,53 @@ def test_keys_are_signed_and_differ_between_namespaces() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("text", "where", "expected"),
-    [
-        (
-            "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
-            "postgresql://***@/lockrun?host=/tmp/pg&port=5433",
-            {"user": "lockrun", "dbname": "lockrun", "host": "/tmp/pg", "port": "5433"},
-        ),
-        (
-            "postgres:///app?host=/run/postgresql",
-            "postgres:///app?host=/run/postgresql",
-            {"dbname": "app", "host": "/run/postgresql"},
-        ),
-        (
-            "postgresql://%2Frun%2Fpostgresql/app",
-            "postgresql://%2Frun%2Fpostgresql/app",
-            {"dbname": "app", "host": "/run/postgresql"},
-        ),
-        (
-            f"postgres://u:{SECRET}@db.internal:5433/app?sslmode=require",
-            "postgres://***@db.internal:5433/app?sslmode=require",
-            {"user": "u", "password": SECRET, "host": "db.internal", "port": "5433"},
-        ),
-        (
-            f"postgresql://u@/app?host=/var/run/pg&password={SECRET}",
-            "postgresql://***@/app?host=/var/run/pg&password=***",
-            {"user": "u", "password": SECRET, "host": "/var/run/pg"},
-        ),
-        (
-            "postgresql://u:p%40ss%3Aw%2Frd@h/app",
-            "postgresql://***@h/app",
-            {"user": "u", "password": "p@ss:w/rd", "host": "h"},
-        ),
-        (
-            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
-            "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
-            {"host": "h1,h2", "port": "5432,5433", "target_session_attrs": "read-write"},
-        ),
-        (
-            "postgresql://[::1]:5432/app",
-            "postgresql://[::1]:5432/app",
-            {"host": "::1", "port": "5432", "dbname": "app"},
-        ),
-        ("postgresql://", "postgresql://", {}),
-    ],
-    ids=[
-        "socket-dir",
-        "postgres-scheme-socket",
-        "encoded-socket-host",
-        "password",
-        "password-in-query",
-        "encoded-password",
-        "multi-host",
-        "ipv6",
-        "bare",
-    ],
-)
+# libpq URIs, what messages show of them, and what libpq reads from them.
+LIBPQ_URIS = {
+    "socket-dir": (
+        "postgresql://lockrun@/lockrun?host=/tmp/pg&port=5433",
+        "postgresql://***@/lockrun?host=/tmp/pg&port=5433",
+        {"user": "lockrun", "dbname": "lockrun", "host": "/tmp/pg", "port": "5433"},
+    ),
+    "postgres-scheme-socket": (
+        "postgres:///app?host=/run/postgresql",
+        "postgres:///app?host=/run/postgresql",
+        {"dbname": "app", "host": "/run/postgresql"},
+    ),
+    "encoded-socket-host": (
+        "postgresql://%2Frun%2Fpostgresql/app",
+        "postgresql://%2Frun%2Fpostgresql/app",
+        {"dbname": "app", "host": "/run/postgresql"},
+    ),
+    "password": (
+        f"postgres://u:{SECRET}@db.internal:5433/app?sslmode=require",
+        "postgres://***@db.internal:5433/app?sslmode=require",
+        {"user": "u", "password": SECRET, "host": "db.internal", "port": "5433"},
+    ),
+    "password-in-query": (
+        f"postgresql://u@/app?host=/var/run/pg&password={SECRET}",
+        "postgresql://***@/app?host=/var/run/pg&password=***",
+        {"user": "u", "password": SECRET, "host": "/var/run/pg"},
+    ),
+    "encoded-password": (
+        "postgresql://u:p%40ss%3Aw%2Frd@h/app",
+        "postgresql://***@h/app",
+        {"user": "u", "password": "p@ss:w/rd", "host": "h"},
+    ),
+    "multi-host": (
+        "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        "postgresql://h1:5432,h2:5433/app?target_session_attrs=read-write",
+        {"host": "h1,h2", "port": "5432,5433", "target_session_attrs": "read-write"},
+    ),
+    "ipv6": (
+        "postgresql://[::1]:5432/app",
+        "postgresql://[::1]:5432/app",
+        {"host": "::1", "port": "5432", "dbname": "app"},
+    ),
+    "bare": ("postgresql://", "postgresql://", {}),
+}
+
+
+@pytest.mark.parametrize(("text", "where", "expected"), LIBPQ_URIS.values(), ids=LIBPQ_URIS)
 def test_parse_accepts_libpq_uris(text: str, where: str, expected: dict[str, str]) -> None:
     """postgresql:// and postgres:// URIs reach libpq as they are; messages name no password."""
     settings = parse(parse_uri(text))
@@ -473,18 +446,17 @@ def run_without(
         f"sys.argv = {['lockrun', *args]!r}\n"
         "runpy.run_module('lockrun', run_name='__main__')\n"
     )
+    command = [sys.executable, "-c", script]
     return subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        **kwargs,
+        command, capture_output=True, text=True, timeout=60, check=False, **kwargs
     )
 
 
 def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: str) -> None:
-    """No psycopg module at all, or one without libpq: 78, one line, the pip extra to install."""
+    """No psycopg module at all, or one without libpq: 78, one line, the pip extra to install.
+
+    Without psycopg_c, psycopg_binary and a loadable libpq too: still one line (docs/design.md).
+    """
     uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
     args = ("--uri", uri, "-n", name, "--", "echo", "ran")
     fake = tmp_path / "fake" / "psycopg"
@@ -492,6 +464,7 @@ def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: s
     (fake / "__init__.py").write_text('raise ImportError("no pq wrapper available")\n')
     path = os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))
     shadowed = {**os.environ, "PYTHONPATH": path}
+    no_libpq = ["psycopg_c", "psycopg_binary", "psycopg.pq.pq_ctypes"]
     for result, needle in (
         (run_without(["psycopg"], *args), "postgresql: needs the psycopg module"),
         (run_without(["psycopg"], "status", "--uri", uri), "postgresql: needs the psycopg module"),
@@ -499,14 +472,12 @@ def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: s
             lockrun(*args, env={**os.environ, "PSYCOPG_IMPL": "c"}),
             "postgresql: needs couldn't import requested psycopg 'c' implementation",
         ),
-        (
-            lockrun(*args, env=shadowed),
-            "postgresql: needs no pq wrapper available",
-        ),
+        (lockrun(*args, env=shadowed), "postgresql: needs no pq wrapper available"),
         (
             lockrun("status", "--uri", f"postgres://h:{free_port()}/db", env=shadowed),
             "postgres: needs no pq wrapper available",
         ),
+        (run_without(no_libpq, *args), "postgresql: needs no pq wrapper available"),
     ):
         assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
         line = one_line(result.stderr)
@@ -514,32 +485,25 @@ def test_a_missing_psycopg_exits_78_with_the_pip_command(tmp_path: Path, name: s
         assert line.endswith("pip install 'lockrun-cli[postgres]'")
 
 
-def test_psycopg_without_any_libpq_exits_78_in_one_line(name: str) -> None:
-    """Without psycopg_c, psycopg_binary and a loadable libpq: still one line (docs/design.md)."""
-    hidden = ["psycopg_c", "psycopg_binary", "psycopg.pq.pq_ctypes"]
-    result = run_without(
-        hidden, "--uri", f"postgresql://h:{free_port()}/db", "-n", name, "--", "true"
-    )
-    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
-    assert "no pq wrapper available" in result.stderr
-    line = one_line(result.stderr)
-    assert line.endswith("pip install 'lockrun-cli[postgres]'")
-
-
 # -- F. PgBouncer ----------------------------------------------------------------------------------
 
 
-class Bouncer:
+class Bouncer(_Server):
     """A PgBouncer of our own in front of *server*, on a loopback port and a socket."""
+
+    LOG = "pgbouncer.log"
 
     def __init__(self, server: PostgresServer, pool_mode: str, *settings: str) -> None:
         """Write its configuration, start it (as postgres when we are root), wait for it."""
         if not os.path.exists(PGBOUNCER):
             unavailable(f"{PGBOUNCER} is not installed")
-        self.directory = postgres_dir("lr-bouncer-")
+        self.directory = tempfile.mkdtemp(prefix="lr-bouncer-")
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres")
         self.port = free_port()
-        config = os.path.join(self.directory, "pgbouncer.ini")
-        with open(config, "w") as ini:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.config = os.path.join(self.directory, "pgbouncer.ini")
+        with open(self.config, "w") as ini:
             ini.write(
                 "[databases]\n"
                 f"* = host={server.directory} port={server.port} user=lockrun\n"
@@ -549,51 +513,26 @@ class Bouncer:
                 f"unix_socket_dir = {self.directory}\n"
                 "auth_type = any\n"
                 f"pool_mode = {pool_mode}\n"
-                f"logfile = {self.directory}/pgbouncer.log\n"
+                f"logfile = {self.directory}/{self.LOG}\n"
                 f"pidfile = {self.directory}/pgbouncer.pid\n"
                 + "".join(f"{setting}\n" for setting in settings)
             )
-        self.process = subprocess.Popen(
-            [PGBOUNCER, config],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            user=as_postgres(),
-        )
-        deadline = time.monotonic() + 30
-        while not self.accepts():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
-                self.close()
-                pytest.fail(f"pgbouncer did not start: {log}")
-            time.sleep(0.02)
+        self.start()
 
     @property
     def uri(self) -> str:
         """The lock URI of the pooler's loopback port, database ``lockrun``."""
         return f"postgresql://lockrun@127.0.0.1:{self.port}/lockrun"
 
-    def accepts(self) -> bool:
+    def start(self) -> None:
+        """Start the pooler and wait until it accepts TCP connections."""
+        self._launch([PGBOUNCER, self.config], patience=30, pause=0.02, user=postgres_user())
+
+    def ping(self) -> bool:
         """Return whether the pooler accepts TCP connections."""
         with socket.socket() as probe:
             probe.settimeout(1)
             return probe.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def log(self) -> str:
-        """Return the pooler's log."""
-        with contextlib.suppress(OSError), open(f"{self.directory}/pgbouncer.log") as log:
-            return log.read()
-        return ""
-
-    def close(self) -> None:
-        """Stop the pooler and remove its directory."""
-        if self.process.poll() is None:
-            self.process.terminate()  # SIGTERM: PgBouncer's immediate shutdown
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @pytest.fixture
@@ -617,16 +556,8 @@ def test_a_pooler_in_transaction_or_statement_mode_exits_78(
 ) -> None:
     """Session advisory locks do not survive transaction or statement pooling: 78, one line."""
     pooler = bouncer(pool_mode)
-    for args in (
-        ("--uri", pooler.uri, "-n", name, "--", "echo", "ran"),
-        ("--uri", pooler.uri, "-n", name, "-s", "3", "-w", "5", "--", "echo", "ran"),
-        ("status", "--uri", pooler.uri),
-    ):
-        result = lockrun(*args)
-        assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), args
-        line = one_line(result.stderr)
-        assert "connection pooler in transaction or statement mode" in line
-        assert redact(pooler.uri) in line
+    needle = "connection pooler in transaction or statement mode"
+    assert_refused(pooler.uri, name, ExitCode.CONFIG, needle, redact(pooler.uri))
 
 
 def test_a_pooler_in_session_mode_holds_locks(
@@ -679,70 +610,19 @@ def test_a_standby_is_refused_with_69(pg_server: PostgresServer, name: str) -> N
     with open(os.path.join(pg_server.data, "pg_hba.conf"), "a") as hba:
         hba.write("local replication lockrun trust\n")
     pg_server.command("SELECT pg_reload_conf()")
-    directory = postgres_dir("lr-standby-")
-    data = os.path.join(directory, "data")
-    port = free_port()
-    standby: subprocess.Popen[bytes] | None = None
+    standby = PostgresServer(standby_of=pg_server)
     try:
-        subprocess.run(
-            (
-                postgres_bin("pg_basebackup"),
-                *("-h", pg_server.directory, "-p", str(pg_server.port), "-U", "lockrun"),
-                *("-D", data, "-R", "-c", "fast"),
-            ),
-            capture_output=True,
-            check=True,
-            timeout=60,
-            user=as_postgres(),
-        )
-        with open(os.path.join(directory, "postgres.log"), "ab") as log:
-            standby = subprocess.Popen(
-                (
-                    postgres_bin("postgres"),
-                    *("-D", data, "-k", directory, "-p", str(port)),
-                    *("-c", "listen_addresses=", "-c", "fsync=off"),
-                ),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                user=as_postgres(),
-            )
-        standby_uri = f"postgresql://lockrun@/lockrun?host={directory}&port={port}"
-
-        def ready() -> bool:
-            assert standby is not None
-            if standby.poll() is not None:
-                with open(os.path.join(directory, "postgres.log")) as log:
-                    pytest.fail(f"the standby did not start: {log.read()}")
-            probe = (postgres_bin("pg_isready"), "-q", "-h", directory, "-p", str(port))
-            return subprocess.run(probe, check=False, timeout=10).returncode == 0
-
-        wait_for(ready, timeout=60, what="the standby")
-        assert query(standby_uri, "SELECT pg_is_in_recovery()") == [(True,)]
-        for args in (
-            ("--uri", standby_uri, "-n", name, "--", "echo", "ran"),
-            ("--uri", standby_uri, "-n", name, "-s", "2", "-w", "5", "--", "echo", "ran"),
-            ("status", "--uri", standby_uri),
-        ):
-            result = lockrun(*args)
-            assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), args
-            line = one_line(result.stderr)
-            assert "is a standby (in recovery)" in line
-            assert "target_session_attrs=read-write" in line
+        assert query(standby.uri, "SELECT pg_is_in_recovery()") == [(True,)]
+        needles = ("is a standby (in recovery)", "target_session_attrs=read-write")
+        assert_refused(standby.uri, name, ExitCode.UNAVAILABLE, *needles)
         both = (
-            f"postgresql://lockrun@/lockrun?host={directory},{pg_server.directory}"
-            f"&port={port},{pg_server.port}&target_session_attrs=read-write"
+            f"postgresql://lockrun@/lockrun?host={standby.directory},{pg_server.directory}"
+            f"&port={standby.port},{pg_server.port}&target_session_attrs=read-write"
         )
         result = lockrun("--uri", both, "-n", name, "--", "echo", "ran")
         assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
     finally:
-        if standby is not None:
-            standby.send_signal(signal.SIGQUIT)
-            try:
-                standby.wait(30)
-            except subprocess.TimeoutExpired:
-                standby.kill()
-                standby.wait(30)
-        shutil.rmtree(directory, ignore_errors=True)
+        standby.close()
 
 
 # -- H. the Python API and the backend itself: lost sessions, checks, other roles ------------------
@@ -893,15 +773,8 @@ def test_a_shared_key_collision_is_not_a_slots_mismatch(
     psql = (postgres_bin("psql"), "-X", "-h", pg_server.directory, "-p", str(pg_server.port))
     impostor = subprocess.Popen([*psql, "-U", "lockrun", "-d", "lockrun", "-c", tagged])
     try:
-        wait_for(
-            lambda: (
-                pg_server.command(
-                    "SELECT count(*) FROM pg_locks WHERE objsubid = 2 AND objid = 5 AND granted"
-                )
-                == "1"
-            ),
-            what="the colliding shared lock",
-        )
+        granted = "SELECT count(*) FROM pg_locks WHERE objsubid = 2 AND objid = 5 AND granted"
+        wait_for(lambda: pg_server.command(granted) == "1", what="the colliding shared lock")
         result = lockrun("--uri", pg_server.uri, "-n", name, "--", "true")
         assert result.returncode == 0, result.stderr
         untagged = lockrun("--uri", pg_server.uri, "-n", name, "-s", "2", "--", "true")

@@ -9,7 +9,6 @@ are the same for all.
 from __future__ import annotations
 
 import os
-import pwd
 import uuid
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -20,7 +19,7 @@ from lockrun.backends import open_backend, parse_uri
 from lockrun.uri import SCHEMES, Scheme, redact
 from tests.support.cli import lockrun, one_line
 from tests.support.harness import SERVERS
-from tests.support.net import create_user, encoded, secret_free
+from tests.support.net import HOST, ME, create_user, encoded, secret_free
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
 SECRET = "S3cr3t-pw"  # noqa: S105 - the throwaway servers' password that must never show
 ODD = "p@ss:w/rd"  # a password that must be %-encoded in a URI
 WRONG = "wrong-pw-1"
-ME = pwd.getpwuid(os.geteuid()).pw_name
-HOST = os.uname().nodename
 
 
 class Secured(NamedTuple):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import pty
-import pwd
 import re
 import shlex
 import signal
@@ -27,6 +26,7 @@ from lockrun import ExitCode, Lock, LockBusy
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
+    LOCKRUN,
     TEST_TTL,
     Held,
     finish,
@@ -40,7 +40,7 @@ from tests.support.cli import (
     unmeasured,
     wait_for,
 )
-from tests.support.net import server_locks, timed_lockrun
+from tests.support.net import HOST, ME, server_locks, timed_lockrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -49,16 +49,9 @@ if TYPE_CHECKING:
     from tests.support.harness import Harness
 
 
-ME = pwd.getpwuid(os.geteuid()).pw_name
-HOST = os.uname().nodename
 # However slow a shared CI machine is, a refusal must not take this long (nor --wait's 30 s).
 PATIENCE = 15.0
 UNTIL = "while [ ! -e"  # a shell loop that ends once a file appears
-
-
-def queued(uri: str, name: str, count: int) -> bool:
-    """Return whether exactly *count* waiters queue for *name*."""
-    return queue_length(uri, name) == count
 
 
 def queued_alive(uri: str, name: str, waiters: list[subprocess.Popen[str]]) -> bool:
@@ -197,11 +190,8 @@ def test_counter_loses_no_update(uri: str, name: str, tmp_path: Path) -> None:
     counter.write_text("0")
     script = tmp_path / "increment.sh"
     script.write_text(COUNTER)
-    loop = (
-        f"for i in $(seq {RUNS}); do {sys.executable} -m lockrun --uri {shlex.quote(uri)} -n {name}"
-        " -w forever"
-        f" -- sh {script} {counter} || exit 1; done"
-    )
+    locked = shlex.join([*LOCKRUN, "--uri", uri, "-n", name, "-w", "forever", "--"])
+    loop = f"for i in $(seq {RUNS}); do {locked} sh {script} {counter} || exit 1; done"
     workers = [subprocess.Popen(["sh", "-c", loop], env=unmeasured()) for _ in range(PROCESSES)]
     assert [worker.wait(300) for worker in workers] == [0] * PROCESSES
     assert counter.read_text().strip() == str(PROCESSES * RUNS)
@@ -228,6 +218,7 @@ print("overlap" if state not in {"Z", "X", "gone"} else "alone")
 """
 
 
+@pytest.mark.slow  # Redis: ~5 s, the killed holder's lease (LOCKRUN_TTL 5) must run out
 @pytest.mark.parametrize("close", [False, True], ids=["inherited", "close"])
 def test_killed_holder_never_lets_a_second_command_overlap(
     uri: str, name: str, tmp_path: Path, close: bool
@@ -242,45 +233,33 @@ def test_killed_holder_never_lets_a_second_command_overlap(
         assert result.returncode == ExitCode.USAGE
         assert "--close applies to the file: backend only" in one_line(result.stderr)
         return
-    check_no_overlap_after_kill(uri, name, tmp_path, ["--close"] if close else [])
-
-
-def check_no_overlap_after_kill(
-    uri: str, name: str, tmp_path: Path, close_option: list[str]
-) -> None:
-    """SIGKILL a holding lockrun; a second command must never see the first one running."""
     pid_file, go = tmp_path / "first.pid", tmp_path / "go"
     publish = f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"
     script = f"{publish}; {UNTIL} {go} ]; do sleep 0.01; done"
+    close_option = ["--close"] if close else []
     # stderr not piped: a surviving command would hold the pipe open.
     first = start("--uri", uri, "-n", name, *close_option, "--", "sh", "-c", script, stderr=None)
     try:
-        _kill_and_check(first, pid_file, go, uri, name, tmp_path)
+        wait_for(pid_file.exists, what="the first command")
+        first_command = int(pid_file.read_text())
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        checker = tmp_path / "check.py"
+        checker.write_text(FIRST_STILL_RUNNING)
+        second = start(
+            *("--uri", uri, "-n", name, "-w", "forever", "--", sys.executable),
+            *(str(checker), str(pid_file)),
+            stdout=subprocess.PIPE,
+        )
+        if not gone(first_command):  # it kept the inherited lock fd: it must finish first
+            go.touch()
+        out, _ = second.communicate(timeout=30)
+        assert second.returncode == 0
+        assert out.strip() == "alone"
+        go.touch()
+        wait_for(lambda: gone(first_command), what="the first command to end")
     finally:
         go.touch()  # whatever failed, no loop is left running
-
-
-def _kill_and_check(
-    first: subprocess.Popen[str], pid_file: Path, go: Path, uri: str, name: str, tmp_path: Path
-) -> None:
-    wait_for(pid_file.exists, what="the first command")
-    first_command = int(pid_file.read_text())
-    first.send_signal(signal.SIGKILL)
-    first.wait(10)
-    checker = tmp_path / "check.py"
-    checker.write_text(FIRST_STILL_RUNNING)
-    second = start(
-        *("--uri", uri, "-n", name, "-w", "forever", "--", sys.executable),
-        *(str(checker), str(pid_file)),
-        stdout=subprocess.PIPE,
-    )
-    if not gone(first_command):  # it kept the inherited lock fd: it must finish first
-        go.touch()
-    out, _ = second.communicate(timeout=30)
-    assert second.returncode == 0
-    assert out.strip() == "alone"
-    go.touch()
-    wait_for(lambda: gone(first_command), what="the first command to end")
 
 
 def test_python_api_holds_and_reports_slot_and_fence(uri: str, name: str) -> None:
@@ -407,12 +386,11 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     go = tmp_path / "go-second"
     loop = f"{UNTIL} {go} ]; do sleep 0.01; done"
     second = start("--uri", uri, "-n", name, "-w", "forever", "--", "sh", "-c", loop)
-    wait_for(lambda: queued(uri, name, 1), what="the second to queue")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the second to queue")
     waiter = start("--uri", uri, "-n", name, "-w", "forever", "-v", "--", "true")
-    wait_for(lambda: queued(uri, name, 2), what="the verbose waiter to queue")
-    host = os.uname().nodename
+    wait_for(lambda: queue_length(uri, name) == 2, what="the verbose waiter to queue")
     first.finish()
-    seen = read_line_with(waiter, f"held by {host}:{second.pid} since ")
+    seen = read_line_with(waiter, f"held by {HOST}:{second.pid} since ")
     go.touch()
     assert finish(second) == 0
     _, rest = waiter.communicate(timeout=30)
@@ -421,7 +399,7 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     since = r"since \d\d:\d\d:\d\d"
     assert re.fullmatch(
         rf"lockrun: waiting for {name} \({re.escape(redact(uri))}\) — held by "
-        rf"{host}:{first.process.pid}"
+        rf"{HOST}:{first.process.pid}"
         rf" {since} — 1 ahead of you",
         lines[0],
     ), lines
@@ -429,7 +407,7 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     changes, done = lines[1:-2], lines[-2:]
     assert all(line.startswith(f"lockrun: waiting for {name} — ") for line in changes), lines
     assert re.fullmatch(
-        rf"lockrun: waiting for {name} — held by {host}:{second.pid} {since} — next in line",
+        rf"lockrun: waiting for {name} — held by {HOST}:{second.pid} {since} — next in line",
         changes[-1],
     ), lines
     assert done[0].startswith(f"lockrun: acquired {name} slot 0 of 1 after ")
@@ -450,6 +428,7 @@ def test_names_of_255_bytes_lock_and_show_in_status(uri: str, held: Callable[...
     holder.finish()
 
 
+@pytest.mark.slow  # Redis: ~5 s, the killed holder's lease (LOCKRUN_TTL 5) must run out
 def test_a_queued_waiter_gets_in_when_the_holder_is_killed(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:

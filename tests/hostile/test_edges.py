@@ -40,17 +40,14 @@ def test_an_empty_command_name_is_not_found(file_uri: str, name: str) -> None:
     assert "command not found" in one_line(result.stderr)
 
 
-def sh(command: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+# ``python -m lockrun`` as a shell command line.
+LOCKRUN_SH = " ".join(LOCKRUN)
+
+
+def sh(command: str) -> subprocess.CompletedProcess[str]:
     """Run *command* in sh, with LOCKRUN standing for ``python -m lockrun``."""
-    lockrun_ = " ".join(LOCKRUN)
-    return subprocess.run(  # type: ignore[call-overload, no-any-return]
-        ["sh", "-c", command.replace("LOCKRUN", lockrun_)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        **kwargs,
-    )
+    argv = ["sh", "-c", command.replace("LOCKRUN", LOCKRUN_SH)]
+    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
 
 
 CLOSED_FDS = """
@@ -100,13 +97,9 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     reader, writer = os.pipe()
     os.close(reader)
     try:
+        argv = [*LOCKRUN, "status", "--uri", file_uri]
         broken = subprocess.run(
-            [*LOCKRUN, "status", "--uri", file_uri],
-            stdout=writer,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=60,
+            argv, stdout=writer, stderr=subprocess.PIPE, text=True, check=False, timeout=60
         )
     finally:
         os.close(writer)
@@ -115,14 +108,24 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     holder.finish()
 
 
-@pytest.mark.parametrize(("signame", "status"), [("QUIT", 131), ("HUP", 129)])
-def test_quit_or_hup_while_waiting_ends_the_wait(
-    uri: str, name: str, held: Callable[..., Held], signame: str, status: int
+@pytest.mark.parametrize(
+    ("signame", "status", "wait"),
+    [("QUIT", 131, "forever"), ("HUP", 129, "forever"), ("TERM", 143, "300d")],
+    ids=["quit", "hup", "term-during-300d"],
+)
+def test_quit_hup_or_term_while_waiting_ends_the_wait(
+    uri: str, name: str, held: Callable[..., Held], signame: str, status: int, wait: str
 ) -> None:
-    """QUIT (Ctrl-Backslash) or HUP while waiting: 128+N, one line, nothing held, no core."""
+    """QUIT (Ctrl-Backslash), HUP or TERM while waiting: 128+N, one line, nothing held, no core.
+
+    --wait 300d (past what poll(2) takes in one call) is a wait on every backend, until TERM.
+    """
     holder = held("--uri", uri, "-n", name)
-    waiter = start("--uri", uri, "-n", name, "-w", "forever", "--", "true")
+    waiter = start("--uri", uri, "-n", name, "-w", wait, "--", "true")
     wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
+    if wait == "300d":
+        time.sleep(1)
+        assert waiter.poll() is None, waiter.communicate()
     waiter.send_signal(signal.Signals["SIG" + signame])
     _, stderr = waiter.communicate(timeout=30)
     assert waiter.returncode == status
@@ -163,8 +166,7 @@ def test_hup_ignored_by_the_caller_is_not_forwarded(
     """Under nohup, a HUP to lockrun is not sent on to a command that handles HUP."""
     script = tmp_path / "trap.py"
     script.write_text(HUP_TRAP)
-    lockrun_ = " ".join(LOCKRUN)
-    command = f"trap '' HUP; exec {lockrun_} --uri {file_uri} -n {name} --"
+    command = f"trap '' HUP; exec {LOCKRUN_SH} --uri {file_uri} -n {name} --"
     process = subprocess.Popen(
         ["sh", "-c", f"{command} {sys.executable} {script} {tmp_path}"], stderr=subprocess.PIPE
     )
@@ -178,28 +180,12 @@ def test_hup_ignored_by_the_caller_is_not_forwarded(
 def test_a_nested_lockrun_never_falls_back_to_file_silently(file_uri: str, name: str) -> None:
     """LOCKRUN_URI with a password reaches the command as ***: an inner lockrun says 78."""
     env = os.environ | {"LOCKRUN_URI": "redis://:hunter2secret@127.0.0.1:1/0"}
-    inner = f"{' '.join(LOCKRUN)} -n inner-{name} -- true"
+    inner = f"{LOCKRUN_SH} -n inner-{name} -- true"
     result = lockrun("--uri", file_uri, "-n", name, "--", "sh", "-c", inner, env=env)
     assert result.returncode == 78
     line = one_line(result.stderr)
     assert "redis://***@127.0.0.1:1/0: its password was replaced by ***" in line
     assert "hunter2" not in result.stderr
-
-
-def test_a_long_wait_is_a_wait_on_every_backend(
-    uri: str, name: str, held: Callable[..., Held]
-) -> None:
-    """--wait 300d (past what poll(2) takes in one call) waits, then ends on TERM: 143."""
-    holder = held("--uri", uri, "-n", name)
-    waiter = start("--uri", uri, "-n", name, "-w", "300d", "--", "true")
-    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter")
-    time.sleep(1)
-    assert waiter.poll() is None, waiter.communicate()
-    waiter.terminate()
-    _, stderr = waiter.communicate(timeout=30)
-    assert waiter.returncode == 143
-    assert "while waiting for" in one_line(stderr)
-    holder.finish()
 
 
 def test_a_command_line_past_64k_runs_and_is_recorded_cut(uri: str, name: str) -> None:

@@ -92,12 +92,11 @@ def test_a_server_that_answers_nonsense_is_69_in_one_line(
     """Run, status and the sentinels' view: one line naming the URI, status 69."""
     where = f"127.0.0.1:{impostor.port}"
     uri = f"redis://{where}/0" if scheme == "redis" else f"redis+sentinel://{where}/mymaster"
-    for args in (("-n", name, "--ttl", "3", "--", "true"), ("status", name)):
-        result = (
-            lockrun("--uri", uri, *args)
-            if args[0] != "status"
-            else lockrun("status", "--uri", uri, name)
-        )
+    for args in (
+        ("--uri", uri, "-n", name, "--ttl", "3", "--", "true"),
+        ("status", "--uri", uri, name),
+    ):
+        result = lockrun(*args)
         assert result.returncode == 69, result.stderr
         assert "Traceback" not in result.stderr
         assert where in one_line(result.stderr)

@@ -15,14 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun import ConfigError, Lock, UsageError
-from lockrun.backends import (
-    Holder,
-    next_fence,
-    open_backend,
-    parse_uri,
-    read_identity,
-    read_json,
-)
+from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend

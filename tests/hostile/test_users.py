@@ -300,19 +300,12 @@ def test_a_planted_link_names_its_owner_by_uid_when_nobody_has_it(
 
 # -- abstract: squatted names, spoofed markers, handed junk ------------------------------
 
+# A marker of BASE (argv 1) saying pid argv 2 ("self": the squatter's own) holds slot 0 of 7.
 SQUAT_MARKER = """
-import socket, sys
+import os, socket, sys
+pid = os.getpid() if sys.argv[2] == "self" else int(sys.argv[2])
 marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-marker.bind("\\0" + sys.argv[1] + "/h0.7/1700000000000/" + str(__import__("os").getpid()))
-marker.listen(8)
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-SQUAT_OTHERS_MARKER = """
-import socket, sys
-marker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-marker.bind("\\0" + sys.argv[1] + "/h0.7/1700000000000/1")  # pid 1 holds no such socket
+marker.bind("\\0" + sys.argv[1] + "/h0.7/1700000000000/" + str(pid))
 marker.listen(8)
 print("ready", flush=True)
 sys.stdin.read()
@@ -362,7 +355,7 @@ def test_a_forged_holder_marker_neither_refuses_nor_shows(
 ) -> None:
     """A marker claiming slot 0 of 7, with no slot held behind it: no 78, not in status."""
     base = abstract_base(prefix, "default", name)
-    with planted(mallory.python(SQUAT_MARKER, base, stdin=subprocess.PIPE)):
+    with planted(mallory.python(SQUAT_MARKER, base, "self", stdin=subprocess.PIPE)):
         uri = f"abstract:{prefix}"
         result = lockrun("--uri", uri, "-n", name, "--", "true")
         assert (result.returncode, result.stderr) == (0, "")
@@ -370,34 +363,24 @@ def test_a_forged_holder_marker_neither_refuses_nor_shows(
         assert json.loads(status.stdout)[0]["holders"] == []
 
 
+@pytest.mark.parametrize("who", ["root", "alice"], ids=["root", "alice-cannot-read-proc"])
 def test_a_forged_marker_naming_another_process_is_no_mismatch(
-    mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
+    alice: Runner, mallory: Runner, prefix: str, name: str, held: Callable[..., Held], who: str
 ) -> None:
-    """A real holder has slot 0; mallory's marker says pid 1 holds it with 7 slots: 75."""
+    """A real holder has slot 0; mallory's marker says pid 1 holds it with 7 slots: 75.
+
+    Alice may not read root's /proc/1/fd: the kernel's SO_PEERCRED still unmasks mallory.
+    """
+    run = alice.lockrun if who == "alice" else lockrun
     uri = f"abstract:{prefix}"
     holder = held("--uri", uri, "-n", name)
     base = abstract_base(prefix, "default", name)
-    with planted(mallory.python(SQUAT_OTHERS_MARKER, base, stdin=subprocess.PIPE)):
-        result = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
-        assert result.returncode == 75, result.stderr
-        assert "busy" in one_line(result.stderr)
-        status = lockrun("status", "--uri", uri, "--json", name)
-        [state] = json.loads(status.stdout)
-        assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
-    holder.finish()
-
-
-def test_a_forged_marker_is_no_holder_to_a_user_who_cannot_look_into_proc(
-    alice: Runner, mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
-) -> None:
-    """Alice may not read root's /proc/1/fd: the kernel's SO_PEERCRED still unmasks mallory."""
-    uri = f"abstract:{prefix}"
-    holder = held("--uri", uri, "-n", name)
-    base = abstract_base(prefix, "default", name)
-    with planted(mallory.python(SQUAT_OTHERS_MARKER, base, stdin=subprocess.PIPE)):
-        result = alice.lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+    # pid 1 holds no such socket
+    with planted(mallory.python(SQUAT_MARKER, base, "1", stdin=subprocess.PIPE)):
+        result = run("--uri", uri, "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 75, result.stderr  # not 78: pid 1 holds no 7 slots
-        status = alice.lockrun("status", "--uri", uri, "--json", name)
+        assert "busy" in one_line(result.stderr)
+        status = run("status", "--uri", uri, "--json", name)
         [state] = json.loads(status.stdout)
         assert [owner["pid"] for owner in state["holders"]] == [holder.process.pid]
     holder.finish()
@@ -448,19 +431,29 @@ SPOOFS = {
 }
 
 
+@contextlib.contextmanager
+def flocked_by(mallory: Runner, lock_file: Path, record: bytes) -> Iterator[None]:
+    """Make *lock_file* mallory's, holding *record*, and hold a flock on it during the block."""
+    lock_file.write_bytes(record)
+    os.chown(lock_file, mallory.user.uid, mallory.user.gid)
+    lock_file.chmod(0o644)
+    holder = mallory.popen(["flock", str(lock_file), "sleep", "60"])
+    inode = f":{os.stat(lock_file).st_ino} "  # how /proc/locks names a lock on it
+    try:
+        wait_for(lambda: inode in Path("/proc/locks").read_text(), what="mallory's flock")
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.parametrize("spoof", sorted(SPOOFS))
 def test_records_spoofed_by_a_holder_in_a_shared_directory_change_nothing(
     mallory: Runner, locks: Path, name: str, spoof: str
 ) -> None:
     """Mallory holds NAME.lock with junk in it: busy (75) in one line, status reads it."""
-    record = SPOOFS[spoof].replace('"N"', json.dumps(name))
-    lock_file = locks / f"{name}.lock"
-    lock_file.write_bytes(record.encode(errors="surrogateescape"))
-    os.chown(lock_file, mallory.user.uid, mallory.user.gid)
-    lock_file.chmod(0o644)
-    holder = mallory.popen(["flock", str(lock_file), "sleep", "60"])
-    try:
-        wait_until_locked(lock_file)
+    record = SPOOFS[spoof].replace('"N"', json.dumps(name)).encode(errors="surrogateescape")
+    with flocked_by(mallory, locks / f"{name}.lock", record):
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 75, result.stderr
         assert "busy" in one_line(result.stderr)
@@ -468,9 +461,6 @@ def test_records_spoofed_by_a_holder_in_a_shared_directory_change_nothing(
             status = lockrun("status", "--uri", f"file://{locks}", *args)
             assert (status.returncode, status.stderr) == (0, ""), status.stderr
             assert "\x1b" not in status.stdout
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
@@ -479,24 +469,7 @@ def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
     """A holder that says --slots 7 for this very name is one: 78, as for any such holder."""
     record = {"name": name, "namespace": "default", "slots": 7}
     record |= {"host": "h", "pid": 1, "user": "mallory", "argv": ["x"]}
-    lock_file = locks / f"{name}.lock"
-    lock_file.write_text(json.dumps(record))
-    os.chown(lock_file, mallory.user.uid, mallory.user.gid)
-    holder = mallory.popen(["flock", str(lock_file), "sleep", "60"])
-    try:
-        wait_until_locked(lock_file)
+    with flocked_by(mallory, locks / f"{name}.lock", json.dumps(record).encode()):
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 78
         assert "in use with 7 slots by mallory@h pid 1" in one_line(result.stderr)
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-def wait_until_locked(path: Path) -> None:
-    """Wait until someone holds a flock on *path* (its inode shows in /proc/locks)."""
-    inode = f":{os.stat(path).st_ino} "
-    deadline = time.monotonic() + 15
-    while inode not in Path("/proc/locks").read_text():
-        assert time.monotonic() < deadline, "the planted holder never locked"
-        time.sleep(0.01)

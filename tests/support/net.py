@@ -7,6 +7,8 @@ certificates are a throwaway CA's; `secret_free` is the one check that a passwor
 from __future__ import annotations
 
 import contextlib
+import os
+import pwd
 import re
 import shutil
 import socket
@@ -22,7 +24,7 @@ from lockrun.backends import parse_uri
 from lockrun.backends.mysql import lock_key as mysql_key
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.backends.postgres import lock_key as postgres_key
-from tests.support.cli import lockrun
+from tests.support.cli import lockrun, one_line
 from tests.support.servers import unavailable
 
 if TYPE_CHECKING:
@@ -30,6 +32,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from tests.support.servers import MariaServer
+
+# Who and where this test process is, as `status` and busy lines name a holder of ours.
+ME: Final = pwd.getpwuid(os.geteuid()).pw_name
+HOST: Final = os.uname().nodename
 
 
 def encoded(secret: str) -> str:
@@ -43,6 +49,24 @@ def secret_free(result: subprocess.CompletedProcess[str], *secrets: str) -> None
         for form in {secret, encoded(secret)}:
             assert form not in result.stdout, result.stdout
             assert form not in result.stderr, result.stderr
+
+
+def assert_refused(uri: str, name: str, status: int, *needles: str) -> None:
+    """Assert that a run, a semaphore's wait and status on *uri* exit *status*, one line each.
+
+    The line holds every one of *needles*; nothing runs.
+    """
+    for args in (
+        ("--uri", uri, "-n", name, "--", "echo", "ran"),
+        ("--uri", uri, "-n", name, "--slots", "3", "--wait", "5", "--", "echo", "ran"),
+        ("status", "--uri", uri, name),
+        ("status", "--uri", uri),
+    ):
+        result = lockrun(*args)
+        assert (result.returncode, result.stdout) == (status, ""), args
+        line = one_line(result.stderr)
+        for needle in needles:
+            assert needle in line, line
 
 
 def timed_lockrun(*args: str, **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -134,19 +158,20 @@ class Listener:
     and never answers.
     """
 
-    def __init__(self, reply: bytes | None) -> None:
+    def __init__(self, reply: bytes | None, *, name: str = "not-a-server") -> None:
         """Listen on a free loopback port and serve from a thread until `close`."""
         self.reply = reply
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.05)
         self.port: int = self.server.getsockname()[1]
-        self.silent: list[socket.socket] = []
+        self.kept: list[socket.socket] = []  # connections left open, answered or not
+        self.silent = self.kept
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="not-a-server", daemon=True)
+        self.thread = threading.Thread(target=self.serve, name=name, daemon=True)
         self.thread.start()
 
     def serve(self) -> None:
-        """Accept until told to stop; keep silent connections open, answer and close others."""
+        """Accept until told to stop, and `handle` each connection."""
         while not self.stopping.is_set():
             try:
                 connection, _ = self.server.accept()
@@ -154,24 +179,28 @@ class Listener:
                 continue
             except OSError:  # closed under us
                 return
-            if self.reply is None:
-                self.silent.append(connection)  # accepted, read from by nobody, never answered
-                continue
-            with connection, contextlib.suppress(OSError):
-                connection.settimeout(2)
-                connection.recv(4096)  # the client's first command, startup or TLS hello
-                connection.sendall(self.reply)
+            self.handle(connection)
+
+    def handle(self, connection: socket.socket) -> None:
+        """Keep a silent connection open; answer and close others."""
+        if self.reply is None:
+            self.kept.append(connection)  # accepted, read from by nobody, never answered
+            return
+        with connection, contextlib.suppress(OSError):
+            connection.settimeout(2)
+            connection.recv(4096)  # the client's first command, startup or TLS hello
+            connection.sendall(self.reply)
 
     def close(self) -> None:
         """Stop the thread and close every socket."""
         self.stopping.set()
         self.thread.join(5)
-        for connection in self.silent:
+        for connection in self.kept:
             connection.close()
         self.server.close()
 
 
-class Greeter:
+class Greeter(Listener):
     """A loopback TCP port that greets each connection with *greeting* at once, like MySQL.
 
     A MySQL server speaks first; this one then closes, or keeps the connection and says no
@@ -182,37 +211,16 @@ class Greeter:
         """Listen on a free loopback port and serve from a thread until `close`."""
         self.greeting = greeting
         self.hang = hang
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.05)
-        self.port: int = self.server.getsockname()[1]
-        self.kept: list[socket.socket] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, name="greeter", daemon=True)
-        self.thread.start()
+        super().__init__(None, name="greeter")
 
-    def serve(self) -> None:
-        """Accept until told to stop; greet, then hang up or keep quiet."""
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under us
-                return
-            with contextlib.suppress(OSError):
-                connection.sendall(self.greeting)
-            if self.hang:
-                self.kept.append(connection)
-            else:
-                connection.close()
-
-    def close(self) -> None:
-        """Stop the thread and close every socket."""
-        self.stopping.set()
-        self.thread.join(5)
-        for connection in self.kept:
+    def handle(self, connection: socket.socket) -> None:
+        """Greet, then hang up or keep quiet."""
+        with contextlib.suppress(OSError):
+            connection.sendall(self.greeting)
+        if self.hang:
+            self.kept.append(connection)
+        else:
             connection.close()
-        self.server.close()
 
 
 def make_certificates(directory: Path) -> None:

@@ -83,6 +83,12 @@ class _Server:
     process: subprocess.Popen[bytes] | None
     LOG: ClassVar[str]  # the log's file name in the directory
 
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        assert self.process is not None
+        return self.process.pid
+
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers."""
         raise NotImplementedError
@@ -175,22 +181,10 @@ class RedisServer(_Server):
 
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers PING."""
-        command: Sequence[str] = (
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--unixsocket",
-            self.socket,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self.directory,
-            "--logfile",
-            os.path.join(self.directory, self.LOG),
+        command = (
+            *(REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"),
+            *("--unixsocket", self.socket, "--save", "", "--appendonly", "no"),
+            *("--dir", self.directory, "--logfile", os.path.join(self.directory, self.LOG)),
             *self.options,
         )
         self._launch(command, patience=10, pause=0.005)
@@ -208,13 +202,8 @@ class RedisServer(_Server):
 
     def command(self, *args: str) -> str:
         """Run redis-cli against the server and return what it printed."""
-        result = subprocess.run(
-            ["redis-cli", "-s", self.socket, *args],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        command = ["redis-cli", "-s", self.socket, *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
         return result.stdout.strip()
 
 
@@ -223,22 +212,14 @@ MARIADB_INSTALL: Final = "mariadb-install-db"
 
 
 def _install_mariadb(data: str) -> None:
-    subprocess.run(
-        (
-            MARIADB_INSTALL,
-            "--no-defaults",
-            f"--datadir={data}",
-            # Its own temporary tables: two bootstraps at once in /tmp collide
-            # ("Could not remove temporary table", then "Unknown table").
-            f"--tmpdir={os.path.dirname(data)}",
-            "--auth-root-authentication-method=normal",
-            "--skip-test-db",
-            "--user=root",
-        ),
-        capture_output=True,
-        check=True,
-        timeout=120,
+    command = (
+        *(MARIADB_INSTALL, "--no-defaults", f"--datadir={data}"),
+        # Its own temporary tables: two bootstraps at once in /tmp collide
+        # ("Could not remove temporary table", then "Unknown table").
+        f"--tmpdir={os.path.dirname(data)}",
+        *("--auth-root-authentication-method=normal", "--skip-test-db", "--user=root"),
     )
+    subprocess.run(command, capture_output=True, check=True, timeout=120)
 
 
 class MariaServer(_Server):
@@ -261,12 +242,6 @@ class MariaServer(_Server):
         from_template("mariadb", f"{self.directory}/data", _install_mariadb)
         self.start()
         self.command("CREATE DATABASE lockrun")
-
-    @property
-    def pid(self) -> int:
-        """The server's process id."""
-        assert self.process is not None
-        return self.process.pid
 
     @property
     def uri(self) -> str:
@@ -297,26 +272,17 @@ class MariaServer(_Server):
 
     def ping(self) -> bool:
         """Return whether the server accepts a connection on its socket."""
+        command = ("mariadb-admin", "--no-defaults", "-S", self.socket, "-uroot", "ping")
         try:
-            result = subprocess.run(
-                ("mariadb-admin", "--no-defaults", "-S", self.socket, "-uroot", "ping"),
-                capture_output=True,
-                check=False,
-                timeout=10,
-            )
+            result = subprocess.run(command, capture_output=True, check=False, timeout=10)
         except subprocess.TimeoutExpired:
             return False
         return result.returncode == 0
 
     def command(self, sql: str) -> str:
         """Run *sql* with the mariadb client as root and return what it printed (tab-separated)."""
-        result = subprocess.run(
-            ("mariadb", "--no-defaults", "-S", self.socket, "-uroot", "-N", "-B", "-e", sql),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
+        command = ("mariadb", "--no-defaults", "-S", self.socket, "-uroot", "-N", "-B", "-e", sql)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
         return result.stdout.strip()
 
 
@@ -330,7 +296,7 @@ def postgres_bin(program: str) -> str:
     return found[-1]
 
 
-def _postgres_user() -> str | None:
+def postgres_user() -> str | None:
     """Return the user to run PostgreSQL's programs as: ``postgres`` when we are root.
 
     initdb and postgres refuse to run as root; Popen(user=) makes the child itself the
@@ -340,13 +306,8 @@ def _postgres_user() -> str | None:
 
 
 def _initdb(data: str) -> None:
-    subprocess.run(
-        (postgres_bin("initdb"), "-D", data, "-A", "trust", "-U", "lockrun"),
-        capture_output=True,
-        check=True,
-        timeout=120,
-        user=_postgres_user(),
-    )
+    command = (postgres_bin("initdb"), "-D", data, "-A", "trust", "-U", "lockrun")
+    subprocess.run(command, capture_output=True, check=True, timeout=120, user=postgres_user())
     with open(os.path.join(data, "pg_hba.conf"), "w") as hba:
         hba.write(
             "local all lockrun trust\n"
@@ -365,8 +326,14 @@ class PostgresServer(_Server):
 
     LOG = "postgres.log"
 
-    def __init__(self, *options: str, port: int = 0) -> None:
-        """Copy a fresh cluster and start it with extra ``-c`` *options*."""
+    def __init__(
+        self, *options: str, port: int = 0, standby_of: PostgresServer | None = None
+    ) -> None:
+        """Copy a fresh cluster and start it with extra ``-c`` *options*.
+
+        With *standby_of*, the cluster is a base backup of that server's instead, and the
+        server its hot standby (whose pg_hba.conf must let ``lockrun`` replicate).
+        """
         self.directory = tempfile.mkdtemp(prefix="lr-pg-")
         self.port = port or 5432  # also names the socket file, which is in our directory
         self.tcp = bool(port)
@@ -374,7 +341,11 @@ class PostgresServer(_Server):
         self.process: subprocess.Popen[bytes] | None = None
         if os.geteuid() == 0:
             shutil.chown(self.directory, "postgres")
-        from_template("postgres", self.data, _initdb, owner=_postgres_user())
+        if standby_of is not None:
+            standby_of.base_backup(self.data)
+            self.start()
+            return
+        from_template("postgres", self.data, _initdb, owner=postgres_user())
         self.start()
         self.command("CREATE DATABASE lockrun")
 
@@ -382,12 +353,6 @@ class PostgresServer(_Server):
     def data(self) -> str:
         """The cluster's data directory."""
         return os.path.join(self.directory, "data")
-
-    @property
-    def pid(self) -> int:
-        """The postmaster's process id."""
-        assert self.process is not None
-        return self.process.pid
 
     @property
     def uri(self) -> str:
@@ -401,32 +366,23 @@ class PostgresServer(_Server):
 
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers."""
-        command = (
-            postgres_bin("postgres"),
-            "-D",
-            self.data,
-            "-k",
-            self.directory,
-            "-p",
-            str(self.port),
-            "-c",
-            f"listen_addresses={'127.0.0.1' if self.tcp else ''}",
-            "-c",
-            "fsync=off",
-            "-c",
-            "logging_collector=off",
-            *(arg for option in self.options for arg in ("-c", option)),
-        )
-        self._launch(command, patience=60, pause=0.02, user=_postgres_user(), log=True)
+        listen = f"listen_addresses={'127.0.0.1' if self.tcp else ''}"
+        settings = (listen, "fsync=off", "logging_collector=off", *self.options)
+        where = ("-D", self.data, "-k", self.directory, "-p", str(self.port))
+        flags = [arg for setting in settings for arg in ("-c", setting)]
+        command = (postgres_bin("postgres"), *where, *flags)
+        self._launch(command, patience=60, pause=0.02, user=postgres_user(), log=True)
 
     def ping(self) -> bool:
         """Return whether the server accepts connections on its socket."""
-        result = subprocess.run(
-            (postgres_bin("pg_isready"), "-q", "-h", self.directory, "-p", str(self.port)),
-            check=False,
-            timeout=10,
-        )
-        return result.returncode == 0
+        command = (postgres_bin("pg_isready"), "-q", "-h", self.directory, "-p", str(self.port))
+        return subprocess.run(command, check=False, timeout=10).returncode == 0
+
+    def base_backup(self, data: str) -> None:
+        """Write a base backup of this server into *data*, set up to follow it (-R)."""
+        backup = (postgres_bin("pg_basebackup"), "-h", self.directory, "-p", str(self.port))
+        command = (*backup, "-U", "lockrun", "-D", data, "-R", "-c", "fast")
+        subprocess.run(command, capture_output=True, check=True, timeout=60, user=postgres_user())
 
     def stop(self) -> None:
         """Stop at once (SIGQUIT: every session ends, nothing is saved; recovery on start)."""
@@ -442,28 +398,10 @@ class PostgresServer(_Server):
 
     def command(self, sql: str, *, user: str = "lockrun", database: str = "lockrun") -> str:
         """Run *sql* with psql and return what it printed (unaligned, ``|``-separated)."""
-        result = subprocess.run(
-            (
-                postgres_bin("psql"),
-                "-X",
-                "-A",
-                "-t",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-h",
-                self.directory,
-                "-p",
-                str(self.port),
-                "-U",
-                user,
-                "-d",
-                "postgres" if sql == "CREATE DATABASE lockrun" else database,
-                "-c",
-                sql,
-            ),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
+        database = "postgres" if sql == "CREATE DATABASE lockrun" else database
+        command = (
+            *(postgres_bin("psql"), "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1"),
+            *("-h", self.directory, "-p", str(self.port), "-U", user, "-d", database, "-c", sql),
         )
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
         return result.stdout.strip()

@@ -1,11 +1,10 @@
-"""Throwaway database servers for the backend tests (research/aesthetics.md §4).
+"""Throwaway database servers for the backend tests (docs/design.md C9).
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
 only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
 ``LOCKRUN_TEST_MYSQL_URL`` and ``LOCKRUN_TEST_POSTGRES_URL`` point the tests at existing
-servers instead. A missing server
-binary skips the backend's tests with the reason, except under ``CI=true``, where it fails
-them (SPEC §6).
+servers instead. A missing server binary skips the backend's tests with the reason, except
+under ``CI=true``, where it fails them (docs/development.md "Quality bars").
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from tests.support.cli import Held, finish, lockrun, one_line, wait_for
-from tests.support.harness import MysqlHarness, command, read_run
+from tests.support.harness import LEASE, SLACK, TTL, MysqlHarness, command, read_run
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,9 +27,6 @@ pytestmark = [
     pytest.mark.parametrize("shared_server_harness", ["mysql"], indirect=True),
 ]
 
-TTL: Final = 3.0  # seconds: ownership checks every second, wait_timeout 3
-LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", "1")
-SLACK: Final = 3.0  # generous: a shared 2-core machine, and Python start-ups on the way
 # The server frees an idle session's locks after wait_timeout = ceil(ttl); lockrun must not
 # let anyone in much earlier than that (a tenth: timer and clock granularity).
 EARLY: Final = 0.9

@@ -23,7 +23,7 @@ from tests.support.cli import (
     wait_for,
     waiter_pids,
 )
-from tests.support.harness import RedisHarness, read_run
+from tests.support.harness import CALM, SLACK, TTL, RedisHarness, read_run
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,10 +33,7 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(40)]
 
-TTL: Final = 3.0
 SHORT_TTL: Final = 2.0
-CALM: Final = ("--ttl", "10")  # where the lease length does not matter
-SLACK: Final = 3.0  # generous: a shared 2-core machine, and Python start-ups on the way
 
 # Every lockrun key and its PTTL, read in one atomic step (nothing changes in between).
 KEYS_WITH_TTL: Final = """

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.support.cli import holder_pids, wait_for, waiter_pids
+from tests.support.harness import KILL_AFTER, LEASE, SLACK, TTL
 from tests.support.sentinels import Namespace, SentinelSet, UnixOracle
 
 if TYPE_CHECKING:
@@ -25,10 +26,6 @@ if TYPE_CHECKING:
 
     from tests.support.oracle import Oracle, Run
 
-TTL: Final = 3.0  # renewals every second
-KILL_AFTER: Final = 1.0
-LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
-SLACK: Final = 3.0  # a shared 2-core machine, and Python start-ups on the way
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -21,7 +21,7 @@ import pytest
 from lockrun.backends.mysql import lock_key as mysql_lock_key
 from tests.support.cli import holder_pids, one_line, wait_for, waiter_pids
 from tests.support.cli import lockrun as run_lockrun
-from tests.support.harness import SESSION_BACKENDS
+from tests.support.harness import KILL_AFTER, LEASE, SESSION_BACKENDS, SLACK, TTL
 from tests.support.servers import MariaServer
 
 if TYPE_CHECKING:
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from tests.support.harness import Rig
     from tests.support.oracle import Oracle
 
-TTL: Final = 3.0  # renewals every second
-KILL_AFTER: Final = 1.0
-LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
-SLACK: Final = 3.0  # a shared 2-core machine, and Python start-ups on the way
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -24,6 +24,11 @@ import pytest
 
 from tests.support.cli import finish, lockrun, wait_for
 from tests.support.harness import (
+    CALM,
+    KILL_AFTER,
+    LEASE,
+    SLACK,
+    TTL,
     Harness,
     Run,
     Victim,
@@ -39,14 +44,7 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
-TTL: Final = 3.0  # seconds: renewals or ownership checks every second
-KILL_AFTER: Final = 1.0
-LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
 SHORT_TTL: Final = 2.0  # for the lease a dead holder leaves to run out
-# Where the lease length does not matter: calls may then take 0.5 s (ttl/20), which a machine
-# busy with other test runs can need.
-CALM: Final = ("--ttl", "10")
-SLACK: Final = 3.0  # generous: a shared 2-core machine, and Python start-ups on the way
 GRACE: Final = 2.0  # how late after ttl/3 a lost lock may be noticed and acted on
 # README "The server does not answer": lockrun gives up at last renewal + 0.9 × ttl − kill-after
 # "so that KILL lands a tenth of a ttl before the server can hand the lock to someone else".

@@ -26,8 +26,12 @@ from tests.support.cli import (
     waiter_pids,
 )
 from tests.support.harness import (
+    CALM,
     HOLD,
+    LEASE,
     SESSION_BACKENDS,
+    SLACK,
+    TTL,
     Harness,
     command,
     most_at_once,
@@ -40,11 +44,6 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
-TTL: Final = 3.0  # seconds: renewals or ownership checks every second
-KILL_AFTER: Final = 1.0
-LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
-CALM: Final = ("--ttl", "10")  # where the lease length does not matter
-SLACK: Final = 3.0  # generous: a shared 2-core machine, and Python start-ups on the way
 GRACE: Final = 2.0  # how soon a waiter's sessions are gone after it exits
 SESSIONS_ONLY: Final = pytest.mark.parametrize(
     "shared_server_harness", SESSION_BACKENDS, indirect=True

@@ -71,6 +71,14 @@ _POSTGRES_SESSIONS: Final = (
 )
 NAMESPACE: Final = "default"
 
+# The fault tests' timing: leases short enough to lose within a test, long enough that a
+# loaded machine renews them in time.
+TTL: Final = 3.0  # seconds: renewals or ownership checks every second
+KILL_AFTER: Final = 1.0
+LEASE: Final = ("--ttl", f"{TTL:g}", "--kill-after", f"{KILL_AFTER:g}")
+CALM: Final = ("--ttl", "10")  # where the lease length does not matter
+SLACK: Final = 3.0  # generous: a shared 2-core machine, and Python start-ups on the way
+
 
 # -- processes and the evidence they leave ------------------------------------------------------
 

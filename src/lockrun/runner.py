@@ -2,7 +2,7 @@
 
 `run` is what ``lockrun [OPTIONS] -- COMMAND`` does: the options' checks, the wait (with its
 signals and its progress line), the spawn under `lockrun.supervise`, and the status. The
-Python API (`lockrun.lock.Lock`) shares `acquire` with it and nothing else.
+Python API (`lockrun.lock.Lock`) shares `acquire` and the defaults with it.
 """
 
 from __future__ import annotations

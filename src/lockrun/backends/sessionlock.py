@@ -316,7 +316,11 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         """Release *lease*'s slot on its session; the next waiter gets it at once."""
 
     def cut(self, lease: SessionLease[S]) -> bool:
-        """Hang up under a refresh that hangs; True once *lease* may say goodbye itself."""
+        """Hang up under a refresh that hangs.
+
+        Return True once the refresh has let go and this call holds ``lease.busy`` (the
+        lease then says goodbye itself and releases it); False to leave the session be.
+        """
         lease.session.abandon()
         return False
 

@@ -366,10 +366,8 @@ def open_backend(
         )
         msg = f"{uri.scheme}: needs {what}: {hint}"
         raise ConfigError(msg) from err
-    try:
-        backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
-    except URIError as err:
-        raise ConfigError(str(err)) from None
+    # Backends split hosts with `host_port` below, so a bad one is already a ConfigError.
+    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
     return backend
 
 

@@ -12,8 +12,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
-from tests.support.cli import Held, finish, lockrun, one_line, wait_for
-from tests.support.harness import LEASE, SLACK, TTL, MysqlHarness, command, read_run
+from tests.support.cli import Held, finish, lockrun, wait_for
+from tests.support.harness import (
+    LEASE,
+    SLACK,
+    TTL,
+    MysqlHarness,
+    check_resumed_head,
+    command,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,16 +97,9 @@ def test_paused_head_of_a_semaphore_queue_lets_the_next_waiter_through(
     finally:
         next_go.touch()
     assert finish(second) == 0
-    _, err = head.communicate(timeout=SLACK + 10)
-    print(f"the resumed head waiter exited {head.returncode}: {err.strip()}")
-    if head.returncode == 0:  # it queued again and ran after the second
-        first_run, second_run = read_run(head_log), read_run(next_log)
-        assert first_run.begun > second_run.last
-        assert first_run.fence > second_run.fence
-    else:
-        assert head.returncode == 69, err
-        assert name in one_line(err)
-        assert not head_log.exists()
+    # A slot may still be busy with the other holder when it runs: not alone, only after.
+    assert harness.gave_up == {69}
+    check_resumed_head(harness, name, head, head_log, next_log, alone=False)
     assert holders[1].finish() == 0
 
 

@@ -33,6 +33,7 @@ from tests.support.harness import (
     SLACK,
     TTL,
     Harness,
+    check_resumed_head,
     command,
     most_at_once,
     read_run,
@@ -123,18 +124,7 @@ def test_a_paused_head_waiter_is_passed_over_and_never_runs_without_the_lock(
     finally:
         next_go.touch()
     assert finish(second) == 0
-    _, err = head.communicate(timeout=SLACK + 10)
-    print(f"the resumed head waiter exited {head.returncode}: {err.strip()}")
-    assert "internal error" not in err
-    if head.returncode == 0:  # it queued again and ran after the second
-        first_run, second_run = read_run(head_log), read_run(next_log)
-        assert first_run.verdict == "alone"
-        assert first_run.begun > second_run.last
-        assert first_run.fence > second_run.fence
-    else:
-        assert head.returncode in harness.gave_up, err
-        assert name in one_line(err)
-        assert not head_log.exists()
+    check_resumed_head(harness, name, head, head_log, next_log)
 
 
 def test_a_paused_semaphore_head_is_passed_over_and_never_exceeds_the_slots(

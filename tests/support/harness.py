@@ -232,6 +232,36 @@ class Run(NamedTuple):
     last: float  # Unix time of its last heartbeat
 
 
+def check_resumed_head(
+    harness: Harness,
+    name: str,
+    head: subprocess.Popen[str],
+    head_log: Path,
+    next_log: Path,
+    *,
+    alone: bool = True,
+) -> None:
+    """Check that a frozen head waiter, resumed behind a second one, gave up or ran after.
+
+    It exits with one of `harness.gave_up` in one line naming the lock and never ran its
+    command; or it queued again and ran after the second's command ended (*alone*: with
+    nobody else running), with a larger fence. Never an internal error.
+    """
+    _, err = head.communicate(timeout=SLACK + 10)
+    print(f"the resumed head waiter exited {head.returncode}: {err.strip()}")
+    assert "internal error" not in err
+    if head.returncode == 0:  # it queued again and ran after the second
+        first_run, second_run = read_run(head_log), read_run(next_log)
+        if alone:
+            assert first_run.verdict == "alone"
+        assert first_run.begun > second_run.last
+        assert first_run.fence > second_run.fence
+    else:
+        assert head.returncode in harness.gave_up, err
+        assert name in one_line(err)
+        assert not head_log.exists()
+
+
 def read_run(log: Path) -> Run:
     """Parse a `COMMAND`'s log (a SIGKILL may have cut it short after any whole line)."""
     head, *beats = log.read_text().splitlines()

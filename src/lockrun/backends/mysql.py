@@ -368,14 +368,18 @@ class Session:
             if self.connection.open:
                 self.connection.close()
 
-    def abandon(self) -> None:
-        """Hang up at once, even while a statement runs in another thread; never raises.
+    def hang_up(self) -> None:
+        """Cut the connection, even while a statement runs in another thread; never raises.
 
         shutdown() reaches the server even if other processes (the guardian) share the
         socket; the server then ends the session and frees its locks.
         """
         with contextlib.suppress(pymysql.err.Error, OSError):
             self._socket().shutdown(socket.SHUT_RDWR)
+
+    def abandon(self) -> None:
+        """Hang up at once (`hang_up`) and close; never raises."""
+        self.hang_up()
         with contextlib.suppress(Exception):
             self.connection._force_close()  # noqa: SLF001 - close() would send COM_QUIT
 
@@ -388,6 +392,7 @@ class MySQLBackend(SessionLockBackend[Session]):
 
     def __init__(self, settings: Settings, ttl: float, note: Callable[[str], None]) -> None:
         """Remember *settings*; *note* gets what `-v` shows (no fence, and why)."""
+        super().__init__()
         self.settings = settings
         self.where = settings.where
         self.ttl = ttl
@@ -713,9 +718,6 @@ class MySQLBackend(SessionLockBackend[Session]):
         )
         user, host = ("?", "?") if row is None else (str(row[0]), str(row[1]))
         return Holder(f"{host} (connection {connection})", 0, user, (), slot=slot)
-
-    def close(self) -> None:
-        """Nothing to drop: every session belongs to a lease or to one call."""
 
 
 def _said(settings: Settings, err: pymysql.err.Error) -> str:

@@ -95,6 +95,22 @@ _FAILURES: Final[tuple[tuple[str, type[LockrunError], str], ...]] = (
 )
 # libpq parameters that name a file libpq opens and reads: a FIFO there would block it.
 _FILE_PARAMETERS: Final = frozenset({"passfile", "sslcert", "sslkey", "sslrootcert", "sslcrl"})
+# Statements every session prepares: planning a join with pg_stat_activity takes longer
+# than running it. EXECUTE takes our own values, formatted ints.
+_PREPARED: Final = {
+    # The holders of (name, N) locks with N other than $2.
+    "lockrun_mismatch": "PREPARE lockrun_mismatch(bigint, int) AS "
+    "SELECT l.objid, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a "
+    "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 2 "
+    "AND l.granted AND l.classid = ($1 & 4294967295)::oid "
+    "AND l.objid <> $2::oid AND l.database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database())",
+    # Whether this session holds the advisory lock (classid $1, objid $2).
+    "lockrun_holds": "PREPARE lockrun_holds(oid, oid) AS "
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND pid = pg_backend_pid() AND objsubid = 1 AND classid = $1 AND objid = $2",
+}
+_MISMATCH: Final = "EXECUTE lockrun_mismatch({agreed}, {slots})"
 _TAGGED: Final = re.compile(r"/\* lockrun (?P<json>\{.*\}) \*/", re.DOTALL)
 
 
@@ -246,6 +262,27 @@ class Session:
         except psycopg.OperationalError as err:
             raise PgError(_first_line(str(err))) from err
 
+    def send_simple(self, *statements: str) -> None:
+        """Send *statements* in one message, run in order in one transaction (values inline).
+
+        One round trip where each would take its own; `answers` reads their rows.
+        """
+        try:
+            self.pgconn.send_query(f"{self.tag} {'; '.join(statements)}".encode())
+            while self.pgconn.flush():
+                if not _ready(self.fileno(), 5.0, select.POLLOUT):
+                    msg = "the server takes no more of our statement"
+                    raise NoAnswer(msg)
+        except psycopg.OperationalError as err:
+            raise PgError(_first_line(str(err))) from err
+
+    def literal(self, text: str) -> str:
+        """Return *text* quoted as a SQL string literal, as libpq escapes it for the server."""
+        try:
+            return bytes(pq.Escaping(self.pgconn).escape_literal(text.encode())).decode()
+        except psycopg.OperationalError as err:
+            raise PgError(_first_line(str(err))) from err
+
     def ready(self) -> bool:
         """Read what arrived; return whether the whole answer is in (never blocks)."""
         try:
@@ -256,8 +293,13 @@ class Session:
 
     def receive(self, timeout: float | None) -> list[tuple[str | None, ...]]:
         """Wait up to *timeout* seconds (None: as long as it takes) for the rows of `send`."""
+        answers = self.answers(timeout)
+        return answers[-1] if answers else []
+
+    def answers(self, timeout: float | None) -> list[list[tuple[str | None, ...]]]:
+        """Wait as `receive` does; return the rows of each statement of `send_simple`."""
         deadline = None if timeout is None else now() + timeout
-        rows: list[tuple[str | None, ...]] = []
+        answers: list[list[tuple[str | None, ...]]] = []
         error: PgError | None = None
         while True:
             while self.pgconn.is_busy():  # get_result would block: wait for more, in time
@@ -274,15 +316,17 @@ class Session:
                 message = _first_line(text or result.error_message or b"the statement failed")
                 error = PgError(message, state.decode(errors="replace") if state else None)
             elif result.status == pq.ExecStatus.TUPLES_OK:
-                rows = [
-                    tuple(_text(result.get_value(row, col)) for col in range(result.nfields))
-                    for row in range(result.ntuples)
-                ]
+                answers.append(
+                    [
+                        tuple(_text(result.get_value(row, col)) for col in range(result.nfields))
+                        for row in range(result.ntuples)
+                    ]
+                )
         if error is not None:
             raise error
         if self.pgconn.status != pq.ConnStatus.OK:
             raise PgError(_first_line(self.pgconn.get_error_message() or "the connection ended"))
-        return rows
+        return answers
 
     def rows(
         self, sql: str, *params: object, timeout: float | None
@@ -353,6 +397,7 @@ class PostgresBackend(SessionLockBackend[Session]):
         note: Callable[[str], None],
     ) -> None:
         """Remember *settings*; *warn* and *note* get one-line remarks (stderr, -v)."""
+        super().__init__()
         self.settings = settings
         self.where = settings.where
         self.ttl = ttl
@@ -439,9 +484,14 @@ class PostgresBackend(SessionLockBackend[Session]):
             )
         self.version = version
         calls = ", ".join(f"set_config('{name}', '{value}', false)" for name, value in settings)
-        row = session.rows(
-            f"SELECT pg_backend_pid(), pg_is_in_recovery(), {calls}", timeout=self.timeout
-        )[0]
+        # The grant's and the renewals' statements are planned once per session, not per
+        # use; a pooler may hand us a server session that another client prepared them on.
+        session.send_simple(
+            f"SELECT pg_backend_pid(), pg_is_in_recovery(), {calls}",
+            "DEALLOCATE ALL",
+            *_PREPARED.values(),
+        )
+        row = session.answers(self.timeout)[0][0]
         session.pid = int(row[0] or 0)
         if row[1] == "t":
             msg = (
@@ -509,6 +559,11 @@ class PostgresBackend(SessionLockBackend[Session]):
 
     def _session(self, attempt: Attempt[Session]) -> Session:
         return self.session(attempt.tag, _application_name(attempt.request.name, "waiting"))
+
+    def _revive(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Check a kept session as any, and have it carry *attempt*'s comment from now on."""
+        session.tag = attempt.tag
+        return super()._revive(session, attempt)
 
     def _end(self, sessions: Sequence[Session]) -> None:
         """Terminate server sessions we hung up on, so their waits leave the queue now.
@@ -620,42 +675,45 @@ class PostgresBackend(SessionLockBackend[Session]):
     ) -> SessionLease[Session]:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
 
-        Checking after taking it catches two users of different N who got in at the same
-        moment: the later check of the two sees the other's lock.
+        One round trip: two statements that run in order. Checking after taking the shared
+        lock catches two users of different N who got in at the same moment: the later
+        check of the two sees the other's lock.
         """
         request = attempt.request
         holder = request.holder._replace(slot=slot, since=time.time())
         session.tag = _comment(request, attempt.token, holder)
         lease = SessionLease(self, session, attempt.key.slots[slot], slot, None)
         try:
-            lease.fence = self._fence(session, request, slot)
-            self._refuse_mismatch(session, attempt)
+            fence, others = self._fence(session, attempt, slot)
+            lease.fence = fence
+            self._judge(others, attempt)
         except BaseException:
             lease.release()
             raise
         return lease
 
-    def _fence(self, session: Session, request: Request, slot: int) -> int:
-        """Return a new fence: the id of a transaction of ours, made durable.
+    def _fence(
+        self, session: Session, attempt: Attempt[Session], slot: int
+    ) -> tuple[int, list[tuple[str | None, ...]]]:
+        """Return a new fence, and the live users of another N (after taking ours).
 
-        Transaction ids only grow, cluster-wide. A transaction that wrote nothing commits
-        without waiting for its record to reach disk, so a crash could hand its id out
-        again; a logical message (prefix ``lockrun``) is the smallest write that makes the
-        commit wait for the disk.
+        The fence is the id of a transaction of ours, made durable. Transaction ids only
+        grow, cluster-wide. A transaction that wrote nothing commits without waiting for
+        its record to reach disk, so a crash could hand its id out again; a logical message
+        (prefix ``lockrun``) is the smallest write that makes the commit wait for the disk.
         """
+        request = attempt.request
         current = "pg_current_xact_id()::text::bigint" if self.version >= _V13 else "txid_current()"
         durable = ", pg_logical_emit_message(true, 'lockrun', '')" if self.durable else ""
-        statement = (
-            f"SELECT {current}, set_config('application_name', $1, false), "
-            f"pg_try_advisory_lock_shared($2::int, $3::int){durable}"
-        )
-        args = (
-            _application_name(request.name, slot),
-            slots_key(request.namespace, request.name),
-            request.slots,
+        name = session.literal(_application_name(request.name, slot))
+        agreed = slots_key(request.namespace, request.name)
+        session.send_simple(
+            f"SELECT {current}, set_config('application_name', {name}, false), "
+            f"pg_try_advisory_lock_shared({agreed}::int, {request.slots}::int){durable}",
+            _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
         )
         try:
-            fence = session.one(statement, *args, timeout=self.timeout)
+            (([fence, *_],), others) = session.answers(self.timeout)
         except PgError as err:
             if not self.durable or err.sqlstate not in _NOT_ALLOWED:
                 raise
@@ -665,21 +723,17 @@ class PostgresBackend(SessionLockBackend[Session]):
                 f"repeat: pg_logical_emit_message is not allowed "
                 f"({_one_line(self.settings, err.message)})"
             )
-            return self._fence(session, request, slot)
-        return int(fence or 0)
+            return self._fence(session, attempt, slot)
+        return int(fence or 0), others
 
     def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
         """Raise `ConfigError` if a live holder of the name uses another N."""
-        rows = session.rows(
-            "SELECT l.objid, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a "
-            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 2 "
-            "AND l.granted AND l.classid = ($1::bigint & 4294967295)::oid "
-            "AND l.objid <> $2::oid AND l.database = "
-            "(SELECT oid FROM pg_database WHERE datname = current_database())",
-            attempt.key.agreed,
-            attempt.slots,
-            timeout=self.timeout,
-        )
+        session.send_simple(_MISMATCH.format(agreed=attempt.key.agreed, slots=attempt.slots))
+        self._judge(session.receive(self.timeout), attempt)
+
+    @staticmethod
+    def _judge(rows: list[tuple[str | None, ...]], attempt: Attempt[Session]) -> None:
+        """Raise `ConfigError` if *rows* of `_MISMATCH` name a live user of the name."""
         request = attempt.request
         for objid, query in rows:
             slots, who = int(objid or 0), _tagged(query or "")
@@ -695,15 +749,8 @@ class PostgresBackend(SessionLockBackend[Session]):
     def holds(self, lease: SessionLease[Session]) -> bool:
         """Whether pg_locks still shows *lease*'s slot granted to its session."""
         classid, objid = _halves(lease.key)
-        held = lease.session.one(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND pid = pg_backend_pid() AND objsubid = 1 "
-            "AND classid = $1::oid AND objid = $2::oid",
-            classid,
-            objid,
-            timeout=self.ttl,
-        )
-        return held == "1"
+        lease.session.send_simple(f"EXECUTE lockrun_holds({classid}, {objid})")
+        return lease.session.receive(self.ttl) == [("1",)]
 
     def was_cancelled(self, err: Exception) -> bool:
         """Whether *err* is pg_cancel_backend's or a statement timeout's (57014)."""
@@ -714,8 +761,14 @@ class PostgresBackend(SessionLockBackend[Session]):
         return _one_line(self.settings, err.message if isinstance(err, PgError) else str(err))
 
     def give_back(self, lease: SessionLease[Session]) -> None:
-        """Unlock everything the session holds; sent, not awaited: the server unlocks first."""
-        lease.session.send("SELECT pg_advisory_unlock_all()")
+        """Unlock everything the session holds: the next waiter has it when this returns.
+
+        Its application_name no longer names a slot: the session may be kept, idle.
+        """
+        lease.session.rows(
+            "SELECT pg_advisory_unlock_all(), set_config('application_name', 'lockrun', false)",
+            timeout=self.timeout,
+        )
 
     def cut(self, lease: SessionLease[Session]) -> bool:
         """Cut the connection under a hanging refresh; wait for that thread to leave libpq."""
@@ -791,9 +844,6 @@ class PostgresBackend(SessionLockBackend[Session]):
         )
         waiters = tuple(head.values()) + tuple(v for k, v in queue.items() if k not in head)
         return LockState(namespace, name, where, slots, tuple(holders), waiters)
-
-    def close(self) -> None:
-        """Nothing to drop: every session belongs to a lease or to one call."""
 
 
 def _transient(err: BaseException | None) -> bool:

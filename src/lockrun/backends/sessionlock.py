@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import abc
 import os
+import select
 import selectors
+import signal
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost, LockrunError
@@ -40,6 +43,9 @@ if TYPE_CHECKING:
     from lockrun.backends import Request
 
 _RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
+# A released session is kept for the next acquisition (docs/api.md "Connections") for at
+# most this part of a lease: the server ends a session idle for a whole lease.
+_KEPT_FOR: Final = 0.5
 GATE: Final = "gate"  # the part of a name whose queue the waiters of a semaphore join
 
 
@@ -51,6 +57,9 @@ class Session(Protocol):
 
     def close(self) -> None:
         """Say goodbye; the server frees the session's locks. Never raises."""
+
+    def hang_up(self) -> None:
+        """Cut the connection, even under a statement of another thread. Never raises."""
 
     def abandon(self) -> None:
         """Hang up at once, mid-statement maybe. Never raises."""
@@ -80,6 +89,7 @@ class Attempt(Generic[S]):
         self.opened: list[S] = []
         self.gate: S | None = None  # the session that holds the gate, if any
         self.queued = False  # whether it got as far as waiting in the server's queue
+        self.reused = False  # whether its first session was kept from an earlier one
 
 
 class SessionLockBackend(abc.ABC, Generic[S]):
@@ -91,30 +101,58 @@ class SessionLockBackend(abc.ABC, Generic[S]):
     waits: str  # the statement that waits, for messages
     where: str  # the server, without a password, for messages
 
+    def __init__(self) -> None:
+        """Start with no session kept; a kept one is closed with the backend, or at exit."""
+        self._kept: list[tuple[S, float]] = []  # released sessions, and since when idle
+        self._kept_lock = threading.Lock()  # a lease may be released in another thread
+        self._interrupted = False  # set by `interrupt`: every wait ends, nothing is kept
+        self._attempts: list[Attempt[S]] = []  # those under way, for `interrupt`
+        weakref.finalize(self, _close_kept, self._kept, os.getpid())
+
     def acquire(self, request: Request, deadline: float | None) -> SessionLease[S] | None:
         """Wait in the server's queue until a slot is ours, or *deadline* passes.
 
         A waiter that loses its connection (a server restart, a failover) connects and
-        queues again, for up to a ttl; failing to get in at all is reported at once.
+        queues again, for up to a ttl; failing to get in at all is reported at once. A
+        kept session that turns out dead is replaced at once, once.
         """
         key, token = self._key(request), os.urandom(8).hex()
         tag = self._tag(request, token)
         lost: float | None = None  # when the connection of a queued attempt was lost
         while True:
             attempt = Attempt[S](request, key, token, tag, deadline)
+            self._attempts.append(attempt)
             try:
                 return self._attempt(attempt)
             except Exception as err:
+                if self._interrupted:
+                    msg = f"the wait for {request.name} was interrupted; nothing is held"
+                    raise Interrupted(msg, signo=signal.SIGINT) from err
                 verdict = self._lost(err)
                 if verdict is None:
                     raise
                 failure, passing = verdict
+                if attempt.reused and passing:  # the server ended it while it was kept
+                    continue
                 if not passing or (not attempt.queued and lost is None):
                     raise failure from err
                 lost = now() if lost is None or attempt.queued else lost
                 if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
                     raise failure from err
                 time.sleep(min(_RECONNECT, self.ttl / 10))
+            finally:
+                self._attempts.remove(attempt)
+
+    def interrupt(self) -> None:
+        """From another thread: end the waits of `acquire` at once; it raises `Interrupted`.
+
+        Its sessions are cut, so the server drops them from its queues (and `acquire`
+        ends them there too); nothing is kept for later.
+        """
+        self._interrupted = True
+        for attempt in list(self._attempts):
+            for session in list(attempt.opened):
+                session.hang_up()
 
     def _attempt(self, attempt: Attempt[S]) -> SessionLease[S] | None:
         """Queue once; close every session but the holder's, whatever happens.
@@ -135,25 +173,66 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         except BaseException as err:
             for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
-            if isinstance(err, Interrupted) or not isinstance(err, (LockrunError, *self.errors)):
+            ended = self._interrupted or not isinstance(err, (LockrunError, *self.errors))
+            if ended or isinstance(err, Interrupted):
                 self._end(attempt.opened)
             raise
         for session in attempt.opened:
-            if lease is None or session is not lease.session:
+            if lease is not None and session is lease.session:
+                continue
+            if lease is None and attempt.slots == 1:
+                self.keep(session)  # a try that failed, a wait that ran out: it holds nothing
+            else:
                 session.close()  # frees the gate, and anything a loser got
         return lease
 
     def _open(self, attempt: Attempt[S]) -> S:
-        session = self._session(attempt)
+        session = None if attempt.opened else self._reuse(attempt)
+        attempt.reused = session is not None
+        if session is None:
+            session = self._session(attempt)
         attempt.opened.append(session)
+        if self._interrupted:  # after `interrupt` cut what was open
+            session.hang_up()
         return session
+
+    def _reuse(self, attempt: Attempt[S]) -> S | None:
+        """Return a kept session for *attempt* that the server has not ended, if there is one."""
+        while True:
+            with self._kept_lock:
+                if not self._kept:
+                    return None
+                session, since = self._kept.pop()
+            if now() - since < self.ttl * _KEPT_FOR and self._revive(session, attempt):
+                return session
+            session.abandon()
+
+    def keep(self, session: S) -> None:
+        """Keep *session*, which holds no lock now, for the next acquisition (or close it)."""
+        with self._kept_lock:
+            if not self._kept and not self._interrupted:
+                self._kept.append((session, now()))
+                return
+        session.close()
+
+    def close(self) -> None:
+        """Close the kept session; held leases are released by their own `release`."""
+        with self._kept_lock:
+            kept, self._kept = self._kept, []
+        for session, _ in kept:
+            session.close()
 
     def _take(self, attempt: Attempt[S]) -> tuple[int, S | None]:
         """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
         first = self._open(attempt)
-        self._refuse_mismatch(first, attempt)  # rather than queue behind users of another N
         if attempt.slots == 1:
+            # A free lock has no queue (the server hands a released lock to the next
+            # waiter inside the release): take it in one statement, check N after.
+            if self._lock(first, 0, 0, attempt):
+                return 0, first
+            self._refuse_mismatch(first, attempt)  # rather than queue behind another N
             return (0, first) if self._wait(first, 0, attempt) else (-1, None)
+        self._refuse_mismatch(first, attempt)
         if attempt.deadline is not None and attempt.deadline <= now():  # one try: no gate
             slot = self._first_free(first, attempt)
             return (slot, first) if slot >= 0 else (-1, None)
@@ -234,6 +313,13 @@ class SessionLockBackend(abc.ABC, Generic[S]):
     @abc.abstractmethod
     def _session(self, attempt: Attempt[S]) -> S:
         """Open a session for *attempt*."""
+
+    def _revive(self, session: S, attempt: Attempt[S]) -> bool:  # noqa: ARG002 - PostgreSQL's
+        """Make a kept *session* ready for *attempt*; False if the server has ended it.
+
+        The server says nothing to an idle session but its goodbye: anything to read is one.
+        """
+        return not _readable(session.fileno())
 
     def _lost(self, err: Exception) -> tuple[LockrunError, bool] | None:
         """Judge a failure: (what to report, whether a queued waiter may ride it out)."""
@@ -380,6 +466,24 @@ class SessionLease(Generic[S]):
             self.backend.give_back(self)
         except self.backend.errors:
             self.session.abandon()  # the server frees what a lost session held
-        finally:
+        except BaseException:
             self.session.close()
+            raise
+        else:
+            self.backend.keep(self.session)  # free of locks: the next acquisition's
+        finally:
             self.busy.release()
+
+
+def _readable(fd: int) -> bool:
+    """Whether *fd* has something to read (or hung up) right now."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _close_kept(kept: list[tuple[S, float]], pid: int) -> None:
+    """Say goodbye on *kept* sessions, unless this is a forked child (they are the parent's)."""
+    if os.getpid() == pid:
+        for session, _ in kept:
+            session.close()

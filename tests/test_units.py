@@ -252,8 +252,13 @@ def test_the_api_renewer_takes_a_refused_renewal_for_a_doubt() -> None:
 
     It died with a traceback on stderr, and leaving the block raised nothing.
     """
-    renewer = lock_module._Renewer(_RefusingLease())
-    renewer.join(timeout=10)
-    assert not renewer.is_alive()
-    assert isinstance(renewer.lost, LeaseLost)
-    assert "no such database" in str(renewer.lost)
+    held = lock_module.Lease(_RefusingLease(), ("file:", "default", "refused"))
+    renewal = lock_module._Renewal(held)
+    renewal.start()
+    assert renewal.thread is not None
+    renewal.thread.join(timeout=10)
+    assert not renewal.thread.is_alive()
+    assert isinstance(held.lost, LeaseLost)
+    assert "no such database" in str(held.lost)
+    with pytest.raises(LeaseLost, match="no such database"):
+        held.check()

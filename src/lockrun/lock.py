@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
 from lockrun.backends import (
     Backend,
     Holder,
-    Lease,
     Request,
     open_backend,
     parse_uri,
@@ -27,6 +26,7 @@ from lockrun.bounds import (
 from lockrun.errors import (
     LeaseLost,
     LockBusy,
+    UsageError,
 )
 from lockrun.names import check_name
 from lockrun.timing import clock_time, format_duration, now
@@ -36,13 +36,15 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
+    from lockrun import backends
+
 DEFAULT_NAMESPACE: Final = "default"
 DEFAULT_TTL: Final = 30.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def acquire(backend: Backend, request: Request, wait: float | None) -> Lease:
+def acquire(backend: Backend, request: Request, wait: float | None) -> backends.Lease:
     """Hold one slot of *request*, waiting up to *wait* seconds (None: forever; 0: one try)."""
     deadline = None if wait is None else now() + wait
     lease = backend.acquire(request, deadline)
@@ -77,12 +79,77 @@ def describe(holder: Holder) -> str:
     return text
 
 
+class Lease:
+    """A slot held through `Lock`: which one, its fence, and whether it is still ours.
+
+    A lease of a server is renewed in the background while held (docs/api.md "Leases");
+    `check` raises `LeaseLost` as soon as a renewal found it gone.
+    """
+
+    def __init__(self, lease: backends.Lease, key: tuple[str, str, str]) -> None:
+        """Wrap the backend's *lease* of the name *key* (URI, namespace, name)."""
+        self._lease = lease
+        self._key = key
+        self.slot = lease.slot
+        self.fence = lease.fence
+        self.ttl = lease.ttl
+        self.confirmed = lease.confirmed  # `timing.now` of the request that last proved it ours
+        self.lost: LeaseLost | None = None  # what a renewal found, if the lease is gone
+        self.released = False
+        self._renewal: _Renewal | None = None
+
+    def check(self) -> None:
+        """Raise `LeaseLost` if the lease is gone, or unconfirmed for a ttl; else return.
+
+        Cheap enough for every step of a loop: it asks no server, it reads what the
+        renewals (every ttl/3) found. A local lock is never lost this way.
+        """
+        if self.lost is not None:
+            raise self.lost
+        if self.ttl is not None and not self.released and now() - self.confirmed >= self.ttl:
+            msg = f"the lease was not confirmed for {format_duration(self.ttl)}"
+            raise LeaseLost(msg)
+
+    def release(self) -> None:
+        """Give the slot back; idempotent. Raise `LeaseLost` if it was lost while held."""
+        if self.released:
+            return
+        self.released = True
+        _HELD.keys.discard(self._key)
+        try:
+            if self._renewal is not None:
+                self._renewal.cancel()
+        finally:
+            self._lease.release()
+        if self.lost is not None:
+            raise self.lost
+
+    def renew(self) -> float | None:
+        """Prove the lease still ours; return seconds until the next renewal, None once lost."""
+        ttl = self.ttl or 0.0
+        sent = now()
+        try:
+            self._lease.refresh()
+        except LeaseLost as err:
+            self.lost = err
+            return None
+        except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
+            if now() - self.confirmed >= ttl:
+                self.lost = LeaseLost(f"lease could not be confirmed: {err}")
+                return None
+            return 1.0
+        self.confirmed = sent
+        return max(0.0, sent + ttl / 3 - now())
+
+
 class Lock:
     """A named lock (or one slot of an N-slot semaphore) as context manager and decorator.
 
     ``with Lock("sales", slots=3, wait=60) as lease:`` holds a slot for the block;
     ``lease.slot`` and ``lease.fence`` say which slot and which fence token. ``wait`` is
     seconds, 0 (the default) tries once, None waits forever; a busy lock raises `LockBusy`.
+    Each thread keeps its own connection to the service across acquisitions
+    (docs/api.md "Connections"); `close` drops the calling thread's.
     """
 
     def __init__(
@@ -108,53 +175,65 @@ class Lock:
         self.slots = check_slots(slots)
         self.wait = check_wait(wait)
         self.ttl = check_ttl(ttl)
-        self._local = threading.local()  # each thread releases what it acquired
+        self._local = threading.local()  # per thread: its backend and what it holds
 
     def acquire(self) -> Lease:
         """Take a slot, waiting as configured; raise `LockBusy` if none came free.
 
-        A lease of a remote backend is renewed every ttl/3 by a thread until `release`.
+        A thread that holds this Lock already gets `UsageError` at once, and so does one
+        that would wait for a mutex it holds through another Lock: Locks are not reentrant.
+        A lease of a server is renewed every ttl/3 until `release`.
         """
-        backend = open_backend(self._uri, ttl=self.ttl)
+        key = (self.uri, self.namespace, self.name)
+        if getattr(self._local, "lease", None) is not None:
+            msg = f"{self.name}: this thread holds it already (a Lock is not reentrant)"
+            raise UsageError(msg)
+        if key in _HELD.keys and self.slots == 1 and self.wait != 0:
+            msg = f"{self.name}: this thread holds it already, through another Lock"
+            raise UsageError(f"{msg}: it would wait for itself")
+        backend = self._backend()
         request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
+        held = Lease(acquire(backend, request, self.wait), key)
         try:
-            lease = acquire(backend, request, self.wait)
-        except BaseException:
-            backend.close()
-            raise
-        try:
-            renewer = None if lease.ttl is None else _Renewer(lease)
-            self._held().append((backend, lease, renewer))
+            start_renewals(held)
+            _HELD.keys.add(key)
+            self._local.lease = held
         except BaseException:  # e.g. Ctrl-C right after the grant: leave nothing held
-            lease.release()
-            backend.close()
+            held.release()
             raise
-        return lease
+        return held
 
     def release(self) -> None:
-        """Release the most recently acquired slot.
+        """Release the calling thread's slot.
 
         Raises `LeaseLost` if a renewal found the lease gone while it was held: the code
         under the lock may have overlapped with another holder's.
         """
-        backend, lease, renewer = self._held().pop()
-        try:
-            if renewer is not None:
-                renewer.stop()
-            lease.release()
-        finally:
-            backend.close()
-        if renewer is not None and renewer.lost is not None:
-            raise renewer.lost
+        held: Lease | None = getattr(self._local, "lease", None)
+        if held is None:
+            msg = f"{self.name}: this thread holds no slot of this Lock"
+            raise UsageError(msg)
+        self._local.lease = None
+        held.release()
 
-    def _held(self) -> list[tuple[Backend, Lease, _Renewer | None]]:
-        """Return the calling thread's leases, most recent last."""
-        held: list[tuple[Backend, Lease, _Renewer | None]]
-        try:
-            held = self._local.held
-        except AttributeError:
-            held = self._local.held = []
-        return held
+    def close(self) -> None:
+        """Drop the calling thread's connection (it is made again on the next acquire)."""
+        backend = self.__dict__.get("_local") and getattr(self._local, "backend", None)
+        if backend is not None:
+            self._local.backend = None
+            backend.close()
+
+    def _backend(self) -> Backend:
+        """Return the calling thread's backend, opened on its first use in this process."""
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            if getattr(local, "backend", None) is not None:  # the parent's, after a fork:
+                _FORKED.append(local.backend)  # never closed here, which would end its sessions
+            local.backend, local.pid = None, os.getpid()
+        if local.backend is None:
+            local.backend = open_backend(self._uri, ttl=self.ttl)
+        backend: Backend = local.backend
+        return backend
 
     def __enter__(self) -> Lease:
         """Acquire and return the lease."""
@@ -180,39 +259,103 @@ class Lock:
         return locked
 
 
-class _Renewer(threading.Thread):
-    """Renews an API lease every ttl/3; remembers a loss for `Lock.release` to raise."""
+def start_renewals(held: Lease) -> None:
+    """Renew *held* every ttl/3 from ttl/3 on, if it is a lease (a local lock is none)."""
+    if held.ttl is not None:
+        held._renewal = _RENEWALS.add(held)  # noqa: SLF001 - the Lease's own helper
 
-    def __init__(self, lease: Lease) -> None:
-        super().__init__(name="lockrun-renewer", daemon=True)
-        self.lease = lease
-        self.lost: LeaseLost | None = None
-        self.stopping = threading.Event()
-        self.start()
+
+class _Held(threading.local):
+    """The names the calling thread holds through any Lock, as (URI, namespace, name)."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, str, str]] = set()
+
+
+_HELD: Final = _Held()
+_FORKED: Final[list[Backend]] = []  # backends a forked child inherited: left alone
+
+
+class _Renewal:
+    """One lease's renewals: a thread of its own from the first renewal on, ttl/3 in.
+
+    A block shorter than ttl/3 starts no thread at all: `_Renewals` only notes when the
+    first renewal is due.
+    """
+
+    def __init__(self, held: Lease) -> None:
+        ttl = held.ttl or 0.0
+        self.held = held
+        self.due = held.confirmed + ttl / 3  # counted from the request, as in supervise.py
+        self.cancelled = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="lockrun-renewer", daemon=True)
+        self.thread.start()
 
     def run(self) -> None:
-        ttl = self.lease.ttl or 0.0
-        confirmed = self.lease.confirmed  # counted from the request, as in supervise.py
-        every = max(0.0, confirmed + ttl / 3 - now())
-        while not self.stopping.wait(every):
-            sent = now()
-            try:
-                self.lease.refresh()
-            except LeaseLost as err:
-                self.lost = err
-                return
-            except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
-                if now() - confirmed >= ttl:
-                    self.lost = LeaseLost(f"lease could not be confirmed: {err}")
-                    return
-                every = 1.0
-            else:
-                confirmed = sent
-                every = max(0.0, sent + ttl / 3 - now())
+        every: float | None = max(0.0, self.due - now())
+        while every is not None and not self.cancelled.wait(every):
+            every = self.held.renew()
 
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join()
+    def cancel(self) -> None:
+        """Stop renewing; return once no renewal runs (so the lease may be released)."""
+        _RENEWALS.drop(self)
+        self.cancelled.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
 
 
-__all__ = ["Lock", "acquire"]
+class _Renewals:
+    """Starts each lease's renewal thread when its first renewal is due: one waiting thread."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.pending: list[_Renewal] = []
+        self.thread: threading.Thread | None = None
+
+    def add(self, held: Lease) -> _Renewal:
+        renewal = _Renewal(held)
+        with self.changed:
+            first = not self.pending or renewal.due < min(other.due for other in self.pending)
+            self.pending.append(renewal)
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self.run, name="lockrun-renewals", daemon=True
+                )
+                self.thread.start()
+            elif first:  # sooner than the thread waits for
+                self.changed.notify()
+        return renewal
+
+    def drop(self, renewal: _Renewal) -> None:
+        with self.changed:
+            if renewal in self.pending:
+                self.pending.remove(renewal)
+
+    def run(self) -> None:
+        with self.changed:
+            while True:
+                if not self.pending:
+                    self.changed.wait()
+                    continue
+                first = min(self.pending, key=lambda renewal: renewal.due)
+                if first.due > now():
+                    self.changed.wait(first.due - now())
+                    continue
+                self.pending.remove(first)
+                first.start()
+
+    def forget(self) -> None:
+        """In a forked child: no thread runs yet, nothing is pending."""
+        self.changed = threading.Condition()
+        self.pending = []
+        self.thread = None
+
+
+_RENEWALS: Final = _Renewals()
+os.register_at_fork(after_in_child=_RENEWALS.forget)
+
+
+__all__ = ["Lease", "Lock", "acquire"]

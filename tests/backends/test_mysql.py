@@ -169,6 +169,7 @@ def test_without_tls_options_no_ca_store_is_loaded(
     monkeypatch: pytest.MonkeyPatch, mysql_uri: str, name: str
 ) -> None:
     """A URI without ssl_* never loads the system's CA store (20–40 ms a start-up), yet locks."""
+
     def refuse(*_args: object, **_kwargs: object) -> None:
         msg = "the CA store was loaded"
         raise AssertionError(msg)

@@ -6,6 +6,7 @@ docs/design.md's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pty
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Final
 
 import pytest
 
-from lockrun import ExitCode, Lock, LockBusy
+from lockrun import ExitCode, Lock, LockBusy, UsageError
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
@@ -517,14 +518,125 @@ def test_api_lease_outlives_its_ttl_while_the_block_runs(uri: str, name: str) ->
 
 
 def test_api_release_stops_renewing(uri: str, name: str) -> None:
-    """Leaving the block stops and joins the renewal thread; nothing runs on afterwards.
+    """A block longer than ttl/3 is renewed by a thread; leaving it stops and joins that thread.
 
     Only a lease or a server session needs one; a local lock has none to stop.
     """
     renewed = not parse_uri(uri).kind.local
+    before = set(threading.enumerate())
     with Lock(name, uri=uri, ttl=1):
-        assert ("lockrun-renewer" in {thread.name for thread in threading.enumerate()}) == renewed
-    assert "lockrun-renewer" not in {thread.name for thread in threading.enumerate()}
+        time.sleep(0.6)  # the first renewal is due at ttl/3
+        started = {thread.name for thread in set(threading.enumerate()) - before}
+        assert ("lockrun-renewer" in started) == renewed
+    started = {thread.name for thread in set(threading.enumerate()) - before}
+    assert "lockrun-renewer" not in started
+
+
+def _sockets() -> set[str]:
+    """Return the kernel's names (socket:[inode]) of the sockets this process has open."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:"):
+                found.add(target)
+    return found
+
+
+def test_api_keeps_its_connection_across_acquisitions(
+    shared_server_harness: Harness, name: str
+) -> None:
+    """A Lock connects once per thread: every acquisition after the first uses that socket.
+
+    Counted by the kernel, not by lockrun: the sockets the process has open while it holds.
+    """
+    lock = Lock(name, uri=shared_server_harness.uri, wait=None)
+    before = _sockets()
+    seen = []
+    for _ in range(5):
+        with lock as lease:
+            assert lease.slot == 0
+            seen.append(_sockets() - before)
+    assert len(seen[0]) >= 1
+    assert all(opened == seen[0] for opened in seen), seen
+    lock.close()
+    assert not _sockets() - before
+
+
+def test_api_reconnects_after_the_server_dropped_its_connection(
+    server_harness: Harness, name: str
+) -> None:
+    """A kept connection the server dropped (a restart) is replaced at the next acquire."""
+    lock = Lock(name, uri=server_harness.uri, wait=5)
+    with lock:
+        pass
+    server_harness.restart()
+    with lock as lease:
+        assert lease.slot == 0
+        with pytest.raises(LockBusy), Lock(name, uri=server_harness.uri):
+            pass
+
+
+def test_api_a_thread_acquiring_what_it_holds_is_refused_at_once(uri: str, name: str) -> None:
+    """Locks are not reentrant: the same Lock again, or a mutex's wait on itself, is a UsageError.
+
+    With wait=None it would wait for itself for ever; a try (wait 0) through another Lock
+    finds the lock busy, as any other holder's.
+    """
+    lock = Lock(name, uri=uri, wait=None)
+    with lock:
+        started = time.monotonic()
+        with pytest.raises(UsageError, match="not reentrant"):
+            lock.acquire()
+        with pytest.raises(UsageError, match="wait for itself"):
+            Lock(name, uri=uri, wait=None).acquire()
+        with pytest.raises(LockBusy):
+            Lock(name, uri=uri).acquire()
+        assert time.monotonic() - started < 5
+        outcome: list[str] = []
+        thread = threading.Thread(target=lambda: outcome.append(_try(lock)))
+        thread.start()
+        thread.join(30)
+        assert outcome == ["busy"]  # another thread is another holder
+    with pytest.raises(UsageError, match="holds no slot"):
+        lock.release()
+    with lock as lease:
+        assert lease.slot == 0
+
+
+def _try(lock: Lock) -> str:
+    """Return what one try of *lock* (wait 0) from this thread gives."""
+    try:
+        with Lock(lock.name, uri=lock.uri):
+            return "acquired"
+    except LockBusy:
+        return "busy"
+
+
+def test_api_check_reports_a_lost_lease_inside_the_block(
+    server_harness: Harness, name: str
+) -> None:
+    """lease.check() raises LeaseLost within the block once a renewal found the lease gone.
+
+    Leaving the block raises it again.
+    """
+    lock = Lock(name, uri=server_harness.uri, ttl=1.5)
+    lease = lock.acquire()
+    lease.check()  # held: nothing to say
+    server_harness.end_session(name)
+    deadline = time.monotonic() + 10
+    lost = None
+    while lost is None and time.monotonic() < deadline:
+        try:
+            lease.check()
+        except LeaseLost as err:
+            lost = err
+        time.sleep(0.05)
+    assert lost is not None
+    with pytest.raises(LeaseLost):
+        lock.release()
+    with Lock(name, uri=server_harness.uri) as lease:
+        lease.check()
 
 
 def what_holds(uri: str, name: str) -> object:

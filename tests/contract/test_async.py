@@ -1,0 +1,139 @@
+"""`AsyncLock` on every backend: it excludes, it never blocks the loop, a cancel leaves nothing.
+
+The oracle is outside the lock's word: the CLI's exit status, `lockrun status`, and a ticker
+task that counts how often the loop got to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from lockrun import AsyncLock, ExitCode, Lock, LockBusy, UsageError
+from lockrun.uri import parse_uri
+from tests.support.cli import lock_state, lockrun
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+TICK = 0.01
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run *main* on a new event loop, as an application would."""
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+async def ticks_during(work: Awaitable[object]) -> tuple[object, int]:
+    """Await *work* while a task counts how often the loop gets to run it every TICK s."""
+    count = 0
+
+    async def tick() -> None:
+        nonlocal count
+        while True:
+            await asyncio.sleep(TICK)
+            count += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        return await work, count
+    finally:
+        ticker.cancel()
+
+
+def test_async_lock_holds_and_excludes(uri: str, name: str) -> None:
+    """`async with` holds the lock: the CLI and another AsyncLock find it busy; then free."""
+
+    async def main() -> None:
+        async with AsyncLock(name, uri=uri) as lease:
+            assert lease.slot == 0
+            lease.check()
+            cli = await asyncio.to_thread(lockrun, "--uri", uri, "-n", name, "--", "true")
+            assert cli.returncode == ExitCode.BUSY
+            with pytest.raises(LockBusy):
+                async with AsyncLock(name, uri=uri):
+                    pass
+        again = AsyncLock(name, uri=uri)
+        async with again as lease:
+            assert lease.slot == 0
+        await again.close()
+
+    run(main)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_a_waiting_async_lock_never_blocks_the_loop(uri: str, name: str) -> None:
+    """While a task waits for the lock, the loop runs other tasks; the wait ends with the grant."""
+    holder = Lock(name, uri=uri)
+    holder.acquire()
+
+    async def main() -> None:
+        lock = AsyncLock(name, uri=uri, wait=30)
+        loop = asyncio.get_running_loop()
+        loop.call_later(1.0, holder.release)  # in the loop's thread, as the lock was taken
+        started = time.monotonic()
+        lease, count = await ticks_during(lock.acquire())
+        waited = time.monotonic() - started
+        assert waited >= 0.9
+        assert count >= waited / TICK / 4, (count, waited)  # the loop ran all along
+        assert lease.slot == 0  # type: ignore[attr-defined]
+        await lock.release()
+
+    run(main)
+
+
+def test_tasks_of_one_async_lock_take_turns_and_may_not_reenter(uri: str, name: str) -> None:
+    """Two tasks on one AsyncLock hold it one after the other; a task that holds it is refused."""
+    lock = AsyncLock(name, uri=uri, wait=30)
+    inside: list[str] = []
+    overlaps = 0
+
+    async def work(who: str) -> None:
+        nonlocal overlaps
+        async with lock:
+            overlaps += bool(inside)
+            inside.append(who)
+            with pytest.raises(UsageError, match="not reentrant"):
+                await lock.acquire()
+            await asyncio.sleep(0.2)
+            inside.remove(who)
+
+    async def main() -> None:
+        await asyncio.gather(work("a"), work("b"), work("c"))
+        await lock.close()
+
+    run(main)
+    assert overlaps == 0
+
+
+def test_a_cancelled_wait_leaves_nothing_behind(uri: str, name: str) -> None:
+    """Cancelling a waiting task frees its place: once the holder leaves, the lock is free.
+
+    A server's queue loses the waiter at once (the wait is interrupted); a local waiter,
+    whose flock(2) nothing can interrupt, takes the slot when it comes and gives it back.
+    """
+    holder = Lock(name, uri=uri)
+    holder.acquire()
+
+    async def main() -> None:
+        waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None).acquire())
+        await asyncio.sleep(0.5)  # queued by now
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    run(main)
+    if not parse_uri(uri).kind.local:  # a server's queue: the place is gone before any grant
+        deadline = time.monotonic() + 5
+        while lock_state(uri, name)["waiters"]:
+            assert time.monotonic() < deadline, lock_state(uri, name)
+            time.sleep(0.05)
+    holder.release()
+    deadline = time.monotonic() + 10
+    while lock_state(uri, name)["holders"] or lock_state(uri, name)["waiters"]:
+        assert time.monotonic() < deadline, lock_state(uri, name)
+        time.sleep(0.05)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 NAME: Final = "bench"
 FLOCK: Final = shutil.which("flock") or "/usr/bin/flock"
+ETCD: Final = "etcd"  # the kind of `etcdctl lock`, the server backends' handoff peer
+ETCDCTL: Final = shutil.which("etcdctl") or "/usr/bin/etcdctl"
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 # A holder's command: say it runs, wait for GO (or the bench's directory to vanish), then
 # print the time in ns as its last act; $1 READY, $2 GO, $3 directory, $4 poll interval.
@@ -67,11 +69,23 @@ class Effort:
 
 
 @dataclass(frozen=True)
+class ApiEffort:
+    """How long the Python API is measured: cycles in one process, then processes contending."""
+
+    rounds: int  # interleaved, each contender in a process of its own every round
+    cycles: int  # timed in each round, after the warm-up
+    warmup: int
+    contend_rounds: int
+    window: float  # seconds each contention round lasts
+
+
+@dataclass(frozen=True)
 class Plan:
     """How many repetitions one run makes; quick skips the unix sockets and the long FIFO."""
 
     efforts: dict[str, Effort]  # by backend
     fifo_waiters: int
+    api: ApiEffort
     quick: bool
 
 
@@ -82,6 +96,7 @@ FULL: Final = Plan(
     | {"redis": Effort(30, 100, 200, 10.0)}
     | dict.fromkeys(("mysql", "postgres"), Effort(30, 100, 100, 10.0)),
     fifo_waiters=10,
+    api=ApiEffort(rounds=5, cycles=200, warmup=20, contend_rounds=3, window=5.0),
     quick=False,
 )
 QUICK: Final = Plan(
@@ -89,6 +104,7 @@ QUICK: Final = Plan(
     | {"redis": Effort(10, 5, 30, 2.0)}
     | dict.fromkeys(("mysql", "postgres"), Effort(5, 5, 15, 1.0)),
     fifo_waiters=4,
+    api=ApiEffort(rounds=2, cycles=30, warmup=5, contend_rounds=1, window=1.0),
     quick=True,
 )
 
@@ -207,7 +223,7 @@ class Bench:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a scenario locks: its kind (a backend, one + SOCKET, or flock), URI and name."""
+    """Where a scenario locks: its kind (a backend, one + SOCKET, flock or etcd), URI and name."""
 
     lockrun: list[str]
     kind: str
@@ -219,6 +235,9 @@ class Target:
         """Return the command line that runs *command* under this target's lock."""
         if self.kind == "flock":
             return [FLOCK, str(self.directory / "x"), *command]
+        if self.kind == ETCD:
+            lock = [ETCDCTL, f"--endpoints={self.uri}", "lock", self.name, "--", *command]
+            return ["env", "ETCDCTL_API=3", *lock]
         options = ["--uri", self.uri, "-n", self.name]
         options += ["--slots", str(slots)] if slots > 1 else []
         options += ["--wait", "forever"] if wait else []
@@ -377,6 +396,14 @@ def row(what: str, numbers: str, target: str = "", verdict: bool | str = "") -> 
     """Print one report line: what, the numbers, the target and PASS/MISS (met or not)."""
     verdict = ("PASS" if verdict else "MISS") if isinstance(verdict, bool) else verdict
     print(f"  {what:<36} {numbers:<44} {target:<10} {verdict}".rstrip())
+
+
+def ratio_row(what: str, ratio: float, most: float | None = None) -> None:
+    """Print a ratio, with its verdict when it has a target: at most *most*."""
+    if most is None:
+        row(what, f"{ratio:5.2f}x")
+    else:
+        row(what, f"{ratio:5.2f}x", f"<= {most}x", ratio <= most)
 
 
 def section(title: str) -> None:

@@ -2,42 +2,70 @@
 
 ``python -m bench [--quick]``, from the repository root, prints one report; a missed target is
 a MISS line. Each measurement is one function, run for the local backends, then for each server
-backend on a throwaway server of its own (bench/servers.py). It exits 1 only when something
-broke (lockrun crashed, hung or exited as it should not), listed at the end with its command.
+backend on a throwaway server of its own (bench/servers.py). The Python API is measured beside
+its peers, each contender in a process of its own (bench/api.py). It exits 1 only when
+something broke (lockrun crashed, hung or exited as it should not), listed at the end with its
+command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
 import os
 import platform
+import random
 import shlex
 import statistics
+import string
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
+from urllib.parse import urlsplit
 
-from bench import core
-from bench.core import FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
+from bench import api, core
+from bench.core import ETCD, FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
 from bench.servers import Unavailable, serving
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
-    from bench.core import Effort
+    from bench.core import ApiEffort, Effort, Target
 
 APPEND_SCRIPT: Final = 'echo "$1 ${LOCKRUN_FENCE:-}" >> "$2"'  # $1 index, $2 order file
 FIFO_SPACING: Final = 0.1
 LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh queue
-STARTUP_TARGET: Final = 1.3
-FILE_HANDOFF_RATIO: Final = 2.0
+STARTUP_TARGET: Final = 1.1
+FILE_HANDOFF_RATIO: Final = 1.3
+ETCD_HANDOFF_RATIO: Final = 1.2
 OTHER_HANDOFF_MS: Final = 10.0
 SLOTS: Final = (1, 3)
-# What lockrun's start-up is divided by: the interpreter importing click and the driver.
+# What lockrun's start-up is divided by: the interpreter importing click and the driver,
+# then connecting and one round trip; for the local backends, importing click and a flock(2).
 DRIVERS: Final = {"redis": "redis", "mysql": "pymysql", "postgres": "psycopg"}
+FLOORS: Final = {
+    "redis": ("PING", "redis.Redis.from_url({uri!r}).ping()"),
+    "mysql": ("SELECT 1", "pymysql.connect(**{mysql!r}).query('SELECT 1')"),
+    "postgres": ("SELECT 1", "psycopg.connect({uri!r}).execute('SELECT 1')"),
+}
+LOCAL_FLOOR: Final = "fcntl.flock(os.open({path!r}, os.O_RDWR | os.O_CREAT, 0o600), fcntl.LOCK_EX)"
 TITLES: Final = {"redis": "Redis", "mysql": "MySQL", "postgres": "PostgreSQL"}
+# The Python API: lockrun at most this many times its peer's acquire+release median.
+API_TARGETS: Final = {
+    "file": (api.PORTALOCKER, 2.0),
+    "abstract": (api.PORTALOCKER, 2.0),
+    "redis": (api.REDIS_LOCK, 1.5),
+    "mysql": (api.GET_LOCK, 2.5),
+    "postgres": (api.ADVISORY, 2.5),
+}
+CONTENDING: Final = 4  # processes on one name
+THROUGHPUT_SHARE: Final = 0.5  # lockrun's cycles/s, at least this share of the best peer's
+FAIRNESS: Final = 0.85  # lockrun's fewest cycles per process over its most: FIFO, in turn
+API_TIMEOUT: Final = 120.0
 
 
 def imports(backends: Iterable[str]) -> str:
@@ -57,8 +85,9 @@ class Group:
     @classmethod
     def all(cls, bench: Bench) -> list[Group]:
         found = [(core.LOCAL, "")] + [((backend,), TITLES[backend]) for backend in SERVED]
+        letters = string.ascii_lowercase
         return [
-            cls(backends, bench.plan.efforts[backends[0]], title, "abcdefghijklmnop"[4 * i :])
+            cls(backends, bench.plan.efforts[backends[0]], title, letters[len(SECTIONS) * i :])
             for i, (backends, title) in enumerate(found)
         ]
 
@@ -86,12 +115,31 @@ def startup_medians(
     return {label: statistics.median(values) for label, values in times.items()}
 
 
+def floor(backend: str, target: Target) -> tuple[str, list[str]]:
+    """Return what *backend*'s start-up is divided by: a label and its `python -c` command.
+
+    The command imports click and the driver, connects and makes one round trip (PING, SELECT
+    1): what any command-line client of the server must do. For the local backends: importing
+    click and one open and flock(2).
+    """
+    what, code = FLOORS.get(backend, ("open+flock", LOCAL_FLOOR))
+    parts = urlsplit(target.uri)
+    mysql = {"host": parts.hostname, "port": parts.port, "user": parts.username}
+    mysql["database"] = parts.path.lstrip("/")
+    code = code.format(uri=target.uri, path=str(target.directory / "floor"), mysql=mysql)
+    modules = imports([backend]) + ("" if backend in DRIVERS else ", fcntl, os")
+    label = f"import, connect, {what}" if backend in DRIVERS else f"import click, {what}"
+    return f"floor: {label}", [sys.executable, "-c", f"import {modules}; {code}"]
+
+
 def startup(bench: Bench, group: Group) -> None:
-    """Compare `lockrun … -- true` with importing click (and the driver) and with flock(1)."""
+    """Compare `lockrun … -- true` with its floor, with importing click and with flock(1)."""
     runs = group.effort.startup_runs
     group.heading(0, f"startup: median wall time of {runs} runs each")
     scenario = bench.scenario_dir("startup")
     commands: dict[str, list[str]] = {}
+    lockruns: dict[str, str] = {}  # by backend, the label of `lockrun … -- true`
+    floors: dict[str, str] = {}  # by backend, the label of its floor's command
     for backend in group.backends:
         lock = bench.target(backend, scenario)
         if (server := bench.server_of(backend)) is not None:
@@ -102,9 +150,10 @@ def startup(bench: Bench, group: Group) -> None:
                 return
             row("server start", f"{server.ready_in:.1f} s: a fresh data directory, then a session")
         shown = "file:DIR" if backend == "file" else lock.uri.split(":")[0] + ":"
-        commands[f"lockrun --uri {shown}{'//…' if server else ''} -- true"] = lock.argv("true")
-    lockruns = dict(zip(group.backends, commands, strict=True))
-    modules = dict.fromkeys((imports(group.backends), "click"))  # the target's, then reference
+        lockruns[backend] = f"lockrun --uri {shown}{'//…' if server else ''} -- true"
+        floors[backend], floor_command = floor(backend, lock)
+        commands |= {lockruns[backend]: lock.argv("true"), floors[backend]: floor_command}
+    modules = dict.fromkeys((imports(group.backends), "click"))  # for reference
     for module in modules:
         commands[f"python -c 'import {module}'"] = [sys.executable, "-c", f"import {module}"]
     commands["python -c pass"] = [sys.executable, "-c", "pass"]
@@ -114,12 +163,12 @@ def startup(bench: Bench, group: Group) -> None:
     for label, median in medians.items():
         row(label, f"{median * 1000:7.1f} ms")
     for backend, label in lockruns.items():
-        prefix = f"{backend}: " if len(group.backends) > 1 else ""
-        for module, target in zip(modules, (f"<= {STARTUP_TARGET}x", ""), strict=False):
-            ratio = medians[label] / medians[f"python -c 'import {module}'"]
-            ok = ratio <= STARTUP_TARGET if target else ""
-            row(f"{prefix}lockrun / import {module}", f"{ratio:5.2f}x", target, ok)
-        row(f"{prefix}lockrun / flock(1)", f"{medians[label] / medians['flock DIR/x true']:5.1f}x")
+        prefix, mine = f"{backend}: " if len(group.backends) > 1 else "", medians[label]
+        core.ratio_row(f"{prefix}lockrun / floor", mine / medians[floors[backend]], STARTUP_TARGET)
+        for module in modules:
+            ratio = mine / medians[f"python -c 'import {module}'"]
+            core.ratio_row(f"{prefix}lockrun / import {module}", ratio)
+        row(f"{prefix}lockrun / flock(1)", f"{mine / medians['flock DIR/x true']:5.1f}x")
 
 
 def handoff_trials(
@@ -147,8 +196,23 @@ def handoff_trials(
     return results, broken
 
 
+def start_etcd(bench: Bench, stack: contextlib.ExitStack) -> bool:
+    """Run a throwaway etcd until *stack* closes, for `etcdctl lock`; say whether it runs."""
+    try:
+        stack.enter_context(serving(bench, ETCD))
+        etcd = bench.servers[ETCD]
+        row("etcd", f"etcd {etcd.version()}, {etcd.uri}, started in {etcd.ready_in:.1f} s")
+    except (Unavailable, Broken) as err:
+        row("etcdctl lock", f"skipped: {err}")
+        return False
+    return True
+
+
 def handoff(bench: Bench, group: Group) -> None:
-    """Time handoffs of each backend (and a server's socket) against flock(1), interleaved."""
+    """Time handoffs of each backend (and a server's socket) against flock(1), interleaved.
+
+    A server backend's are timed beside `etcdctl lock`'s too, on a throwaway etcd.
+    """
     trials = group.effort.handoff_trials
     group.heading(1, f"handoff: holder's command exits -> waiter's command starts, {trials} trials")
     labels: dict[str, str | None] = {}  # None: skipped with --quick
@@ -159,8 +223,11 @@ def handoff(bench: Bench, group: Group) -> None:
             socket = None if bench.plan.quick else f"lockrun, {backend} backend (socket)"
             labels[backend + SOCKET] = socket
     labels["flock"] = "flock(1) on a file"
-    measured = {kind: label for kind, label in labels.items() if label is not None}
-    results, broken = handoff_trials(bench, measured, trials)
+    with contextlib.ExitStack() as stack:
+        if group.title and start_etcd(bench, stack):
+            labels[ETCD] = "etcdctl lock (TCP)"
+        measured = {kind: label for kind, label in labels.items() if label is not None}
+        results, broken = handoff_trials(bench, measured, trials)
     for kind, label in labels.items():
         if label is None:
             row(f"{kind.removesuffix(SOCKET)} backend (socket)", "skipped with --quick")
@@ -169,19 +236,24 @@ def handoff(bench: Bench, group: Group) -> None:
             if kind in group.backends:
                 slowest = sorted(results[kind], reverse=True)[:3]
                 row(f"{kind}: slowest three", "  ".join(f"{ms:.2f}" for ms in slowest) + " ms")
-    if "flock" in broken:
+    medians = {kind: statistics.median(results[kind]) for kind in measured if kind not in broken}
+    for backend in (backend for backend in group.backends if backend in medians):
+        handoff_verdicts(backend, medians)
+
+
+def handoff_verdicts(backend: str, medians: dict[str, float]) -> None:
+    """Judge *backend*'s handoff median: against flock(1)'s for file, else against etcdctl's."""
+    median, flock, etcd = medians[backend], medians.get("flock"), medians.get(ETCD)
+    if backend == "file":  # both flock(2): lockrun's own cost, over flock(1)'s
+        if flock:
+            core.ratio_row("file: lockrun / flock(1), median", median / flock, FILE_HANDOFF_RATIO)
         return
-    flock_median = statistics.median(results["flock"])
-    for backend in (backend for backend in group.backends if backend not in broken):
-        median = statistics.median(results[backend])
-        ratio, target = median / flock_median, f"<= {FILE_HANDOFF_RATIO}x"
-        if backend == "file":  # both flock(2): lockrun's own cost, over flock(1)'s
-            ok = ratio <= FILE_HANDOFF_RATIO
-            row("file: lockrun / flock(1), median", f"{ratio:5.2f}x", target, ok)
-        else:
-            row(f"{backend}: lockrun / flock(1)", f"{ratio:5.2f}x")
-            ok = median <= OTHER_HANDOFF_MS
-            row(f"{backend}: median", f"{median:6.2f} ms", f"<= {OTHER_HANDOFF_MS:.0f} ms", ok)
+    if flock:
+        core.ratio_row(f"{backend}: lockrun / flock(1)", median / flock)
+    ok = median <= OTHER_HANDOFF_MS
+    row(f"{backend}: median", f"{median:6.2f} ms", f"<= {OTHER_HANDOFF_MS:.0f} ms", ok)
+    if etcd:
+        core.ratio_row(f"{backend}: lockrun / etcdctl lock", median / etcd, ETCD_HANDOFF_RATIO)
 
 
 @dataclass(frozen=True)
@@ -321,6 +393,207 @@ def fifo(bench: Bench, group: Group) -> None:
         row(f"release after {LONG_HOLD:.0f} s", "skipped with --quick")
 
 
+class Entry(NamedTuple):
+    """A contender of the Python API sections, and the backend whose target it locks."""
+
+    contender: api.Contender
+    kind: str
+
+    @property
+    def label(self) -> str:
+        lockrun = self.contender is api.LOCKRUN
+        return f"lockrun.Lock, {self.kind}" if lockrun else self.contender.label
+
+
+def api_entries(
+    backends: Iterable[str], *, waiting: bool = False
+) -> tuple[list[Entry], list[api.Contender]]:
+    """Return lockrun on each of *backends*, and their peers once each; and those not installed.
+
+    With *waiting*, only the contenders that can wait for a held lock.
+    """
+    entries, missing = [Entry(api.LOCKRUN, backend) for backend in backends], []
+    for backend in backends:
+        for peer in api.PEERS[backend]:
+            if peer in missing or any(peer is entry.contender for entry in entries):
+                continue
+            if importlib.util.find_spec(peer.module) is None:
+                missing.append(peer)
+            elif peer.waits or not waiting:
+                entries.append(Entry(peer, backend))
+    return entries, missing
+
+
+def api_argv(entry: Entry, target: Target, *mode: str) -> list[str]:
+    """Return the command line of one process of *entry* on *target* (bench/api.py)."""
+    where = [target.uri, target.name, str(target.directory)]
+    return [sys.executable, "-m", "bench.api", entry.contender.name, *where, *mode]
+
+
+def shuffled_rounds(entries: Sequence[Entry], rounds: int) -> Iterator[Entry]:
+    """Yield every entry once per round, in a new order each round."""
+    for _ in range(rounds):
+        yield from random.sample(entries, len(entries))  # an order, not a secret
+
+
+def api_latencies(
+    bench: Bench, entries: Sequence[Entry], effort: ApiEffort
+) -> dict[str, list[float]]:
+    """Time each entry's cycles (µs), a process per entry and round; a broken one is left out."""
+    times: dict[str, list[float]] = {entry.label: [] for entry in entries}
+    cycles = ["--cycles", str(effort.warmup), str(effort.cycles)]
+    for entry in shuffled_rounds(entries, effort.rounds):
+        if entry.label not in times:
+            continue
+        scenario = bench.scenario_dir("api-latency")
+        target, out = bench.target(entry.kind, scenario), scenario / "times"
+        try:
+            with Processes(scenario) as procs:
+                procs.spawn(api_argv(entry, target, *cycles), out)
+                procs.finish(API_TIMEOUT)
+        except Broken as err:
+            del times[entry.label]
+            bench.broke(f"API {entry.label}", err)
+            continue
+        times[entry.label] += json.loads(out.read_text())
+    return times
+
+
+@dataclass(frozen=True)
+class Contention:
+    """What CONTENDING processes of one contender did: cycles/s of each round, and each one's."""
+
+    rates: list[float]  # all processes together
+    counts: list[int]  # by process, over all rounds
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def fairness(self) -> float:
+        """The fewest cycles of one process over the most."""
+        return min(self.counts) / max(*self.counts, 1)
+
+
+def contention_round(bench: Bench, entry: Entry, window: float) -> list[int]:
+    """Let CONTENDING processes of *entry* cycle on one name for *window* s; return their counts."""
+    scenario = bench.scenario_dir("api-contention")
+    target, go = bench.target(entry.kind, scenario), scenario / "GO"
+    readies = [scenario / f"READY{index}" for index in range(CONTENDING)]
+    counts = [scenario / f"count{index}" for index in range(CONTENDING)]
+    with Processes(scenario) as procs:
+        children = [
+            procs.spawn(api_argv(entry, target, "--until", str(ready), str(go)), count)
+            for ready, count in zip(readies, counts, strict=True)
+        ]
+
+        def settled() -> bool:
+            exited = any(child.poll() is not None for child in children)
+            return exited or all(ready.exists() for ready in readies)
+
+        core.poll_until(settled, API_TIMEOUT, 0.005)
+        if exited := [child for child in children if child.poll() is not None]:
+            early = exited[0]
+            msg = f"exit {early.returncode} before the start: {core.command_line(early)}"
+            raise Broken(f"{msg} ({procs.stderr_of(early)})")
+        if not all(ready.exists() for ready in readies):
+            raise Broken(f"not ready after {API_TIMEOUT:.0f} s: {core.command_line(children[0])}")
+        ahead = scenario / "GO.tmp"
+        ahead.write_text(repr(time.monotonic() + window))
+        ahead.replace(go)  # at once: no process reads half a deadline
+        procs.finish(window + API_TIMEOUT)
+    return [int(count.read_text()) for count in counts]
+
+
+def api_contention(
+    bench: Bench, entries: Sequence[Entry], effort: ApiEffort
+) -> dict[str, Contention]:
+    """Run each entry's contention rounds, interleaved; a broken entry is left out."""
+    found = {entry.label: Contention([], [0] * CONTENDING) for entry in entries}
+    for entry in shuffled_rounds(entries, effort.contend_rounds):
+        if (before := found.get(entry.label)) is None:
+            continue
+        try:
+            done = contention_round(bench, entry, effort.window)
+        except Broken as err:
+            del found[entry.label]
+            bench.broke(f"API {entry.label}, {CONTENDING} processes", err)
+            continue
+        counts = [old + new for old, new in zip(before.counts, done, strict=True)]
+        found[entry.label] = Contention([*before.rates, sum(done) / effort.window], counts)
+    return found
+
+
+def skipped(missing: Iterable[api.Contender]) -> None:
+    for peer in missing:
+        row(peer.label, f"skipped: no {peer.module} (pip install -e '.[bench]')")
+
+
+def api_latency(bench: Bench, group: Group) -> None:
+    """Time the Python API's acquire+release beside its peers', one process each."""
+    effort = bench.plan.api
+    rounds = f"{effort.rounds} rounds x {effort.cycles} cycles after {effort.warmup}"
+    group.heading(4, f"Python API: acquire+release in 1 process, {rounds}")
+    entries, missing = api_entries(group.backends)
+    skipped(missing)
+    times = api_latencies(bench, entries, effort)
+    medians = {label: statistics.median(values) for label, values in times.items()}
+    for label, values in times.items():
+        p90 = core.percentile(values, 90)
+        row(label, f"median {medians[label]:8.1f} µs  p90 {p90:8.1f} µs  n={len(values)}")
+    for backend in group.backends:
+        if (mine := medians.get(Entry(api.LOCKRUN, backend).label)) is None:
+            continue
+        peer, most = API_TARGETS[backend]
+        for entry in entries:
+            if entry.contender in api.PEERS[backend] and entry.label in medians:
+                ratio = mine / medians[entry.label]
+                target = most if entry.contender is peer else None
+                core.ratio_row(f"{backend}: lockrun / {entry.contender.name}", ratio, target)
+
+
+def api_throughput(bench: Bench, group: Group) -> None:
+    """Let CONTENDING processes cycle on one name: lockrun's cycles/s and fairness, its peers'."""
+    effort = bench.plan.api
+    rounds = (
+        f"{effort.contend_rounds} round{'s' * (effort.contend_rounds > 1)} of {effort.window:g} s"
+    )
+    group.heading(5, f"Python API: {CONTENDING} processes on one name, empty block, {rounds}")
+    entries, missing = api_entries(group.backends, waiting=True)
+    skipped(missing)
+    found = api_contention(bench, entries, effort)
+    for label, result in found.items():
+        each = " ".join(map(str, result.counts))
+        row(label, f"{result.rate:8.0f} cycles/s; min/max {result.fairness:4.2f}: {each}")
+    for backend in group.backends:
+        if (mine := found.get(Entry(api.LOCKRUN, backend).label)) is None:
+            continue
+        fair = mine.fairness
+        row(
+            f"{backend}: lockrun fairness",
+            f"min/max {fair:4.2f}",
+            f">= {FAIRNESS}",
+            fair >= FAIRNESS,
+        )
+        peers = [e for e in entries if e.contender in api.PEERS[backend] and not e.contender.floor]
+        if rated := [(found[e.label].rate, e.contender.name) for e in peers if e.label in found]:
+            rate, best = max(rated)
+            ratio, least = mine.rate / rate, f">= {THROUGHPUT_SHARE}x"
+            what = f"{backend}: cycles/s, lockrun / {best}"
+            row(what, f"{ratio:5.2f}x", least, ratio >= THROUGHPUT_SHARE)
+
+
+SECTIONS: Final[tuple[Callable[[Bench, Group], None], ...]] = (
+    startup,
+    handoff,
+    idle,
+    fifo,
+    api_latency,
+    api_throughput,
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every section once and print the report."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
@@ -339,12 +612,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for group in Group.all(bench):
             try:
                 with serving(bench, group.backends[0]):
-                    for run in (startup, handoff, idle, fifo):
+                    for run in SECTIONS:
                         section_began = time.monotonic()
                         run(bench, group)
                         took = f"{time.monotonic() - section_began:.1f} s"
                         print(f"  ({took}, load {core.load_average()})", flush=True)
             except Unavailable as err:
-                core.section(f"({group.letters[0]}) to ({group.letters[3]}) {group.title}: skipped")
+                last = group.letters[len(SECTIONS) - 1]
+                core.section(f"({group.letters[0]}) to ({last}) {group.title}: skipped")
                 row(f"{group.backends[0]} backend", f"skipped: {err}")
         return bench.finish(began)

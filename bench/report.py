@@ -1,13 +1,16 @@
 """Write lockrun's benchmark report: one Markdown table per backend beside flock(1), and a plot.
 
 ``python -m bench.report [--quick] [--out DIR] [--backends file,abstract,…]``, from the
-repository root, measures each backend beside flock(1) and writes ``benchmarks.md`` and
+repository root, measures each backend beside flock(1) (and a server backend beside
+`etcdctl lock`), the Python API beside its peer, and writes ``benchmarks.md`` and
 ``handoff-latency.png`` into DIR (``docs/``). It exits 1 when something broke, 2 without matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import platform
 import shlex
@@ -19,9 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bench import core
-from bench.core import FLOCK, SERVED, Bench, Broken, Effort, Processes
-from bench.measure import handoff_trials, idle_case, imports, startup_medians
+from bench import api, core
+from bench.core import ETCD, SERVED, Bench, Broken, Effort, Processes
+from bench.measure import (
+    API_TARGETS,
+    CONTENDING,
+    Entry,
+    api_contention,
+    api_latencies,
+    floor,
+    handoff_trials,
+    idle_case,
+    start_etcd,
+    startup_medians,
+)
 from bench.servers import Unavailable, serving
 from lockrun.uri import BACKENDS
 
@@ -47,11 +61,20 @@ class Column:
     """One tool's numbers in a backend's table; None where the measurement broke."""
 
     startup: float | None = None  # median seconds
-    startup_ratio: float | None = None  # over the backend's `python -c 'import …'`
+    startup_ratio: float | None = None  # over the backend's floor (bench/measure.py)
     handoff: list[float] = field(default_factory=list)  # milliseconds
     idle: float | None = None  # CPU seconds per waiter per second
     server: float | None = None  # the lock server's CPU seconds per waiter per second
     cycles: float | None = None  # per second, all contenders together
+
+
+@dataclass
+class ApiColumn:
+    """lockrun.Lock's or its peer's numbers in the Python API table; None where it broke."""
+
+    median: float | None = None  # µs, acquire+release in one process
+    rate: float | None = None  # cycles per s, CONTENDING processes together
+    fairness: float | None = None  # the fewest cycles of one process over the most
 
 
 @dataclass
@@ -61,25 +84,41 @@ class Table:
     backend: str
     lockrun: Column = field(default_factory=Column)
     flock: Column = field(default_factory=Column)
+    etcd: Column | None = None  # `etcdctl lock`'s, beside a server backend
+    api: tuple[ApiColumn, ApiColumn] | None = None  # lockrun.Lock's, its peer's
+    peer: str = ""  # the peer's label
     server: str = ""  # the server's name and version
     skipped: str = ""
 
     def column(self, kind: str) -> Column:
+        if kind == ETCD and self.etcd is not None:
+            return self.etcd
         return self.flock if kind == "flock" else self.lockrun
+
+    @property
+    def kinds(self) -> list[str]:
+        """The tools of the CLI columns: lockrun's backend, flock(1), maybe `etcdctl lock`."""
+        return [self.backend, "flock", *([ETCD] if self.etcd else [])]
 
 
 def measure(bench: Bench, backend: str, effort: Effort) -> Table:
-    """Measure *backend* and flock(1) side by side, with the backend's server if it needs one."""
+    """Measure *backend* and flock(1) side by side, with the backend's server if it needs one.
+
+    A server backend is measured beside `etcdctl lock` too, on a throwaway etcd that runs
+    throughout (idle, it costs a few ms of CPU per s).
+    """
     table = Table(backend)
     try:
-        with serving(bench, backend) as server:
+        with serving(bench, backend) as server, contextlib.ExitStack() as stack:
             if server is not None:
                 try:
                     table.server = f"{server.program} {server.version()}"
                 except Broken as err:
                     table.server = f"version unknown: {err}"
+                table.etcd = Column() if start_etcd(bench, stack) else None
             steps = {"start-up": startup, "handoff": handoff, "idle waiters": idle}
-            for what, step in (steps | {"contenders": contend}).items():
+            steps |= {"contenders": contend, "Python API": python_api}
+            for what, step in steps.items():
                 began = time.monotonic()
                 step(bench, table, effort)
                 took = f"{time.monotonic() - began:.1f} s, load {core.load_average()}"
@@ -91,24 +130,23 @@ def measure(bench: Bench, backend: str, effort: Effort) -> Table:
 
 
 def startup(bench: Bench, table: Table, effort: Effort) -> None:
-    """Time `lockrun … -- true`, `flock FILE true` and the backend's bare imports, interleaved."""
+    """Time `lockrun … -- true`, `flock FILE true` (…) and the backend's floor, interleaved."""
     scenario = bench.scenario_dir(f"report-startup-{table.backend}")
-    commands = {
-        table.backend: bench.target(table.backend, scenario).argv("true"),
-        "flock": [FLOCK, str(scenario / "x"), "true"],
-        "imports": [sys.executable, "-c", f"import {imports([table.backend])}"],
-    }
+    lockrun = bench.target(table.backend, scenario)
+    commands = {kind: bench.target(kind, scenario).argv("true") for kind in table.kinds}
+    commands["floor"] = floor(table.backend, lockrun)[1]
     medians = startup_medians(bench, commands, effort.startup_runs, f"{table.backend} start-up")
     if medians is None:
         return
-    for kind in (table.backend, "flock"):
+    for kind in table.kinds:
         table.column(kind).startup = medians[kind]
-        table.column(kind).startup_ratio = medians[kind] / medians["imports"]
+        table.column(kind).startup_ratio = medians[kind] / medians["floor"]
 
 
 def handoff(bench: Bench, table: Table, effort: Effort) -> None:
-    """Time handoffs of the backend and of flock(1), interleaved; a broken one stays empty."""
+    """Time handoffs of the backend, flock(1) (…), interleaved; a broken one stays empty."""
     labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
+    labels |= {ETCD: "etcdctl lock"} if table.etcd else {}
     results, broken = handoff_trials(bench, labels, effort.handoff_trials)
     for kind in labels.keys() - broken:
         table.column(kind).handoff = results[kind]
@@ -155,6 +193,23 @@ def contend(bench: Bench, table: Table, effort: Effort) -> None:
         table.column(kind).cycles = sum(int(count.read_text()) for count in counts) / elapsed
 
 
+def python_api(bench: Bench, table: Table, effort: Effort) -> None:  # noqa: ARG001 - a step
+    """Measure lockrun.Lock beside the peer `python -m bench` targets, with the plan's effort."""
+    peer = API_TARGETS[table.backend][0]
+    entries = [Entry(api.LOCKRUN, table.backend), Entry(peer, table.backend)]
+    table.api, table.peer = (ApiColumn(), ApiColumn()), peer.label
+    if importlib.util.find_spec(peer.module) is None:
+        table.peer += " (not installed)"
+        entries.pop()
+    times = api_latencies(bench, entries, bench.plan.api)
+    found = api_contention(bench, entries, bench.plan.api)
+    for entry, column in zip(entries, table.api, strict=False):
+        if entry.label in times:
+            column.median = statistics.median(times[entry.label])
+        if (result := found.get(entry.label)) is not None:
+            column.rate, column.fairness = result.rate, result.fairness
+
+
 def cell(value: float | None, form: str = ".2f") -> str:
     """Return *value* as a table cell in *form*, or `broke` when it was not measured."""
     return "broke" if value is None else format(value, form)
@@ -167,37 +222,60 @@ def table_lines(table: Table, effort: Effort) -> list[str]:
         return [*lines, f"Not measured: {table.skipped}.", ""]
     if table.server:
         lines += [f"Against a throwaway {table.server} of the bench's own, over loopback TCP.", ""]
-    both = (table.lockrun, table.flock)
+    tools = [table.column(kind) for kind in table.kinds]
     trials = len(table.lockrun.handoff) or effort.handoff_trials
 
     def tail(column: Column, percent: int) -> str:
         return cell(core.percentile(column.handoff, percent)) if column.handoff else "broke"
 
-    per_waiter = f"s per waiter per s ({WAITERS} waiters)"
     rows = {
-        "start-up, median ms": [cell(c.startup and c.startup * 1000, ".1f") for c in both],
-        f"start-up ratio, over `python -c 'import {imports([table.backend])}'`": [
-            cell(c.startup_ratio) for c in both
-        ],
-        f"handoff p50, ms ({trials} trials)": [tail(c, 50) for c in both],
-        f"handoff p99, ms ({trials} trials)": [tail(c, 99) for c in both],
-        f"idle-waiter CPU, {per_waiter}": [cell(c.idle, ".2g") for c in both],
+        "start-up, median ms": [cell(c.startup and c.startup * 1000, ".1f") for c in tools],
+        "start-up ratio, over the floor": [cell(c.startup_ratio) for c in tools],
+        f"handoff p50, ms ({trials} trials)": [tail(c, 50) for c in tools],
+        f"handoff p99, ms ({trials} trials)": [tail(c, 99) for c in tools],
     }
+    per_waiter = f"s per waiter per s ({WAITERS} waiters)"
+    local = {f"idle-waiter CPU, {per_waiter}": [cell(c.idle, ".2g") for c in tools[:2]]}
     if table.backend in SERVED:  # a CPU share: two significant digits, maybe an exponent
-        rows[f"server CPU, {per_waiter}"] = [cell(table.lockrun.server, ".2g"), "—"]
-    rows[f"acquire/release cycles per s, {CONTENDERS} contenders"] = [
-        cell(c.cycles, ".1f") for c in both
+        local[f"server CPU, {per_waiter}"] = [cell(table.lockrun.server, ".2g"), "—"]
+    local[f"acquire/release cycles per s, {CONTENDERS} contenders"] = [
+        cell(c.cycles, ".1f") for c in tools[:2]
     ]
-    lines += ["| metric | lockrun | flock(1) |", "|---|---:|---:|"]
+    rows |= {what: cells + ["—"] * (len(tools) - 2) for what, cells in local.items()}
+    names = ["lockrun", "flock(1)", "`etcdctl lock`"][: len(tools)]
+    lines += [f"| metric | {' | '.join(names)} |", f"|---|{'---:|' * len(tools)}"]
     lines += [f"| {what} | {' | '.join(cells)} |" for what, cells in rows.items()]
+    return [*lines, ""]
+
+
+def api_lines(tables: Sequence[Table]) -> list[str]:
+    """Return the Python API section: lockrun.Lock beside each backend's peer."""
+    measured = [table for table in tables if table.api]
+    if not measured:
+        return []
+    lines = [
+        "## Python API",
+        "",
+        (
+            "| backend | peer | acquire+release median µs, lockrun | peer "
+            f"| cycles per s, {CONTENDING} processes, lockrun | peer "
+            "| fewest / most cycles of one process, lockrun | peer |"
+        ),
+        f"|---|---|{'---:|' * 6}",
+    ]
+    for table in measured:
+        both = table.api or ()
+        cells = [cell(c.median, ".1f") for c in both] + [cell(c.rate, ".0f") for c in both]
+        cells += [cell(c.fairness) for c in both]
+        lines.append(f"| {table.backend} | {table.peer} | {' | '.join(cells)} |")
     return [*lines, ""]
 
 
 def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
     """Return the report's title, the machine and run it describes, and what the rows mean."""
-    window = f"{effort.idle_window:g} s"
+    window, plan = f"{effort.idle_window:g} s", bench.plan.api
     missing = [program for program in ("etcd", "etcdctl") if shutil.which(program) is None]
-    etcd = f"{' and '.join(missing)} not installed (not on PATH)" if missing else ""
+    etcd = f" (not measured: {' and '.join(missing)} not on PATH)" if missing else ""
     return [
         "# lockrun benchmarks",
         "",
@@ -215,11 +293,14 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         f"| load average (1, 5, 15 min) | {loads[0]} at the start, {loads[1]} at the end |",
         f"| command | `{command}` |",
         "",
-        "What the rows measure, lockrun and flock(1) alike, in the same run:",
+        "What the rows measure, lockrun and flock(1) alike, in the same run; beside a server",
+        f"backend, `etcdctl lock` too, on a throwaway etcd of the bench's own{etcd}:",
         "",
-        "- **start-up**: median wall time of `lockrun --uri URI -- true` and `flock FILE true`;",
-        "  the ratio divides it by the median of `python -c 'import click'` plus the backend's",
-        "  driver, as `python -m bench` (a), (e), (i) and (m) do.",
+        "- **start-up**: median wall time of `lockrun --uri URI -- true`, `flock FILE true` and",
+        "  `etcdctl lock NAME -- true`; the ratio divides it by the median of the backend's",
+        "  floor, as `python -m bench` does: `python -c` importing click and the driver,",
+        "  connecting and one round trip (PING, SELECT 1); for file: and abstract:, importing",
+        "  click and one open and flock(2).",
         "- **handoff**: from the holder's command exiting to the waiter's command starting",
         "  (both print a `date +%s%N`), the waiter queued with `--wait forever`.",
         f"- **idle-waiter CPU**: {WAITERS} waiters blocked on a held lock for {window}: the CPU",
@@ -228,8 +309,12 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         f"- **cycles**: {CONTENDERS} processes, each looping",
         "  `lockrun --uri URI -n NAME -w forever -- true` (or `flock FILE true`) for",
         f"  {window}: completed runs per second, all of them together.",
-        "",
-        f"`etcdctl lock`: not measured, {etcd or 'the report has no etcd column yet'}.",
+        "- **Python API**: `lockrun.Lock(name, uri=URI, wait=None)`, one object reused",
+        "  (`with lock: pass`), beside the peer `python -m bench` holds it to, each in a process",
+        f"  of its own: the acquire+release median of {plan.rounds} × {plan.cycles} cycles in one",
+        f"  process, after {plan.warmup} to warm up; then {CONTENDING} processes cycling on one",
+        f"  name, {plan.contend_rounds} × {plan.window:g} s: cycles per second, all together, and",
+        "  the fewest cycles of one process over the most (1: each had as many).",
         "",
         f"![Handoff latency per backend, beside flock(1)]({PLOT_NAME})",
         "",
@@ -312,11 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     effort = QUICK_EFFORT if args.quick else FULL_EFFORT
     began, load = time.monotonic(), core.load_average()
     print(f"bytecode {core.compile_bytecode()}")
-    with Bench.running(core.QUICK) as bench:  # the report's own effort, not the plan's
+    # The report's own effort but for the Python API's, which is the plan's.
+    with Bench.running(core.QUICK if args.quick else core.FULL) as bench:
         tables = [measure(bench, backend, effort) for backend in args.backends]
         args.out.mkdir(parents=True, exist_ok=True)
         lines = header_lines(bench, command, (load, core.load_average()), effort)
         lines += [line for table in tables for line in table_lines(table, effort)]
+        lines += api_lines(tables)
         (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
         plot(args.out / PLOT_NAME, tables)
         print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")

@@ -2,10 +2,12 @@
 
 Each listens on a free loopback port too: lockrun reaches it over TCP like a real deployment.
 The probe, a session of the bench's own on the unix socket, asks who waits and how many.
+An etcd, for `etcdctl lock` beside the server backends, is asked over its JSON gateway.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.util
 import json
@@ -13,6 +15,7 @@ import os
 import re
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar, cast
 
@@ -20,8 +23,14 @@ import pymysql
 import pytest
 import redis
 
-from bench.core import CLOCK_TICKS, SERVED, Broken, Usage, descendants, stat_fields
-from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
+from bench.core import CLOCK_TICKS, ETCD, LOCAL, Broken, Usage, descendants, stat_fields
+from tests.support.servers import (
+    EtcdServer,
+    MariaServer,
+    PostgresServer,
+    RedisServer,
+    free_port,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -54,7 +63,7 @@ class Server:
     sockets: ClassVar[bool] = True  # also time handoffs over its unix socket (not --quick)
     probe: Any = None  # the bench's session, opened on first use
 
-    def __init__(self, server: RedisServer | MariaServer | PostgresServer) -> None:
+    def __init__(self, server: RedisServer | MariaServer | PostgresServer | EtcdServer) -> None:
         self.server = server
         self.ready_in = 0.0  # seconds from a fresh data directory to the first session
         self.uri, self.socket_uri = server.tcp_uri, server.uri
@@ -248,8 +257,40 @@ class Postgres(Server):
         return self.tagged(name, sql, "%/* lockrun %")
 
 
+class Etcd(Server):
+    """The server of `etcdctl lock`, the server backends' handoff peer; no probe session."""
+
+    program, sockets = "etcd", False
+    server: EtcdServer
+
+    def call(self, path: str, body: dict[str, object] | None = None) -> Any:  # noqa: ANN401 - JSON
+        """GET *path* of etcd's JSON gateway, or POST *body* to it; `Broken` if that fails."""
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            # S310: the URL is our own server's, http on loopback.
+            with urllib.request.urlopen(self.uri + path, data, timeout=5) as answer:  # noqa: S310
+                return json.load(answer)
+        except (OSError, ValueError) as err:
+            raise Broken(f"{self.program} on {self.uri}: {err}") from err
+
+    def version(self) -> str:
+        return str(self.call("/version")["etcdserver"])
+
+    def waiting(self, name: str, pids: set[int]) -> set[int]:
+        """Return *pids* once the lock *name* has a key for each of them beside the holder's.
+
+        `etcdctl lock` puts a key NAME/LEASE for its holder and for each waiter; a lease id
+        names no process, so the count decides.
+        """
+        key, end = (base64.b64encode(f"{name}{last}".encode()).decode() for last in "/0")
+        found = self.call("/v3/kv/range", {"key": key, "range_end": end, "count_only": True})
+        return pids if int(found.get("count", 0)) > len(pids) else set()  # JSON omits a 0
+
+
 def launch(backend: str, port: int) -> Server:
     """Start *backend*'s server on loopback *port*, with room for every waiter's session."""
+    if backend == ETCD:
+        return Etcd(EtcdServer(port=port, peer_port=free_port()))
     if backend == "redis":
         return Redis(RedisServer(port=port))
     if backend == "mysql":
@@ -261,8 +302,11 @@ def launch(backend: str, port: int) -> Server:
 
 @contextlib.contextmanager
 def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
-    """Run *backend*'s server for *bench* while the block runs (None: local); or `Unavailable`."""
-    if backend not in SERVED:
+    """Run *backend*'s server (or etcd) for *bench* while the block runs (None: local).
+
+    Raise `Unavailable` if it cannot run here.
+    """
+    if backend in LOCAL:
         yield None
         return
     began = time.monotonic()

@@ -1,4 +1,7 @@
-"""`python -m bench.report` writes a Markdown table per backend beside flock(1), and a plot (#7)."""
+"""`python -m bench.report` writes a Markdown table per backend beside flock(1), and a plot (#7).
+
+And a table of the Python API beside its peers (#11).
+"""
 
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ PNG_MAGIC: Final = b"\x89PNG\r\n\x1a\n"
 # Each table's rows, by how their labels start, in order.
 LOCAL_ROWS: Final = (
     "start-up, median ms",
-    "start-up ratio, over `python -c 'import click'`",
+    "start-up ratio, over the floor",
     "handoff p50, ms",
     "handoff p99, ms",
     "idle-waiter CPU, s per waiter per s",
     "acquire/release cycles per s, 8 contenders",
 )
 HEADER: Final = ("date", "kernel", "CPUs", "Python", "load average", "command")
+API: Final = "Python API"  # the section after the backends'
+API_PEERS: Final = {"file": "portalocker.Lock", "abstract": "portalocker.Lock"}
 
 
 def report(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -50,7 +55,7 @@ def tables(markdown: str) -> dict[str, list[list[str]]]:
 
 @pytest.mark.slow  # half a minute of measuring
 def test_quick_report(tmp_path: Path) -> None:
-    """`--quick --backends file,abstract` writes both tables with flock(1) and a valid PNG."""
+    """`--quick --backends file,abstract` writes both tables with flock(1), the API's, a PNG."""
     try:
         import matplotlib  # noqa: F401, ICN001
     except ImportError:
@@ -64,7 +69,13 @@ def test_quick_report(tmp_path: Path) -> None:
     assert "--quick --backends file,abstract --out" in markdown
     assert "`etcdctl lock`" in markdown
     found = tables(markdown)
-    assert list(found) == ["file", "abstract"]
+    assert list(found) == ["file", "abstract", API]
+    api = found.pop(API)
+    assert api[0][:2] == ["backend", "peer"]
+    assert {backend: peer for backend, peer, *_ in api[1:]} == API_PEERS
+    for _, _, *cells in api[1:]:
+        assert len(cells) == len(api[0]) - 2
+        assert all(float(cell) >= 0 for cell in cells), cells
     for rows in found.values():
         assert rows[0] == ["metric", "lockrun", "flock(1)"]
         assert len(rows) == 1 + len(LOCAL_ROWS)

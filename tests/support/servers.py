@@ -1,4 +1,4 @@
-"""Throwaway database servers for the backend tests (docs/design.md C9).
+"""Throwaway database servers for the backend tests (docs/design.md C9), and the bench's etcd.
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
 only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from typing import TYPE_CHECKING, ClassVar, Final
 
 import pytest
@@ -404,3 +406,59 @@ class PostgresServer(_Server):
         )
         result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
         return result.stdout.strip()
+
+
+ETCD: Final = "etcd"
+SHM: Final = "/dev/shm"  # tmpfs on Linux
+
+
+class EtcdServer(_Server):
+    """An etcd of our own for the bench's `etcdctl lock`: one member, on two loopback ports.
+
+    Unlike the servers above it listens on TCP: the bench reaches every server as a real
+    deployment would. Its data is on tmpfs where there is one: etcd fsyncs every write (3.4
+    has no switch against it), and a shared machine's disk would time etcd, not its locks;
+    the bench's PostgreSQL runs with fsync=off and its Redis saves nothing, alike.
+    """
+
+    LOG = "etcd.log"
+
+    def __init__(self, *, port: int, peer_port: int) -> None:
+        """Start the server in a fresh data directory: clients on *port*, peers on the other."""
+        if shutil.which(ETCD) is None:
+            unavailable(f"{ETCD} is not installed")
+        memory = SHM if os.path.isdir(SHM) else None
+        self.directory = tempfile.mkdtemp(prefix="lr-etcd-", dir=memory)
+        self.port, self.peer_port = port, peer_port
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def uri(self) -> str:
+        """The client URL of this server, for ``etcdctl --endpoints``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def tcp_uri(self) -> str:
+        """The same client URL: etcd is only on TCP."""
+        return self.uri
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it is healthy."""
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        command = (
+            *(ETCD, "--name", "lr", "--data-dir", os.path.join(self.directory, "data")),
+            *("--listen-client-urls", self.uri, "--advertise-client-urls", self.uri),
+            *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
+            *("--initial-cluster", f"lr={peer}", "--logger", "zap", "--log-outputs", "stderr"),
+        )
+        self._launch(command, patience=30, pause=0.02, log=True)
+
+    def ping(self) -> bool:
+        """Return whether the server says it is healthy (GET /health)."""
+        try:
+            # S310: the URL is our own server's, http on loopback.
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as answer:  # noqa: S310
+                return bool(json.load(answer).get("health") == "true")
+        except (OSError, ValueError):
+            return False

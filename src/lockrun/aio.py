@@ -87,10 +87,15 @@ class AsyncLock:
             msg = f"{self.name}: this task holds no slot of this AsyncLock"
             raise UsageError(msg)
         held, backend = self._held.pop(task)
-        try:
-            await asyncio.shield(asyncio.to_thread(held.release))
-        finally:
+        release = asyncio.ensure_future(asyncio.to_thread(held.release))
+
+        def done(_: object) -> None:  # a cancelled task's release still ends before reuse
             self._idle.append(backend)
+            if not release.cancelled():
+                release.exception()  # retrieved: the task may no longer be there to
+
+        release.add_done_callback(done)
+        await asyncio.shield(release)
 
     async def close(self) -> None:
         """Drop the connections no acquisition uses now."""

@@ -460,6 +460,32 @@ def test_a_grant_the_server_refuses_halfway_leaves_no_record_and_no_transaction(
     assert all("half" not in holder for (holder,) in rows)
 
 
+def test_a_refused_n_lets_go_at_once_of_the_slot_its_first_try_caught(
+    mysql_uri: str, name: str
+) -> None:
+    """Slot 0 free, slot 1 held with N = 3: N = 1 is refused (78) and slot 0 is free again.
+
+    The first try takes slot 0 in the round trip of the check that refuses it, so it lets
+    go before raising: a session kept for the next acquisition is not hung up on.
+    """
+    backend = connect(parse_uri(mysql_uri), ttl=10.0)
+    try:
+        three = Request("default", name, 3, 10.0, Holder.me(["three"]))
+        first, second = backend.acquire(three, now()), backend.acquire(three, now())
+        assert first is not None
+        assert second is not None
+        assert (first.slot, second.slot) == (0, 1)
+        first.release()
+        key = lock_key("default", name)
+        for wait in (now(), now() + 1):  # a try alone, and a try before a wait
+            with pytest.raises(ConfigError, match=r"in use with 3 slots by .*asks for 1 slot"):
+                backend.acquire(three._replace(slots=1), wait)
+            assert holding_connection(mysql_uri, f"{key}:0") is None
+        second.release()
+    finally:
+        backend.close()
+
+
 # -- E. ~/.my.cnf ----------------------------------------------------------------------------------
 
 

@@ -463,7 +463,7 @@ def test_a_grant_the_server_refuses_halfway_leaves_no_record_and_no_transaction(
 def test_a_refused_n_lets_go_at_once_of_the_slot_its_first_try_caught(
     mysql_uri: str, name: str
 ) -> None:
-    """Slot 0 free, slot 1 held with N = 3: N = 1 is refused (78) and slot 0 is free again.
+    """Slot 0 free, slot 1 held with N = 3: N = 1 is refused (78), slot 0 free again at once.
 
     The first try takes slot 0 in the round trip of the check that refuses it, so it lets
     go before raising: a session kept for the next acquisition is not hung up on.
@@ -481,6 +481,10 @@ def test_a_refused_n_lets_go_at_once_of_the_slot_its_first_try_caught(
             with pytest.raises(ConfigError, match=r"in use with 3 slots by .*asks for 1 slot"):
                 backend.acquire(three._replace(slots=1), wait)
             assert holding_connection(mysql_uri, f"{key}:0") is None
+        again = backend.acquire(three, now())  # the backend is none the worse for it
+        assert again is not None
+        assert again.slot == 0
+        again.release()
         second.release()
     finally:
         backend.close()

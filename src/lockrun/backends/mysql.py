@@ -522,6 +522,11 @@ class MySQLBackend(SessionLockBackend[Session]):
     def _session(self, attempt: Attempt[Session]) -> Session:  # noqa: ARG002 - all alike
         return self.session()
 
+    def _revive(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Forget what an earlier acquisition left on a kept *session*; False if it ended."""
+        session.unchecked = session.gate_left = None
+        return bool(session.connection.open) and super()._revive(session, attempt)
+
     def _end(self, sessions: Sequence[Session]) -> None:
         """KILL *sessions* we hung up on, so their waits leave the queue now.
 
@@ -542,8 +547,8 @@ class MySQLBackend(SessionLockBackend[Session]):
     ) -> bool:
         """One GET_LOCK (never a negative timeout, docs/design.md P20).
 
-        An attempt's first tries at once, with its check of N in the same round trip
-        (`_refuse_mismatch`), and waits in the queue only if the lock is busy.
+        After `_refuse_mismatch`, the next one tries at once, with the check in the same
+        round trip, and waits in the queue only if the lock is busy.
         """
         lock = f"{attempt.key}:{part}"
         if session.unchecked is attempt:
@@ -556,7 +561,8 @@ class MySQLBackend(SessionLockBackend[Session]):
                 return bool(got == 1)
         limit = _FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
-        got = session.one(_get_lock(lock, limit, attempt.tag), timeout=patience)
+        tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
+        got = session.one(_get_lock(lock, limit, tag), timeout=patience)
         if got is None:  # KILL QUERY from outside, or an error
             raise self._cancelled(part)
         return bool(got == 1)
@@ -653,13 +659,13 @@ class MySQLBackend(SessionLockBackend[Session]):
         the same moment: the later check of the two sees the other's record.
         """
         fence, other = self._fence(session, attempt, slot)
-        lease = SessionLease(self, session, f"{attempt.key}:{slot}", slot, fence)
-        if other is not None:
-            with contextlib.suppress(pymysql.err.Error):  # a refusal leaves no row behind
-                session.one(_FORGET, (attempt.key, slot))
-            lease.release()
+        lock = f"{attempt.key}:{slot}"
+        if other is not None:  # leave no row behind, and the slot free; the caller hangs up
+            with contextlib.suppress(pymysql.err.Error):
+                forget = ((_FORGET, (attempt.key, slot)), ("SELECT RELEASE_LOCK(%s)", (lock,)))
+                session.batch(forget, [])
             raise _mismatch(attempt.request, int(other[0]), str(other[1]))
-        return lease
+        return SessionLease(self, session, lock, slot, fence)
 
     def _fence(
         self, session: Session, attempt: Attempt[Session], slot: int

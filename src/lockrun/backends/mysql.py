@@ -576,9 +576,9 @@ class MySQLBackend(SessionLockBackend[Session]):
         return int(slot)
 
     def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
-        """Have *attempt*'s first try on *session* refuse a live holder of another N.
+        """Have *attempt*'s next try on *session* refuse a live holder of another N.
 
-        The check goes in the try's round trip (`_checked`), before any wait in the queue;
+        The check goes in that try's round trip (`_checked`), before any wait in the queue;
         without the tables there is nothing to check.
         """
         session.gate_left = None

@@ -11,16 +11,21 @@ import contextlib
 import json
 import os
 import re
+import socket
 import ssl
+import threading
 import uuid
 from subprocess import PIPE
 from typing import TYPE_CHECKING
 
+import pymysql
 import pytest
+from pymysql.constants import CLIENT
 
 from lockrun import ConfigError, ExitCode, Lock
-from lockrun.backends import parse_uri
-from lockrun.backends.mysql import lock_key, parse
+from lockrun.backends import Holder, Request, parse_uri
+from lockrun.backends.mysql import connect, lock_key, parse
+from lockrun.timing import now
 from tests.support.cli import lockrun, one_line
 from tests.support.net import (
     HOST,
@@ -423,6 +428,68 @@ def test_a_user_with_only_row_privileges_gets_a_fence_once_the_tables_exist(
     assert state["holders"] == []
 
 
+def test_a_grant_the_server_refuses_halfway_leaves_no_record_and_no_transaction(
+    tcp_server: MariaServer, name: str
+) -> None:
+    """Records allowed, fences not: the record is rolled back, no fence, no transaction left.
+
+    The grant writes both in one transaction; the session (which may serve the next
+    acquisition) must not stay in it after the server refuses the fence.
+    """
+    root = f"mysql://root@127.0.0.1:{tcp_server.port}/lockrun"
+    assert lockrun("--uri", root, "-n", name, "--", "true").returncode == 0  # makes the tables
+    holders, fences = "lockrun.lockrun_holders", "lockrun.lockrun_fence"
+    create_user(tcp_server, "half", "pw-half", f"ALL ON {holders}", f"SELECT ON {fences}")
+    uri = f"mysql://half:pw-half@127.0.0.1:{tcp_server.port}/lockrun"
+    notes: list[str] = []
+    backend = connect(parse_uri(uri), ttl=10.0, note=notes.append)
+    try:
+        request = Request("default", name, 1, 10.0, Holder.me(["half"]))
+        for _ in range(2):
+            lease = backend.acquire(request, now())
+            assert lease is not None
+            assert lease.fence is None
+            assert lease.session.one("SELECT @@in_transaction") == 0
+            lease.release()
+    finally:
+        backend.close()
+    assert len(notes) == 1
+    assert "no fence" in notes[0]
+    key = lock_key("default", name)
+    rows = query(root, "SELECT holder FROM lockrun_holders WHERE lock_key = %s", (key,))
+    assert all("half" not in holder for (holder,) in rows)
+
+
+def test_a_refused_n_lets_go_at_once_of_the_slot_its_first_try_caught(
+    mysql_uri: str, name: str
+) -> None:
+    """Slot 0 free, slot 1 held with N = 3: N = 1 is refused (78), slot 0 free again at once.
+
+    The first try takes slot 0 in the round trip of the check that refuses it, so it lets
+    go before raising: a session kept for the next acquisition is not hung up on.
+    """
+    backend = connect(parse_uri(mysql_uri), ttl=10.0)
+    try:
+        three = Request("default", name, 3, 10.0, Holder.me(["three"]))
+        first, second = backend.acquire(three, now()), backend.acquire(three, now())
+        assert first is not None
+        assert second is not None
+        assert (first.slot, second.slot) == (0, 1)
+        first.release()
+        key = lock_key("default", name)
+        for wait in (now(), now() + 1):  # a try alone, and a try before a wait
+            with pytest.raises(ConfigError, match=r"in use with 3 slots by .*asks for 1 slot"):
+                backend.acquire(three._replace(slots=1), wait)
+            assert holding_connection(mysql_uri, f"{key}:0") is None
+        again = backend.acquire(three, now())  # the backend is none the worse for it
+        assert again is not None
+        assert again.slot == 0
+        again.release()
+        second.release()
+    finally:
+        backend.close()
+
+
 # -- E. ~/.my.cnf ----------------------------------------------------------------------------------
 
 
@@ -580,3 +647,76 @@ def test_a_galera_node_is_refused_with_78(name: str) -> None:
         assert server.command("SHOW TABLES FROM lockrun") == ""
     finally:
         server.close()
+
+
+# -- I. a proxy that does not take several statements at once ------------------------------------
+
+
+class SingleStatements:
+    """A loopback forwarder to a MySQL port that hides multi-statements from both ends.
+
+    As a proxy without them does: its greeting does not offer CLIENT_MULTI_STATEMENTS (nor
+    TLS, to keep the bytes readable), and the client's answer reaches the server without
+    asking for them, so the server takes two statements in one query for bad syntax.
+    """
+
+    def __init__(self, port: int) -> None:
+        """Listen on a free loopback port and forward each connection to *port*."""
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        """Accept until closed, forwarding each connection in two threads."""
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+                threading.Thread(target=self.pipe, args=(server, client, 0), daemon=True).start()
+                threading.Thread(target=self.pipe, args=(client, server, 1), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: socket.socket, sink: socket.socket, sequence: int) -> None:
+        """Copy *source* to *sink*, rewriting the first packet's capability flags."""
+        with contextlib.suppress(OSError), source, sink:
+            header = source.recv(4, socket.MSG_WAITALL)
+            packet = bytearray(
+                source.recv(int.from_bytes(header[:3], "little"), socket.MSG_WAITALL)
+            )
+            assert header[3] == sequence
+            if sequence == 0:  # the greeting: version, NUL, id (4), salt (8), filler (1), flags
+                low = packet.index(0, 1) + 14
+                packet[low + 1] &= ~(CLIENT.SSL >> 8) & 0xFF
+                packet[low + 5] &= ~(CLIENT.MULTI_STATEMENTS >> 16) & 0xFF
+            else:  # the client's answer: its flags first
+                packet[2] &= ~(CLIENT.MULTI_STATEMENTS >> 16) & 0xFF
+            sink.sendall(header + packet)
+            while data := source.recv(65536):
+                sink.sendall(data)
+
+    def close(self) -> None:
+        """Stop accepting (open connections end with their clients)."""
+        self.listener.close()
+
+
+def test_a_proxy_without_multi_statements_gets_one_statement_at_a_time(
+    tcp_server: MariaServer, held: Callable[..., Held], name: str
+) -> None:
+    """Fences, semaphores, a refused N and status work through it, a round trip a statement."""
+    proxy = SingleStatements(tcp_server.port)
+    try:
+        uri = f"mysql://root@127.0.0.1:{proxy.port}/lockrun"
+        with pytest.raises(pymysql.err.ProgrammingError):  # what a batch would get
+            query(uri, "SELECT 1; SELECT 2")
+        fences = [held("--uri", uri, "-n", name, "-s", "2").fence for _ in range(2)]
+        assert 0 < fences[0] < fences[1]
+        refused = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert refused.returncode == ExitCode.CONFIG, refused.stderr
+        assert "in use with 2 slots" in one_line(refused.stderr)
+        busy = lockrun("--uri", uri, "-n", name, "-s", "2", "--", "true")
+        assert busy.returncode == ExitCode.BUSY, busy.stderr
+        [state] = json.loads(lockrun("status", "--uri", uri, "--json", name).stdout)
+        assert sorted(owner["slot"] for owner in state["holders"]) == [0, 1]
+    finally:
+        proxy.close()

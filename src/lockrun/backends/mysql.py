@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import pymysql
-from pymysql.constants import COMMAND, CR, ER
+from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import (
     Holder,
@@ -292,6 +292,13 @@ def _unverified_context() -> ssl.SSLContext:
     return context
 
 
+class Answer(NamedTuple):
+    """What the server answered to one statement of a batch."""
+
+    rows: tuple[Any, ...]
+    last_id: int  # LAST_INSERT_ID() as the statement's OK packet reported it
+
+
 class Session:
     """One server session, with a timeout per statement and no reconnects, ever."""
 
@@ -302,6 +309,13 @@ class Session:
         self.timeout = timeout
         self.id: int = self.connection.thread_id()  # type: ignore[no-untyped-call]
         self.mariadb = "mariadb" in self.connection.get_server_info().lower()  # type: ignore[no-untyped-call]
+        # A proxy may not offer several statements in one query (ProxySQL once did not).
+        flags = self.connection.server_capabilities  # type: ignore[attr-defined]
+        self.batches = bool(flags & CLIENT.MULTI_STATEMENTS)
+        # What one acquisition left for the next step on this session, named by its attempt
+        # (never by the session alone: a session may serve many acquisitions).
+        self.unchecked: object = None  # the attempt whose check of N goes with its first try
+        self.gate_left: object = None  # the attempt whose grant let the gate go already
 
     def fileno(self) -> int:
         """Return the socket's descriptor."""
@@ -340,12 +354,25 @@ class Session:
             cursor.execute(sql, args)
             return tuple(cursor.fetchall())
 
-    def insert(self, sql: str, args: object) -> int:
-        """Run an INSERT and return LAST_INSERT_ID() as the server reported it."""
+    def batch(self, statements: Sequence[tuple[str, object]], answers: list[Answer]) -> None:
+        """Run (sql, args) *statements* in one round trip, appending each one's answer.
+
+        The driver puts every args into its sql as an escaped literal, for the session's
+        charset and sql_mode, before the statements are joined (tests/hostile/test_sql.py).
+        The server stops at the first error, which is raised: *answers* has those before it.
+        Without the server's (or a proxy's) leave to batch, one round trip a statement.
+        """
         self._limit(self.timeout)
         with self.connection.cursor() as cursor:
-            cursor.execute(sql, args)
-            return int(cursor.lastrowid)
+            if not self.batches:
+                for sql, args in statements:
+                    cursor.execute(sql, args)
+                    answers.append(Answer(tuple(cursor.fetchall()), int(cursor.lastrowid or 0)))
+                return
+            cursor.execute(";".join(cursor.mogrify(sql, args) for sql, args in statements))
+            answers.append(Answer(tuple(cursor.fetchall()), int(cursor.lastrowid or 0)))
+            while cursor.nextset():
+                answers.append(Answer(tuple(cursor.fetchall()), int(cursor.lastrowid or 0)))
 
     def send(self, sql: str) -> None:
         """Send *sql* without waiting for the answer; `receive` reads it."""
@@ -410,6 +437,7 @@ class MySQLBackend(SessionLockBackend[Session]):
             connection = _Connection(
                 **self.settings.kwargs,
                 autocommit=True,
+                client_flag=CLIENT.MULTI_STATEMENTS,  # the grant in one round trip (_grant)
                 connect_timeout=self.timeout,
                 read_timeout=self.timeout,
                 write_timeout=self.timeout,
@@ -494,6 +522,11 @@ class MySQLBackend(SessionLockBackend[Session]):
     def _session(self, attempt: Attempt[Session]) -> Session:  # noqa: ARG002 - all alike
         return self.session()
 
+    def _revive(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Forget what an earlier acquisition left on a kept *session*; False if it ended."""
+        session.unchecked = session.gate_left = None
+        return bool(session.connection.open) and super()._revive(session, attempt)
+
     def _end(self, sessions: Sequence[Session]) -> None:
         """KILL *sessions* we hung up on, so their waits leave the queue now.
 
@@ -512,16 +545,73 @@ class MySQLBackend(SessionLockBackend[Session]):
     def _lock(
         self, session: Session, part: int | str, seconds: float | None, attempt: Attempt[Session]
     ) -> bool:
-        """One GET_LOCK (never a negative timeout, docs/design.md P20)."""
+        """One GET_LOCK (never a negative timeout, docs/design.md P20).
+
+        After `_refuse_mismatch`, the next one tries at once, with the check in the same
+        round trip, and waits in the queue only if the lock is busy.
+        """
+        lock = f"{attempt.key}:{part}"
+        if session.unchecked is attempt:
+            session.unchecked = None
+            try_now = _get_lock(lock, 0, "")
+            got = self._checked(session, attempt, try_now, lambda got: lock if got == 1 else None)
+            if got is None:  # KILL QUERY from outside
+                raise self._cancelled(part)
+            if got == 1 or seconds == 0:
+                return bool(got == 1)
         limit = _FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
-        got = session.one(_get_lock(f"{attempt.key}:{part}", limit, attempt.tag), timeout=patience)
+        tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
+        got = session.one(_get_lock(lock, limit, tag), timeout=patience)
         if got is None:  # KILL QUERY from outside, or an error
             raise self._cancelled(part)
         return bool(got == 1)
 
     def _first_free(self, session: Session, attempt: Attempt[Session]) -> int:
-        return int(session.one(_first_free(attempt.key, attempt.slots)))
+        statement = _first_free(attempt.key, attempt.slots)
+        if session.unchecked is not attempt:
+            return int(session.one(statement))
+        session.unchecked = None
+        slot = self._checked(session, attempt, statement, lambda slot: _slot(attempt.key, slot))
+        return int(slot)
+
+    def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
+        """Have *attempt*'s next try on *session* refuse a live holder of another N.
+
+        The check goes in that try's round trip (`_checked`), before any wait in the queue;
+        without the tables there is nothing to check.
+        """
+        session.gate_left = None
+        session.unchecked = None if self.tables is False else attempt
+
+    def _checked(
+        self,
+        session: Session,
+        attempt: Attempt[Session],
+        statement: str,
+        caught: Callable[[Any], str | None],
+    ) -> Any:  # noqa: ANN401 - the try's answer
+        """Check for a live holder of another N, then run *statement*, a try that never waits.
+
+        One round trip; return the try's answer. A holder of another N is refused (78), once
+        the lock the try caught, if any (*caught* names it from the answer), is let go.
+        Without the tables nobody recorded anything: the try runs alone.
+        """
+        answers: list[Answer] = []
+        try:
+            session.batch(((_MISMATCH, (attempt.key, attempt.slots)), (statement, None)), answers)
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if answers or not _tableless(err):
+                raise
+            return session.one(statement)  # _grant finds out about the tables and says so
+        answer = answers[1].rows[0][0]
+        if answers[0].rows:
+            lock = caught(answer)
+            if lock is not None:
+                session.one("SELECT RELEASE_LOCK(%s)", (lock,))
+            slots, record = answers[0].rows[0]
+            raise _mismatch(attempt.request, int(slots), str(record))
+        return answer
 
     def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
         session.send(_get_lock(f"{attempt.key}:{slot}", seconds, attempt.tag))
@@ -533,6 +623,9 @@ class MySQLBackend(SessionLockBackend[Session]):
         return bool(got == 1)
 
     def _release_gate(self, session: Session, attempt: Attempt[Session]) -> None:
+        if session.gate_left is attempt:  # the grant's round trip let it go, after the fence
+            session.gate_left = None
+            return
         session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{GATE}",))
 
     def _cancel(self, winner: Session, sessions: Sequence[Session]) -> None:
@@ -565,43 +658,42 @@ class MySQLBackend(SessionLockBackend[Session]):
         Checking after recording ourselves catches two users of different N who got in at
         the same moment: the later check of the two sees the other's record.
         """
-        fence = self._fence(session, attempt.request, attempt.key, slot)
-        lease = SessionLease(self, session, f"{attempt.key}:{slot}", slot, fence)
-        try:
-            self._refuse_mismatch(session, attempt)
-        except ConfigError:
-            with contextlib.suppress(pymysql.err.Error):  # a refusal leaves no row behind
-                session.one(_FORGET, (attempt.key, slot))
-            lease.release()
-            raise
-        return lease
-
-    def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
-        """Raise `ConfigError` if a live holder of the name uses another N (needs the tables)."""
-        if self.tables is False:
-            return
-        try:
-            other = session.row(_MISMATCH, (attempt.key, attempt.slots))
-        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
-            if err.args[0] in _NO_TABLES or err.args[0] == ER.NO_SUCH_TABLE:
-                return  # nobody recorded anything: _fence finds out and says so
-            raise
-        if other is not None:
+        fence, other = self._fence(session, attempt, slot)
+        lock = f"{attempt.key}:{slot}"
+        if other is not None:  # leave no row behind, and the slot free; the caller hangs up
+            with contextlib.suppress(pymysql.err.Error):
+                forget = ((_FORGET, (attempt.key, slot)), ("SELECT RELEASE_LOCK(%s)", (lock,)))
+                session.batch(forget, [])
             raise _mismatch(attempt.request, int(other[0]), str(other[1]))
+        return SessionLease(self, session, lock, slot, fence)
 
-    def _fence(self, session: Session, request: Request, key: str, slot: int) -> int | None:
-        """Record the holder and return a new fence; None where the tables are out of reach."""
+    def _fence(
+        self, session: Session, attempt: Attempt[Session], slot: int
+    ) -> tuple[int | None, Any]:
+        """Record the holder, draw a fence, check for another N: (fence, a live other's row).
+
+        One round trip and one commit (docs/design.md A7): the record and the fence in one
+        transaction, then the check, which sees every record committed before ours. The
+        holder of the gate lets it go in the same round trip, after the commit
+        (`_release_gate`). The fence is None where the tables are out of reach; the record
+        and the check are left out too.
+        """
         if self.tables is False:
-            return None
+            return None, None
+        request = attempt.request
+        record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
+        statements: list[tuple[str, object]] = [
+            ("START TRANSACTION", None),
+            (_RECORD, (attempt.key, slot, request.slots, request.namespace, request.name, record)),
+            (_NEXT_FENCE, (attempt.key,)),
+            ("COMMIT", None),
+        ]
+        gate = attempt.gate is session
+        if gate:
+            statements.append(("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{GATE}",)))
+        statements.append((_MISMATCH, (attempt.key, request.slots)))
         try:
-            try:
-                return self._record(session, request, key, slot)
-            except pymysql.err.ProgrammingError as err:
-                if err.args[0] != ER.NO_SUCH_TABLE:
-                    raise
-                for statement in _TABLES:
-                    session.one(statement)
-                return self._record(session, request, key, slot)
+            answers = self._draw(session, statements)
         except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
             if err.args[0] not in _NO_TABLES:
                 raise
@@ -610,13 +702,24 @@ class MySQLBackend(SessionLockBackend[Session]):
                 f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
                 f"{self.settings.where} ({_said(self.settings, err)}); LOCKRUN_FENCE stays unset"
             )
-            return None
-
-    def _record(self, session: Session, request: Request, key: str, slot: int) -> int:
-        record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
-        session.one(_RECORD, (key, slot, request.slots, request.namespace, request.name, record))
+            return None, None
         self.tables = True
-        return session.insert(_NEXT_FENCE, (key,))
+        if gate:
+            session.gate_left = attempt
+        checked = answers[-1].rows if len(answers) == len(statements) else ()
+        return answers[2].last_id, (checked[0] if checked else None)
+
+    @staticmethod
+    def _draw(session: Session, statements: Sequence[tuple[str, object]]) -> list[Answer]:
+        """Run the grant's *statements*; on first use, make the tables and run them again."""
+        try:
+            return _grant_answers(session, statements)
+        except pymysql.err.ProgrammingError as err:
+            if err.args[0] != ER.NO_SUCH_TABLE:
+                raise
+        for statement in _TABLES:
+            session.one(statement)
+        return _grant_answers(session, statements)
 
     # -- holding -------------------------------------------------------------------------
 
@@ -726,6 +829,31 @@ def _said(settings: Settings, err: pymysql.err.Error) -> str:
     return scrub(" ".join(text.split()), settings.secrets)
 
 
+def _grant_answers(session: Session, statements: Sequence[tuple[str, object]]) -> list[Answer]:
+    """Run the grant's *statements* in one round trip and return the answers.
+
+    All but the last (the check) if only the check may not read the records: as without
+    the tables, there is nothing to check. Any other error is raised after a rollback, so
+    that the session, which may serve more acquisitions, is never left in a transaction.
+    """
+    answers: list[Answer] = []
+    try:
+        session.batch(statements, answers)
+    except pymysql.err.Error as err:
+        if len(answers) == len(statements) - 1 and _tableless(err):
+            return answers
+        with contextlib.suppress(pymysql.err.Error):  # best effort: the session may be gone
+            session.one("ROLLBACK")
+        raise
+    return answers
+
+
+def _tableless(err: pymysql.err.Error) -> bool:
+    """Whether *err* says lockrun's tables are missing or out of reach."""
+    code = err.args[0] if err.args else None
+    return code in _NO_TABLES or code == ER.NO_SUCH_TABLE
+
+
 def _transient(err: BaseException | None) -> bool:
     """Whether *err* is a lost connection that a waiter may ride out (not a refusal)."""
     if isinstance(err, BackendUnavailable):
@@ -775,6 +903,11 @@ def _comment(request: Request, token: str) -> str:
 def _get_lock(lock: str, seconds: float, tag: str) -> str:
     # Only hex digits, a colon and "gate" ever reach the quotes.
     return f"SELECT GET_LOCK('{lock}', {seconds:.3f}) {tag}"
+
+
+def _slot(key: str, slot: int) -> str | None:
+    """Return the GET_LOCK name of *slot* of *key*; None for -1, no slot."""
+    return None if slot < 0 else f"{key}:{slot}"
 
 
 def _first_free(key: str, slots: int) -> str:

@@ -82,8 +82,8 @@ def describe(holder: Holder) -> str:
 class Lease:
     """A slot held through `Lock`: which one, its fence, and whether it is still ours.
 
-    A lease of a server is renewed in the background while held (docs/api.md "Leases");
-    `check` raises `LeaseLost` as soon as a renewal found it gone.
+    A lease of a server is renewed in the background while held; `check` raises
+    `LeaseLost` as soon as a renewal found it gone (docs/api.md).
     """
 
     def __init__(self, lease: backends.Lease, key: tuple[str, str, str]) -> None:

@@ -19,11 +19,12 @@ import textwrap
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
 
 import pytest
 
-from lockrun import ExitCode, Lock, LockBusy, UsageError
+from lockrun import ConfigError, ExitCode, Lock, LockBusy, UsageError
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
@@ -645,12 +646,26 @@ def what_holds(uri: str, name: str) -> object:
     return holders, server_locks(uri, "default", name)  # and no session's lock left behind
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("held_slots", "other_slots"),
-    [("3", ["1", "2"]), ("1", ["3", "2"])],
-    ids=["semaphore-then-fewer", "mutex-then-semaphore"],
-)
+def test_api_a_lock_refused_for_its_slots_acquires_once_they_agree(uri: str, name: str) -> None:
+    """A refused N (78) leaves the Lock's kept connection usable: it acquires once N is free.
+
+    Slot 0 free, slot 1 held with N = 3: the one-slot Lock's first try takes slot 0, whose
+    release kept the session that the refusal then hung up on; the next acquire used it.
+    """
+    first, second = Lock(name, uri=uri, slots=3), Lock(name, uri=uri, slots=3)
+    first.acquire()
+    second.acquire()
+    first.release()
+    one = Lock(name, uri=uri, wait=0.2)
+    with ThreadPoolExecutor(max_workers=1) as worker:  # its own thread: one connection
+        for _ in range(2):
+            with pytest.raises(ConfigError, match="in use with 3 slots"):
+                worker.submit(one.acquire).result()
+        second.release()
+        assert worker.submit(lambda: one.acquire().slot).result() == 0
+        worker.submit(one.release).result()
+
+
 def test_a_slots_mismatch_exits_78_naming_the_holder(
     uri: str, held: Callable[..., Held], name: str, held_slots: str, other_slots: list[str]
 ) -> None:

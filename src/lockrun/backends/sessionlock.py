@@ -173,6 +173,7 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         except BaseException as err:
             for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
+            self._forget(attempt.opened)  # a refused grant's release may have kept one
             ended = self._interrupted or not isinstance(err, (LockrunError, *self.errors))
             if ended or isinstance(err, Interrupted):
                 self._end(attempt.opened)
@@ -203,9 +204,23 @@ class SessionLockBackend(abc.ABC, Generic[S]):
                 if not self._kept:
                     return None
                 session, since = self._kept.pop()
-            if now() - since < self.ttl * _KEPT_FOR and self._revive(session, attempt):
+            if now() - since < self.ttl * _KEPT_FOR and self._usable(session, attempt):
                 return session
             session.abandon()
+
+    def _usable(self, session: S, attempt: Attempt[S]) -> bool:
+        """Whether a kept *session* can serve *attempt*: not closed here, not ended there."""
+        try:
+            return self._revive(session, attempt)
+        except Exception as err:
+            if isinstance(err, OSError | self.errors):  # closed on our side: no socket
+                return False
+            raise
+
+    def _forget(self, sessions: Sequence[S]) -> None:
+        """Stop keeping any of *sessions* (we hung up on them)."""
+        with self._kept_lock:
+            self._kept[:] = [kept for kept in self._kept if kept[0] not in sessions]
 
     def keep(self, session: S) -> None:
         """Keep *session*, which holds no lock now, for the next acquisition (or close it)."""

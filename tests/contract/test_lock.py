@@ -640,12 +640,6 @@ def test_api_check_reports_a_lost_lease_inside_the_block(
         lease.check()
 
 
-def what_holds(uri: str, name: str) -> object:
-    """Return what holds *name*: status's holders, and the server's own locks where asked."""
-    holders = [(entry["slot"], entry["pid"]) for entry in lock_state(uri, name)["holders"]]
-    return holders, server_locks(uri, "default", name)  # and no session's lock left behind
-
-
 def test_api_a_lock_refused_for_its_slots_acquires_once_they_agree(uri: str, name: str) -> None:
     """A refused N (78) leaves the Lock's kept connection usable: it acquires once N is free.
 
@@ -666,6 +660,18 @@ def test_api_a_lock_refused_for_its_slots_acquires_once_they_agree(uri: str, nam
         worker.submit(one.release).result()
 
 
+def what_holds(uri: str, name: str) -> object:
+    """Return what holds *name*: status's holders, and the server's own locks where asked."""
+    holders = [(entry["slot"], entry["pid"]) for entry in lock_state(uri, name)["holders"]]
+    return holders, server_locks(uri, "default", name)  # and no session's lock left behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("held_slots", "other_slots"),
+    [("3", ["1", "2"]), ("1", ["3", "2"])],
+    ids=["semaphore-then-fewer", "mutex-then-semaphore"],
+)
 def test_a_slots_mismatch_exits_78_naming_the_holder(
     uri: str, held: Callable[..., Held], name: str, held_slots: str, other_slots: list[str]
 ) -> None:

@@ -223,7 +223,7 @@ class FileBackend:
         self._fd: int | None = None
         self._identity = (0, 0)  # the directory's (st_dev, st_ino) while _fd is open
         self._writable = False  # _fd passed _check_writable
-        self._head: tuple[tuple[object, ...], str, str] | None = None  # see _record_line
+        self._head: tuple[tuple[object, ...], str, str] | None = None  # see _record_parts
 
     def _directory(self, *, make: bool = True) -> int:
         """Return the lock directory, opened (and, with *make*, made) on first use.
@@ -344,6 +344,7 @@ class FileBackend:
             if not try_flock(held.fd):  # held: by someone with the same --slots, we hope
                 identity = held.identity
                 self._agree(base, request, identity, os.pread(held.fd, MAX_RECORD + 1, 0))
+                self._record_parts(request)  # now, not after the wait
                 if not wait_flock(held.fd, deadline):
                     os.close(held.fd)
                     return None
@@ -480,10 +481,15 @@ class FileBackend:
             os.close(fd)
 
     def _record_line(self, request: Request, slot: int) -> str:
-        """Return the holder record of *request* in *slot*: one line of JSON.
+        """Return the holder record of *request* in *slot*: one line of JSON."""
+        head, tail = self._record_parts(request)
+        return f'{head}, "since": {time.time()!r}, "slot": {slot}{tail}'
 
-        What stays the same from one grant to the next is encoded once per backend: only
-        the time and the slot are written in each time.
+    def _record_parts(self, request: Request) -> tuple[str, str]:
+        """Return the JSON of *request*'s holder record around its time and slot.
+
+        Encoded once per backend while the request stays the same, and before a wait, so
+        that a hand-over only fills in the time and the slot.
         """
         holder = request.holder
         fixed = (request.namespace, request.name, request.slots, holder._replace(since=None))
@@ -494,8 +500,7 @@ class FileBackend:
             # holds the record to json.dumps's).
             head, _, tail = json.dumps(record).rpartition(_SINCE_AND_SLOT)
             self._head = (fixed, head, tail)
-        _, head, tail = self._head
-        return f'{head}, "since": {time.time()!r}, "slot": {slot}{tail}'
+        return self._head[1:]
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders (from the slot files) and waiters (from /proc/locks).

@@ -444,8 +444,11 @@ def _abstract_names(base: str | None = None) -> Iterator[tuple[str, str]]:
     It lists every UNIX socket of the namespace, often thousands: only the lines that name
     one of ours are split, found by a regular expression over the whole table at once.
     """
-    with open("/proc/net/unix", "rb") as table:
-        text = table.read()
+    table = os.open("/proc/net/unix", os.O_RDONLY | os.O_CLOEXEC)  # open() adds 4 syscalls
+    try:
+        text = b"".join(iter(lambda: os.read(table, 1 << 16), b""))
+    finally:
+        os.close(table)
     ours = re.escape(f"@{base}/" if base is not None else "@lockrun/").encode()
     for line in re.finditer(rb"^[^\n]*" + ours + rb"[^\n]*$", text, re.MULTILINE):
         fields = line[0].decode(errors="replace").split()

@@ -342,8 +342,7 @@ class FileBackend:
             # Slot files beyond the first are a semaphore's: one in use would be a mismatch.
             semaphore = self._check_agreement(base, request, first=1)
             if not try_flock(held.fd):  # held: by someone with the same --slots, we hope
-                identity = held.identity
-                self._agree(base, request, identity, os.pread(held.fd, MAX_RECORD + 1, 0))
+                self._agree(base, request, held.identity, os.pread(held.fd, MAX_RECORD + 1, 0))
                 self._record_parts(request)  # now, not after the wait
                 if not wait_flock(held.fd, deadline):
                     os.close(held.fd)

@@ -1,4 +1,4 @@
-"""The abstract: backend: a name bound but not listening, and Linux only."""
+"""The abstract: backend: a name bound but not listening, Linux only, the socket table."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def test_abstract_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(ConfigError, match="needs Linux abstract UNIX sockets; this is darwin"):
         abstract_backend.connect(parse_uri("abstract:"))
+
+
+def test_the_socket_table_is_read_for_one_lock_only(name: str) -> None:
+    """Names of a lock are found among the others; a name it is a prefix of is not one."""
+    base = f"lockrun/edge/default/{name}"
+    ours, sibling = (socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(2))
+    with ours, sibling:
+        ours.bind(f"\0{base}/w/1/1")
+        sibling.bind(f"\0{base}x/w/1/1")
+        found = [path for path, _ in abstract_backend._abstract_names(base)]
+        assert found == [f"{base}/w/1/1"]
+        everything = [path for path, _ in abstract_backend._abstract_names()]
+        assert {f"{base}/w/1/1", f"{base}x/w/1/1"} <= set(everything)

@@ -6,6 +6,10 @@ unlink-on-release lets two processes lock two inodes of one path (portalocker #1
 tox-dev/filelock #27). A semaphore queues its waiters on ``<name>.gate``, which the kernel
 grants in arrival order; only the gate's holder sweeps the slot files ``<name>~<i>.lock``
 and sleeps until a slot holder's abstract socket hangs up (docs/design.md A2).
+
+A slot file's first line is the fence counter, which stays when the holder leaves; a
+holder's JSON record follows it while the slot is held. So a grant reads and writes only
+the file it locked: one ``pread`` and one ``pwrite`` (docs/design.md A1).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up soc
 # O_NONBLOCK: opening a FIFO planted as a lock file must not hang (its reader never comes);
 # O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
 _OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_SINCE_AND_SLOT: Final = ', "since": null, "slot": null'  # what _record_line fills in
 
 
 def connect(
@@ -152,17 +157,14 @@ class FileLease:
     ttl: float | None = None  # the slot lives as long as some process has the fd
     sessions: tuple[int, ...] = ()
 
-    def __init__(
-        self, slot: int, fence: int, path: str, fd: int, dir_fd: int, wake: socket.socket | None
-    ) -> None:
-        """Wrap the locked *fd* of slot *slot* (whose file is *path* in *dir_fd*)."""
-        self.slot, self.fence, self.path = slot, fence, path
+    def __init__(self, slot: int, fence: int, held: _Held, wake: socket.socket | None) -> None:
+        """Wrap the slot file *held*, locked, as slot *slot* with *fence*."""
+        self.slot, self.fence, self.path = slot, fence, held.path
         self.confirmed = now()  # no lease: for the record only
-        self._fd: int | None = fd
-        self._dir_fd = dir_fd
+        self._fd: int | None = held.fd
+        self._identity = held.identity
+        self._counter = held.counter  # the bytes that stay: the counter line
         self._wake = wake
-        info = os.fstat(fd)
-        self._identity = (info.st_dev, info.st_ino)
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -171,26 +173,40 @@ class FileLease:
         return fds + (() if self._wake is None else (self._wake.fileno(),))
 
     def refresh(self) -> None:
-        """Raise `LeaseLost` if the lock file was deleted or replaced under us."""
-        name = os.path.basename(self.path)
+        """Raise `LeaseLost` if the lock file's path no longer names the file we locked.
+
+        By path, not in the directory we opened: a directory deleted or replaced (a tmpfs
+        cleaned up, a renamed release) sends every newcomer to another file, too.
+        """
         try:
-            info = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
+            info = os.stat(self.path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
             info = None
+        except OSError as err:
+            raise failure(f"lock file {self.path}", err) from err
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
 
     def release(self) -> None:
-        """Clear the holder record and unlock; the file itself stays."""
+        """Clear the holder record and unlock; the file and its fence counter stay."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
+                os.ftruncate(self._fd, self._counter)
             os.close(self._fd)  # unlocks unless a command still holds a duplicate
             self._fd = None
         if self._wake is not None:  # after the unlock, so the head finds the slot free
             self._wake.close()
             self._wake = None
+
+
+class _Held(NamedTuple):
+    """A slot file of ours, opened: what a lease keeps of it once it is locked."""
+
+    path: str
+    fd: int
+    identity: tuple[int, int]  # (st_dev, st_ino)
+    counter: int = 0  # the length of its counter line, once the grant has written it
 
 
 class FileBackend:
@@ -205,19 +221,41 @@ class FileBackend:
         self.private = private
         self.make_below = make_below
         self._fd: int | None = None
+        self._identity = (0, 0)  # the directory's (st_dev, st_ino) while _fd is open
+        self._writable = False  # _fd passed _check_writable
+        self._head: tuple[tuple[object, ...], str, str] | None = None  # see _record_parts
+
+    def _directory(self, *, make: bool = True) -> int:
+        """Return the lock directory, opened (and, with *make*, made) on first use.
+
+        A backend serves many acquisitions, so each looks whether the path still names
+        the directory held open: one deleted (a tmpfs cleaned up) or replaced since then
+        would have us lock files that nobody else opens. Then it is opened again.
+        """
+        if self._fd is not None and not self._still_named():
+            self.close()
+        if self._fd is None:
+            below = self.make_below if make else None
+            fd = open_directory(self.directory, make_below=below, private=self.private)
+            info = os.fstat(fd)
+            self._fd, self._identity, self._writable = fd, (info.st_dev, info.st_ino), False
+        if make and not self._writable:
+            self._check_writable(self._fd)
+            self._writable = True
+        return self._fd
 
     @property
-    def _dir_fd(self) -> int:
-        """The lock directory, opened (and made) on first use."""
-        if self._fd is None:
-            fd = open_directory(self.directory, make_below=self.make_below, private=self.private)
-            try:
-                self._check_writable(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
-        return self._fd
+    def _dir(self) -> int:
+        """The lock directory as `_directory` last found it, at the start of this call."""
+        return self._directory() if self._fd is None else self._fd
+
+    def _still_named(self) -> bool:
+        """Whether the directory's path still leads to the directory we hold open."""
+        try:
+            info = os.stat(self.directory, follow_symlinks=False)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._identity
 
     def _check_writable(self, fd: int) -> None:
         """Refuse, with a clear line, a directory we could lock nothing in."""
@@ -232,14 +270,25 @@ class FileBackend:
         msg = f"lock directory {self.directory} is not writable"
         raise ConfigError(msg)
 
-    def _open(self, filename: str) -> int:
+    def _open(self, filename: str) -> _Held:
         """Open (or make) a lock file of ours: a regular file with one name, nothing else."""
-        mode = 0o600 if self.private else 0o666
-        directory = self._dir_fd  # its own errors are said already
+        flags, mode = os.O_RDWR | os.O_CREAT | _OPEN, 0o600 if self.private else 0o666
         try:
-            fd = os.open(filename, os.O_RDWR | os.O_CREAT | _OPEN, mode, dir_fd=directory)
+            try:
+                fd = os.open(filename, flags, mode, dir_fd=self._dir)
+            except FileNotFoundError:
+                # O_CREAT of a plain name fails so only in a directory deleted since
+                # _directory looked: open (or make) it again, once.
+                self.close()
+                fd = os.open(filename, flags, mode, dir_fd=self._dir)
         except OSError as err:
             raise failure(f"lock file {self._path(filename)}", err) from err
+        with _closed_on_error(fd):
+            info = self._check(fd, filename)
+        return _Held(self._path(filename), fd, (info.st_dev, info.st_ino))
+
+    def _check(self, fd: int, filename: str) -> os.stat_result:
+        """Raise `ConfigError` unless the opened *fd* is a regular file with one name."""
         info = os.fstat(fd)
         problem = None
         if not stat.S_ISREG(info.st_mode):
@@ -247,34 +296,29 @@ class FileBackend:
         elif info.st_nlink != 1:  # a hard link to a file elsewhere: never write to it
             problem = f"has {info.st_nlink} names (hard links); lockrun writes only to its own"
         if problem is not None:
-            os.close(fd)
             msg = f"lock file {self._path(filename)} {problem}; remove it"
             raise ConfigError(msg)
-        return fd
+        return info
 
     def _path(self, filename: str) -> str:
         return os.path.join(self.directory, filename)
 
     def _wake_names(self, base: str, slots: int) -> list[str]:
         """Name each slot's wake-up socket: this directory's inode and the lock's base."""
-        info = os.fstat(self._dir_fd)
-        digest = _sha256(f"{info.st_dev}:{info.st_ino}/{base}")
+        device, inode = self._identity
+        digest = _sha256(f"{device}:{inode}/{base}")
         return [f"lockrun-file/{digest[:40]}/{slot}" for slot in range(slots)]
 
     def acquire(self, request: Request, deadline: float | None) -> FileLease | None:
         """Take one slot of *request*, queueing FIFO in the kernel until *deadline*."""
         base = _base(request.namespace, request.name)
-        self._check_agreement(base, request)
+        self._directory()  # opened, or checked to be still the one its path names
         if request.slots == 1:
-            fd = self._open(_slot_file(base, 0))
-            with _closed_on_error(fd):
-                if not wait_flock(fd, deadline):
-                    os.close(fd)
-                    return None
-                return self._grant(base, request, 0, fd, None)
+            return self._acquire_lock(base, request, deadline)
         from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
 
-        gate = self._open(f"{base}.gate")
+        self._check_agreement(base, request)
+        gate = self._open(f"{base}.gate").fd
         try:
             # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
             gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
@@ -283,44 +327,70 @@ class FileBackend:
             taken = self._take_slot(base, request.slots, deadline)
             if taken is None:
                 return None
-            slot, fd, wake = taken
-            with _closed_on_error(fd):
-                return self._grant(base, request, slot, fd, wake)
+            slot, held, wake = taken
+            with _closed_on_error(held.fd):
+                return self._grant(base, request, slot, held, wake)
         finally:
             os.close(gate)  # the next waiter in the kernel's queue becomes the head
 
-    def _check_agreement(self, base: str, request: Request) -> None:
-        """Raise `ConfigError` (78) if a live holder of this name uses another --slots."""
-        locks = None
-        for slot in range(MAX_SLOTS):
+    def _acquire_lock(
+        self, base: str, request: Request, deadline: float | None
+    ) -> FileLease | None:
+        """Take the one slot of a lock: flock(2) on NAME.lock (docs/design.md A1)."""
+        held = self._open(_slot_file(base, 0))
+        with _closed_on_error(held.fd):
+            # Slot files beyond the first are a semaphore's: one in use would be a mismatch.
+            semaphore = self._check_agreement(base, request, first=1)
+            if not try_flock(held.fd):  # held: by someone with the same --slots, we hope
+                self._agree(base, request, held.identity, os.pread(held.fd, MAX_RECORD + 1, 0))
+                self._record_parts(request)  # now, not after the wait
+                if not wait_flock(held.fd, deadline):
+                    os.close(held.fd)
+                    return None
+            return self._grant(base, request, 0, held, None, semaphore=semaphore)
+
+    def _check_agreement(self, base: str, request: Request, first: int = 0) -> bool:
+        """Raise `ConfigError` (78) if a live holder of this name uses another --slots.
+
+        Looks at the slot files from *first* up to the first missing one; says whether
+        there was any.
+        """
+        for slot in range(first, MAX_SLOTS):
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
-                return
-            record = _record(content, base)
-            if record is None or record.slots == request.slots:
-                continue
-            locks = _proc_locks() if locks is None else locks  # only when a record disagrees
-            if locks.get(identity, _Locks([], [])).holding:
-                raise slots_mismatch(request, record.slots, record.holder)
+                return slot > first
+            self._agree(base, request, identity, content)
+        return True
+
+    def _agree(
+        self, base: str, request: Request, identity: tuple[int, int], content: bytes
+    ) -> None:
+        """Raise `ConfigError` if *content* is a live holder's record with another --slots."""
+        record = _record(content, base)
+        if record is None or record.slots == request.slots:
+            return
+        locks = _proc_locks()  # only when a record disagrees: is its writer still there?
+        if locks.get(identity, _Locks([], [])).holding:
+            raise slots_mismatch(request, record.slots, record.holder)
 
     def _take_slot(
         self, base: str, slots: int, deadline: float | None
-    ) -> tuple[int, int, socket.socket | None] | None:
+    ) -> tuple[int, _Held, socket.socket | None] | None:
         """As the head of the queue, lock the first free slot file, sleeping between sweeps."""
         from lockrun.backends import abstract  # noqa: PLC0415 - semaphores only
 
-        fds: list[int] = []
+        files: list[_Held] = []
         winner = None
         pause = abstract.TRANSITION
         try:
             # One at a time: those opened before a failure are closed below.
-            fds.extend(self._open(_slot_file(base, slot)) for slot in range(slots))
+            files.extend(self._open(_slot_file(base, slot)) for slot in range(slots))
             wake_names = self._wake_names(base, slots)
             while True:
-                for slot, fd in enumerate(fds):
-                    if try_flock(fd):
+                for slot, held in enumerate(files):
+                    if try_flock(held.fd):
                         winner = slot
-                        return slot, fd, abstract.bind_listener(wake_names[slot])
+                        return slot, held, abstract.bind_listener(wake_names[slot])
                 wait = abstract.remaining(deadline)
                 if wait == 0:
                     return None
@@ -336,46 +406,119 @@ class FileBackend:
                     for conn in live:
                         conn.close()
         finally:
-            for slot, fd in enumerate(fds):
+            for slot, held in enumerate(files):
                 if slot != winner:
-                    os.close(fd)
+                    os.close(held.fd)
 
     def _grant(
-        self, base: str, request: Request, slot: int, fd: int, wake: socket.socket | None
+        self,
+        base: str,
+        request: Request,
+        slot: int,
+        held: _Held,
+        wake: socket.socket | None,
+        *,
+        semaphore: bool = False,
     ) -> FileLease:
-        """Record the holder in the slot file and bump the fence; the caller holds the lock."""
-        fence_fd = self._open(f"{base}.fence")
-        holder = request.holder._replace(slot=slot, since=time.time())
-        record = {"name": request.name, "namespace": request.namespace, "slots": request.slots}
+        """Draw the fence and write it and the holder into the slot file; we hold its lock.
+
+        The fence counter is the first line of NAME.lock, where a lock keeps it. A
+        semaphore's head draws under the gate, from NAME.fence and that line, and keeps
+        it in NAME.fence; so a lock reads NAME.fence too when a semaphore has used its
+        name (*semaphore*: slot files beside NAME.lock), or when NAME.lock has no counter
+        line (a new file, or one an older lockrun or a flock(1) user wrote).
+        """
         try:
-            fence = next_fence(os.pread(fence_fd, 32, 0))
-            _overwrite(fence_fd, f"{fence}\n".encode())
-            _overwrite(fd, (json.dumps(record | holder.to_dict()) + "\n").encode())
+            content = os.pread(held.fd, MAX_RECORD + 1, 0)
+            counter = _split(content)[0]
+            if request.slots > 1:
+                fence = self._semaphore_fence(base, counter if slot == 0 else None)
+            else:
+                fence = next_fence(counter)
+                if semaphore or not counter:
+                    fence = max(fence, next_fence(self._read(f"{base}.fence")))
+            line = f"{fence}\n"
+            data = f"{line}{self._record_line(request, slot)}\n".encode()
+            os.pwrite(held.fd, data, 0)
+            if len(data) < len(content):  # a longer record was there: cut what is left of it
+                os.ftruncate(held.fd, len(data))
         except OSError as err:  # ENOSPC, EIO: we could not record the fence
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
+        return FileLease(slot, fence, held._replace(counter=len(line)), wake)
+
+    def _semaphore_fence(self, base: str, counter: bytes | None) -> int:
+        """Draw a semaphore's fence (as its head) and keep it in NAME.fence.
+
+        Above NAME.fence and NAME.lock's counter line, whose *counter* the caller has
+        read if it holds that file.
+        """
+        if counter is None:
+            counter = _split(self._peek(_slot_file(base, 0))[1])[0]
+        fence_fd = self._open(f"{base}.fence").fd
+        try:
+            fence = max(next_fence(os.pread(fence_fd, 32, 0)), next_fence(counter))
+            _overwrite(fence_fd, f"{fence}\n".encode())
         finally:
             os.close(fence_fd)
-        return FileLease(slot, fence, self._path(_slot_file(base, slot)), fd, self._dir_fd, wake)
+        return fence
+
+    def _read(self, filename: str) -> bytes:
+        """Return the start of a lock file of ours that may be missing (then b"").
+
+        Refuses (78) what `_open` refuses: a planted symlink, FIFO, device or hard link.
+        """
+        try:
+            fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)
+        except FileNotFoundError:
+            return b""
+        except OSError as err:
+            raise failure(f"lock file {self._path(filename)}", err) from err
+        try:
+            self._check(fd, filename)
+            return os.pread(fd, 32, 0)
+        finally:
+            os.close(fd)
+
+    def _record_line(self, request: Request, slot: int) -> str:
+        """Return the holder record of *request* in *slot*: one line of JSON."""
+        head, tail = self._record_parts(request)
+        return f'{head}, "since": {time.time()!r}, "slot": {slot}{tail}'
+
+    def _record_parts(self, request: Request) -> tuple[str, str]:
+        """Return the JSON of *request*'s holder record around its time and slot.
+
+        Encoded once per backend while the request stays the same, and before a wait, so
+        that a hand-over only fills in the time and the slot.
+        """
+        holder = request.holder
+        fixed = (request.namespace, request.name, request.slots, holder._replace(since=None))
+        if self._head is None or self._head[0] != fixed:
+            record: dict[str, object] = {"name": request.name, "namespace": request.namespace}
+            record |= {"slots": request.slots} | holder._replace(since=None).to_dict()
+            # Holder's fields end with since, slot, expires (tests/backends/test_file.py
+            # holds the record to json.dumps's).
+            head, _, tail = json.dumps(record).rpartition(_SINCE_AND_SLOT)
+            self._head = (fixed, head, tail)
+        return self._head[1:]
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders (from the slot files) and waiters (from /proc/locks).
 
         Makes nothing: a directory that does not exist holds no locks.
         """
-        if self._fd is None:
-            try:
-                self._fd = open_directory(self.directory, private=self.private)
-            except ConfigError as err:
-                if not isinstance(err.__cause__, FileNotFoundError):
-                    raise
-                if name is None:
-                    return []
-                return [LockState(namespace, name, self._path(f"{_base(namespace, name)}.lock"))]
+        try:
+            directory = self._directory(make=False)
+        except ConfigError as err:
+            if not isinstance(err.__cause__, FileNotFoundError):
+                raise
+            if name is None:
+                return []
+            return [LockState(namespace, name, self._path(f"{_base(namespace, name)}.lock"))]
         if name is not None:
             bases = {_base(namespace, name)}
         else:
             bases = set()
-            for entry in os.listdir(self._fd):
+            for entry in os.listdir(directory):
                 match = re.fullmatch(_LOCK_FILE, entry)
                 if match is not None and _namespace_of(match["base"]) == namespace:
                     bases.add(match["base"])
@@ -414,9 +557,9 @@ class FileBackend:
         )
 
     def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
-        """Return the identity and the record of a lock file, if it is a regular file."""
+        """Return the identity and the content of a lock file, if it is a regular file."""
         try:
-            fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir_fd)
+            fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)
         except OSError:
             return None, b""
         try:
@@ -447,6 +590,14 @@ def _closed_on_error(fd: int) -> Iterator[None]:
         raise
 
 
+def _split(content: bytes) -> tuple[bytes, bytes]:
+    """Split a slot file into its fence counter line (b"" if none) and its holder record."""
+    first, newline, rest = content.partition(b"\n")
+    if newline and first.isdigit():
+        return first, rest
+    return b"", content  # written by an older lockrun, or by someone else
+
+
 def _overwrite(fd: int, data: bytes) -> None:
     os.pwrite(fd, data, 0)
     os.ftruncate(fd, len(data))
@@ -464,7 +615,7 @@ def _record(content: bytes, base: str) -> _Record | None:
     A flock(1) user's pid, or whatever another user of a shared directory wrote: a record
     counts only if it is well formed and names the lock whose file it is in.
     """
-    data = read_json(content)
+    data = read_json(_split(content)[1])
     if not isinstance(data, dict):
         return None
     name, namespace, slots = data.get("name"), data.get("namespace"), data.get("slots")

@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
 
 from lockrun.backends import (
@@ -176,6 +177,7 @@ class Lock:
         self.wait = check_wait(wait)
         self.ttl = check_ttl(ttl)
         self._local = threading.local()  # per thread: its backend and what it holds
+        self._me = Holder.me(sys.argv)  # this process, as holder records name it
 
     def acquire(self) -> Lease:
         """Take a slot, waiting as configured; raise `LockBusy` if none came free.
@@ -192,7 +194,7 @@ class Lock:
             msg = f"{self.name}: this thread holds it already, through another Lock"
             raise UsageError(f"{msg}: it would wait for itself")
         backend = self._backend()
-        request = Request(self.namespace, self.name, self.slots, self.ttl, Holder.me(sys.argv))
+        request = Request(self.namespace, self.name, self.slots, self.ttl, self._holder())
         held = Lease(acquire(backend, request, self.wait), key)
         try:
             start_renewals(held)
@@ -222,6 +224,12 @@ class Lock:
         if backend is not None:
             self._local.backend = None
             backend.close()
+
+    def _holder(self) -> Holder:
+        """Describe this process as the holder, from now (after a fork: the child)."""
+        if self._me.pid != os.getpid():
+            self._me = Holder.me(sys.argv)
+        return self._me._replace(since=time.time())
 
     def _backend(self) -> Backend:
         """Return the calling thread's backend, opened on its first use in this process."""

@@ -15,7 +15,7 @@ from urllib.parse import unquote
 import pytest
 
 from lockrun import ConfigError, ExitCode, Lock
-from lockrun.backends import parse_uri, timeout_for
+from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
 from lockrun.backends.redis import key_prefix, parse
 from lockrun.errors import LeaseLost
 from tests.support.cli import lockrun, one_line, wait_for
@@ -423,3 +423,48 @@ def test_api_reports_a_lease_it_could_not_confirm(redis_server: RedisServer, nam
     time.sleep(2.5)  # renewals fail for more than a ttl
     with pytest.raises(LeaseLost, match="could not be confirmed"):
         lock.release()
+
+
+# -- F. a kept backend: what an acquisition costs, and what a reconnect redoes --------------------
+
+
+def _calls(server: RedisServer) -> dict[str, int]:
+    """Return how often each command ran on *server* since its last CONFIG RESETSTAT."""
+    calls = {}
+    for line in server.command("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            command, _, stats = line.removeprefix("cmdstat_").partition(":")
+            fields = dict(field.split("=", 1) for field in stats.split(","))
+            calls[command] = int(fields["calls"])
+    for ours in ("config|resetstat", "info"):  # the test's own
+        calls.pop(ours, None)
+    return calls
+
+
+def test_an_uncontended_lock_costs_one_small_script_each_way(
+    redis_server: RedisServer, name: str
+) -> None:
+    """A kept backend, a free lock: EVALSHA to take it and to leave it, a few calls inside each.
+
+    Nothing else per acquisition: the eviction check, the CLIENT ID and the scripts are the
+    backend's (or its connection's) to learn once.
+    """
+    backend = open_backend(parse_uri(redis_server.uri), ttl=30)
+    request = Request("default", name, 1, 30.0, Holder.me(["x"]))
+    cycles = 10
+    try:
+        for deadline in (0, None):  # one try, then a wait (which names its connection)
+            backend.acquire(request, deadline).release()  # type: ignore[union-attr]
+        redis_server.command("CONFIG", "RESETSTAT")
+        for _ in range(cycles):
+            for deadline in (0, None):
+                lease = backend.acquire(request, deadline)
+                assert lease is not None
+                lease.release()
+        calls = _calls(redis_server)
+    finally:
+        backend.close()
+    scripts = calls.pop("evalsha")
+    assert scripts == 2 * 2 * cycles, calls
+    assert not [command for command in calls if command.startswith(("client", "config", "script"))]
+    assert sum(calls.values()) <= 12 * scripts, calls  # the general path makes about 28

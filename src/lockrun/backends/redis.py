@@ -73,6 +73,9 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 # ARGV: key prefix, token, N, lease ms, holder JSON, mode, our connection's CLIENT ID
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
 # is stored, because Lua's own tostring() would round a 16-digit integer (docs/design.md P27).
+# Every redis.call costs the server about half a microsecond: the common cases (a free lock
+# taken, the only holder leaving with nobody waiting) come first in each script and make only
+# the calls their outcome needs; everything else takes the general path below them.
 
 _PRELUDE: Final = (
     f"local MAX_SLOTS = {MAX_SLOTS}\n"
@@ -82,7 +85,31 @@ local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local MAX_FENCE = 9007199254740992  -- 2^53: Lua's doubles are exact below, and no further
+local DAY = 86400000  -- ms; the fence outlives the lock's other keys by this much
 
+-- How long the lock's keys live when its last lease or place runs out at *last*: a minute
+-- more (last may be +inf, written by another client: then two days).
+local function lifetime(last)
+  return math.min(math.floor(last - now), 2 * DAY) + 60000
+end
+
+-- The next fence: one more than the last, raised to the server's clock in µs when lower
+-- (Redis lost the counter) or when it is no counter lockrun wrote.
+local function next_fence()
+  local counted = redis.pcall('INCR', fence)  -- fails on a counter that is no integer
+  local stamp = type(counted) == 'number' and counted or MAX_FENCE
+  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  if stamp < micros or stamp >= MAX_FENCE then
+    stamp = micros
+    redis.call('SET', fence, string.format('%d', stamp))
+  end
+  return stamp
+end
+"""
+)
+
+# The general path: what every script but the fast paths shares.
+_MACHINERY: Final = """
 -- Another client of this server may have written any key: read numbers defensively.
 local function configured_n()
   local value = tonumber(redis.call('GET', cfg) or '')
@@ -113,13 +140,7 @@ local function grant(who, expiry)
   end
   local slot = 0
   while used[slot] do slot = slot + 1 end
-  local counted = redis.pcall('INCR', fence)  -- fails on a counter that is no integer
-  local stamp = type(counted) == 'number' and counted or MAX_FENCE
-  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  if stamp < micros or stamp >= MAX_FENCE then  -- lost, or one lockrun never wrote
-    stamp = micros
-    redis.call('SET', fence, string.format('%d', stamp))
-  end
+  local stamp = next_fence()
   local record, client = redis.call('HGET', info, who), redis.call('HGET', clients, who)
   forget({who})
   redis.call('ZADD', holders, expiry, who)
@@ -157,14 +178,14 @@ local function tidy()
   end
   if last == 0 then
     redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg, clients)
-    redis.call('PEXPIRE', fence, 86400000)
+    redis.call('PEXPIRE', fence, DAY)
     return
   end
-  local keep = math.min(math.floor(last - now), 2 * 86400000) + 60000  -- last may be +inf
+  local keep = lifetime(last)
   for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg, clients}) do
     redis.call('PEXPIRE', key, keep)
   end
-  redis.call('PEXPIRE', fence, math.max(keep, 86400000))
+  redis.call('PEXPIRE', fence, math.max(keep, DAY))
 end
 
 -- The next place in the queue; after the last one there, if the counter is not one of ours.
@@ -186,13 +207,29 @@ local function hand_on(tokens)
   return woken
 end
 """
-)
 
 # → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
 # queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
 # have another N. Then the {token, CLIENT ID} pairs of other waiters it woke.
 _ACQUIRE: Final = (
     _PRELUDE
+    + """
+-- A free lock: nobody holds or waits, so its keys are gone (tidy() deletes them with the
+-- last user, or they expire together). No lease can have lapsed, no waiter is owed a slot
+-- and no other N is in use: slot 0 is ours, recorded as grant() and tidy() would.
+if redis.call('EXISTS', holders, queue) == 0 then
+  local stamp, keep = next_fence(), lifetime(now + ttl)
+  redis.call('DEL', waiters, ticket, owners, info, clients)  -- another client's leftovers
+  redis.call('ZADD', holders, now + ttl, token)
+  redis.call('HSET', owners, token, string.format('0 %d %d', stamp, now))
+  redis.call('HSET', info, token, ARGV[5])
+  redis.call('SET', cfg, n, 'PX', keep)
+  for _, key in ipairs({holders, owners, info}) do redis.call('PEXPIRE', key, keep) end
+  redis.call('PEXPIRE', fence, math.max(keep, DAY))
+  return {1, 0, stamp}
+end
+"""
+    + _MACHINERY
     + """
 reap()
 local configured = configured_n() or n
@@ -250,6 +287,7 @@ return reply(0, rank, math.max(0, until_free))
 # → 1 extended, 0 lost. An expired lease is lost even before anyone reaped it.
 _RENEW: Final = (
     _PRELUDE
+    + _MACHINERY
     + """
 local expiry = redis.call('ZSCORE', holders, token)
 if not expiry or tonumber(expiry) <= now then return 0 end
@@ -264,6 +302,18 @@ return 1
 _RELEASE: Final = (
     _PRELUDE
     + """
+-- The only holder leaves and nobody waits: nobody is owed the slot, whether or not our
+-- lease ran out. The keys go, as tidy() deletes them after the last user.
+if redis.call('EXISTS', queue) == 0 and redis.call('ZCARD', holders) == 1
+    and redis.call('ZSCORE', holders, token) then
+  redis.call('DEL', holders, waiters, ticket, owners, info, cfg, clients,
+             prefix .. ':wake:' .. token)
+  redis.call('PEXPIRE', fence, DAY)
+  return {}
+end
+"""
+    + _MACHINERY
+    + """
 return hand_on({token})
 """
 )
@@ -273,6 +323,7 @@ return hand_on({token})
 # connection) since, and grants to who is next. → the pairs it woke.
 _DROP: Final = (
     _PRELUDE
+    + _MACHINERY
     + """
 local dead = {}
 for i = 5, #ARGV, 2 do

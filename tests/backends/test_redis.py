@@ -226,6 +226,28 @@ def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Watched, n
     assert sentinel.master.command("-n", "3", "GET", key) == str(fence)
 
 
+def test_a_kept_sentinel_backend_carries_on_after_the_primary_restarts(
+    sentinel: Watched, name: str
+) -> None:
+    """Its own connection to the primary closed by a restart: the next acquisition reconnects."""
+    backend = open_backend(parse_uri(f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster"), ttl=3)
+    request = Request("default", name, 1, 3.0, Holder.me(["x"]))
+    fences: list[int] = []
+    try:
+        for deadline in (0, None, 0):
+            if fences:
+                sentinel.master.stop()
+                sentinel.master.start()
+            lease = backend.acquire(request, deadline)
+            assert lease is not None
+            assert lease.fence is not None
+            fences.append(lease.fence)
+            lease.release()
+    finally:
+        backend.close()
+    assert fences == sorted(set(fences)), fences
+
+
 def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str) -> None:
     """A service the sentinels do not monitor is unavailable (69), one line naming it."""
     uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/nosuch"

@@ -635,10 +635,20 @@ class _SentinelView(NamedTuple):
 
 
 def _aim(connection: Any, address: tuple[str, int]) -> None:  # noqa: ANN401 - redis-py's
-    """Point a Sentinel-managed *connection* at *address*, if it is connected elsewhere."""
-    if (connection.host, int(connection.port or 0)) != address:
-        connection.disconnect()
-        connection.connect_to(address)
+    """Connect a Sentinel-managed *connection* to *address*, unless it is there and idle.
+
+    Left to itself, redis-py would connect a dropped connection to the primary *it* found,
+    not to the one most sentinels name; and a kept connection that the server closed since
+    its last use (a restart) would fail the next call.
+    """
+    if connection.is_connected and (connection.host, int(connection.port or 0)) == address:
+        try:
+            if not connection.can_read():  # nothing pending, not even the end of the stream
+                return
+        except (errors.RedisError, OSError):
+            pass
+    connection.disconnect()
+    connection.connect_to(address)
 
 
 def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element

@@ -12,6 +12,7 @@ waiter blocks nobody beyond its lease and nothing stays behind after the last us
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import secrets
@@ -44,7 +45,6 @@ from lockrun.uri import Secrets, option_name, scrub, secrets_of
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from redis.commands.core import Script
     from redis.typing import EncodableT
 
     from lockrun.uri import LockURI
@@ -346,6 +346,65 @@ return {now, redis.call('GET', cfg) or '',
         redis.call('ZRANGE', waiters, 0, -1, 'WITHSCORES')}
 """
 )
+
+_SCRIPTS: Final = {
+    "acquire": _ACQUIRE,
+    "renew": _RENEW,
+    "release": _RELEASE,
+    "drop": _DROP,
+    "status": _STATUS,
+}
+# EVALSHA names a script by the SHA-1 of its text; SCRIPT LOAD where the server lacks it.
+_SHA1: Final = {
+    name: hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+    for name, text in _SCRIPTS.items()
+}
+
+
+def _command(*words: str | int) -> bytes:
+    """Return one command in Redis's protocol (RESP).
+
+    Packed here: redis-py's packer and command machinery cost more than the round trip
+    for a script's 18 arguments.
+    """
+    packed = [b"*%d\r\n" % len(words)]
+    for word in words:
+        data = str(word).encode()
+        packed.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(packed)
+
+
+def _run(
+    connection: Any,  # noqa: ANN401 - redis-py's Connection
+    script: str,
+    keys: list[str],
+    argv: list[Any],
+    *after: tuple[str, ...],
+) -> list[Any]:
+    """Run *script* on *connection*, then the commands *after*, in one round trip.
+
+    Return their replies. A server that lacks the script (a restart, SCRIPT FLUSH, another
+    server behind the address) is given it, once.
+    """
+    packed = b"".join(
+        [
+            _command("EVALSHA", _SHA1[script], len(keys), *keys, *argv),
+            *(_command(*c) for c in after),
+        ]
+    )
+    for _attempt in range(2):
+        connection.send_packed_command([packed])  # a list of chunks, as pack_command gives
+        try:
+            reply = connection.read_response()
+        except errors.NoScriptError:
+            for _ in after:  # their replies, before the connection is used again
+                connection.read_response()
+            connection.send_packed_command([_command("SCRIPT", "LOAD", _SCRIPTS[script])])
+            connection.read_response()
+            continue
+        return [reply, *(connection.read_response() for _ in after)]
+    msg = "the server forgot our script as soon as it was loaded"
+    raise errors.ConnectionError(msg)
 
 
 # -- URIs --------------------------------------------------------------------------------------
@@ -674,8 +733,9 @@ class RedisBackend:
         self.warn = warn
         self._client: redis.Redis | None = None
         self.ttl = ttl
-        self._scripts: dict[str, Script] = {}
-        self._client_id: str | None = None  # our connection's CLIENT ID; None: ask; "": unknown
+        # The CLIENT ID of a connection we asked it of, until that connection connects again;
+        # "" where the server will not say.
+        self._identified: tuple[Any, str] | None = None
         self._sentinel: Sentinel | None = None
         self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
@@ -715,20 +775,15 @@ class RedisBackend:
                 self._sentinel = sentinel
             else:
                 self._client = redis.Redis(**settings.kwargs, **options, retry=no_retries)
-            self._scripts = {
-                name: self._client.register_script(text)
-                for name, text in (
-                    ("acquire", _ACQUIRE),
-                    ("renew", _RENEW),
-                    ("release", _RELEASE),
-                    ("drop", _DROP),
-                    ("status", _STATUS),
-                )
-            }
         return self._client
 
-    def call(self, script: str, claim: Claim, *args: str | int) -> Any:  # noqa: ANN401 - Lua's reply
+    def call(
+        self, script: str, claim: Claim, *args: str | int, identify: bool | None = None
+    ) -> Any:  # noqa: ANN401 - Lua's reply
         """Run one of our scripts for *claim*; translate redis-py's errors.
+
+        With *identify* given, one more argument follows *args*: if true, the CLIENT ID of
+        the connection that carries the call (`_identity`), else "".
 
         Behind Sentinel, every write goes to the primary the sentinels name, and a grant
         or a renewal counts only once a replica has it (`_on_the_primary`). A release
@@ -739,9 +794,9 @@ class RedisBackend:
         try:
             if self._sentinel is not None and script != "status":
                 durable = script in {"acquire", "renew"}
-                reply = self._on_the_primary(self._scripts[script], keys, argv, durable=durable)
+                reply = self._on_the_primary(script, keys, argv, durable=durable, identify=identify)
             else:
-                reply = self._scripts[script](keys=keys, args=argv)
+                reply = self._on_a_pooled_connection(script, keys, argv, identify=identify)
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         if not _well_formed(script, reply):  # not our script's answer: not Redis, or tampered
@@ -749,8 +804,48 @@ class RedisBackend:
             raise BackendUnavailable(msg)
         return reply
 
+    def _on_a_pooled_connection(
+        self, script: str, keys: list[str], argv: list[Any], *, identify: bool | None
+    ) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run *script* on a connection of redis-py's pool (which reconnects a closed one)."""
+        pool = self.client().connection_pool
+        connection = pool.get_connection()
+        try:
+            if identify is not None:
+                argv = [*argv, self._identity(connection) if identify else ""]
+            return _run(connection, script, keys, argv)[0]
+        except BaseException:  # a reply may still be on its way: never reuse the connection
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+
+    def _identity(self, connection: Any) -> str:  # noqa: ANN401 - redis-py's Connection
+        """Return *connection*'s CLIENT ID, by which a releaser sees that we still wait.
+
+        Asked once per connection: a reconnect (ours, or redis-py's after a restart) is a
+        new connection with another ID, and its connect callback forgets the old one. ""
+        where the server will not say (an ACL without CLIENT): our place in the queue then
+        lapses a ttl after our death, as before.
+        """
+        connection.connect()  # no-op if connected; else the callback would come too late
+        if self._identified is None or self._identified[0] is not connection:
+            connection.send_command("CLIENT", "ID")
+            try:
+                number = connection.read_response()
+            except errors.ResponseError:
+                number = ""
+            self._identified = (connection, str(number) if isinstance(number, int) else "")
+            connection.register_connect_callback(self._reconnected)
+        return self._identified[1]
+
+    def _reconnected(self, connection: Any) -> None:  # noqa: ANN401 - redis-py's Connection
+        """Forget the CLIENT ID of *connection*, which has just connected again."""
+        if self._identified is not None and self._identified[0] is connection:
+            self._identified = None
+
     def _on_the_primary(
-        self, script: Script, keys: list[str], argv: list[Any], *, durable: bool
+        self, script: str, keys: list[str], argv: list[Any], *, durable: bool, identify: bool | None
     ) -> Any:  # noqa: ANN401 - Lua's reply
         """Run *script* where the sentinels say the primary is; make what it grants *durable*.
 
@@ -769,7 +864,9 @@ class RedisBackend:
             connection = self._primary
             try:
                 _aim(connection, view.primary)
-                reply, role = self._run_with_role(connection, script, keys, argv)
+                if identify is not None:
+                    argv = [*argv, self._identity(connection) if identify else ""]
+                reply, role = _run(connection, script, keys, argv, ("ROLE",))
                 granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
                 self._check_durable(connection, view, role, written=durable and granted)
             except BaseException:
@@ -817,31 +914,6 @@ class RedisBackend:
                 "a failover could promote one without the lease"
             )
             raise _NotDurable(msg)
-
-    @staticmethod
-    def _run_with_role(
-        connection: Any,  # noqa: ANN401 - redis-py's Connection
-        script: Script,
-        keys: list[str],
-        argv: list[Any],
-    ) -> tuple[Any, list[Any]]:
-        """Run *script* and ROLE in one round trip; load the script where it is missing."""
-        for _ in range(2):
-            connection.send_packed_command(
-                connection.pack_commands(
-                    [("EVALSHA", script.sha, len(keys), *keys, *argv), ("ROLE",)]
-                )
-            )
-            try:
-                reply = connection.read_response()
-            except errors.NoScriptError:
-                connection.read_response()  # ROLE's, before the connection is used again
-                connection.send_command("SCRIPT", "LOAD", script.script)
-                connection.read_response()
-                continue
-            return reply, connection.read_response()
-        msg = "the server forgot our script as soon as it was loaded"
-        raise errors.ConnectionError(msg)
 
     def _sentinel_view(self) -> _SentinelView:
         """Return the primary that most of the URI's sentinels name now, and what they know.
@@ -927,10 +999,11 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    self.prepare(client, mode)
+                    self.prepare(client)
                     sent = now()  # the lease runs from here (ZADD now + ttl on the server)
+                    # A waiter names its connection, for releasers to see whether it lives.
                     granted, number, extra, *woken = self.call(
-                        "acquire", claim, record, mode, self._client_id or ""
+                        "acquire", claim, record, mode, identify=mode == "wait"
                     )
                     heard = now()
                     # granted: number is our slot, extra our fence, and our lease runs (no
@@ -956,19 +1029,16 @@ class RedisBackend:
                         block = min(block, remaining)
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
                 except BackendUnavailable as err:
-                    self._client_id = None  # the next connection has another
                     heard = self.ride_out(err, heard, request.ttl, deadline, mode)
         except BaseException:
             self.leave(claim)
             raise
 
-    def prepare(self, client: redis.Redis, mode: str) -> None:
-        """Before asking: warn of eviction (once), and learn our CLIENT ID to wait with."""
+    def prepare(self, client: redis.Redis) -> None:
+        """Before asking: warn of eviction, once per backend."""
         if not self._checked:
             self.check_eviction(client)
             self._checked = True
-        if mode == "wait" and self._client_id is None:
-            self._client_id = self.whoami(client)
 
     def ride_out(
         self,
@@ -1041,19 +1111,6 @@ class RedisBackend:
         with contextlib.suppress(LockrunError):
             self.pass_over_the_dead(claim, self.call("release", claim))
 
-    def whoami(self, client: redis.Redis) -> str:
-        """Return our connection's CLIENT ID, by which a releaser sees that we still wait.
-
-        "" where the server will not say (an ACL without CLIENT): our place then lapses a
-        ttl after our death, as before.
-        """
-        try:
-            return str(client.client_id())
-        except errors.ResponseError:
-            return ""
-        except _REPLY_ERRORS as err:
-            raise self.failure(err) from err
-
     def pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
         """Take back the slots just granted to waiters whose connection is gone.
 
@@ -1064,7 +1121,9 @@ class RedisBackend:
         Best effort: where CLIENT LIST is not allowed, or a call fails, the ttl still frees
         the slot.
         """
-        try:
+        if not woken:  # the common case: nobody was woken
+            return
+        with contextlib.suppress(LockrunError, *_REPLY_ERRORS):
             for _ in range(_DROP_ROUNDS):
                 pairs = dict(zip(woken[::2], woken[1::2], strict=True))
                 ids: list[EncodableT] = [client for client in pairs.values() if client]
@@ -1081,8 +1140,6 @@ class RedisBackend:
                 if not gone:
                     return
                 woken = self.call("drop", claim, *gone)
-        except (LockrunError, errors.RedisError):
-            self._client_id = None  # redis-py may have connected again: ask ours anew
 
     def mismatch(self, request: Request, prefix: str, slots: int) -> ConfigError:
         """Return the --slots mismatch error, naming a live user of the other N."""

@@ -733,9 +733,6 @@ class RedisBackend:
         self.warn = warn
         self._client: redis.Redis | None = None
         self.ttl = ttl
-        # The CLIENT ID of a connection we asked it of, until that connection connects again;
-        # "" where the server will not say.
-        self._identified: tuple[Any, str] | None = None
         self._sentinel: Sentinel | None = None
         self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
@@ -820,29 +817,19 @@ class RedisBackend:
         finally:
             pool.release(connection)
 
-    def _identity(self, connection: Any) -> str:  # noqa: ANN401 - redis-py's Connection
+    @staticmethod
+    def _identity(connection: Any) -> str:  # noqa: ANN401 - redis-py's Connection
         """Return *connection*'s CLIENT ID, by which a releaser sees that we still wait.
 
-        Asked once per connection: a reconnect (ours, or redis-py's after a restart) is a
-        new connection with another ID, and its connect callback forgets the old one. ""
-        where the server will not say (an ACL without CLIENT): our place in the queue then
-        lapses a ttl after our death, as before.
+        The server says it in its answer to HELLO, which redis-py sends on every connect:
+        no round trip, and a reconnect (ours, or redis-py's after a restart) never leaves
+        us naming a connection that is gone. "" where it is not said: our place in the
+        queue then lapses a ttl after our death.
         """
-        connection.connect()  # no-op if connected; else the callback would come too late
-        if self._identified is None or self._identified[0] is not connection:
-            connection.send_command("CLIENT", "ID")
-            try:
-                number = connection.read_response()
-            except errors.ResponseError:
-                number = ""
-            self._identified = (connection, str(number) if isinstance(number, int) else "")
-            connection.register_connect_callback(self._reconnected)
-        return self._identified[1]
-
-    def _reconnected(self, connection: Any) -> None:  # noqa: ANN401 - redis-py's Connection
-        """Forget the CLIENT ID of *connection*, which has just connected again."""
-        if self._identified is not None and self._identified[0] is connection:
-            self._identified = None
+        connection.connect()  # no-op if connected
+        said = connection.handshake_metadata
+        number = said.get("id", said.get(b"id")) if isinstance(said, dict) else None
+        return str(number) if type(number) is int and number > 0 else ""
 
     def _on_the_primary(
         self, script: str, keys: list[str], argv: list[Any], *, durable: bool, identify: bool | None

@@ -219,7 +219,6 @@ _ACQUIRE: Final = (
 -- and no other N is in use: slot 0 is ours, recorded as grant() and tidy() would.
 if redis.call('EXISTS', holders, queue) == 0 then
   local stamp, keep = next_fence(), lifetime(now + ttl)
-  redis.call('DEL', waiters, ticket, owners, info, clients)  -- another client's leftovers
   redis.call('ZADD', holders, now + ttl, token)
   redis.call('HSET', owners, token, string.format('0 %d %d', stamp, now))
   redis.call('HSET', info, token, ARGV[5])
@@ -304,8 +303,8 @@ _RELEASE: Final = (
     + """
 -- The only holder leaves and nobody waits: nobody is owed the slot, whether or not our
 -- lease ran out. The keys go, as tidy() deletes them after the last user.
-if redis.call('EXISTS', queue) == 0 and redis.call('ZCARD', holders) == 1
-    and redis.call('ZSCORE', holders, token) then
+local first_two = redis.call('ZRANGE', holders, 0, 1)  -- is ours the only lease?
+if #first_two == 1 and first_two[1] == token and redis.call('EXISTS', queue) == 0 then
   redis.call('DEL', holders, waiters, ticket, owners, info, cfg, clients,
              prefix .. ':wake:' .. token)
   redis.call('PEXPIRE', fence, DAY)

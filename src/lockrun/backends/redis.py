@@ -751,6 +751,7 @@ class RedisBackend:
                 "socket_connect_timeout": self.timeout,
                 "decode_responses": True,
                 "driver_info": None,  # no CLIENT SETINFO round trips on connect
+                "protocol": 3,  # HELLO on connect, whose answer names the connection (_identity)
             }
             # No hidden retries: a retried BLPOP could outlive the lease (docs/design.md P8);
             # lockrun's own loops decide when to ask again.

@@ -8,6 +8,7 @@ test's own, on a unix socket or a loopback port.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import unquote
@@ -15,9 +16,10 @@ from urllib.parse import unquote
 import pytest
 
 from lockrun import ConfigError, ExitCode, Lock
-from lockrun.backends import parse_uri, timeout_for
-from lockrun.backends.redis import key_prefix, parse
+from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
+from lockrun.backends.redis import Claim, connect, key_prefix, parse
 from lockrun.errors import LeaseLost
+from lockrun.timing import now
 from tests.support.cli import lockrun, one_line, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
 from tests.support.sentinels import SentinelServer
@@ -26,6 +28,8 @@ from tests.support.servers import RedisServer, free_port
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
+
+    from lockrun.backends import Lease
 
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 0.15 s.
 SHORT_TTL = "3"
@@ -226,6 +230,28 @@ def test_sentinel_finds_the_master_and_the_lock_lands_there(sentinel: Watched, n
     assert sentinel.master.command("-n", "3", "GET", key) == str(fence)
 
 
+def test_a_kept_sentinel_backend_carries_on_after_the_primary_restarts(
+    sentinel: Watched, name: str
+) -> None:
+    """Its own connection to the primary closed by a restart: the next acquisition reconnects."""
+    backend = open_backend(parse_uri(f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster"), ttl=3)
+    request = Request("default", name, 1, 3.0, Holder.me(["x"]))
+    fences: list[int] = []
+    try:
+        for deadline in (0, None, 0):
+            if fences:
+                sentinel.master.stop()
+                sentinel.master.start()
+            lease = backend.acquire(request, deadline)
+            assert lease is not None
+            assert lease.fence is not None
+            fences.append(lease.fence)
+            lease.release()
+    finally:
+        backend.close()
+    assert fences == sorted(set(fences)), fences
+
+
 def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str) -> None:
     """A service the sentinels do not monitor is unavailable (69), one line naming it."""
     uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/nosuch"
@@ -423,3 +449,129 @@ def test_api_reports_a_lease_it_could_not_confirm(redis_server: RedisServer, nam
     time.sleep(2.5)  # renewals fail for more than a ttl
     with pytest.raises(LeaseLost, match="could not be confirmed"):
         lock.release()
+
+
+# -- F. a kept backend: what an acquisition costs, and what a reconnect redoes --------------------
+
+
+def _calls(server: RedisServer) -> dict[str, int]:
+    """Return how often each command ran on *server* since its last CONFIG RESETSTAT."""
+    calls = {}
+    for line in server.command("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            command, _, stats = line.removeprefix("cmdstat_").partition(":")
+            fields = dict(field.split("=", 1) for field in stats.split(","))
+            calls[command] = int(fields["calls"])
+    for ours in ("config|resetstat", "info"):  # the test's own
+        calls.pop(ours, None)
+    return calls
+
+
+def test_an_uncontended_lock_costs_one_small_script_each_way(
+    redis_server: RedisServer, name: str
+) -> None:
+    """A kept backend, a free lock: EVALSHA to take it and to leave it, a few calls inside each.
+
+    Nothing else per acquisition: the eviction check, the CLIENT ID and the scripts are the
+    backend's (or its connection's) to learn once.
+    """
+    backend = open_backend(parse_uri(redis_server.uri), ttl=30)
+    request = Request("default", name, 1, 30.0, Holder.me(["x"]))
+    cycles = 10
+    try:
+        for deadline in (0, None):  # one try, then a wait (which names its connection)
+            backend.acquire(request, deadline).release()  # type: ignore[union-attr]
+        redis_server.command("CONFIG", "RESETSTAT")
+        for _ in range(cycles):
+            for deadline in (0, None):
+                lease = backend.acquire(request, deadline)
+                assert lease is not None
+                lease.release()
+        calls = _calls(redis_server)
+    finally:
+        backend.close()
+    scripts = calls.pop("evalsha")
+    assert scripts == 2 * 2 * cycles, calls
+    assert not [command for command in calls if command.startswith(("client", "config", "script"))]
+    assert sum(calls.values()) <= 12 * scripts, calls  # the general path makes about 28
+
+
+def test_a_kept_backend_carries_on_after_a_restart_and_a_script_flush(
+    redis_server: RedisServer, name: str
+) -> None:
+    """Connections or scripts gone between acquisitions: the next works, with a larger fence."""
+
+    def restart() -> None:
+        redis_server.stop()
+        redis_server.start()
+
+    backend = open_backend(parse_uri(redis_server.uri), ttl=30)
+    request = Request("default", name, 1, 30.0, Holder.me(["x"]))
+    fences: list[int] = []
+    try:
+        for upset in (lambda: None, restart, lambda: redis_server.command("SCRIPT", "FLUSH")):
+            upset()
+            for deadline in (None, 0):  # a wait (which names its connection), then a try
+                lease = backend.acquire(request, deadline)
+                assert lease is not None
+                assert lease.fence is not None
+                fences.append(lease.fence)
+                lease.release()
+    finally:
+        backend.close()
+    assert fences == sorted(set(fences)), fences
+
+
+def test_a_waiter_whose_connection_was_cut_names_its_new_one(
+    redis_server: RedisServer, name: str
+) -> None:
+    """Its connection killed between acquisitions: the next wait names a live connection.
+
+    A releaser takes a slot back from a waiter whose named connection is gone: a stale
+    CLIENT ID would have the living waiter passed over.
+    """
+    uri = parse_uri(redis_server.uri)
+    waiter, holder = open_backend(uri, ttl=30), open_backend(uri, ttl=30)
+    request = Request("default", name, 1, 30.0, Holder.me(["x"]))
+    clients = f"{key_prefix('default', name)}:clients"
+    got: list[Lease | None] = []
+    try:
+        lease = waiter.acquire(request, None)  # learns the CLIENT ID of its connection
+        assert lease is not None
+        lease.release()
+        redis_server.command("CLIENT", "KILL", "TYPE", "normal")  # all but redis-cli itself
+        held = holder.acquire(request, 0)
+        assert held is not None
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(request, now() + 20)))
+        thread.start()
+        try:
+            wait_for(lambda: redis_server.command("HVALS", clients), what="the waiter's CLIENT ID")
+            named = redis_server.command("HVALS", clients)
+            assert redis_server.command("CLIENT", "LIST", "ID", named).startswith(f"id={named} ")
+        finally:
+            held.release()
+            thread.join(PATIENCE)
+    finally:
+        waiter.close()
+        holder.close()
+    assert got
+    assert got[0] is not None
+    got[0].release()
+
+
+def test_a_retried_acquire_gets_the_same_slot_and_fence(
+    redis_server: RedisServer, name: str
+) -> None:
+    """The acquire script run twice for one token (its reply lost, docs/design.md D3): one grant."""
+    backend = connect(parse_uri(redis_server.uri), ttl=30)
+    claim = Claim(key_prefix("default", name), "retried", 1, 30_000)
+    try:
+        first = backend.call("acquire", claim, "{}", "try", identify=False)
+        again = backend.call("acquire", claim, "{}", "try", identify=False)
+        other_claim = Claim(claim.prefix, "other", 1, 30_000)
+        other = backend.call("acquire", other_claim, "{}", "try", identify=False)
+    finally:
+        backend.close()
+    assert first[0] == 1
+    assert again[:3] == first[:3]
+    assert other[0] == 0  # busy: no second slot

@@ -12,6 +12,7 @@ waiter blocks nobody beyond its lease and nothing stays behind after the last us
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import secrets
@@ -44,7 +45,6 @@ from lockrun.uri import Secrets, option_name, scrub, secrets_of
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from redis.commands.core import Script
     from redis.typing import EncodableT
 
     from lockrun.uri import LockURI
@@ -73,6 +73,9 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 # ARGV: key prefix, token, N, lease ms, holder JSON, mode, our connection's CLIENT ID
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
 # is stored, because Lua's own tostring() would round a 16-digit integer (docs/design.md P27).
+# Every redis.call costs the server about half a microsecond: the common cases (a free lock
+# taken, the only holder leaving with nobody waiting) come first in each script and make only
+# the calls their outcome needs; everything else takes the general path below them.
 
 _PRELUDE: Final = (
     f"local MAX_SLOTS = {MAX_SLOTS}\n"
@@ -82,7 +85,31 @@ local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local MAX_FENCE = 9007199254740992  -- 2^53: Lua's doubles are exact below, and no further
+local DAY = 86400000  -- ms; the fence outlives the lock's other keys by this much
 
+-- How long the lock's keys live when its last lease or place runs out at *last*: a minute
+-- more (last may be +inf, written by another client: then two days).
+local function lifetime(last)
+  return math.min(math.floor(last - now), 2 * DAY) + 60000
+end
+
+-- The next fence: one more than the last, raised to the server's clock in µs when lower
+-- (Redis lost the counter) or when it is no counter lockrun wrote.
+local function next_fence()
+  local counted = redis.pcall('INCR', fence)  -- fails on a counter that is no integer
+  local stamp = type(counted) == 'number' and counted or MAX_FENCE
+  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  if stamp < micros or stamp >= MAX_FENCE then
+    stamp = micros
+    redis.call('SET', fence, string.format('%d', stamp))
+  end
+  return stamp
+end
+"""
+)
+
+# The general path: what every script but the fast paths shares.
+_MACHINERY: Final = """
 -- Another client of this server may have written any key: read numbers defensively.
 local function configured_n()
   local value = tonumber(redis.call('GET', cfg) or '')
@@ -113,13 +140,7 @@ local function grant(who, expiry)
   end
   local slot = 0
   while used[slot] do slot = slot + 1 end
-  local counted = redis.pcall('INCR', fence)  -- fails on a counter that is no integer
-  local stamp = type(counted) == 'number' and counted or MAX_FENCE
-  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  if stamp < micros or stamp >= MAX_FENCE then  -- lost, or one lockrun never wrote
-    stamp = micros
-    redis.call('SET', fence, string.format('%d', stamp))
-  end
+  local stamp = next_fence()
   local record, client = redis.call('HGET', info, who), redis.call('HGET', clients, who)
   forget({who})
   redis.call('ZADD', holders, expiry, who)
@@ -157,14 +178,14 @@ local function tidy()
   end
   if last == 0 then
     redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg, clients)
-    redis.call('PEXPIRE', fence, 86400000)
+    redis.call('PEXPIRE', fence, DAY)
     return
   end
-  local keep = math.min(math.floor(last - now), 2 * 86400000) + 60000  -- last may be +inf
+  local keep = lifetime(last)
   for _, key in ipairs({holders, queue, waiters, ticket, owners, info, cfg, clients}) do
     redis.call('PEXPIRE', key, keep)
   end
-  redis.call('PEXPIRE', fence, math.max(keep, 86400000))
+  redis.call('PEXPIRE', fence, math.max(keep, DAY))
 end
 
 -- The next place in the queue; after the last one there, if the counter is not one of ours.
@@ -186,13 +207,28 @@ local function hand_on(tokens)
   return woken
 end
 """
-)
 
 # → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
 # queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
 # have another N. Then the {token, CLIENT ID} pairs of other waiters it woke.
 _ACQUIRE: Final = (
     _PRELUDE
+    + """
+-- A free lock: nobody holds or waits, so its keys are gone (tidy() deletes them with the
+-- last user, or they expire together). No lease can have lapsed, no waiter is owed a slot
+-- and no other N is in use: slot 0 is ours, recorded as grant() and tidy() would.
+if redis.call('EXISTS', holders, queue) == 0 then
+  local stamp, keep = next_fence(), lifetime(now + ttl)
+  redis.call('ZADD', holders, now + ttl, token)
+  redis.call('HSET', owners, token, string.format('0 %d %d', stamp, now))
+  redis.call('HSET', info, token, ARGV[5])
+  redis.call('SET', cfg, n, 'PX', keep)
+  for _, key in ipairs({holders, owners, info}) do redis.call('PEXPIRE', key, keep) end
+  redis.call('PEXPIRE', fence, math.max(keep, DAY))
+  return {1, 0, stamp}
+end
+"""
+    + _MACHINERY
     + """
 reap()
 local configured = configured_n() or n
@@ -250,6 +286,7 @@ return reply(0, rank, math.max(0, until_free))
 # → 1 extended, 0 lost. An expired lease is lost even before anyone reaped it.
 _RENEW: Final = (
     _PRELUDE
+    + _MACHINERY
     + """
 local expiry = redis.call('ZSCORE', holders, token)
 if not expiry or tonumber(expiry) <= now then return 0 end
@@ -264,6 +301,18 @@ return 1
 _RELEASE: Final = (
     _PRELUDE
     + """
+-- The only holder leaves and nobody waits: nobody is owed the slot, whether or not our
+-- lease ran out. The keys go, as tidy() deletes them after the last user.
+local first_two = redis.call('ZRANGE', holders, 0, 1)  -- is ours the only lease?
+if #first_two == 1 and first_two[1] == token and redis.call('EXISTS', queue) == 0 then
+  redis.call('DEL', holders, waiters, ticket, owners, info, cfg, clients,
+             prefix .. ':wake:' .. token)
+  redis.call('PEXPIRE', fence, DAY)
+  return {}
+end
+"""
+    + _MACHINERY
+    + """
 return hand_on({token})
 """
 )
@@ -273,6 +322,7 @@ return hand_on({token})
 # connection) since, and grants to who is next. → the pairs it woke.
 _DROP: Final = (
     _PRELUDE
+    + _MACHINERY
     + """
 local dead = {}
 for i = 5, #ARGV, 2 do
@@ -295,6 +345,65 @@ return {now, redis.call('GET', cfg) or '',
         redis.call('ZRANGE', waiters, 0, -1, 'WITHSCORES')}
 """
 )
+
+_SCRIPTS: Final = {
+    "acquire": _ACQUIRE,
+    "renew": _RENEW,
+    "release": _RELEASE,
+    "drop": _DROP,
+    "status": _STATUS,
+}
+# EVALSHA names a script by the SHA-1 of its text; SCRIPT LOAD where the server lacks it.
+_SHA1: Final = {
+    name: hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+    for name, text in _SCRIPTS.items()
+}
+
+
+def _command(*words: str | int) -> bytes:
+    """Return one command in Redis's protocol (RESP).
+
+    Packed here: redis-py's packer and command machinery cost more than the round trip
+    for a script's 18 arguments.
+    """
+    packed = [b"*%d\r\n" % len(words)]
+    for word in words:
+        data = str(word).encode()
+        packed.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(packed)
+
+
+def _run(
+    connection: Any,  # noqa: ANN401 - redis-py's Connection
+    script: str,
+    keys: list[str],
+    argv: list[Any],
+    *after: tuple[str, ...],
+) -> list[Any]:
+    """Run *script* on *connection*, then the commands *after*, in one round trip.
+
+    Return their replies. A server that lacks the script (a restart, SCRIPT FLUSH, another
+    server behind the address) is given it, once.
+    """
+    packed = b"".join(
+        [
+            _command("EVALSHA", _SHA1[script], len(keys), *keys, *argv),
+            *(_command(*c) for c in after),
+        ]
+    )
+    for _attempt in range(2):
+        connection.send_packed_command([packed])  # a list of chunks, as pack_command gives
+        try:
+            reply = connection.read_response()
+        except errors.NoScriptError:
+            for _ in after:  # their replies, before the connection is used again
+                connection.read_response()
+            connection.send_packed_command([_command("SCRIPT", "LOAD", _SCRIPTS[script])])
+            connection.read_response()
+            continue
+        return [reply, *(connection.read_response() for _ in after)]
+    msg = "the server forgot our script as soon as it was loaded"
+    raise errors.ConnectionError(msg)
 
 
 # -- URIs --------------------------------------------------------------------------------------
@@ -584,10 +693,20 @@ class _SentinelView(NamedTuple):
 
 
 def _aim(connection: Any, address: tuple[str, int]) -> None:  # noqa: ANN401 - redis-py's
-    """Point a Sentinel-managed *connection* at *address*, if it is connected elsewhere."""
-    if (connection.host, int(connection.port or 0)) != address:
-        connection.disconnect()
-        connection.connect_to(address)
+    """Connect a Sentinel-managed *connection* to *address*, unless it is there and idle.
+
+    Left to itself, redis-py would connect a dropped connection to the primary *it* found,
+    not to the one most sentinels name; and a kept connection that the server closed since
+    its last use (a restart) would fail the next call.
+    """
+    if connection.is_connected and (connection.host, int(connection.port or 0)) == address:
+        try:
+            if not connection.can_read():  # nothing pending, not even the end of the stream
+                return
+        except (errors.RedisError, OSError):
+            pass
+    connection.disconnect()
+    connection.connect_to(address)
 
 
 def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
@@ -613,8 +732,6 @@ class RedisBackend:
         self.warn = warn
         self._client: redis.Redis | None = None
         self.ttl = ttl
-        self._scripts: dict[str, Script] = {}
-        self._client_id: str | None = None  # our connection's CLIENT ID; None: ask; "": unknown
         self._sentinel: Sentinel | None = None
         self._primary: Any = None  # behind Sentinel: our connection for grants and renewals
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
@@ -634,6 +751,7 @@ class RedisBackend:
                 "socket_connect_timeout": self.timeout,
                 "decode_responses": True,
                 "driver_info": None,  # no CLIENT SETINFO round trips on connect
+                "protocol": 3,  # HELLO on connect, whose answer names the connection (_identity)
             }
             # No hidden retries: a retried BLPOP could outlive the lease (docs/design.md P8);
             # lockrun's own loops decide when to ask again.
@@ -654,20 +772,15 @@ class RedisBackend:
                 self._sentinel = sentinel
             else:
                 self._client = redis.Redis(**settings.kwargs, **options, retry=no_retries)
-            self._scripts = {
-                name: self._client.register_script(text)
-                for name, text in (
-                    ("acquire", _ACQUIRE),
-                    ("renew", _RENEW),
-                    ("release", _RELEASE),
-                    ("drop", _DROP),
-                    ("status", _STATUS),
-                )
-            }
         return self._client
 
-    def call(self, script: str, claim: Claim, *args: str | int) -> Any:  # noqa: ANN401 - Lua's reply
+    def call(
+        self, script: str, claim: Claim, *args: str | int, identify: bool | None = None
+    ) -> Any:  # noqa: ANN401 - Lua's reply
         """Run one of our scripts for *claim*; translate redis-py's errors.
+
+        With *identify* given, one more argument follows *args*: if true, the CLIENT ID of
+        the connection that carries the call (`_identity`), else "".
 
         Behind Sentinel, every write goes to the primary the sentinels name, and a grant
         or a renewal counts only once a replica has it (`_on_the_primary`). A release
@@ -678,9 +791,9 @@ class RedisBackend:
         try:
             if self._sentinel is not None and script != "status":
                 durable = script in {"acquire", "renew"}
-                reply = self._on_the_primary(self._scripts[script], keys, argv, durable=durable)
+                reply = self._on_the_primary(script, keys, argv, durable=durable, identify=identify)
             else:
-                reply = self._scripts[script](keys=keys, args=argv)
+                reply = self._on_a_pooled_connection(script, keys, argv, identify=identify)
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         if not _well_formed(script, reply):  # not our script's answer: not Redis, or tampered
@@ -688,8 +801,38 @@ class RedisBackend:
             raise BackendUnavailable(msg)
         return reply
 
+    def _on_a_pooled_connection(
+        self, script: str, keys: list[str], argv: list[Any], *, identify: bool | None
+    ) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run *script* on a connection of redis-py's pool (which reconnects a closed one)."""
+        pool = self.client().connection_pool
+        connection = pool.get_connection()
+        try:
+            if identify is not None:
+                argv = [*argv, self._identity(connection) if identify else ""]
+            return _run(connection, script, keys, argv)[0]
+        except BaseException:  # a reply may still be on its way: never reuse the connection
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+
+    @staticmethod
+    def _identity(connection: Any) -> str:  # noqa: ANN401 - redis-py's Connection
+        """Return *connection*'s CLIENT ID, by which a releaser sees that we still wait.
+
+        The server says it in its answer to HELLO, which redis-py sends on every connect:
+        no round trip, and a reconnect (ours, or redis-py's after a restart) never leaves
+        us naming a connection that is gone. "" where it is not said: our place in the
+        queue then lapses a ttl after our death.
+        """
+        connection.connect()  # no-op if connected
+        said = connection.handshake_metadata
+        number = said.get("id", said.get(b"id")) if isinstance(said, dict) else None
+        return str(number) if type(number) is int and number > 0 else ""
+
     def _on_the_primary(
-        self, script: Script, keys: list[str], argv: list[Any], *, durable: bool
+        self, script: str, keys: list[str], argv: list[Any], *, durable: bool, identify: bool | None
     ) -> Any:  # noqa: ANN401 - Lua's reply
         """Run *script* where the sentinels say the primary is; make what it grants *durable*.
 
@@ -708,7 +851,9 @@ class RedisBackend:
             connection = self._primary
             try:
                 _aim(connection, view.primary)
-                reply, role = self._run_with_role(connection, script, keys, argv)
+                if identify is not None:
+                    argv = [*argv, self._identity(connection) if identify else ""]
+                reply, role = _run(connection, script, keys, argv, ("ROLE",))
                 granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
                 self._check_durable(connection, view, role, written=durable and granted)
             except BaseException:
@@ -756,31 +901,6 @@ class RedisBackend:
                 "a failover could promote one without the lease"
             )
             raise _NotDurable(msg)
-
-    @staticmethod
-    def _run_with_role(
-        connection: Any,  # noqa: ANN401 - redis-py's Connection
-        script: Script,
-        keys: list[str],
-        argv: list[Any],
-    ) -> tuple[Any, list[Any]]:
-        """Run *script* and ROLE in one round trip; load the script where it is missing."""
-        for _ in range(2):
-            connection.send_packed_command(
-                connection.pack_commands(
-                    [("EVALSHA", script.sha, len(keys), *keys, *argv), ("ROLE",)]
-                )
-            )
-            try:
-                reply = connection.read_response()
-            except errors.NoScriptError:
-                connection.read_response()  # ROLE's, before the connection is used again
-                connection.send_command("SCRIPT", "LOAD", script.script)
-                connection.read_response()
-                continue
-            return reply, connection.read_response()
-        msg = "the server forgot our script as soon as it was loaded"
-        raise errors.ConnectionError(msg)
 
     def _sentinel_view(self) -> _SentinelView:
         """Return the primary that most of the URI's sentinels name now, and what they know.
@@ -866,10 +986,11 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    self.prepare(client, mode)
+                    self.prepare(client)
                     sent = now()  # the lease runs from here (ZADD now + ttl on the server)
+                    # A waiter names its connection, for releasers to see whether it lives.
                     granted, number, extra, *woken = self.call(
-                        "acquire", claim, record, mode, self._client_id or ""
+                        "acquire", claim, record, mode, identify=mode == "wait"
                     )
                     heard = now()
                     # granted: number is our slot, extra our fence, and our lease runs (no
@@ -895,19 +1016,16 @@ class RedisBackend:
                         block = min(block, remaining)
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
                 except BackendUnavailable as err:
-                    self._client_id = None  # the next connection has another
                     heard = self.ride_out(err, heard, request.ttl, deadline, mode)
         except BaseException:
             self.leave(claim)
             raise
 
-    def prepare(self, client: redis.Redis, mode: str) -> None:
-        """Before asking: warn of eviction (once), and learn our CLIENT ID to wait with."""
+    def prepare(self, client: redis.Redis) -> None:
+        """Before asking: warn of eviction, once per backend."""
         if not self._checked:
             self.check_eviction(client)
             self._checked = True
-        if mode == "wait" and self._client_id is None:
-            self._client_id = self.whoami(client)
 
     def ride_out(
         self,
@@ -980,19 +1098,6 @@ class RedisBackend:
         with contextlib.suppress(LockrunError):
             self.pass_over_the_dead(claim, self.call("release", claim))
 
-    def whoami(self, client: redis.Redis) -> str:
-        """Return our connection's CLIENT ID, by which a releaser sees that we still wait.
-
-        "" where the server will not say (an ACL without CLIENT): our place then lapses a
-        ttl after our death, as before.
-        """
-        try:
-            return str(client.client_id())
-        except errors.ResponseError:
-            return ""
-        except _REPLY_ERRORS as err:
-            raise self.failure(err) from err
-
     def pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
         """Take back the slots just granted to waiters whose connection is gone.
 
@@ -1003,7 +1108,9 @@ class RedisBackend:
         Best effort: where CLIENT LIST is not allowed, or a call fails, the ttl still frees
         the slot.
         """
-        try:
+        if not woken:  # the common case: nobody was woken
+            return
+        with contextlib.suppress(LockrunError, *_REPLY_ERRORS):
             for _ in range(_DROP_ROUNDS):
                 pairs = dict(zip(woken[::2], woken[1::2], strict=True))
                 ids: list[EncodableT] = [client for client in pairs.values() if client]
@@ -1020,8 +1127,6 @@ class RedisBackend:
                 if not gone:
                     return
                 woken = self.call("drop", claim, *gone)
-        except (LockrunError, errors.RedisError):
-            self._client_id = None  # redis-py may have connected again: ask ours anew
 
     def mismatch(self, request: Request, prefix: str, slots: int) -> ConfigError:
         """Return the --slots mismatch error, naming a live user of the other N."""

@@ -16,6 +16,8 @@ import hashlib
 import json
 import re
 import secrets
+import signal
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
@@ -38,7 +40,13 @@ from lockrun.backends import (
     timeout_for,
 )
 from lockrun.bounds import MAX_SLOTS
-from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, LockrunError
+from lockrun.errors import (
+    BackendUnavailable,
+    ConfigError,
+    Interrupted,
+    LeaseLost,
+    LockrunError,
+)
 from lockrun.timing import now
 from lockrun.uri import Secrets, option_name, scrub, secrets_of
 
@@ -737,6 +745,8 @@ class RedisBackend:
         self._primary_lock = threading.Lock()  # the renewal thread and the main one share it
         self._named: tuple[str, int] | None = None  # the primary it was, at the last call
         self._checked = False  # for an eviction policy that could drop our keys
+        self._interrupted = False  # set by `interrupt`: every wait ends
+        self._sleeping: Any = None  # the connection a waiter sleeps in BLPOP on, if any
 
     @property
     def timeout(self) -> float:
@@ -1016,10 +1026,29 @@ class RedisBackend:
                         block = min(block, remaining)
                     self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
                 except BackendUnavailable as err:
+                    self._check_interrupted(request)
                     heard = self.ride_out(err, heard, request.ttl, deadline, mode)
+                self._check_interrupted(request)
         except BaseException:
-            self.leave(claim)
+            self.leave(claim)  # our place in the queue, or a slot granted meanwhile
             raise
+
+    def interrupt(self) -> None:
+        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`.
+
+        Its BLPOP's connection is cut; `acquire` then leaves the queue.
+        """
+        self._interrupted = True
+        connection = self._sleeping
+        sock = getattr(connection, "_sock", None)  # redis-py's socket, if connected
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _check_interrupted(self, request: Request) -> None:
+        if self._interrupted:
+            msg = f"the wait for {request.name} was interrupted; nothing is held"
+            raise Interrupted(msg, signo=signal.SIGINT)
 
     def prepare(self, client: redis.Redis) -> None:
         """Before asking: warn of eviction, once per backend."""
@@ -1079,7 +1108,10 @@ class RedisBackend:
             connection = pool.get_connection()  # may connect again, and fail
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
+        self._sleeping = connection
         try:
+            if self._interrupted:  # before we slept: `interrupt` had nothing to cut
+                return
             if self._named is not None:  # behind Sentinel: the wake-up is pushed there
                 _aim(connection, self._named)
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
@@ -1091,6 +1123,7 @@ class RedisBackend:
             connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may be on its way: never reuse this connection
             raise
         finally:
+            self._sleeping = None
             pool.release(connection)
 
     def leave(self, claim: Claim) -> None:

@@ -590,6 +590,8 @@ class PostgresBackend(SessionLockBackend[Session]):
     ) -> bool:
         """One pg_advisory_lock bounded by lock_timeout (none for ever), or one try."""
         key = attempt.key.gate if part == GATE else attempt.key.slots[part]
+        if seconds == 0 and attempt.slots == 1:
+            return self._try_and_grant(session, attempt)
         if seconds == 0:
             got = session.one("SELECT pg_try_advisory_lock($1::bigint)", key, timeout=self.timeout)
             return got == "t"
@@ -670,6 +672,63 @@ class PostgresBackend(SessionLockBackend[Session]):
                     raise
             return
 
+    def _try_and_grant(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Try a one-slot lock; if it was free, draw the fence in the same statement.
+
+        One round trip either way, with the check of N after it: the grant's check if the
+        try got the lock, else the one before queueing (`_refuse_mismatch` reads it).
+        """
+        request = attempt.request
+        holder = request.holder._replace(slot=0, since=time.time())
+        session.tag = _comment(request, attempt.token, holder)
+        granted = "got"  # each step of the grant only if the try got the lock
+        steps = ", ".join(
+            f"CASE WHEN got THEN {step} END" for step in self._grant_steps(session, request, 0)
+        )
+        attempt.sent = now()
+        session.send_simple(
+            f"SELECT {granted}, {steps} FROM (SELECT pg_try_advisory_lock("
+            f"{attempt.key.slots[0]}::bigint) AS got OFFSET 0) AS try",
+            _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
+        )
+        try:
+            (([got, fence, *_],), others) = session.answers(self.timeout)
+        except PgError as err:
+            if not self._durable_refused(err):
+                raise
+            return self._try_and_grant(session, attempt)  # the try got the lock: again
+        attempt.ahead = (int(fence or 0) if got == "t" else None, others)
+        if got != "t":  # nothing was granted: a waiter's statements name a waiter
+            attempt.sent = None
+            session.tag = attempt.tag
+        return got == "t"
+
+    def _grant_steps(self, session: Session, request: Request, slot: int) -> list[str]:
+        """Return the grant's expressions: the fence, the name, the shared (name, N) lock."""
+        current = "pg_current_xact_id()::text::bigint" if self.version >= _V13 else "txid_current()"
+        name = session.literal(_application_name(request.name, slot))
+        agreed = slots_key(request.namespace, request.name)
+        steps = [
+            current,
+            f"set_config('application_name', {name}, false)",
+            f"pg_try_advisory_lock_shared({agreed}::int, {request.slots}::int)",
+        ]
+        if self.durable:
+            steps.append("pg_logical_emit_message(true, 'lockrun', '') IS NOT NULL")
+        return steps
+
+    def _durable_refused(self, err: PgError) -> bool:
+        """Whether *err* refused the logical message that makes fences durable: note it."""
+        if not self.durable or err.sqlstate not in _NOT_ALLOWED:
+            return False
+        self.durable = False  # not allowed here (a managed service, say)
+        self.note(
+            f"{self.settings.where}: fences are transaction ids that a server crash may "
+            f"repeat: pg_logical_emit_message is not allowed "
+            f"({_one_line(self.settings, err.message)})"
+        )
+        return True
+
     def _grant(
         self, session: Session, attempt: Attempt[Session], slot: int
     ) -> SessionLease[Session]:
@@ -679,12 +738,15 @@ class PostgresBackend(SessionLockBackend[Session]):
         lock catches two users of different N who got in at the same moment: the later
         check of the two sees the other's lock.
         """
-        request = attempt.request
-        holder = request.holder._replace(slot=slot, since=time.time())
-        session.tag = _comment(request, attempt.token, holder)
         lease = SessionLease(self, session, attempt.key.slots[slot], slot, None)
         try:
-            fence, others = self._fence(session, attempt, slot)
+            if attempt.sent is not None:  # the try drew it (`_try_and_grant`)
+                fence, others = attempt.ahead
+            else:
+                request = attempt.request
+                holder = request.holder._replace(slot=slot, since=time.time())
+                session.tag = _comment(request, attempt.token, holder)
+                fence, others = self._fence(session, attempt, slot)
             lease.fence = fence
             self._judge(others, attempt)
         except BaseException:
@@ -703,33 +765,30 @@ class PostgresBackend(SessionLockBackend[Session]):
         (prefix ``lockrun``) is the smallest write that makes the commit wait for the disk.
         """
         request = attempt.request
-        current = "pg_current_xact_id()::text::bigint" if self.version >= _V13 else "txid_current()"
-        durable = ", pg_logical_emit_message(true, 'lockrun', '')" if self.durable else ""
-        name = session.literal(_application_name(request.name, slot))
-        agreed = slots_key(request.namespace, request.name)
         session.send_simple(
-            f"SELECT {current}, set_config('application_name', {name}, false), "
-            f"pg_try_advisory_lock_shared({agreed}::int, {request.slots}::int){durable}",
+            f"SELECT {', '.join(self._grant_steps(session, request, slot))}",
             _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
         )
         try:
             (([fence, *_],), others) = session.answers(self.timeout)
         except PgError as err:
-            if not self.durable or err.sqlstate not in _NOT_ALLOWED:
+            if not self._durable_refused(err):
                 raise
-            self.durable = False  # not allowed here (a managed service, say)
-            self.note(
-                f"{self.settings.where}: fences are transaction ids that a server crash may "
-                f"repeat: pg_logical_emit_message is not allowed "
-                f"({_one_line(self.settings, err.message)})"
-            )
             return self._fence(session, attempt, slot)
         return int(fence or 0), others
 
     def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
-        """Raise `ConfigError` if a live holder of the name uses another N."""
-        session.send_simple(_MISMATCH.format(agreed=attempt.key.agreed, slots=attempt.slots))
-        self._judge(session.receive(self.timeout), attempt)
+        """Raise `ConfigError` if a live holder of the name uses another N.
+
+        A one-slot try ran the check already, in its round trip (`_try_and_grant`).
+        """
+        if attempt.ahead is not None:
+            _, others = attempt.ahead
+            attempt.ahead = None
+        else:
+            session.send_simple(_MISMATCH.format(agreed=attempt.key.agreed, slots=attempt.slots))
+            others = session.receive(self.timeout)
+        self._judge(others, attempt)
 
     @staticmethod
     def _judge(rows: list[tuple[str | None, ...]], attempt: Attempt[Session]) -> None:

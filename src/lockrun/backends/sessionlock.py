@@ -90,6 +90,10 @@ class Attempt(Generic[S]):
         self.gate: S | None = None  # the session that holds the gate, if any
         self.queued = False  # whether it got as far as waiting in the server's queue
         self.reused = False  # whether its first session was kept from an earlier one
+        # A backend whose try also drew the grant's fence (or ran the check of N) keeps
+        # what it learnt here, and when it sent that try: the grant's time.
+        self.ahead: Any = None
+        self.sent: float | None = None
 
 
 class SessionLockBackend(abc.ABC, Generic[S]):
@@ -163,8 +167,9 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         try:
             slot, holder = self._take(attempt)
             # A session's locks outlive it by nothing, and it idles out (the lease) only
-            # after its last statement: the grant's answer, or what _grant sends next.
-            granted = now()
+            # after its last statement: the grant's answer, or what _grant sends next; or,
+            # if the try granted and drew the fence in one statement, after that one.
+            granted = now() if attempt.sent is None else attempt.sent
             lease = None if holder is None else self._grant(holder, attempt, slot)
             if lease is not None:
                 lease.confirmed = granted

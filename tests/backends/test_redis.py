@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from lockrun.backends import Lease
+    from lockrun.backends import Backend, Lease
 
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 0.15 s.
 SHORT_TTL = "3"
@@ -242,14 +242,19 @@ def test_a_kept_sentinel_backend_carries_on_after_the_primary_restarts(
             if fences:
                 sentinel.master.stop()
                 sentinel.master.start()
-            lease = backend.acquire(request, deadline)
-            assert lease is not None
-            assert lease.fence is not None
-            fences.append(lease.fence)
-            lease.release()
+            fences.append(_fence_of_a_cycle(backend, request, deadline))
     finally:
         backend.close()
     assert fences == sorted(set(fences)), fences
+
+
+def _fence_of_a_cycle(backend: Backend, request: Request, deadline: float | None) -> int:
+    """Acquire and release on *backend*; return the grant's fence."""
+    lease = backend.acquire(request, deadline)
+    assert lease is not None
+    assert lease.fence is not None
+    lease.release()
+    return lease.fence
 
 
 def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str) -> None:
@@ -511,12 +516,8 @@ def test_a_kept_backend_carries_on_after_a_restart_and_a_script_flush(
     try:
         for upset in (lambda: None, restart, lambda: redis_server.command("SCRIPT", "FLUSH")):
             upset()
-            for deadline in (None, 0):  # a wait (which names its connection), then a try
-                lease = backend.acquire(request, deadline)
-                assert lease is not None
-                assert lease.fence is not None
-                fences.append(lease.fence)
-                lease.release()
+            # a wait (which names its connection), then a try
+            fences.extend(_fence_of_a_cycle(backend, request, wait) for wait in (None, 0))
     finally:
         backend.close()
     assert fences == sorted(set(fences)), fences

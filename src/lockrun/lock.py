@@ -5,6 +5,7 @@ The CLI runs commands through `lockrun.runner`, which takes its slot with `acqui
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -98,6 +99,7 @@ class Lease:
         self.lost: LeaseLost | None = None  # what a renewal found, if the lease is gone
         self.released = False
         self._renewal: _Renewal | None = None
+        self._owner: list[tuple[str, str, str]] | None = None  # its thread's, for `Lock`
 
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is gone, or unconfirmed for a ttl; else return.
@@ -116,7 +118,9 @@ class Lease:
         if self.released:
             return
         self.released = True
-        _HELD.keys.discard(self._key)
+        if self._owner is not None:  # from any thread: the acquiring one's list
+            with contextlib.suppress(ValueError):
+                self._owner.remove(self._key)
         try:
             if self._renewal is not None:
                 self._renewal.cancel()
@@ -187,7 +191,8 @@ class Lock:
         A lease of a server is renewed every ttl/3 until `release`.
         """
         key = (self.uri, self.namespace, self.name)
-        if getattr(self._local, "lease", None) is not None:
+        current: Lease | None = getattr(self._local, "lease", None)
+        if current is not None and not current.released:
             msg = f"{self.name}: this thread holds it already (a Lock is not reentrant)"
             raise UsageError(msg)
         if key in _HELD.keys and self.slots == 1 and self.wait != 0:
@@ -198,7 +203,8 @@ class Lock:
         held = Lease(acquire(backend, request, self.wait), key)
         try:
             start_renewals(held)
-            _HELD.keys.add(key)
+            held._owner = _HELD.keys  # noqa: SLF001 - the Lock and its Lease
+            _HELD.keys.append(key)
             self._local.lease = held
         except BaseException:  # e.g. Ctrl-C right after the grant: leave nothing held
             held.release()
@@ -277,7 +283,7 @@ class _Held(threading.local):
     """The names the calling thread holds through any Lock, as (URI, namespace, name)."""
 
     def __init__(self) -> None:
-        self.keys: set[tuple[str, str, str]] = set()
+        self.keys: list[tuple[str, str, str]] = []  # once for each slot held
 
 
 _HELD: Final = _Held()

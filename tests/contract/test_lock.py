@@ -603,6 +603,11 @@ def test_api_a_thread_acquiring_what_it_holds_is_refused_at_once(uri: str, name:
         lock.release()
     with lock as lease:
         assert lease.slot == 0
+    lock.acquire().release()  # a lease released by itself, from any thread, is not held
+    with lock as lease, ThreadPoolExecutor(max_workers=1) as worker:
+        worker.submit(lease.release).result()
+    with Lock(name, uri=uri, wait=None) as lease:
+        assert lease.slot == 0
 
 
 def _try(lock: Lock) -> str:

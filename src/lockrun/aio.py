@@ -55,13 +55,11 @@ class AsyncLock:
             msg = f"{self.name}: this task holds it already (an AsyncLock is not reentrant)"
             raise UsageError(msg)
         lock = self._lock
-        backend = (
-            self._idle.pop() if self._idle else open_backend(parse_uri(lock.uri), ttl=lock.ttl)
-        )
         request = Request(lock.namespace, lock.name, lock.slots, lock.ttl, Holder.me(sys.argv))
-        waiting = _Wait(asyncio.get_running_loop(), backend)
+        # A new connection is opened in the thread: a driver's first import takes 0.1 s.
+        waiting = _Wait(asyncio.get_running_loop(), self._idle.pop() if self._idle else None)
         threading.Thread(
-            target=waiting.run, args=(request, lock.wait), name="lockrun-wait", daemon=True
+            target=waiting.run, args=(lock, request), name="lockrun-wait", daemon=True
         ).start()
         try:
             lease = await asyncio.shield(waiting.granted)
@@ -69,8 +67,11 @@ class AsyncLock:
             waiting.cancel()
             raise
         except BaseException:
-            self._idle.append(backend)
+            if waiting.backend is not None:
+                self._idle.append(waiting.backend)
             raise
+        backend = waiting.backend
+        assert backend is not None  # noqa: S101 - granted: the thread had one
         held = Lease(lease, (lock.uri, lock.namespace, lock.name))
         try:
             start_renewals(held)
@@ -120,7 +121,7 @@ class AsyncLock:
 class _Wait:
     """One acquisition's wait in a thread, and its hand-over to the loop (or its undoing)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, backend: Backend) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, backend: Backend | None) -> None:
         self.loop = loop
         self.backend = backend
         self.granted: asyncio.Future[backends.Lease] = loop.create_future()
@@ -128,12 +129,14 @@ class _Wait:
         self.cancelled = False
         self.delivered = False
 
-    def run(self, request: Request, wait: float | None) -> None:
+    def run(self, lock: Lock, request: Request) -> None:
         """In the thread: wait for the slot, then hand it to the task, or give it back."""
         lease: backends.Lease | None = None
         error: BaseException | None = None
         try:
-            lease = acquire(self.backend, request, wait)
+            if self.backend is None:
+                self.backend = open_backend(parse_uri(lock.uri), ttl=lock.ttl)
+            lease = acquire(self.backend, request, lock.wait)
         except BaseException as err:  # noqa: BLE001 - the task's to raise
             error = err
         with self.settled:
@@ -169,7 +172,9 @@ class _Wait:
             _undo(self.granted.result(), self.backend, in_thread=True)
 
 
-def _undo(lease: backends.Lease | None, backend: Backend, *, in_thread: bool = False) -> None:
+def _undo(
+    lease: backends.Lease | None, backend: Backend | None, *, in_thread: bool = False
+) -> None:
     """Release a slot nobody wants any more and close its connection (in a thread if asked)."""
 
     def undo() -> None:
@@ -177,7 +182,8 @@ def _undo(lease: backends.Lease | None, backend: Backend, *, in_thread: bool = F
             if lease is not None:
                 lease.release()
         finally:
-            backend.close()
+            if backend is not None:
+                backend.close()
 
     if in_thread:
         threading.Thread(target=undo, name="lockrun-give-back", daemon=True).start()

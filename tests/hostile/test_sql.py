@@ -164,3 +164,30 @@ def test_sql_in_a_command_line_and_name_reaches_status_unchanged(
         assert holder.communicate("\n", timeout=30) == ("", "")
         assert holder.returncode == 0
     assert not injected(mysql_uri)
+
+
+@pytest.mark.parametrize("charset", ["latin1", "ascii", "sjis", "gbk"])
+@pytest.mark.parametrize("where", ["name", "namespace"])
+def test_a_name_the_charset_cannot_carry_is_refused_with_78(
+    mysql_uri: str, charset: str, where: str
+) -> None:
+    """A name or namespace the URI's charset has no bytes for: 78, one line; it was 70.
+
+    Run and status alike; nothing is held and no row is written.
+    """
+    text = f"t-{uuid.uuid4().hex[:8]}-\u540d\u20ac\U0001f512"  # 名€🔒: none of them has all
+    uri = f"{mysql_uri}{'&' if '?' in mysql_uri else '?'}charset={charset}"
+    names = ["-n", text] if where == "name" else ["-n", "x", "--namespace", text]
+    for args in (
+        ("--uri", uri, *names, "--", "echo", "ran"),
+        ("status", "--uri", uri, *names[2:], *([text] if where == "name" else [])),
+    ):
+        result = lockrun(*args)
+        assert (result.returncode, result.stdout) == (78, ""), (args, result.stderr)
+        assert f"charset {charset} cannot carry the name" in result.stderr
+        assert len(result.stderr.splitlines()) == 1
+    with pytest.raises(ConfigError, match="cannot carry"):
+        open_backend(parse_uri(uri)).acquire(
+            Request("default" if where == "name" else text, text, 1, 30.0, Holder.me(["x"])),
+            now(),
+        )

@@ -514,7 +514,25 @@ class MySQLBackend(SessionLockBackend[Session]):
         return _transient(err)
 
     def _key(self, request: Request) -> str:
+        self._carries(request.namespace, request.name)
         return lock_key(request.namespace, request.name)
+
+    def _carries(self, *texts: str | None) -> None:
+        """Refuse a name the URI's charset cannot carry (78), before any statement.
+
+        Names go into the holders table as they are; latin1, say, has no ``名``.
+        """
+        charset = str(self.settings.kwargs["charset"])
+        encoding = pymysql.charset.charset_by_name(charset).encoding
+        for text in texts:
+            try:
+                (text or "").encode(encoding)
+            except UnicodeEncodeError:
+                msg = (
+                    f"{self.settings.where}: charset {charset} cannot carry the name "
+                    f"{text!r}; use charset=utf8mb4 (the default)"
+                )
+                raise ConfigError(msg) from None
 
     def _tag(self, request: Request, token: str) -> str:
         return _comment(request, token)
@@ -751,6 +769,7 @@ class MySQLBackend(SessionLockBackend[Session]):
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""
+        self._carries(namespace, name)
         session = self.session()
         try:
             waiters = _waiters(session)

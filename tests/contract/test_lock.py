@@ -533,6 +533,46 @@ def test_api_release_stops_renewing(uri: str, name: str) -> None:
     assert "lockrun-renewer" not in started
 
 
+def test_api_a_forked_child_leaves_the_parents_connections_alone(
+    shared_server_harness: Harness, name: str
+) -> None:
+    """A forked child that exits normally, finalizers and all, leaves the parent's lock held.
+
+    The parent holds one lock and keeps an idle connection of another: afterwards its lease
+    is still proven on the server, and its next acquire works. The child's own try opens
+    its own connection and finds the lock busy.
+    """
+    uri = shared_server_harness.uri
+    script = textwrap.dedent(f"""
+        import gc, os, sys
+        from lockrun import Lock, LockBusy
+        lock, other = Lock({name!r}, uri={uri!r}), Lock({name!r} + "-2", uri={uri!r})
+        other.acquire(); other.release()  # an idle kept connection too
+        lease = lock.acquire()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                Lock({name!r}, uri={uri!r}).acquire()
+                sys.exit(3)
+            except LockBusy:
+                pass
+            del lock, other, lease
+            gc.collect()
+            sys.exit(0)  # an interpreter exit: every finalizer runs
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        lease._lease.refresh()  # proven on the server: the session is ours still
+        lock.release()
+        with other:
+            pass
+        print("ok")
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
+
+
 def _sockets() -> set[str]:
     """Return the kernel's names (socket:[inode]) of the sockets this process has open."""
     found = set()

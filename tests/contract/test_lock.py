@@ -618,6 +618,29 @@ def test_api_reconnects_after_the_server_dropped_its_connection(
             pass
 
 
+@pytest.mark.slow
+def test_api_a_waiter_on_a_kept_connection_rides_out_a_restart(
+    server_harness: Harness, name: str
+) -> None:
+    """Queued on a kept connection when the server restarts: the wait goes on, as any does.
+
+    The restart takes the holder's lock too; the waiter gets it once the server is back,
+    rather than giving up at once as for a kept connection that was dead before its use.
+    """
+    lock = Lock(name, uri=server_harness.uri, wait=60, ttl=10)
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        worker.submit(lambda: lock.acquire().release()).result()  # its kept connection
+        holder = Lock(name, uri=server_harness.uri)
+        holder.acquire()
+        waiting = worker.submit(lambda: lock.acquire().slot)
+        wait_for(lambda: lock_state(server_harness.uri, name)["waiters"], what="the waiter")
+        server_harness.restart(outage=1.0)
+        assert waiting.result(timeout=60) == 0
+        worker.submit(lock.release).result()
+    with contextlib.suppress(LeaseLost):
+        holder.release()
+
+
 def test_api_a_thread_acquiring_what_it_holds_is_refused_at_once(uri: str, name: str) -> None:
     """Locks are not reentrant: the same Lock again, or a mutex's wait on itself, is a UsageError.
 

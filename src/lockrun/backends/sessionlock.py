@@ -136,8 +136,8 @@ class SessionLockBackend(abc.ABC, Generic[S]):
                 if verdict is None:
                     raise
                 failure, passing = verdict
-                if attempt.reused and passing:  # the server ended it while it was kept
-                    continue
+                if attempt.reused and passing and not attempt.queued:
+                    continue  # the server ended it while it was kept: a new one, at once
                 if not passing or (not attempt.queued and lost is None):
                     raise failure from err
                 lost = now() if lost is None or attempt.queued else lost

@@ -678,30 +678,14 @@ class PostgresBackend(SessionLockBackend[Session]):
         One round trip either way, with the check of N after it: the grant's check if the
         try got the lock, else the one before queueing (`_refuse_mismatch` reads it).
         """
-        request = attempt.request
-        holder = request.holder._replace(slot=0, since=time.time())
-        session.tag = _comment(request, attempt.token, holder)
-        granted = "got"  # each step of the grant only if the try got the lock
-        steps = ", ".join(
-            f"CASE WHEN got THEN {step} END" for step in self._grant_steps(session, request, 0)
-        )
+        self._name(session, attempt, 0)
         attempt.sent = now()
-        session.send_simple(
-            f"SELECT {granted}, {steps} FROM (SELECT pg_try_advisory_lock("
-            f"{attempt.key.slots[0]}::bigint) AS got OFFSET 0) AS try",
-            _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
-        )
-        try:
-            (([got, fence, *_],), others) = session.answers(self.timeout)
-        except PgError as err:
-            if not self._durable_refused(err):
-                raise
-            return self._try_and_grant(session, attempt)  # the try got the lock: again
-        attempt.ahead = (int(fence or 0) if got == "t" else None, others)
-        if got != "t":  # nothing was granted: a waiter's statements name a waiter
+        got, fence, others = self._draw(session, attempt, 0, trying=True)
+        attempt.ahead = (fence if got else None, others)
+        if not got:  # nothing was granted: a waiter's statements name a waiter
             attempt.sent = None
             session.tag = attempt.tag
-        return got == "t"
+        return got
 
     def _grant_steps(self, session: Session, request: Request, slot: int) -> list[str]:
         """Return the grant's expressions: the fence, the name, the shared (name, N) lock."""
@@ -734,19 +718,15 @@ class PostgresBackend(SessionLockBackend[Session]):
     ) -> SessionLease[Session]:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
 
-        One round trip: two statements that run in order. Checking after taking the shared
-        lock catches two users of different N who got in at the same moment: the later
-        check of the two sees the other's lock.
+        One round trip (`_draw`), unless the try that got the slot drew it already.
         """
         lease = SessionLease(self, session, attempt.key.slots[slot], slot, None)
         try:
-            if attempt.sent is not None:  # the try drew it (`_try_and_grant`)
+            if attempt.sent is None:
+                self._name(session, attempt, slot)
+                _, fence, others = self._draw(session, attempt, slot, trying=False)
+            else:  # the try drew it (`_try_and_grant`)
                 fence, others = attempt.ahead
-            else:
-                request = attempt.request
-                holder = request.holder._replace(slot=slot, since=time.time())
-                session.tag = _comment(request, attempt.token, holder)
-                fence, others = self._fence(session, attempt, slot)
             lease.fence = fence
             self._judge(others, attempt)
         except BaseException:
@@ -754,10 +734,21 @@ class PostgresBackend(SessionLockBackend[Session]):
             raise
         return lease
 
-    def _fence(
-        self, session: Session, attempt: Attempt[Session], slot: int
-    ) -> tuple[int, list[tuple[str | None, ...]]]:
-        """Return a new fence, and the live users of another N (after taking ours).
+    def _name(self, session: Session, attempt: Attempt[Session], slot: int) -> None:
+        """Have *session*'s statements name it the holder of *slot*, from now."""
+        request = attempt.request
+        holder = request.holder._replace(slot=slot, since=time.time())
+        session.tag = _comment(request, attempt.token, holder)
+
+    def _draw(
+        self, session: Session, attempt: Attempt[Session], slot: int, *, trying: bool
+    ) -> tuple[bool, int, list[tuple[str | None, ...]]]:
+        """Try *slot* (or, not *trying*, count it as held); if ours, draw a fence: one trip.
+
+        Return whether the slot is ours, the fence, and the live users of another N, read
+        after the shared (name, N) lock was taken: checking after taking it catches two
+        users of different N who got in at the same moment, as the later check of the two
+        sees the other's lock.
 
         The fence is the id of a transaction of ours, made durable. Transaction ids only
         grow, cluster-wide. A transaction that wrote nothing commits without waiting for
@@ -765,17 +756,21 @@ class PostgresBackend(SessionLockBackend[Session]):
         (prefix ``lockrun``) is the smallest write that makes the commit wait for the disk.
         """
         request = attempt.request
+        taking = f"pg_try_advisory_lock({attempt.key.slots[slot]}::bigint)" if trying else "true"
+        steps = ", ".join(
+            f"CASE WHEN got THEN {step} END" for step in self._grant_steps(session, request, slot)
+        )
         session.send_simple(
-            f"SELECT {', '.join(self._grant_steps(session, request, slot))}",
+            f"SELECT got, {steps} FROM (SELECT {taking} AS got OFFSET 0) AS try",
             _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
         )
         try:
-            (([fence, *_],), others) = session.answers(self.timeout)
+            (([got, fence, *_],), others) = session.answers(self.timeout)
         except PgError as err:
             if not self._durable_refused(err):
                 raise
-            return self._fence(session, attempt, slot)
-        return int(fence or 0), others
+            return self._draw(session, attempt, slot, trying=trying)  # a held slot: again
+        return got == "t", int(fence or 0), others
 
     def _refuse_mismatch(self, session: Session, attempt: Attempt[Session]) -> None:
         """Raise `ConfigError` if a live holder of the name uses another N.

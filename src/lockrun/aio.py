@@ -10,11 +10,10 @@ after the cancel is given back at once.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from typing import TYPE_CHECKING
 
-from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import Request, open_backend, parse_uri
 from lockrun.errors import UsageError
 from lockrun.lock import DEFAULT_TTL, Lease, Lock, acquire, start_renewals
 
@@ -55,7 +54,8 @@ class AsyncLock:
             msg = f"{self.name}: this task holds it already (an AsyncLock is not reentrant)"
             raise UsageError(msg)
         lock = self._lock
-        request = Request(lock.namespace, lock.name, lock.slots, lock.ttl, Holder.me(sys.argv))
+        holder = lock._holder()  # noqa: SLF001 - the Lock this one wraps: its process, once
+        request = Request(lock.namespace, lock.name, lock.slots, lock.ttl, holder)
         # A new connection is opened in the thread: a driver's first import takes 0.1 s.
         waiting = _Wait(asyncio.get_running_loop(), self._idle.pop() if self._idle else None)
         threading.Thread(

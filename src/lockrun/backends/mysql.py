@@ -421,6 +421,10 @@ class MySQLBackend(SessionLockBackend[Session]):
         """Remember *settings*; *note* gets what `-v` shows (no fence, and why)."""
         super().__init__()
         self.settings = settings
+        # Python's codec for the URI's charset (`parse` checked that PyMySQL knows it).
+        self.encoding: str = pymysql.charset.charset_by_name(
+            str(settings.kwargs["charset"])
+        ).encoding
         self.where = settings.where
         self.ttl = ttl
         self.note = note
@@ -522,12 +526,11 @@ class MySQLBackend(SessionLockBackend[Session]):
 
         Names go into the holders table as they are; latin1, say, has no ``名``.
         """
-        charset = str(self.settings.kwargs["charset"])
-        encoding = pymysql.charset.charset_by_name(charset).encoding
         for text in texts:
             try:
-                (text or "").encode(encoding)
+                (text or "").encode(self.encoding)
             except UnicodeEncodeError:
+                charset = self.settings.kwargs["charset"]
                 msg = (
                     f"{self.settings.where}: charset {charset} cannot carry the name "
                     f"{text!r}; use charset=utf8mb4 (the default)"

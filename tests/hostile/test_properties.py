@@ -10,7 +10,7 @@ import math
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lockrun import ConfigError, Lock, UsageError
@@ -301,3 +301,38 @@ def test_sentinel_views_count_replicas_that_are_up_and_see_failovers(resp3: bool
         assert redis_backend._SentinelView.read((b"h", port), master, replicas) is None
     calm = redis_backend._SentinelView.read(["h", "1"], reply(flags="master"), [])
     assert calm == redis_backend._SentinelView(("h", 1), 0, failing_over=False)
+
+
+# Any character but NUL, SQL's quoting and comment characters often.
+sql_ish = st.sampled_from("'\"\\/*$;-#`E ")
+names = st.text(
+    sql_ish | st.characters(blacklist_characters="\0", blacklist_categories=["Cs"]), min_size=1
+).filter(lambda name: len(name.encode()) <= 255)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=names)
+@example(name="x'; SELECT pg_terminate_backend(pg_backend_pid()); --")
+@example(name="\\'")
+@example(name="$$ /* '")
+def test_any_name_goes_into_postgresql_statements_as_data(postgres_uri: str, name: str) -> None:
+    """Any lock name, quotes, backslashes, comment openers and all, is a literal on the server.
+
+    The grant writes it into its statement text as application_name (libpq's escaping).
+    The server's pg_locks shows the slot granted to the session that carries it; where the
+    name is printable ASCII (the server makes a ? of anything else), exactly that name.
+    """
+    import psycopg
+
+    cut = postgres_backend._application_name(name, 0)
+    with Lock(name, uri=postgres_uri, namespace="props") as lease:
+        assert lease.fence
+        with psycopg.connect(postgres_uri, autocommit=True) as server:
+            [(shown,)] = server.execute(
+                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+                "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+                "AND l.objsubid = 1 AND (l.classid::bigint << 32 | l.objid::bigint) = %s",
+                (postgres_backend.lock_key("props", name, 0),),
+            ).fetchall()
+    if cut.isascii() and cut.isprintable():
+        assert shown == cut

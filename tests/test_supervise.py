@@ -121,6 +121,7 @@ class FailingLease:
     ttl = float(sys.argv[3])
     fds = ()
     sessions = ()
+    bells = ()
     confirmed = now()  # granted as the supervisor starts
 
     def refresh(self):

@@ -234,7 +234,7 @@ class _RefusingLease:
     """A lease of 0.3 s whose every renewal the server refuses (ConfigError)."""
 
     ttl = 0.3
-    slot, fence, fds, sessions = 0, None, (), ()
+    slot, fence, fds, sessions, bells = 0, None, (), (), ()
 
     def __init__(self) -> None:
         self.confirmed = now()

@@ -16,6 +16,7 @@ from lockrun.errors import (
     LeaseLost,
     LockBusy,
     LockrunError,
+    TakenOver,
     TimedOut,
     UsageError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Lock",
     "LockBusy",
     "LockrunError",
+    "TakenOver",
     "TimedOut",
     "UsageError",
     "__version__",

@@ -40,9 +40,22 @@ class AsyncLock:
         wait: float | None = 0,
         ttl: float = DEFAULT_TTL,
         namespace: str | None = None,
+        shared: bool = False,
+        hold_at_least: float = 0,
+        take_over: bool = False,
     ) -> None:
         """Describe the lock; nothing is acquired yet. Bad values raise as `Lock`'s do."""
-        self._lock = Lock(name, uri=uri, slots=slots, wait=wait, ttl=ttl, namespace=namespace)
+        self._lock = Lock(
+            name,
+            uri=uri,
+            slots=slots,
+            wait=wait,
+            ttl=ttl,
+            namespace=namespace,
+            shared=shared,
+            hold_at_least=hold_at_least,
+            take_over=take_over,
+        )
         self.name = self._lock.name
         self._idle: list[Backend] = []  # connections no acquisition uses now
         self._held: dict[asyncio.Task[object], tuple[Lease, Backend]] = {}
@@ -54,8 +67,7 @@ class AsyncLock:
             msg = f"{self.name}: this task holds it already (an AsyncLock is not reentrant)"
             raise UsageError(msg)
         lock = self._lock
-        holder = lock._holder()  # noqa: SLF001 - the Lock this one wraps: its process, once
-        request = Request(lock.namespace, lock.name, lock.slots, lock.ttl, holder)
+        request = lock._request()  # noqa: SLF001 - the Lock this one wraps: its process, once
         # A new connection is opened in the thread: a driver's first import takes 0.1 s.
         waiting = _Wait(asyncio.get_running_loop(), self._idle.pop() if self._idle else None)
         threading.Thread(
@@ -72,7 +84,7 @@ class AsyncLock:
             raise
         backend = waiting.backend
         assert backend is not None  # noqa: S101 - granted: the thread had one
-        held = Lease(lease, (lock.uri, lock.namespace, lock.name))
+        held = Lease(lease, (lock.uri, lock.namespace, lock.name), lock.hold_at_least)
         try:
             start_renewals(held)
         except BaseException:

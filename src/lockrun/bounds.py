@@ -61,6 +61,27 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
     return check_seconds(ttl, what, low=MIN_TTL, high=MAX_TTL)
 
 
+def check_modes(slots: int, *, shared: bool, hold: object, cli: bool = False) -> float:
+    """Return the seconds of *hold* if a hold and *shared* combine with *slots*.
+
+    A shared lock and a hold each keep one lock: with N slots, which slot would a reader
+    or a window take? Refused rather than guessed (docs/semantics.md "Shared locks").
+    *cli* spells the options as the command line does.
+    """
+    spell = {"slots": "--slots", "shared": "--shared", "hold": "--hold-at-least"}
+    if not cli:
+        spell = {"slots": "slots", "shared": "shared", "hold": "hold_at_least"}
+    seconds = check_seconds(hold, spell["hold"], high=MAX_WAIT)
+    if slots > 1 and (shared or seconds):
+        what = spell["shared"] if shared else spell["hold"]
+        msg = f"{what} applies to a lock of one slot, not to {spell['slots']} {slots}"
+        raise UsageError(msg)
+    if shared and seconds:
+        msg = f"{spell['shared']} and {spell['hold']} do not combine: a hold keeps one run's lock"
+        raise UsageError(msg)
+    return seconds
+
+
 def _shown(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         return str(seconds)

@@ -236,7 +236,8 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
     "69 backend unavailable; 70 internal error; 74 status could not write; 75 busy (-E); "
-    "76 lock lost; 78 configuration; 124 --max-time; 126/127 cannot execute / not found; "
+    "76 lock lost; 78 configuration; 79 taken over; 124 --max-time; "
+    "126/127 cannot execute / not found; "
     "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
     "`lockrun status --help` shows who holds a lock.",
 )
@@ -300,6 +301,23 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     show_default=True,
     help="Exit status when the lock is busy or the wait expired.",
 )
+@click.option(
+    "--shared/--exclusive",
+    default=False,
+    show_default=True,
+    help="Share the lock with other --shared holders (readers); --exclusive waits for all.",
+)
+@click.option(
+    "--hold-at-least",
+    type=Duration(),
+    default=None,
+    help="Keep the lock taken until this long after the grant, even once the command ended.",
+)
+@click.option(
+    "--take-over",
+    is_flag=True,
+    help="Ask the current holders to stop (they exit 79), then run; needs a --wait.",
+)
 @_namespace_option
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
 @click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
@@ -323,6 +341,9 @@ def run_command(
     kill_after: float,
     lost_kill_after: float,
     conflict_exit_code: int,
+    shared: bool,
+    hold_at_least: float | None,
+    take_over: bool,
     namespace: str,
     close: bool,
     quiet: bool,
@@ -348,6 +369,9 @@ def run_command(
         close,
         verbose,
         lost_kill_after,
+        shared,
+        hold_at_least or 0.0,
+        take_over,
     )
     live = _LIVE.show if verbose and _on_terminal() else None
     try:

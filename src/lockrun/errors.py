@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     CONFIG = 78  # EX_CONFIG: bad URI, missing driver, unusable lock directory, --slots mismatch
+    TAKEN_OVER = 79  # another run took the lock over (--take-over); our command was stopped
     TIMEOUT = 124  # timeout(1): --max-time expired
     CANNOT_EXECUTE = 126  # POSIX shell convention
     NOT_FOUND = 127  # POSIX shell convention
@@ -66,6 +67,12 @@ class LeaseLost(LockrunError):
     """The lock was lost, or could no longer be confirmed, while held."""
 
     exit_code = ExitCode.LOST
+
+
+class TakenOver(LockrunError):
+    """Another acquirer asked with --take-over: the command was stopped, or never started."""
+
+    exit_code = ExitCode.TAKEN_OVER
 
 
 class CommandNotFound(LockrunError):

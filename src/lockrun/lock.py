@@ -21,6 +21,7 @@ from lockrun.backends import (
     parse_uri,
 )
 from lockrun.bounds import (
+    check_modes,
     check_slots,
     check_ttl,
     check_wait,
@@ -28,6 +29,7 @@ from lockrun.bounds import (
 from lockrun.errors import (
     LeaseLost,
     LockBusy,
+    TakenOver,
     UsageError,
 )
 from lockrun.names import check_name
@@ -76,9 +78,26 @@ def describe_holders(backend: Backend, request: Request) -> str:
 def describe(holder: Holder) -> str:
     """Render one holder in a line."""
     text = f"{holder.user}@{holder.host} pid {holder.pid}"
+    if holder.shared:
+        text += " (shared)"
+    if holder.until is not None:
+        ran = "" if holder.since is None else f", which ran at {clock_time(holder.since)}"
+        return f"{text}{ran}, until {clock_time(holder.until)} (--hold-at-least)"
     if holder.since is not None:
         text += f" since {clock_time(holder.since)}"
     return text
+
+
+def _rung(bells: tuple[int, ...]) -> bool:
+    """Whether any take-over bell is readable now (`backends.Lease.bells`)."""
+    if not bells:
+        return False
+    import select  # noqa: PLC0415 - only leases with bells need it
+
+    poll = select.poll()
+    for fd in bells:
+        poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class Lease:
@@ -88,15 +107,20 @@ class Lease:
     `LeaseLost` as soon as a renewal found it gone (docs/api.md).
     """
 
-    def __init__(self, lease: backends.Lease, key: tuple[str, str, str]) -> None:
-        """Wrap the backend's *lease* of the name *key* (URI, namespace, name)."""
+    def __init__(self, lease: backends.Lease, key: tuple[str, str, str], hold: float = 0.0) -> None:
+        """Wrap the backend's *lease* of the name *key* (URI, namespace, name).
+
+        The slot stays taken until *hold* seconds after now, released or not (hold_at_least).
+        """
         self._lease = lease
         self._key = key
+        self._hold_until = now() + hold
         self.slot = lease.slot
         self.fence = lease.fence
         self.ttl = lease.ttl
         self.confirmed = lease.confirmed  # `timing.now` of the request that last proved it ours
         self.lost: LeaseLost | None = None  # what a renewal found, if the lease is gone
+        self.taken: TakenOver | None = None  # a take-over another acquirer asked for
         self.released = False
         self._renewal: _Renewal | None = None
         self._owner: list[tuple[str, str, str]] | None = None  # its thread's, for `Lock`
@@ -104,11 +128,21 @@ class Lease:
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is gone, or unconfirmed for a ttl; else return.
 
+        Raise `TakenOver` if another acquirer asked for a take-over: the slot is still ours
+        until `release`, which the taker waits for.
+
         Cheap enough for every step of a loop: it asks no server, it reads what the
-        renewals (every ttl/3) found. A local lock is never lost this way.
+        renewals (every ttl/3) found, and a local lock's bell. A local lock is never lost.
         """
         if self.lost is not None:
             raise self.lost
+        if self.taken is None and _rung(self._lease.bells):
+            try:
+                self._lease.refresh()
+            except TakenOver as err:
+                self.taken = err
+        if self.taken is not None:
+            raise self.taken
         if self.ttl is not None and not self.released and now() - self.confirmed >= self.ttl:
             msg = f"the lease was not confirmed for {format_duration(self.ttl)}"
             raise LeaseLost(msg)
@@ -125,7 +159,7 @@ class Lease:
             if self._renewal is not None:
                 self._renewal.cancel()
         finally:
-            self._lease.release()
+            self._lease.release(hold=max(0.0, self._hold_until - now()))
         if self.lost is not None:
             raise self.lost
 
@@ -135,6 +169,8 @@ class Lease:
         sent = now()
         try:
             self._lease.refresh()
+        except TakenOver as err:  # still ours, and proved so
+            self.taken = err
         except LeaseLost as err:
             self.lost = err
             return None
@@ -166,11 +202,15 @@ class Lock:
         wait: float | None = 0,
         ttl: float = DEFAULT_TTL,
         namespace: str | None = None,
+        shared: bool = False,
+        hold_at_least: float = 0,
+        take_over: bool = False,
     ) -> None:
         """Describe the lock; nothing is acquired yet. URI and namespace default as in the CLI.
 
         Bad values raise `UsageError` (numbers: see `lockrun.bounds`), a bad URI `ConfigError`.
-        ``wait=math.inf`` waits forever, as None does.
+        ``wait=math.inf`` waits forever, as None does. *shared*, *hold_at_least* and
+        *take_over* are the CLI's --shared, --hold-at-least and --take-over (docs/api.md).
         """
         self.name = check_name(name)
         namespace = namespace or os.environ.get("LOCKRUN_NAMESPACE") or DEFAULT_NAMESPACE
@@ -180,8 +220,14 @@ class Lock:
         self.slots = check_slots(slots)
         self.wait = check_wait(wait)
         self.ttl = check_ttl(ttl)
+        self.shared = shared
+        self.hold_at_least = check_modes(self.slots, shared=shared, hold=hold_at_least)
+        self.take_over = take_over
+        if take_over and self.wait == 0:
+            msg = "take_over waits for the holders to stop: give it a wait"
+            raise UsageError(msg)
         self._local = threading.local()  # per thread: its backend and what it holds
-        self._me = Holder.me(sys.argv)  # this process, as holder records name it
+        self._me = Holder.me(sys.argv)._replace(shared=shared)  # this process, as records say
 
     def acquire(self) -> Lease:
         """Take a slot, waiting as configured; raise `LockBusy` if none came free.
@@ -195,12 +241,11 @@ class Lock:
         if current is not None and not current.released:
             msg = f"{self.name}: this thread holds it already (a Lock is not reentrant)"
             raise UsageError(msg)
-        if key in _HELD.keys and self.slots == 1 and self.wait != 0:
+        if key in _HELD.keys and self.slots == 1 and self.wait != 0 and not self.shared:
             msg = f"{self.name}: this thread holds it already, through another Lock"
             raise UsageError(f"{msg}: it would wait for itself")
         backend = self._backend()
-        request = Request(self.namespace, self.name, self.slots, self.ttl, self._holder())
-        held = Lease(acquire(backend, request, self.wait), key)
+        held = Lease(acquire(backend, self._request(), self.wait), key, self.hold_at_least)
         try:
             start_renewals(held)
             held._owner = _HELD.keys  # noqa: SLF001 - the Lock and its Lease
@@ -231,11 +276,20 @@ class Lock:
             self._local.backend = None
             backend.close()
 
-    def _holder(self) -> Holder:
-        """Describe this process as the holder, from now (after a fork: the child)."""
+    def _request(self) -> Request:
+        """Say what to ask for, by this process from now (after a fork: the child)."""
         if self._me.pid != os.getpid():
-            self._me = Holder.me(sys.argv)
-        return self._me._replace(since=time.time())
+            self._me = Holder.me(sys.argv)._replace(shared=self.shared)
+        holder = self._me._replace(since=time.time())
+        return Request(
+            self.namespace,
+            self.name,
+            self.slots,
+            self.ttl,
+            holder,
+            shared=self.shared,
+            take_over=self.take_over,
+        )
 
     def _backend(self) -> Backend:
         """Return the calling thread's backend, opened on its first use in this process."""

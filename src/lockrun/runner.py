@@ -16,6 +16,7 @@ from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_ba
 from lockrun.bounds import (
     MAX_KILL_AFTER,
     MAX_WAIT,
+    check_modes,
     check_seconds,
     check_slots,
     check_ttl,
@@ -28,6 +29,7 @@ from lockrun.errors import (
     ConfigError,
     Interrupted,
     LeaseLost,
+    TakenOver,
     TimedOut,
     UsageError,
 )
@@ -64,6 +66,9 @@ class Options(NamedTuple):
     close: bool = False
     verbose: bool = False
     lost_kill_after: float = DEFAULT_LOST_KILL_AFTER
+    shared: bool = False
+    hold_at_least: float = 0.0  # 0: the lock is free once the command ended
+    take_over: bool = False
 
 
 def run(
@@ -93,7 +98,15 @@ def run(
     verbose = log if options.verbose else lambda _line: None
     if options.name is None:
         verbose(f"lock name {name} (derived from the command; set it with --name)")
-    request = Request(namespace, name, options.slots, options.ttl, Holder.me(argv))
+    request = Request(
+        namespace,
+        name,
+        options.slots,
+        options.ttl,
+        Holder.me(argv)._replace(shared=options.shared),
+        shared=options.shared,
+        take_over=options.take_over,
+    )
     with _interruptible(name, verbose) as waiting:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
@@ -137,16 +150,18 @@ def _hold_and_run(
         if report is not None:
             report.stop()
         if isinstance(
-            err, BackendUnavailable | ConfigError
+            err, BackendUnavailable | ConfigError | TakenOver
         ):  # docs/semantics.md "Exit status": the line names the lock
             raise type(err)(f"{request.name}: {err}") from err
         raise
     held_since = started  # for the message only; set again at once
+    hold = 0.0  # how much longer the slot stays taken once released (--hold-at-least)
     # From here on the signals of FORWARDED belong to the command: supervise() forwards them
     # while it runs, and one that comes after it ended must not rewrite its exit status. One
     # that lands before they are deferred still finds the slot released by the finally below.
     try:
         held_since = now()
+        hold = options.hold_at_least
         with _deferred(FORWARDED):
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
@@ -174,18 +189,26 @@ def _hold_and_run(
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
             )
-    except (
-        LeaseLost,
-        TimedOut,
-        CommandNotFound,
-        CommandNotExecutable,
-        BackendUnavailable,  # the lease could not be confirmed before the spawn
-    ) as err:
+    except (CommandNotFound, CommandNotExecutable, BackendUnavailable) as err:
+        hold = 0.0  # nothing ran (BackendUnavailable: the lease could not be confirmed)
         # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
+    except (LeaseLost, TimedOut, TakenOver) as err:
+        raise type(err)(f"{request.name}: {err}") from err
     finally:
-        lease.release()
-        verbose(f"released {request.name} after {format_duration(now() - held_since)}")
+        _release(lease, request, held_since, hold, verbose)
+
+
+def _release(
+    lease: Lease, request: Request, held_since: float, hold: float, verbose: Callable[[str], None]
+) -> None:
+    """Release *lease*, leaving it taken until *hold* seconds after *held_since*."""
+    took = now() - held_since
+    hold -= took
+    lease.release(hold=max(0.0, hold))
+    if hold > 0:
+        verbose(f"left {request.name} taken for {format_duration(hold)} more (--hold-at-least)")
+    verbose(f"released {request.name} after {format_duration(took)}")
 
 
 def check_options(options: Options) -> None:
@@ -197,6 +220,10 @@ def check_options(options: Options) -> None:
         check_seconds(options.max_time, "--max-time", high=MAX_WAIT, above=True)
     check_seconds(options.kill_after, "--kill-after", high=MAX_KILL_AFTER)
     check_seconds(options.lost_kill_after, "--lost-kill-after", high=MAX_KILL_AFTER)
+    check_modes(options.slots, shared=options.shared, hold=options.hold_at_least, cli=True)
+    if options.take_over and options.wait == 0:
+        msg = "--take-over waits for the holders to stop: give it a --wait (e.g. --wait 1m)"
+        raise UsageError(msg)
 
 
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:

@@ -25,6 +25,7 @@ from lockrun.errors import (
     CommandNotFound,
     LeaseLost,
     LockrunError,
+    TakenOver,
     TimedOut,
 )
 from lockrun.timing import format_duration, now
@@ -47,7 +48,9 @@ FORWARDED: Final = frozenset(
 )
 # Raised by `_Hangups` when the server hangs up on a session lock; ignored by default.
 _HANGUP: Final = signal.SIGURG
-_WATCHED: Final = FORWARDED | {signal.SIGCHLD, _HANGUP}
+# Raised by `_Hangups` when a take-over bell rings (`Lease.bells`): refresh now.
+_BELL: Final = signal.SIGIO
+_WATCHED: Final = FORWARDED | {signal.SIGCHLD, _HANGUP, _BELL}
 # SIGTTOU: taking the terminal back from the command's group while we are in the background.
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (docs/design.md A9).
@@ -324,7 +327,7 @@ def supervise(
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
         # Watching before the command starts: nothing can fail between its start and run().
-        with _Hangups(lease.sessions):
+        with _Hangups(lease.sessions, lease.bells):
             watch.confirm_before_start()  # the last thing before the spawn
             watch.start(_spawn(argv, env, pass_fds, group=watch.group))
             with _terminal_for(watch.group) as terminal:
@@ -412,36 +415,51 @@ def _hung_up(fds: Sequence[int]) -> bool:
 
 
 class _Hangups(threading.Thread):
-    """Wake the loop with `_HANGUP` when the server hangs up on a session that holds the lock.
+    """Wake the loop when the server hangs up on a session lock, or a take-over bell rings.
 
     A session lock ends with its session: the server frees it when it closes the
     connection (KILL, a restart, a reset by the network), and the next waiter gets in at
     once. The refresh every ttl/3 would leave the command running that long without the
     lock. POLLRDHUP fires on the server's FIN or RST alone, not on the answers to our own
-    refreshes. Started with the signals blocked, so the signal goes to the loop.
+    refreshes: it raises `_HANGUP`, once. A bell (`Lease.bells`) turning readable raises
+    `_BELL`, which asks for a refresh now; bells are edge-triggered, so one that stays
+    readable (waiters in a listening socket's backlog) rings once per new event, not in a
+    loop. Started with the signals blocked, so the signals go to the loop.
     """
 
-    def __init__(self, fds: Sequence[int]) -> None:
+    def __init__(self, sessions: Sequence[int], bells: Sequence[int] = ()) -> None:
         super().__init__(name="lockrun-hangups", daemon=True)
-        self._fds = fds
-        self._poll = _hangup_poll(fds)
+        self._watched = bool(sessions or bells)
+        self._sessions = set(sessions)
+        self._epoll = select.epoll()
+        for fd in sessions:
+            self._epoll.register(fd, select.EPOLLRDHUP)  # HUP and ERR are always reported
+        for fd in bells:
+            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
         self._wake, self._waker = os.pipe()
-        self._poll.register(self._wake, select.POLLIN)
+        self._epoll.register(self._wake, select.EPOLLIN)
 
     def __enter__(self) -> None:
-        if self._fds:
+        if self._watched:
             self.start()
 
     def __exit__(self, *_: object) -> None:
         os.write(self._waker, b"x")
-        if self._fds:
+        if self._watched:
             self.join()
+        self._epoll.close()
         os.close(self._wake)
         os.close(self._waker)
 
     def run(self) -> None:
-        if any(fd != self._wake for fd, _ in self._poll.poll()):
-            os.kill(os.getpid(), _HANGUP)
+        while True:
+            events = dict(self._epoll.poll())
+            if self._wake in events:
+                return
+            if any(fd in self._sessions for fd in events):
+                os.kill(os.getpid(), _HANGUP)
+                return
+            os.kill(os.getpid(), _BELL)
 
 
 class _Ask(threading.Thread):
@@ -492,7 +510,8 @@ class _Watch:
         self.next_refresh = self.confirmed + limits.refresh_every
         self.time_limit: float | None = None
         self.kill_at: float | None = None
-        self.failure: LeaseLost | TimedOut | None = None
+        self.failure: LeaseLost | TimedOut | TakenOver | None = None
+        self.rung = False  # a take-over bell rang since the last refresh was sent
 
     def confirm_before_start(self) -> None:
         """Renew a lease that a stall since the grant has left due, before anything runs.
@@ -567,6 +586,8 @@ class _Watch:
                         return self._outcome(status)
                 elif info.si_signo == _HANGUP:
                     self._on_hangup()
+                elif info.si_signo == _BELL:
+                    self.rung = True  # asked at the next timer, or after the refresh under way
                 elif info.si_signo in self.forward:
                     self._signal_group(info.si_signo)
         except BaseException:
@@ -580,7 +601,7 @@ class _Watch:
             if self.asking is not None:
                 timers.append(now() + _POLL)
             else:
-                timers.append(self.next_refresh)
+                timers.append(now() if self.rung else self.next_refresh)
             if self.doubt is not None:
                 timers.append(self._term_due())
             if self.lease.ttl is not None:
@@ -614,7 +635,8 @@ class _Watch:
             # The lease may still be ours: the grace must not outlast it.
             lost = LeaseLost(f"lease could not be confirmed: {self.doubt}")
             self._begin_stop(lost, kill_by=self._deadline())
-        elif self.asking is None and current >= self.next_refresh:
+        elif self.asking is None and (self.rung or current >= self.next_refresh):
+            self.rung = False
             self.asking = _Ask(self.lease)
 
     def _on_hangup(self) -> None:
@@ -638,6 +660,12 @@ class _Watch:
         self.asking = None
         if ask.error is None:
             self._confirm(ask.sent)
+        elif isinstance(ask.error, TakenOver):  # still ours, proved: stop with the usual grace
+            self._confirm(ask.sent)
+            self._begin_stop(
+                ask.error, kill_by=None if self.lease.ttl is None else self._deadline()
+            )
+            return True
         elif isinstance(ask.error, LeaseLost):
             self._begin_stop(ask.error, kill_by=now() + self.limits.lost_kill_after)
             return True
@@ -670,7 +698,9 @@ class _Watch:
         ttl = self.lease.ttl or 0.0
         return self._deadline() - min(self.limits.kill_after, ttl * (1 - _MARGIN) / 2)
 
-    def _begin_stop(self, failure: LeaseLost | TimedOut, *, kill_by: float | None = None) -> None:
+    def _begin_stop(
+        self, failure: LeaseLost | TimedOut | TakenOver, *, kill_by: float | None = None
+    ) -> None:
         """TERM the group now, KILL after --kill-after (or at *kill_by*, if that is sooner)."""
         if self.failure is None:
             self.failure = failure

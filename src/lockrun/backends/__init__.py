@@ -39,6 +39,9 @@ class Holder(NamedTuple):
     since: float | None = None  # Unix time the slot was granted (or the wait began)
     slot: int | None = None
     expires: float | None = None  # Unix time a lease ends unless refreshed
+    shared: bool = False  # a shared (reader) holder or waiter; exclusive otherwise
+    # Unix time a slot whose command has ended stays taken (--hold-at-least); None: running
+    until: float | None = None
 
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
@@ -70,6 +73,8 @@ class Holder(NamedTuple):
             since=_stamp(data.get("since")),
             slot=int(data["slot"]) if _whole(data.get("slot"), MAX_SLOTS - 1) else None,
             expires=_stamp(data.get("expires")),
+            shared=data.get("shared") is True,
+            until=_stamp(data.get("until")),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -213,13 +218,19 @@ def describe_pid(pid: int) -> Holder:
 
 
 class Request(NamedTuple):
-    """What an acquirer asks for: one of *slots* slots of (namespace, name)."""
+    """What an acquirer asks for: one of *slots* slots of (namespace, name).
+
+    *shared* asks for the lock shared with other shared holders (a reader; one slot only),
+    *take_over* asks the current holders to stop (docs/semantics.md "Take-over").
+    """
 
     namespace: str
     name: str
     slots: int
     ttl: float
     holder: Holder
+    shared: bool = False
+    take_over: bool = False
 
 
 class LockState(NamedTuple):
@@ -274,11 +285,23 @@ class Lease(Protocol):
     def sessions(self) -> tuple[int, ...]:
         """Sockets of server sessions whose end frees the slot at once: watched for a hang-up."""
 
-    def refresh(self) -> None:
-        """Prove the slot is still ours (extend it); raise `LeaseLost` or `BackendUnavailable`."""
+    @property
+    def bells(self) -> tuple[int, ...]:
+        """Descriptors that turn readable when a take-over may have been asked: refresh then."""
 
-    def release(self) -> None:
-        """Give the slot back; idempotent and silent about a slot already lost."""
+    def refresh(self) -> None:
+        """Prove the slot is still ours (extend it).
+
+        Raises `LeaseLost` or `BackendUnavailable`, or `TakenOver` if another acquirer asked
+        for a take-over since the grant (the slot is still ours until `release`).
+        """
+
+    def release(self, hold: float = 0.0) -> None:
+        """Give the slot back; idempotent and silent about a slot already lost.
+
+        With *hold* > 0 the slot stays taken for *hold* more seconds with nothing of ours
+        left running (--hold-at-least): later acquirers find it busy until then.
+        """
 
 
 class Backend(Protocol):

@@ -240,6 +240,7 @@ class AbstractLease:
 
     ttl: float | None = None  # the slot lives exactly as long as the listening socket
     sessions: tuple[int, ...] = ()
+    bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
 
     def __init__(
         self, slot: int, fence: int, listener: socket.socket, marker: socket.socket | None
@@ -258,7 +259,7 @@ class AbstractLease:
     def refresh(self) -> None:
         """Do nothing: the slot lives exactly as long as this process."""
 
-    def release(self) -> None:
+    def release(self, hold: float = 0.0) -> None:
         """Hand the slot to the oldest waiter, or free the name."""
         if self._listener is not None:
             hand_over(self._listener, str(self.fence).encode())

@@ -156,6 +156,7 @@ class FileLease:
 
     ttl: float | None = None  # the slot lives as long as some process has the fd
     sessions: tuple[int, ...] = ()
+    bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
 
     def __init__(self, slot: int, fence: int, held: _Held, wake: socket.socket | None) -> None:
         """Wrap the slot file *held*, locked, as slot *slot* with *fence*."""
@@ -188,7 +189,7 @@ class FileLease:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
 
-    def release(self) -> None:
+    def release(self, hold: float = 0.0) -> None:
         """Clear the holder record and unlock; the file and its fence counter stay."""
         if self._fd is not None:
             with contextlib.suppress(OSError):

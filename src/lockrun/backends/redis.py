@@ -1257,6 +1257,7 @@ class RedisLease:
 
     fds: tuple[int, ...] = ()
     sessions: tuple[int, ...] = ()  # the lease outlives a connection
+    bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
 
     def __init__(
         self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int, sent: float
@@ -1279,7 +1280,7 @@ class RedisLease:
             )
             raise LeaseLost(msg)
 
-    def release(self) -> None:
+    def release(self, hold: float = 0.0) -> None:
         """Give the slot back and wake the next waiter; silent if the lease was lost."""
         if not self.released:
             self.released = True

@@ -452,6 +452,7 @@ class SessionLease(Generic[S]):
         self.confirmed = now()  # the grant's time, set by SessionLockBackend._attempt
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
         self.sessions = self.fds  # the server frees the slot the moment it hangs up
+        self.bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
         self.released = False
         self.busy = threading.Lock()  # one statement at a time on the session
 
@@ -475,7 +476,7 @@ class SessionLease(Generic[S]):
             msg = "the server no longer gives this session the lock"
             raise LeaseLost(msg)
 
-    def release(self) -> None:
+    def release(self, hold: float = 0.0) -> None:
         """Give the slot back (the next waiter gets it at once) and end the session."""
         if self.released:
             return

@@ -1,0 +1,401 @@
+"""The fleet modes on every backend: --hold-at-least, --shared, --take-over (docs/semantics.md).
+
+Each scenario runs once per backend of the registry (the `uri` fixture). The oracles are the
+commands' own records (the times they started and ended, who ran), never the lock's word.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from lockrun import ExitCode, Lock, LockBusy, TakenOver
+from tests.support.cli import (
+    LOCKRUN,
+    TEST_TTL,
+    Held,
+    finish,
+    lock_state,
+    lockrun,
+    one_line,
+    queue_length,
+    start,
+    unmeasured,
+    wait_for,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+SLACK = 3.0  # a loaded 2-core machine: Python start-ups on the way
+# How long a holder may take to notice a take-over: at once where a bell rings (local), at
+# its next renewal (every ttl/3) on a server; plus the start-ups of a loaded machine.
+NOTICE = float(TEST_TTL) / 3 + SLACK
+
+
+def stamp(log: Path, what: str) -> str:
+    """Return a shell snippet that appends "WHAT <Unix time>" to *log*."""
+    return f"echo {what} $(date +%s.%N) >> {log}"
+
+
+def read_log(log: Path) -> list[tuple[str, float]]:
+    """Return the (what, when) lines `stamp` wrote, in order."""
+    if not log.exists():
+        return []
+    return [
+        (what, float(when))
+        for what, when in (line.split() for line in log.read_text().splitlines())
+    ]
+
+
+# --hold-at-least ------------------------------------------------------------------------------
+
+
+def test_hold_keeps_the_lock_taken_after_a_short_command(uri: str, name: str) -> None:
+    """A run with --hold-at-least returns at once, and the lock stays busy until its window ends."""
+    began = time.monotonic()
+    first = lockrun("--uri", uri, "-n", name, "--hold-at-least", "4", "--", "true")
+    assert first.returncode == 0, first.stderr
+    assert time.monotonic() - began < 4, "lockrun stayed for the window"
+    busy = lockrun("--uri", uri, "-n", name, "--", "true")
+    assert busy.returncode == ExitCode.BUSY, busy.stderr
+    line = one_line(busy.stderr)
+    assert line.startswith(f"lockrun: {name} busy, held by ")
+    assert "--hold-at-least" in line
+    (holder,) = lock_state(uri, name)["holders"]
+    assert holder["until"] is not None
+    assert holder["until"] - time.time() < 4 + SLACK
+    wait_for(
+        lambda: lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0,
+        timeout=4 + 2 * SLACK,
+        what="the window to end",
+    )
+    assert lock_state(uri, name)["holders"] == []
+
+
+def test_a_waiter_starts_only_once_the_window_has_ended(
+    uri: str, name: str, tmp_path: Path
+) -> None:
+    """A waiter behind a window runs as it ends: not before, and without polling for long."""
+    log = tmp_path / "log"
+    hold = 2.0
+    first = lockrun(
+        *("--uri", uri, "-n", name, "--hold-at-least", f"{hold}"),
+        *("--", "sh", "-c", stamp(log, "first")),
+    )
+    assert first.returncode == 0, first.stderr
+    second = lockrun(
+        *("--uri", uri, "-n", name, "--wait", "30"), *("--", "sh", "-c", stamp(log, "second"))
+    )
+    assert second.returncode == 0, second.stderr
+    (_, began), (_, then) = read_log(log)
+    assert then - began >= hold - 0.05  # the log's clock is the host's: one clock
+    assert then - began < hold + SLACK
+
+
+def test_a_window_longer_than_the_wait_is_busy(uri: str, name: str) -> None:
+    """--wait shorter than what remains of a window exits 75, not after the window."""
+    assert lockrun("--uri", uri, "-n", name, "--hold-at-least", "60", "--", "true").returncode == 0
+    began = time.monotonic()
+    result = lockrun("--uri", uri, "-n", name, "--wait", "1", "--", "true")
+    assert result.returncode == ExitCode.BUSY, result.stderr
+    assert time.monotonic() - began < 1 + SLACK
+
+
+def test_a_command_longer_than_its_hold_frees_the_lock_at_once(uri: str, name: str) -> None:
+    """A hold shorter than the run adds nothing: the lock is free when the command ends."""
+    result = lockrun("--uri", uri, "-n", name, "--hold-at-least", "0.2", "--", "sleep", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_hold_runs_a_fleets_short_job_once_per_tick(uri: str, name: str, tmp_path: Path) -> None:
+    """Five 'hosts' whose cron fires up to a second apart run a 0.1 s job once, not five times."""
+    log = tmp_path / "ran"
+    job = (
+        shlex.join([*LOCKRUN, "--uri", uri, "-n", name, "--hold-at-least", "30", "-q", "--"])
+        + f" sh -c 'echo $$ >> {log}; sleep 0.1'"
+    )
+    hosts = []
+    for _ in range(5):
+        hosts.append(subprocess.Popen(["sh", "-c", job], env=unmeasured()))
+        time.sleep(0.25)
+    statuses = sorted(host.wait(60) for host in hosts)
+    assert statuses == [0, 75, 75, 75, 75]
+    assert len(log.read_text().split()) == 1
+
+
+def test_a_failed_or_missing_command_holds_as_a_run_does(uri: str, name: str) -> None:
+    """A command that fails still holds its window; one that cannot start holds nothing."""
+    failed = lockrun("--uri", uri, "-n", name, "--hold-at-least", "30", "--", "false")
+    assert failed.returncode == 1
+    assert lockrun("--uri", uri, "-n", f"{name}", "--", "true").returncode == ExitCode.BUSY
+    other = f"{name}-missing"
+    missing = lockrun("--uri", uri, "-n", other, "--hold-at-least", "30", "--", "/nonexistent")
+    assert missing.returncode == ExitCode.NOT_FOUND
+    assert lockrun("--uri", uri, "-n", other, "--", "true").returncode == 0
+
+
+def test_api_hold_at_least_keeps_the_lock_after_the_block(uri: str, name: str) -> None:
+    """`Lock(hold_at_least=…)` leaves the lock taken after the block, for others and itself."""
+    with Lock(name, uri=uri, hold_at_least=30):
+        pass
+    with pytest.raises(LockBusy, match="--hold-at-least"):
+        Lock(name, uri=uri).acquire()
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (("--hold-at-least", "5", "--slots", "2"), "--hold-at-least applies to a lock of one slot"),
+        (("--shared", "--slots", "3"), "--shared applies to a lock of one slot"),
+        (("--shared", "--hold-at-least", "5"), "do not combine"),
+        (("--take-over",), "--take-over waits for the holders to stop"),
+        (("--hold-at-least", "-1"), "--hold-at-least"),
+        (("--hold-at-least", "nan"), "--hold-at-least"),
+    ],
+)
+def test_modes_that_do_not_combine_are_usage_errors(
+    uri: str, name: str, options: tuple[str, ...], said: str
+) -> None:
+    """Each refused combination exits 64 with one line, before anything is taken."""
+    result = lockrun("--uri", uri, "-n", name, *options, "--", "true")
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    assert said in one_line(result.stderr)
+    assert lock_state(uri, name)["holders"] == []
+
+
+# --shared -------------------------------------------------------------------------------------
+
+
+def test_shared_holders_run_together_and_exclude_a_writer(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """Two --shared holders run at once; an exclusive try is busy; status marks them shared."""
+    readers = [held("--uri", uri, "-n", name, "--shared") for _ in range(2)]
+    writer = lockrun("--uri", uri, "-n", name, "--", "true")
+    assert writer.returncode == ExitCode.BUSY, writer.stderr
+    assert "(shared)" in one_line(writer.stderr)
+    holders = lock_state(uri, name)["holders"]
+    assert sorted(holder["pid"] for holder in holders) == sorted(r.process.pid for r in readers)
+    assert all(holder["shared"] for holder in holders)
+    assert [reader.finish() for reader in readers] == [0, 0]
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_a_writer_excludes_readers(uri: str, name: str, held: Callable[..., Held]) -> None:
+    """An exclusive holder makes a --shared try busy."""
+    writer = held("--uri", uri, "-n", name)
+    reader = lockrun("--uri", uri, "-n", name, "--shared", "--", "true")
+    assert reader.returncode == ExitCode.BUSY, reader.stderr
+    assert writer.finish() == 0
+    assert lockrun("--uri", uri, "-n", name, "--shared", "--", "true").returncode == 0
+
+
+def test_a_queued_writer_is_not_overtaken_by_later_readers(
+    uri: str, name: str, held: Callable[..., Held], tmp_path: Path
+) -> None:
+    """Readers that come after a queued writer wait behind it, in arrival order (FIFO)."""
+    log = tmp_path / "order"
+    reader = held("--uri", uri, "-n", name, "--shared")
+    writer = start(
+        *("--uri", uri, "-n", name, "--wait", "forever"), *("--", "sh", "-c", stamp(log, "writer"))
+    )
+    wait_for(lambda: queue_length(uri, name) == 1, what="the writer to queue")
+    late = lockrun("--uri", uri, "-n", name, "--shared", "--", "true")
+    assert late.returncode == ExitCode.BUSY, "a reader overtook the queued writer"
+    later = start(
+        *("--uri", uri, "-n", name, "--shared", "--wait", "forever"),
+        *("--", "sh", "-c", stamp(log, "reader")),
+    )
+    wait_for(lambda: queue_length(uri, name) == 2, what="the second reader to queue")
+    assert reader.finish() == 0
+    assert finish(writer) == 0
+    assert finish(later) == 0
+    assert [what for what, _ in read_log(log)] == ["writer", "reader"]
+
+
+MIXED = """
+import os, pathlib, sys, time
+log, active, mode = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
+mine = active / f"{mode}-{os.getpid()}"
+start = time.monotonic_ns()
+mine.touch()
+time.sleep(0.03)
+mine.unlink()
+with open(log, "a") as out:
+    out.write(f"{mode} {start} {time.monotonic_ns()}\\n")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readers_and_writers_under_the_interval_oracle(uri: str, name: str, tmp_path: Path) -> None:
+    """Mixed readers and writers: a writer's interval never meets another; readers do share."""
+    log, active = tmp_path / "intervals", tmp_path / "active"
+    active.mkdir()
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED)
+    loops = []
+    for worker in range(6):
+        mode = "writer" if worker % 3 == 0 else "reader"
+        shared = ["--shared"] if mode == "reader" else []
+        argv = shlex.join([*LOCKRUN, "--uri", uri, "-n", name, *shared, "-w", "forever", "--"])
+        command = shlex.join([sys.executable, str(script), str(log), str(active), mode])
+        loop = f"for i in $(seq 6); do {argv} {command} || exit 1; done"
+        loops.append(subprocess.Popen(["sh", "-c", loop], env=unmeasured()))
+    assert [loop.wait(300) for loop in loops] == [0] * len(loops)
+    runs = [line.split() for line in log.read_text().splitlines()]
+    assert len(runs) == 36
+    writers = [(int(begin), int(end)) for mode, begin, end in runs if mode == "writer"]
+    readers = [(int(begin), int(end)) for mode, begin, end in runs if mode == "reader"]
+    for begin, end in writers:
+        overlapping = [
+            other
+            for other in writers + readers
+            if other != (begin, end) and other[0] < end and begin < other[1]
+        ]
+        assert overlapping == [], "a writer ran beside another holder"
+    assert any(a != b and a[0] < b[1] and b[0] < a[1] for a in readers for b in readers), (
+        "readers never shared the lock"
+    )
+
+
+def test_api_shared_locks_share_across_threads(uri: str, name: str) -> None:
+    """`Lock(shared=True)` in two threads holds at once; an exclusive try is busy meanwhile."""
+    inside = threading.Barrier(3, timeout=30)
+
+    def read() -> None:
+        with Lock(name, uri=uri, shared=True):
+            inside.wait()  # both readers in
+            inside.wait()  # the writer has tried
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    inside.wait()
+    with pytest.raises(LockBusy):
+        Lock(name, uri=uri).acquire()
+    inside.wait()
+    for thread in threads:
+        thread.join(30)
+    with Lock(name, uri=uri):
+        pass
+
+
+# --take-over ----------------------------------------------------------------------------------
+
+
+TRAPPED = "trap '{end}; exit 0' TERM; {begin}; while :; do sleep 0.05; done"
+
+
+def test_take_over_stops_the_holder_and_runs_after_it(uri: str, name: str, tmp_path: Path) -> None:
+    """The holder's command gets TERM, its lockrun exits 79; the taker runs only after it ended."""
+    log = tmp_path / "log"
+    holder = start(
+        *("--uri", uri, "-n", name, "--"),
+        *("sh", "-c", TRAPPED.format(begin=stamp(log, "begin"), end=stamp(log, "end"))),
+    )
+    wait_for(lambda: read_log(log), what="the holder's command")
+    began = time.monotonic()
+    taker = lockrun(
+        *("--uri", uri, "-n", name, "--take-over", "--wait", "60"),
+        *("--", "sh", "-c", stamp(log, "taker")),
+    )
+    took = time.monotonic() - began
+    assert taker.returncode == 0, taker.stderr
+    assert finish(holder) == ExitCode.TAKEN_OVER
+    _, err = holder.communicate()
+    line = one_line(err)
+    assert line.startswith(f"lockrun: {name}: taken over by "), line
+    assert [what for what, _ in read_log(log)] == ["begin", "end", "taker"]
+    (_, ended), (_, took_over) = read_log(log)[1:]
+    assert ended <= took_over
+    assert took < NOTICE + SLACK, f"the take-over took {took:.1f}s"
+
+
+def test_take_over_kills_a_holder_that_ignores_term(uri: str, name: str, tmp_path: Path) -> None:
+    """A command that ignores TERM is killed after --kill-after; the taker never overlaps it."""
+    log = tmp_path / "log"
+    stubborn = f"trap '' TERM; {stamp(log, 'begin')}; while :; do sleep 0.05; done"
+    holder = start("--uri", uri, "-n", name, "--kill-after", "1", "--", "sh", "-c", stubborn)
+    wait_for(lambda: read_log(log), what="the holder's command")
+    taker = lockrun(
+        *("--uri", uri, "-n", name, "--take-over", "--wait", "60"),
+        *("--", "sh", "-c", stamp(log, "taker")),
+    )
+    assert taker.returncode == 0, taker.stderr
+    assert finish(holder) == ExitCode.TAKEN_OVER
+
+
+def test_take_over_of_a_free_lock_just_runs(uri: str, name: str) -> None:
+    """Nobody to stop: the taker runs at once."""
+    result = lockrun("--uri", uri, "-n", name, "--take-over", "--wait", "5", "--", "true")
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_waiter_ahead_of_a_taker_gives_way(uri: str, name: str, tmp_path: Path) -> None:
+    """A waiter queued before the taker exits 79 without running its command."""
+    log = tmp_path / "log"
+    holder = start(
+        *("--uri", uri, "-n", name, "--"),
+        *("sh", "-c", TRAPPED.format(begin=stamp(log, "begin"), end=stamp(log, "end"))),
+    )
+    wait_for(lambda: read_log(log), what="the holder's command")
+    ahead = start(
+        *("--uri", uri, "-n", name, "--wait", "forever"), *("--", "sh", "-c", stamp(log, "ahead"))
+    )
+    wait_for(lambda: queue_length(uri, name) == 1, what="the waiter to queue")
+    taker = lockrun(
+        *("--uri", uri, "-n", name, "--take-over", "--wait", "60"),
+        *("--", "sh", "-c", stamp(log, "taker")),
+    )
+    assert taker.returncode == 0, taker.stderr
+    assert finish(holder) == ExitCode.TAKEN_OVER
+    assert finish(ahead) == ExitCode.TAKEN_OVER
+    assert [what for what, _ in read_log(log)] == ["begin", "end", "taker"]
+
+
+def test_a_taker_that_dies_leaves_no_stop_behind(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """SIGKILL of a waiting taker: the holder keeps running, and later holders are not stopped."""
+    holder = held("--uri", uri, "-n", name, "--kill-after", "1")
+    # A taker that cannot wait long enough for the holder gives up (75) and leaves nothing.
+    taker = start("--uri", uri, "-n", name, "--take-over", "--wait", "forever", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the taker to queue")
+    taker.kill()
+    taker.wait(30)
+    # Whatever the taker asked, a holder that saw it is stopping: wait out a notice.
+    time.sleep(NOTICE)
+    status = holder.process.poll()
+    if status is None:
+        assert holder.finish() == 0
+    else:
+        assert status == ExitCode.TAKEN_OVER  # it was asked before the taker died
+    later = Held(holder.ready.parent, "--uri", uri, "-n", name)
+    time.sleep(NOTICE)
+    assert later.process.poll() is None, "a dead taker's request stopped a later holder"
+    assert later.finish() == 0
+
+
+def test_api_holder_sees_a_take_over_in_check(uri: str, name: str) -> None:
+    """A Python holder's `lease.check()` raises `TakenOver`; the taker gets in after release."""
+    with Lock(name, uri=uri) as lease:
+        taker = start("--uri", uri, "-n", name, "--take-over", "--wait", "60", "--", "true")
+        deadline = time.monotonic() + NOTICE + SLACK
+        while True:
+            try:
+                lease.check()
+            except TakenOver:
+                break
+            assert time.monotonic() < deadline, "check() never saw the take-over"
+            time.sleep(0.05)
+    assert finish(taker) == 0

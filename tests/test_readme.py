@@ -295,14 +295,19 @@ def test_the_yaml_examples_are_well_formed_blocks() -> None:
 
 
 def test_the_kubernetes_grace_outlasts_kill_after() -> None:
-    """The CronJob gives the pod more terminationGracePeriodSeconds than lockrun's --kill-after."""
-    cronjobs = [b.text for b in _blocks() if b.language == "yaml" and "kind: CronJob" in b.text]
-    assert len(cronjobs) == 1
-    grace = re.search(r"terminationGracePeriodSeconds: (\d+)", cronjobs[0])
-    kill_after = re.search(r'"--kill-after", "([^"]+)"', cronjobs[0])
-    assert grace
-    assert kill_after
-    assert int(grace.group(1)) > (parse_duration(kill_after.group(1)) or 0)
+    """Each pod gives lockrun more terminationGracePeriodSeconds than its --kill-after."""
+    pods = [
+        b.text
+        for b in _blocks()
+        if b.language == "yaml" and re.search(r"kind: (CronJob|Deployment)", b.text)
+    ]
+    assert len(pods) == 2
+    for pod in pods:
+        grace = re.search(r"terminationGracePeriodSeconds: (\d+)", pod)
+        kill_after = re.search(r'"--kill-after", "([^"]+)"', pod)
+        assert grace
+        assert kill_after
+        assert int(grace.group(1)) > (parse_duration(kill_after.group(1)) or 0)
 
 
 def test_the_crontab_lines_have_five_time_fields() -> None:
@@ -340,21 +345,39 @@ class _Unit(configparser.ConfigParser):
 
 
 def test_the_systemd_units_are_a_service_and_its_timer() -> None:
-    """The service has [Unit] and [Service], its timer [Unit], [Timer] and [Install]."""
-    units = {
-        Path(block.text.partition("\n")[0].removeprefix("# ")): _Unit(block.text)
-        for block in _blocks()
-        if block.language == "ini"
-    }
-    paths = sorted(units, key=lambda path: path.suffix)
+    """The batch service has [Unit] and [Service], its timer [Unit], [Timer] and [Install]."""
+    units = _units()
+    paths = sorted((path for path in units if path.stem == "sales-batch"), key=lambda p: p.suffix)
     assert [path.suffix for path in paths] == [".service", ".timer"]
     service, timer = units[paths[0]], units[paths[1]]
-    assert paths[0].stem == paths[1].stem  # the timer starts the service of its own name
     assert service.sections() == ["Unit", "Service"]
     assert {"Type", "ExecStart", "KillMode", "TimeoutStopSec"} <= set(service["Service"])
     assert timer.sections() == ["Unit", "Timer", "Install"]
     assert "OnCalendar" in timer["Timer"]
     assert timer["Install"]["WantedBy"] == "timers.target"
+    _check_stop(service)
+
+
+def test_the_standby_unit_waits_forever_and_restarts() -> None:
+    """The hot-standby service waits forever for the lock and is restarted whatever it exits."""
+    (service,) = (unit for path, unit in _units().items() if path.stem == "dispatcher")
+    assert service.sections() == ["Unit", "Service", "Install"]
+    assert service["Service"]["Restart"] == "always"
+    command = shlex.split(service["Service"]["ExecStart"])
+    assert command[command.index("--wait") + 1] == "forever"
+    _check_stop(service)
+
+
+def _units() -> dict[Path, _Unit]:
+    return {
+        Path(block.text.partition("\n")[0].removeprefix("# ")): _Unit(block.text)
+        for block in _blocks()
+        if block.language == "ini"
+    }
+
+
+def _check_stop(service: _Unit) -> None:
+    """systemd's grace outlasts lockrun's, and lockrun is named by its full path."""
     command = shlex.split(service["Service"]["ExecStart"])
     assert command[0].startswith("/")
     kill_after = parse_duration(command[command.index("--kill-after") + 1]) or 0

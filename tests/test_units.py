@@ -243,7 +243,7 @@ class _RefusingLease:
         msg = "no such database on this server"
         raise ConfigError(msg)
 
-    def release(self) -> None:
+    def release(self, hold: float = 0.0) -> None:
         pass
 
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from click.shell_completion import CompletionItem, ShellComplete
 
-    from lockrun.backends import LockState
+    from lockrun.backends import Holder, LockState
 
 _Command = TypeVar("_Command", bound="Callable[..., object]")
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -305,17 +305,20 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     "--shared/--exclusive",
     default=False,
     show_default=True,
+    allow_from_autoenv=False,  # per lock, like --slots: a nested lockrun must not inherit it
     help="Share the lock with other --shared holders (readers); --exclusive waits for all.",
 )
 @click.option(
     "--hold-at-least",
     type=Duration(),
     default=None,
+    allow_from_autoenv=False,
     help="Keep the lock taken until this long after the grant, even once the command ended.",
 )
 @click.option(
     "--take-over",
     is_flag=True,
+    allow_from_autoenv=False,
     help="Ask the current holders to stop (they exit 79), then run; needs a --wait.",
 )
 @_namespace_option
@@ -417,6 +420,15 @@ def _print(text: str) -> None:
         raise OutputError(msg) from None
 
 
+def _role(role: str, person: Holder) -> str:
+    """Say what *person* does: ``holding``, ``waiting``, ``sharing``, ``held until 12:03:04``."""
+    if person.until is not None:
+        return f"held until {clock_time(person.until)}"
+    if person.shared:
+        return "sharing" if role == "holding" else "waiting (shared)"
+    return role
+
+
 def _table(states: Sequence[LockState]) -> str:
     rows = [("NAME", "SLOT", "STATE", "PID", "USER", "HOST", "SINCE", "COMMAND")]
     for state in states:
@@ -427,7 +439,7 @@ def _table(states: Sequence[LockState]) -> str:
                 (
                     state.name,
                     "-" if person.slot is None else str(person.slot),
-                    role,
+                    _role(role, person),
                     str(person.pid),
                     person.user,
                     person.host,

@@ -30,7 +30,12 @@ def holders_text(holders: Sequence[Holder]) -> str:
     """Say who holds a lock, for people: ``vm:21883 since 12:03:04, vm:42 … and 1 more``."""
     named = [
         f"{holder.host}:{holder.pid}"
-        + ("" if holder.since is None else f" since {clock_time(holder.since)}")
+        + (" (shared)" if holder.shared else "")
+        + (
+            f" until {clock_time(holder.until)} (--hold-at-least)"
+            if holder.until is not None
+            else ("" if holder.since is None else f" since {clock_time(holder.since)}")
+        )
         for holder in holders[:SHOWN_HOLDERS]
     ]
     more = len(holders) - len(named)

@@ -792,3 +792,72 @@ def test_a_stopped_guardian_never_blocks_the_renewals() -> None:
     took, acted = result.stdout.split()
     assert acted == "False"  # nothing of its group was due
     assert float(took) < 30  # thousands of writes, not a wait (it would never return)
+
+
+# A supervisor whose lease has one bell: a FIFO any process may write to. Each refresh is
+# counted in COUNT; once TAKEN exists, a refresh raises TakenOver (the lease still proved).
+BELLED = """
+import os, sys
+from lockrun.errors import TakenOver
+from lockrun.supervise import Limits, supervise
+from lockrun.timing import now
+
+bell_path, count_path, taken = sys.argv[1:4]
+command = sys.argv[4:]
+bell = os.open(bell_path, os.O_RDWR | os.O_NONBLOCK)  # never drained: it stays readable
+
+class BelledLease:
+    slot, fence, ttl, fds, sessions = 0, None, 60.0, (), ()
+    bells = (bell,)
+    confirmed = now()
+
+    def refresh(self):
+        with open(count_path, "a") as f:
+            f.write("x")
+        if os.path.exists(taken):
+            raise TakenOver("taken over by bob@ci3 pid 77")
+
+    def release(self, hold=0.0):
+        pass
+
+try:
+    supervise(command, BelledLease(), Limits(refresh_every=20.0, kill_after=5.0), env=os.environ)
+except TakenOver as err:
+    print(err, file=sys.stderr)
+    sys.exit(79)
+sys.exit(0)
+"""
+
+
+def test_a_take_over_bell_refreshes_at_once_and_stops_the_command(tmp_path: Path) -> None:
+    """A bell makes the supervisor refresh now, once per ring; TakenOver stops the command."""
+    bell, count, taken = tmp_path / "bell", tmp_path / "count", tmp_path / "taken"
+    term = tmp_path / "term"
+    os.mkfifo(bell)
+    script = tmp_path / "belled.py"
+    script.write_text(BELLED)
+    ready = tmp_path / "ready"
+    command = python_script(tmp_path, TERM_RECORDER)
+    supervisor = subprocess.Popen(
+        [
+            *(sys.executable, str(script), str(bell), str(count), str(taken)),
+            *(sys.executable, command, str(ready), "record", str(term), str(tmp_path / "go")),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(ready, supervisor)
+    assert not count.exists()  # no refresh is due for 20 s
+    with open(bell, "w") as ring:
+        ring.write("x")
+    wait_for(count.exists, what="a refresh after the bell")
+    time.sleep(1.0)  # the bell stays readable: edge-triggered, it must not ring again
+    assert count.read_text() == "x"
+    taken.touch()
+    with open(bell, "w") as ring:
+        ring.write("x")
+    _, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 79
+    assert err.strip() == "taken over by bob@ci3 pid 77"
+    assert term.exists()  # stopped with TERM, its grace, not KILL
+    assert count.read_text() == "xx"

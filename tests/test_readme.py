@@ -377,7 +377,7 @@ def _units() -> dict[Path, _Unit]:
 
 
 def _check_stop(service: _Unit) -> None:
-    """systemd's grace outlasts lockrun's, and lockrun is named by its full path."""
+    """Check that systemd's grace outlasts lockrun's, and that lockrun is named by its full path."""
     command = shlex.split(service["Service"]["ExecStart"])
     assert command[0].startswith("/")
     kill_after = parse_duration(command[command.index("--kill-after") + 1]) or 0

@@ -71,6 +71,7 @@ def check_modes(slots: int, *, shared: bool, hold: object, cli: bool = False) ->
     spell = {"slots": "--slots", "shared": "--shared", "hold": "--hold-at-least"}
     if not cli:
         spell = {"slots": "slots", "shared": "shared", "hold": "hold_at_least"}
+    check_flag(shared, spell["shared"])
     seconds = check_seconds(hold, spell["hold"], high=MAX_WAIT)
     if slots > 1 and (shared or seconds):
         what = spell["shared"] if shared else spell["hold"]
@@ -80,6 +81,14 @@ def check_modes(slots: int, *, shared: bool, hold: object, cli: bool = False) ->
         msg = f"{spell['shared']} and {spell['hold']} do not combine: a hold keeps one run's lock"
         raise UsageError(msg)
     return seconds
+
+
+def check_flag(value: object, what: str) -> bool:
+    """Return *value* if it is a bool: ``shared="no"`` would otherwise mean yes."""
+    if not isinstance(value, bool):
+        msg = f"{what} must be True or False, not {value!r}"
+        raise UsageError(msg)
+    return value
 
 
 def _shown(seconds: float) -> str:

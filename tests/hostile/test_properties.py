@@ -138,13 +138,21 @@ def test_every_bound_takes_anything_and_answers_usage_error(value: object) -> No
     assert 0 <= seconds <= 10
 
 
-@given(slots=anything, wait=anything, ttl=anything, name=anything)
+@given(
+    slots=anything,
+    wait=anything,
+    ttl=anything,
+    name=anything,
+    modes=st.fixed_dictionaries(
+        {}, optional=dict.fromkeys(("shared", "hold_at_least", "take_over"), anything)
+    ),
+)
 def test_the_api_says_usage_error_for_any_bad_argument(
-    slots: object, wait: object, ttl: object, name: object
+    slots: object, wait: object, ttl: object, name: object, modes: dict[str, object]
 ) -> None:
-    """Lock(...) with wrong types, NaN, infinity, 2.5 slots: UsageError, not TypeError."""
+    """Lock(...) with wrong types, NaN, infinity, 2.5 slots, odd modes: UsageError only."""
     try:
-        Lock(name, uri="file:///nonexistent/x", slots=slots, wait=wait, ttl=ttl)  # type: ignore[arg-type]
+        Lock(name, uri="file:///nonexistent/x", slots=slots, wait=wait, ttl=ttl, **modes)  # type: ignore[arg-type]
     except (UsageError, ConfigError):
         return
 
@@ -173,8 +181,9 @@ def test_holder_records_decode_or_are_refused(data: object) -> None:
     assert isinstance(holder.pid, int)
     assert 0 <= holder.pid < 2**31
     assert holder.slot is None or 0 <= holder.slot < MAX_SLOTS
-    for stamp in (holder.since, holder.expires):
+    for stamp in (holder.since, holder.expires, holder.until):
         assert stamp is None or 0 <= stamp <= 2**40
+    assert holder.shared is (isinstance(data, dict) and data.get("shared") is True)
     assert len(holder.host) <= 256
     assert all(isinstance(arg, str) for arg in holder.argv)
 

@@ -97,7 +97,10 @@ json_values = st.recursive(
 
 def holder_like(values: st.SearchStrategy[object] = json_values) -> st.SearchStrategy[object]:
     """Return dicts with a holder's keys, each set to anything: near misses of a record."""
-    keys = ("host", "pid", "user", "argv", "since", "slot", "expires", "name", "namespace")
+    keys = (
+        *("host", "pid", "user", "argv", "since", "slot", "expires", "name", "namespace"),
+        *("shared", "until"),
+    )
     return st.fixed_dictionaries(
         {},
         optional={

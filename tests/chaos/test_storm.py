@@ -54,11 +54,17 @@ class Pool:
         self.killed: list[tuple[float, str, int]] = []  # when, what, pid: to explain a failure
         self.errors = open(directory / f"stderr-{slots}", "ab")  # noqa: SIM115 - closed by close()
 
-    def start(self, *, wait: str = "forever", hold: float | None = None, tag: str = "") -> None:
-        """Start one lockrun process of the pool."""
+    def start(
+        self,
+        *options: str,
+        wait: str = "forever",
+        hold: float | None = None,
+        tag: str = "",
+    ) -> None:
+        """Start one lockrun process of the pool, with *options* of its own."""
         argv = [
             *LOCKRUN, "--uri", self.uri, "-n", self.name, "-s", str(self.slots), "-w", wait,
-            "--ttl", f"{TTL:g}", "--kill-after", "1",
+            "--ttl", f"{TTL:g}", "--kill-after", "1", *options,
             "--", *self.oracle.command(tag, hold=hold),
         ]  # fmt: skip
         self.live.append(
@@ -155,6 +161,84 @@ def test_kill_storm_leaks_nothing_and_never_runs_more_than_n(
     finally:
         for pool in pools:
             pool.close()
+
+
+# The modes' pool: what each kind of process passes, and how often it comes (of 10).
+MODES: Final = {
+    "reader": (("--shared",), 5),
+    "writer": ((), 2),
+    "taker": (("--take-over",), 1),
+    "held": (("--hold-at-least", "0.3"), 2),
+}
+TAKEN_OVER: Final = 79
+
+
+class ModesPool(Pool):
+    """A one-slot pool of readers, writers, takers and writers that hold a window."""
+
+    def top_up(self) -> None:
+        """Start processes of random kinds until the pool is *size* strong again."""
+        self.reap()
+        kinds = [kind for kind, (_, weight) in MODES.items() for _ in range(weight)]
+        while len(self.live) < self.size:
+            kind = self.rng.choice(kinds)
+            self.start(*MODES[kind][0], hold=self.rng.uniform(0.1, 0.5), tag=kind)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(180)
+def test_kill_storm_of_readers_writers_and_take_overs(
+    harness: Harness, name: str, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    """SIGKILLs among --shared, exclusive, --take-over and --hold-at-least runs of one name.
+
+    No exclusive run ever overlaps another run; readers do share; every status is one the
+    modes give; and afterwards the lock is free for a writer within a ttl: no stop request,
+    window or reader the dead left behind holds it.
+    """
+    seed = os.getpid() ^ int(time.time())
+    rng = random.Random(seed)  # noqa: S311 - chaos, not secrets
+    pool = ModesPool(harness.uri, f"{name}-modes", 1, 6, tmp_path, rng)
+    try:
+        storm([pool], rng)
+        pool.kill_all()
+        killed = time.monotonic()
+        pool.start(wait=f"{TTL + SLACK:g}", tag="after")
+        after = pool.oracle.wait_started("after", TTL + SLACK + 10)
+        free_after = after.start - killed
+        runs = [run for run in pool.oracle.runs if run.pid]
+        exclusive = [
+            (first, second)
+            for first, second in pool.oracle.overlaps()
+            if first.pid and second.pid and {first.tag, second.tag} != {"reader"}
+        ]
+        shared = [
+            pair for pair in pool.oracle.overlaps() if {pair[0].tag, pair[1].tag} == {"reader"}
+        ]
+        record(
+            "kill storm, modes",
+            backend=harness.backend,
+            runs=len(runs),
+            by_kind=dict(collections.Counter(run.tag for run in runs)),
+            kills=dict(pool.kills),
+            readers_together=len(shared),
+            free_after=free_after,
+            statuses=dict(pool.statuses),
+            seed=seed,
+        )
+        assert exclusive == [], explain(pool)
+        assert shared, "readers never shared the lock"
+        assert free_after < TTL + SLACK
+        pool.oracle.release(after)
+        for process in pool.live:
+            process.wait(30)
+        pool.reap()
+        unexpected = set(pool.statuses) - {0, KILLED, COMMAND_KILLED, TAKEN_OVER}
+        assert not unexpected, f"statuses {dict(pool.statuses)}; lockrun said: {pool.stderr()}"
+        fences = [run.fence for run in sorted(runs, key=lambda run: run.start) if run.fence]
+        assert len(set(fences)) == len(fences), "two grants with one fence"
+    finally:
+        pool.close()
 
 
 def storm(pools: list[Pool], rng: random.Random) -> None:

@@ -194,6 +194,8 @@ def _hold_and_run(
         # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
     except (LeaseLost, TimedOut, TakenOver) as err:
+        if not isinstance(err, TimedOut):
+            hold = 0.0  # a lost lock is no one's to hold; a taker must not wait out a window
         raise type(err)(f"{request.name}: {err}") from err
     finally:
         _release(lease, request, held_since, hold, verbose)

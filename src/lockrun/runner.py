@@ -138,22 +138,7 @@ def _hold_and_run(
     report: WaitReport | None,
 ) -> int:
     started = now()
-    try:
-        if report is not None:
-            try:
-                states = backend.status(request.namespace, request.name)
-            except BackendUnavailable:  # only a report: acquire() judges the outage itself
-                states = []
-            report.start(states)
-        lease = acquire(backend, request, options.wait)
-    except BaseException as err:
-        if report is not None:
-            report.stop()
-        if isinstance(
-            err, BackendUnavailable | ConfigError | TakenOver
-        ):  # docs/semantics.md "Exit status": the line names the lock
-            raise type(err)(f"{request.name}: {err}") from err
-        raise
+    lease = _acquire(backend, request, options.wait, report)
     held_since = started  # for the message only; set again at once
     hold = 0.0  # how much longer the slot stays taken once released (--hold-at-least)
     # From here on the signals of FORWARDED belong to the command: supervise() forwards them
@@ -189,16 +174,42 @@ def _hold_and_run(
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
             )
-    except (CommandNotFound, CommandNotExecutable, BackendUnavailable) as err:
-        hold = 0.0  # nothing ran (BackendUnavailable: the lease could not be confirmed)
+    except (
+        CommandNotFound,
+        CommandNotExecutable,
+        BackendUnavailable,  # the lease could not be confirmed before the spawn
+        LeaseLost,
+        TakenOver,
+        TimedOut,
+    ) as err:
+        if not isinstance(err, TimedOut):  # a run that was cut short keeps its window, but
+            hold = 0.0  # nothing ran, a lost lock is no one's, and a taker runs next
         # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
-        raise type(err)(f"{request.name}: {err}") from err
-    except (LeaseLost, TimedOut, TakenOver) as err:
-        if not isinstance(err, TimedOut):
-            hold = 0.0  # a lost lock is no one's to hold; a taker must not wait out a window
         raise type(err)(f"{request.name}: {err}") from err
     finally:
         _release(lease, request, held_since, hold, verbose)
+
+
+def _acquire(
+    backend: Backend, request: Request, wait: float | None, report: WaitReport | None
+) -> Lease:
+    """Take *request*'s slot, with -v's report of the wait (*report*) if there is one."""
+    try:
+        if report is not None:
+            try:
+                states = backend.status(request.namespace, request.name)
+            except BackendUnavailable:  # only a report: acquire() judges the outage itself
+                states = []
+            report.start(states)
+        return acquire(backend, request, wait)
+    except BaseException as err:
+        if report is not None:
+            report.stop()
+        if isinstance(
+            err, BackendUnavailable | ConfigError | TakenOver
+        ):  # docs/semantics.md "Exit status": the line names the lock
+            raise type(err)(f"{request.name}: {err}") from err
+        raise
 
 
 def _release(

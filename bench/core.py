@@ -231,17 +231,23 @@ class Target:
     uri: str
     name: str = NAME
 
-    def argv(self, *command: str, slots: int = 1, wait: bool = False) -> list[str]:
-        """Return the command line that runs *command* under this target's lock."""
+    def argv(
+        self, *command: str, slots: int = 1, wait: bool = False, options: Sequence[str] = ()
+    ) -> list[str]:
+        """Return the command line that runs *command* under this target's lock.
+
+        *options* go to lockrun before the command (a mode, a lease); flock(1) and etcdctl
+        take none.
+        """
         if self.kind == "flock":
             return [FLOCK, str(self.directory / "x"), *command]
         if self.kind == ETCD:
             lock = [ETCDCTL, f"--endpoints={self.uri}", "lock", self.name, "--", *command]
             return ["env", "ETCDCTL_API=3", *lock]
-        options = ["--uri", self.uri, "-n", self.name]
-        options += ["--slots", str(slots)] if slots > 1 else []
-        options += ["--wait", "forever"] if wait else []
-        return [*self.lockrun, *options, "--", *command]
+        where = ["--uri", self.uri, "-n", self.name]
+        where += ["--slots", str(slots)] if slots > 1 else []
+        where += ["--wait", "forever"] if wait else []
+        return [*self.lockrun, *where, *options, "--", *command]
 
 
 class Processes(contextlib.AbstractContextManager["Processes"]):

@@ -1,11 +1,12 @@
-"""Benchmark lockrun: startup, handoff latency, idle waiters' CPU and FIFO order, per backend.
+"""Benchmark lockrun: startup, handoff latency, idle waiters' CPU, FIFO order, fleet modes.
 
 ``python -m bench [--quick]``, from the repository root, prints one report; a missed target is
 a MISS line. Each measurement is one function, run for the local backends, then for each server
 backend on a throwaway server of its own (bench/servers.py). The Python API is measured beside
-its peers, each contender in a process of its own (bench/api.py). It exits 1 only when
-something broke (lockrun crashed, hung or exited as it should not), listed at the end with its
-command.
+its peers, each contender in a process of its own (bench/api.py); hot-standby fail-overs and
+the cost of each mode (--shared, --hold-at-least, --take-over) in bench/modes.py. It exits 1
+only when something broke (lockrun crashed, hung or exited as it should not), listed at the
+end with its command; a mode a backend does not implement is an UNSUPPORTED line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -27,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, NamedTuple
 from urllib.parse import urlsplit
 
-from bench import api, core
+from bench import api, core, modes
 from bench.core import ETCD, FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
 from bench.servers import Unavailable, serving
 
@@ -80,12 +82,16 @@ class Group:
     backends: tuple[str, ...]
     effort: Effort
     title: str  # "" for the local backends
-    letters: str  # of its sections
+    letters: tuple[str, ...]  # of its sections
 
     @classmethod
     def all(cls, bench: Bench) -> list[Group]:
         found = [(core.LOCAL, "")] + [((backend,), TITLES[backend]) for backend in SERVED]
-        letters = string.ascii_lowercase
+        # a to z, then aa, ab, …: four groups of eight sections need more than 26
+        letters = (
+            *string.ascii_lowercase,
+            *map("".join, itertools.product(string.ascii_lowercase, repeat=2)),
+        )
         return [
             cls(backends, bench.plan.efforts[backends[0]], title, letters[len(SECTIONS) * i :])
             for i, (backends, title) in enumerate(found)
@@ -591,6 +597,8 @@ SECTIONS: Final[tuple[Callable[[Bench, Group], None], ...]] = (
     fifo,
     api_latency,
     api_throughput,
+    modes.standby_section,
+    modes.modes_section,
 )
 
 

@@ -17,12 +17,13 @@ import shlex
 import shutil
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bench import api, core
+from bench import api, core, modes
 from bench.core import ETCD, SERVED, Bench, Broken, Effort, Processes
 from bench.measure import (
     API_TARGETS,
@@ -51,6 +52,9 @@ CYCLE_SCRIPT: Final = (
 PLOT_NAME: Final = "handoff-latency.png"
 REPORT_NAME: Final = "benchmarks.md"
 DOCS: Final = Path(__file__).resolve().parent.parent / "docs"
+# docs/deployment.md links to benchmarks.md#hot-standby-fail-over: keep the heading.
+STANDBY_HEADING: Final = "Hot standby fail-over"
+MODES_HEADING: Final = "Cost of each mode"
 # The contenders loop for as long as the idle waiters wait: idle_window is theirs too.
 FULL_EFFORT: Final = Effort(startup_runs=30, handoff_trials=100, idle_waiters=8, idle_window=10)
 QUICK_EFFORT: Final = Effort(startup_runs=5, handoff_trials=8, idle_waiters=8, idle_window=0.5)
@@ -86,6 +90,8 @@ class Table:
     flock: Column = field(default_factory=Column)
     etcd: Column | None = None  # `etcdctl lock`'s, beside a server backend
     api: tuple[ApiColumn, ApiColumn] | None = None  # lockrun.Lock's, its peer's
+    standby: dict[str, modes.Failovers] | None = None  # by fault (bench/modes.py)
+    modes: modes.ModeCosts | None = None
     peer: str = ""  # the peer's label
     server: str = ""  # the server's name and version
     skipped: str = ""
@@ -118,6 +124,7 @@ def measure(bench: Bench, backend: str, effort: Effort) -> Table:
                 table.etcd = Column() if start_etcd(bench, stack) else None
             steps = {"start-up": startup, "handoff": handoff, "idle waiters": idle}
             steps |= {"contenders": contend, "Python API": python_api}
+            steps |= {"hot standby": standby, "cost of each mode": mode_costs}
             for what, step in steps.items():
                 began = time.monotonic()
                 step(bench, table, effort)
@@ -210,6 +217,17 @@ def python_api(bench: Bench, table: Table, effort: Effort) -> None:  # noqa: ARG
             column.rate, column.fairness = result.rate, result.fairness
 
 
+def standby(bench: Bench, table: Table, effort: Effort) -> None:  # noqa: ARG001 - a step
+    """Time the hot-standby fail-overs of the backend (bench/modes.py)."""
+    table.standby = modes.standby(bench, table.backend, modes.trials(bench))
+
+
+def mode_costs(bench: Bench, table: Table, effort: Effort) -> None:
+    """Time each mode's uncontended cycle beside the plain one's, and take-overs."""
+    runs = effort.startup_runs
+    table.modes = modes.mode_costs(bench, table.backend, runs, modes.trials(bench))
+
+
 def cell(value: float | None, form: str = ".2f") -> str:
     """Return *value* as a table cell in *form*, or `broke` when it was not measured."""
     return "broke" if value is None else format(value, form)
@@ -269,6 +287,111 @@ def api_lines(tables: Sequence[Table]) -> list[str]:
         cells += [cell(c.fairness) for c in both]
         lines.append(f"| {table.backend} | {table.peer} | {' | '.join(cells)} |")
     return [*lines, ""]
+
+
+def spread_cell(values: Sequence[float]) -> str:
+    """Return "median / max" of *values* (ms): a decimal below 100 ms, whole ms above."""
+    if not values:
+        return "broke"
+    form = ".1f" if max(values) < 100 else ".0f"
+    return f"{statistics.median(values):{form}} / {max(values):{form}}"
+
+
+def paragraph(text: str) -> list[str]:
+    """Return *text* as Markdown lines of at most 90 characters, and an empty line."""
+    return [*textwrap.wrap(text, 90, break_on_hyphens=False), ""]
+
+
+def standby_lines(tables: Sequence[Table], bench: Bench) -> list[str]:
+    """Return the "Hot standby fail-over" section: a row per backend, a column per fault."""
+    measured = [table for table in tables if table.standby is not None]
+    if not measured:
+        return []
+    ttl, lease = f"{modes.TTL:g}", " ".join(modes.LEASE)
+    lines = [f"## {STANDBY_HEADING}", ""]
+    lines += paragraph(
+        f"Two `lockrun --wait forever {lease} -- daemon` on this machine, the second queued"
+        " behind the first, as in [deployment.md](deployment.md#hot-standby);"
+        f" {modes.trials(bench)} trials of each fault: the time from the active daemon's end,"
+        " or from the cut, to the standby's daemon starting; median / max in ms."
+    )
+    lines += [
+        "- **clean stop**: TERM to the active lockrun, which passes it on to the daemon and",
+        "  releases the lock once the daemon has exited.",
+        "- **crash**: SIGKILL of the active lockrun and of its daemon's process group.",
+        "- **host cut off** (a server backend): the active lockrun's link to the server, a",
+        "  proxy, goes silent; nothing tells the server. **cut-off daemon stopped**: from the",
+        "  cut to the cut-off daemon's end, which lockrun brought about (exit 76) before the",
+        "  standby's daemon started, in every trial (the bench checks).",
+        "",
+    ]
+    lines += paragraph(
+        "A crash on Redis and a cut wait out what is left of a lease, at most a ttl"
+        f" ({ttl} s here): they scale with `--ttl`. The rest is a hand-over."
+    )
+    lines += [
+        "| backend | clean stop | crash | host cut off | cut-off daemon stopped |",
+        f"|---|{'---:|' * 4}",
+    ]
+    for table in measured:
+        found = table.standby or {}
+        cells = [
+            "—" if (failovers := found.get(fault)) is None else spread_cell(failovers.times)
+            for fault in (modes.CLEAN, modes.CRASH, modes.CUT)
+        ]
+        cut = found.get(modes.CUT)
+        cells.append("—" if cut is None else spread_cell(cut.stopped))
+        lines.append(f"| {table.backend} | {' | '.join(cells)} |")
+    return [*lines, ""]
+
+
+def mode_lines(tables: Sequence[Table], effort: Effort, bench: Bench) -> list[str]:
+    """Return the "Cost of each mode" section: ratios to a plain run, and take-overs."""
+    measured = [table for table in tables if table.modes is not None]
+    if not measured:
+        return []
+    plain, *labels = modes.MODES
+    lines = [f"## {MODES_HEADING}", ""]
+    lines += paragraph(
+        "An uncontended `lockrun --uri URI -n NAME [MODE] -- true`, every run on a fresh name,"
+        f" the modes interleaved, {effort.startup_runs} runs each after one to warm up: the"
+        " plain run's median in ms, and each mode's median over it."
+        f" `--hold-at-least {modes.WINDOW}` still has its window open at release: what leaving"
+        f" the marker costs. `--take-over --wait {modes.TAKER_WAIT:g}` on a free lock."
+    )
+    lines += paragraph(
+        f"**Take-over**, {modes.trials(bench)} trials: a holder (`--ttl {modes.TTL:g}`) runs and"
+        " a taker starts; the time from the taker's start to its command's (its own start-up,"
+        " the holder's notice and stop, the hand-over), and to the holder's command getting TERM"
+        " (the notice); median / max in ms. **unsupported**: the backend did not do what the"
+        " mode asks (why follows the table)."
+    )
+    modes_header = " | ".join(f"`{label}`, × plain" for label in labels)
+    lines += [
+        (
+            f"| backend | {plain}, median ms | {modes_header} | take-over: taker's command"
+            " | take-over: holder's TERM |"
+        ),
+        f"|---|{'---:|' * (len(labels) + 3)}",
+    ]
+    reasons = []
+    for table in measured:
+        costs = table.modes or modes.ModeCosts()
+
+        def shown(label: str, text: str, costs: modes.ModeCosts = costs) -> str:
+            return "unsupported" if label in costs.unsupported else text
+
+        median = costs.medians.get(plain)
+        cells = [shown(plain, cell(None if median is None else median * 1000, ".1f"))]
+        cells += [shown(label, cell(costs.ratio(label))) for label in labels]
+        cells += [
+            shown(modes.TAKE_OVER, spread_cell(found)) for found in (costs.takeover, costs.notice)
+        ]
+        lines.append(f"| {table.backend} | {' | '.join(cells)} |")
+        reasons += [
+            f"- {table.backend}, `{what}`: {why}" for what, why in costs.unsupported.items()
+        ]
+    return [*lines, "", *reasons, *([""] if reasons else [])]
 
 
 def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Effort) -> list[str]:
@@ -404,6 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines = header_lines(bench, command, (load, core.load_average()), effort)
         lines += [line for table in tables for line in table_lines(table, effort)]
         lines += api_lines(tables)
+        lines += standby_lines(tables, bench)
+        lines += mode_lines(tables, effort, bench)
         (args.out / REPORT_NAME).write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
         plot(args.out / PLOT_NAME, tables)
         print(f"wrote {args.out / REPORT_NAME} and {args.out / PLOT_NAME}")

@@ -1,6 +1,7 @@
 """`python -m bench.report` writes a Markdown table per backend beside flock(1), and a plot (#7).
 
-And a table of the Python API beside its peers (#11).
+And a table of the Python API beside its peers (#11), and the fleet modes' two (#12): the
+hot-standby fail-overs (docs/deployment.md links to its heading) and the cost of each mode.
 """
 
 from __future__ import annotations
@@ -28,14 +29,28 @@ LOCAL_ROWS: Final = (
 )
 HEADER: Final = ("date", "kernel", "CPUs", "Python", "load average", "command")
 API: Final = "Python API"  # the section after the backends'
+STANDBY: Final = "Hot standby fail-over"  # docs/deployment.md links to its anchor
+STANDBY_HEADER: Final = ["backend", "clean stop", "crash", "host cut off", "cut-off daemon stopped"]
+MODES: Final = "Cost of each mode"
+MODES_HEADER: Final = [
+    "backend",
+    "plain, median ms",
+    "`--shared`, × plain",
+    "`--hold-at-least 1m`, × plain",
+    "`--take-over --wait 5`, × plain",
+    "take-over: taker's command",
+    "take-over: holder's TERM",
+]
 API_PEERS: Final = {"file": "portalocker.Lock", "abstract": "portalocker.Lock"}
 
 
-def report(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def report(
+    *args: str, env: dict[str, str], timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m bench.report` from the repository root, with this interpreter."""
     command = [sys.executable, "-m", "bench.report", *args]
     return subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=90, check=False, env=env
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
@@ -53,7 +68,8 @@ def tables(markdown: str) -> dict[str, list[list[str]]]:
     return found
 
 
-@pytest.mark.slow  # half a minute of measuring
+@pytest.mark.slow  # half a minute of measuring, twice that on a loaded machine
+@pytest.mark.timeout(240)
 def test_quick_report(tmp_path: Path) -> None:
     """`--quick --backends file,abstract` writes both tables with flock(1), the API's, a PNG."""
     try:
@@ -61,7 +77,8 @@ def test_quick_report(tmp_path: Path) -> None:
     except ImportError:
         unavailable("matplotlib is not installed (pip install -e '.[bench]')")
     installed("flock")
-    out = report("--quick", "--backends", "file,abstract", "--out", str(tmp_path), env=unmeasured())
+    arguments = ("--quick", "--backends", "file,abstract", "--out", str(tmp_path))
+    out = report(*arguments, env=unmeasured(), timeout=200)
     assert out.returncode == 0, out.stdout + out.stderr
     markdown = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
     for item in HEADER:
@@ -69,7 +86,9 @@ def test_quick_report(tmp_path: Path) -> None:
     assert "--quick --backends file,abstract --out" in markdown
     assert "`etcdctl lock`" in markdown
     found = tables(markdown)
-    assert list(found) == ["file", "abstract", API]
+    assert list(found) == ["file", "abstract", API, STANDBY, MODES]
+    check_standby(found.pop(STANDBY))
+    check_modes(found.pop(MODES))
     api = found.pop(API)
     assert api[0][:2] == ["backend", "peer"]
     assert {backend: peer for backend, peer, *_ in api[1:]} == API_PEERS
@@ -86,6 +105,39 @@ def test_quick_report(tmp_path: Path) -> None:
     png = (tmp_path / "handoff-latency.png").read_bytes()
     assert png.startswith(PNG_MAGIC)
     assert len(png) > len(PNG_MAGIC)
+
+
+def spread(text: str) -> tuple[float, float]:
+    """Parse a "median / max" cell."""
+    median, most = (float(part) for part in text.split(" / "))
+    return median, most
+
+
+def check_standby(rows: list[list[str]]) -> None:
+    """Each local backend: a clean stop's and a crash's fail-over; no cut without a server."""
+    assert rows[0] == STANDBY_HEADER
+    assert [backend for backend, *_ in rows[1:]] == ["file", "abstract"]
+    for _, clean, crash, cut, stopped in rows[1:]:
+        for text in (clean, crash):
+            median, most = spread(text)
+            assert 0 < median <= most
+        assert cut == stopped == "—"
+
+
+def check_modes(rows: list[list[str]]) -> None:
+    """Each backend: the plain run in ms, each mode's ratio (or unsupported), take-overs in ms.
+
+    A mode a backend does not implement yet shows as unsupported, never as broke.
+    """
+    assert rows[0] == MODES_HEADER
+    assert [backend for backend, *_ in rows[1:]] == ["file", "abstract"]
+    for _, plain, *ratios, taker, notice in rows[1:]:
+        assert float(plain) > 0
+        assert all(cell == "unsupported" or float(cell) > 0 for cell in ratios), ratios
+        if "unsupported" in (taker, notice):
+            assert taker == notice
+        else:
+            assert 0 < spread(notice)[0] < spread(taker)[0]
 
 
 def test_without_matplotlib(tmp_path: Path) -> None:

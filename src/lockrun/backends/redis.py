@@ -898,11 +898,13 @@ def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
 
 def _field(reply: Any, name: str) -> str:  # noqa: ANN401 - a raw reply
     """Return field *name* of a raw Sentinel reply: a map (RESP3) or a flat list (RESP2)."""
-    if isinstance(reply, list):
-        reply = dict(zip(reply[::2], reply[1::2], strict=False))
-    if not isinstance(reply, dict):
+    if isinstance(reply, list):  # pairs, not a dict: a key may be a list or a map
+        pairs = list(zip(reply[::2], reply[1::2], strict=False))
+    elif isinstance(reply, dict):
+        pairs = list(reply.items())
+    else:
         return ""
-    return _text(next((value for key, value in reply.items() if _text(key) == name), ""))
+    return _text(next((value for key, value in pairs if _text(key) == name), ""))
 
 
 class RedisBackend:

@@ -420,12 +420,18 @@ return 1
 # now + hold, marked as a window in owners ("SLOT FENCE GRANTED UNTIL"), and nothing is
 # granted; the head of the queue is woken to sleep until the window ends. A release while
 # a take-over is pending leaves no window: the taker asked for the lock now.
+# ARGV[6]: '1' if the caller's connection tracked the stop key (a lease's bell): the key is
+# then written, which is what ends Redis's tracking of it for every connection that ever
+# read it (CLIENT TRACKING OFF does not; a lock's users would pile up in the table).
 # → the {token, CLIENT ID} pairs of the waiters it woke.
 _RELEASE: Final = (
     _PRELUDE
     + """
 local hold = tonumber(ARGV[5] or '')
 if not hold or hold ~= hold or hold < 1 then hold = 0 end  -- none, NaN, or under a ms
+if ARGV[6] == '1' and redis.call('EXISTS', stop) == 0 then
+  redis.call('SET', stop, '', 'PX', 1)  -- no request (stopper() reads none), just a write
+end
 -- The only holder leaves and nobody waits: nobody is owed the slot, whether or not our
 -- lease ran out. The keys go, as tidy() deletes them after the last user.
 local first_two = redis.call('ZRANGE', holders, 0, 1)  -- is ours the only lease?
@@ -1390,7 +1396,7 @@ class RedisBackend:
         Return the woken pairs, or None if the call failed (the caller asks again).
         """
         keys = _keys(claim.prefix)
-        argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, hold_ms]
+        argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, hold_ms, 1]
         pool = self.client().connection_pool
         woken: list[str] | None = None
         try:

@@ -131,6 +131,7 @@ def test_readers_draw_no_fence_and_writers_fences_keep_rising(
     counter = keys.get(fence)
     readers = [held(backends(), ask(name, shared=True)) for _ in range(3)]
     assert [reader.fence for reader in readers] == [None, None, None]
+    assert [reader.bells for reader in readers] == [(), (), ()]  # a lone holder's only
     assert all(reader.claim.token.startswith(SHARED) for reader in readers)
     assert keys.get(fence) == counter
     for reader in readers:

@@ -1578,7 +1578,11 @@ class RedisLease:
         self.released = False
         self._using = threading.Lock()  # the renewals, `Lock.check` and the bell share _own
         self._own: Any = None  # our connection, tracking the stop key, once bells were asked
-        self._tracking = True  # until the server refuses CLIENT TRACKING (an ACL, Redis < 6)
+        # Until the server refuses CLIENT TRACKING (an ACL, Redis < 6). Only a lone holder
+        # has a bell: the release's write that ends the tracking would ring every other
+        # reader or slot holder (a renewal each, per release), and their entries in Redis's
+        # tracking table would pile up for as long as the lock is never left alone.
+        self._tracking = claim.slots == 1 and not claim.token.startswith(SHARED)
         self._bell: int | None = None  # an eventfd: readable when Redis pushed something
         self._quit: int | None = None  # an eventfd that ends the listening thread
         self._listener: threading.Thread | None = None
@@ -1587,9 +1591,10 @@ class RedisLease:
     def bells(self) -> tuple[int, ...]:
         """An eventfd that turns readable when Redis pushes a write to the lock's stop key.
 
-        The first call takes the connection and arms it (one round trip). None behind
-        Sentinel, whose primary connection is shared and re-aimed, nor where the server
-        refuses tracking: renewals every ttl/3 still see a take-over.
+        The first call takes the connection and arms it (one round trip). None for a
+        reader or a slot of N > 1, behind Sentinel, whose primary connection is shared and
+        re-aimed, nor where the server refuses tracking: renewals every ttl/3 still see a
+        take-over.
         """
         with self._using:
             if self._bell is None and self._tracking and not self.released:

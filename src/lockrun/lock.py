@@ -138,10 +138,11 @@ class Lease:
         if self.lost is not None:
             raise self.lost
         if self.taken is None and _rung(self._lease.bells):
-            try:
-                self._lease.refresh()
-            except TakenOver as err:
-                self.taken = err
+            # A renewal now: what it finds is kept as the renewals' is. A bell also rings
+            # for a lease the server lost (a Redis FLUSHALL): that must raise on release too.
+            self.renew()
+            if self.lost is not None:
+                raise self.lost
         if self.taken is not None:
             raise self.taken
         if self.ttl is not None and not self.released and now() - self.confirmed >= self.ttl:

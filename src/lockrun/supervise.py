@@ -334,6 +334,11 @@ def supervise(
                 watch.terminal = terminal
                 return watch.run()
     finally:
+        # A bell rung after the loop's last wait stays pending, and SIGIO's default action
+        # would end lockrun (status -29) the moment it is unblocked: drop it, and a late
+        # hang-up's SIGURG with it (_Hangups has stopped: nothing raises them any more).
+        while signal.sigtimedwait({_BELL, _HANGUP}, 0) is not None:
+            pass
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 

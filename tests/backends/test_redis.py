@@ -15,12 +15,12 @@ from urllib.parse import unquote
 
 import pytest
 
-from lockrun import ConfigError, ExitCode, Lock
+from lockrun import ConfigError, ExitCode, Lock, TakenOver
 from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
 from lockrun.backends.redis import Claim, connect, key_prefix, parse
 from lockrun.errors import LeaseLost
 from lockrun.timing import now
-from tests.support.cli import lockrun, one_line, wait_for
+from tests.support.cli import finish, lockrun, one_line, start, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
 from tests.support.sentinels import SentinelServer
 from tests.support.servers import RedisServer, free_port
@@ -255,6 +255,48 @@ def _fence_of_a_cycle(backend: Backend, request: Request, deadline: float | None
     assert lease.fence is not None
     lease.release()
     return lease.fence
+
+
+def test_the_fleet_modes_behind_sentinel(sentinel: Watched, name: str) -> None:
+    """Readers share, a window holds, a take-over stops the holder: on the primary it names.
+
+    No bell behind Sentinel (the primary's connection is shared and re-aimed): the take-over
+    is seen by the renewal, whose answer, a taker's record, counts as a renewal made durable.
+    """
+    uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster"
+    readers = [Lock(name, uri=uri, ttl=3, shared=True) for _ in range(2)]
+    leases = [reader.acquire() for reader in readers]
+    assert [lease.fence for lease in leases] == [None, None]
+    for reader in readers:
+        reader.release()
+    first = lockrun(
+        "--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--hold-at-least", "30", "--", "true"
+    )
+    assert first.returncode == 0, first.stderr
+    busy = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    assert busy.returncode == ExitCode.BUSY
+    assert "--hold-at-least" in one_line(busy.stderr)
+    other = f"{name}-taken"
+    backend = open_backend(parse_uri(uri), ttl=3)
+    try:
+        lease = backend.acquire(Request("default", other, 1, 3.0, Holder.me(["x"])), 0)
+        assert lease is not None
+        assert lease.bells == ()
+        taker = start(
+            "--ttl", SHORT_TTL, "--uri", uri, "-n", other, "--take-over", "-w", "30", "--", "true"
+        )
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                lease.refresh()
+            except TakenOver:
+                break
+            assert time.monotonic() < deadline, "the renewal never saw the take-over"
+            time.sleep(0.1)
+        lease.release()
+        assert finish(taker) == 0
+    finally:
+        backend.close()
 
 
 def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str) -> None:

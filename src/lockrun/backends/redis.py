@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
+import os
 import re
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -39,13 +42,14 @@ from lockrun.backends import (
     slots_mismatch,
     timeout_for,
 )
-from lockrun.bounds import MAX_SLOTS
+from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
     Interrupted,
     LeaseLost,
     LockrunError,
+    TakenOver,
 )
 from lockrun.timing import now
 from lockrun.uri import Secrets, option_name, scrub, secrets_of
@@ -77,8 +81,12 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 
 # -- the scripts -----------------------------------------------------------------------------
-# KEYS: holders queue waiters ticket fence owners info n clients (docs/backends.md "Redis")
-# ARGV: key prefix, token, N, lease ms, holder JSON, mode, our connection's CLIENT ID
+# KEYS: holders queue waiters ticket fence owners info n clients stop (docs/backends.md "Redis")
+# ARGV: key prefix, token, N, lease ms, then per script: acquire: holder JSON, mode (try, wait
+# or take: a wait with --take-over), our connection's CLIENT ID; release: the hold in ms;
+# drop: the {token, CLIENT ID} pairs of the dead.
+# A token that starts with "s:" asks for, or holds, the lock shared (--shared): the mode
+# travels with the token through every key, and nobody can write a mode that is not one.
 # Numbers reach Lua as strings and leave it as doubles: a fence is formatted with %d before it
 # is stored, because Lua's own tostring() would round a 16-digit integer (docs/design.md P27).
 # Every redis.call costs the server about half a microsecond: the common cases (a free lock
@@ -87,18 +95,23 @@ _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 _PRELUDE: Final = (
     f"local MAX_SLOTS = {MAX_SLOTS}\n"
+    f"local MAX_WINDOW = {round(MAX_WAIT * 1000)}  -- ms: the longest --hold-at-least\n"
     """
-local holders, queue, waiters, ticket, fence, owners, info, cfg, clients = unpack(KEYS)
+local holders, queue, waiters, ticket, fence, owners, info, cfg, clients, stop = unpack(KEYS)
 local prefix, token, n, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local MAX_FENCE = 9007199254740992  -- 2^53: Lua's doubles are exact below, and no further
 local DAY = 86400000  -- ms; the fence outlives the lock's other keys by this much
 
--- How long the lock's keys live when its last lease or place runs out at *last*: a minute
--- more (last may be +inf, written by another client: then two days).
+-- How long the lock's keys live when its last lease, window or place runs out at *last*: a
+-- minute more (last may be +inf, written by another client: then the longest window).
 local function lifetime(last)
-  return math.min(math.floor(last - now), 2 * DAY) + 60000
+  return math.min(math.floor(last - now), MAX_WINDOW) + 60000
+end
+
+local function is_shared(who)
+  return string.sub(who, 1, 2) == 's:'
 end
 
 -- The next fence: one more than the last, raised to the server's clock in µs when lower
@@ -139,41 +152,92 @@ local function reap()
   forget(redis.call('ZRANGEBYSCORE', waiters, '-inf', now))
 end
 
--- Gives the lowest free slot and the next fence to *who* until *expiry*, keeping its record.
-local function grant(who, expiry)
-  local used = {}
-  for _, owner in ipairs(redis.call('HVALS', owners)) do
-    local taken = tonumber(string.match(owner, '^(%d+) ') or '')
-    if taken then used[taken] = true end
+-- The take-over asked for now (--take-over): the taker's token and record, or nil. Anyone
+-- may write the stop key: only "TOKEN RECORD" naming a place in the queue that is still
+-- kept counts, so a taker that died or left stops nobody, whatever its key still says.
+local function stopper()
+  local raw = redis.pcall('GET', stop)  -- another type there is no error, only no request
+  if type(raw) ~= 'string' then return nil end
+  local who, record = string.match(raw, '^(%S+) (.*)$')
+  if not who then return nil end
+  local place = tonumber(redis.call('ZSCORE', waiters, who) or '')
+  if not place or place <= now or not redis.call('ZSCORE', queue, who) then return nil end
+  return who, record
+end
+
+-- How many hold the lock exclusively, and how many shared, of *count* holders.
+local function census(count)
+  local exclusive, shared = 0, 0
+  if count == 0 then return exclusive, shared end
+  for _, who in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
+    if is_shared(who) then shared = shared + 1 else exclusive = exclusive + 1 end
   end
-  local slot = 0
-  while used[slot] do slot = slot + 1 end
-  local stamp = next_fence()
+  return exclusive, shared
+end
+
+-- Whether *who* may hold beside the holders: a reader beside readers, a writer in a free
+-- slot of a lock no reader holds.
+local function fits(who, slots, exclusive, shared)
+  if is_shared(who) then return exclusive == 0 end
+  return shared == 0 and exclusive < slots
+end
+
+-- Gives the lowest free slot and the next fence to *who* until *expiry*, keeping its record;
+-- a reader shares slot 0 and has no fence. *taker*: a take-over is pending that *who* must
+-- give way to when it claims the slot (owners then says "… y:TAKER").
+local function grant(who, expiry, taker)
+  local slot, stamp = 0, 0
+  if not is_shared(who) then
+    local used = {}
+    for _, owner in ipairs(redis.call('HVALS', owners)) do
+      local taken = tonumber(string.match(owner, '^(%d+) ') or '')
+      if taken then used[taken] = true end
+    end
+    while used[slot] do slot = slot + 1 end
+    stamp = next_fence()
+  end
   local record, client = redis.call('HGET', info, who), redis.call('HGET', clients, who)
   forget({who})
   redis.call('ZADD', holders, expiry, who)
-  redis.call('HSET', owners, who, string.format('%d %d %d', slot, stamp, now))
+  local owner = string.format('%d %d %d', slot, stamp, now)
+  if taker then owner = owner .. ' y:' .. taker end
+  redis.call('HSET', owners, who, owner)
   if record then redis.call('HSET', info, who, record) end
   if client then redis.call('HSET', clients, who, client) end
   return slot, stamp
 end
 
--- Grants free slots to the head of the queue, strictly in order, and wakes those waiters.
--- Each finds its slot granted when it asks again; until then the slot is held only as long
--- as the waiter's place would have been, so a waiter that died frees it on that schedule,
--- or sooner: returns {token, CLIENT ID, …} of those woken, for the caller to see that their
--- connections are still there (DROP).
+-- Grants to the head of the queue, strictly in order while the next one fits (consecutive
+-- readers enter together), and wakes those waiters. Each finds its slot granted when it
+-- asks again; until then the slot is held only as long as the waiter's place would have
+-- been, so a waiter that died frees it on that schedule, or sooner: returns {token, CLIENT
+-- ID, …} of those woken, for the caller to see that their connections are still there (DROP).
+-- A taker granted ends its take-over request; anyone granted before it gives way.
 local function wake(slots)
   local woken = {}
-  local free = slots - redis.call('ZCARD', holders)
-  if free <= 0 then return woken end
-  for _, next in ipairs(redis.call('ZRANGE', queue, 0, free - 1)) do
-    grant(next, tonumber(redis.call('ZSCORE', waiters, next)) or now + ttl)
-    local key = prefix .. ':wake:' .. next
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if not head then return woken end
+  local count = redis.call('ZCARD', holders)
+  if count >= slots and not is_shared(head) then return woken end  -- the usual: all taken
+  local exclusive, shared = census(count)
+  local taker = stopper()
+  while head and fits(head, slots, exclusive, shared) do
+    if is_shared(head) then shared = shared + 1 else exclusive = exclusive + 1 end
+    local mark = nil
+    if head == taker then
+      redis.call('DEL', stop)
+      taker = nil
+    else
+      mark = taker
+    end
+    grant(head, tonumber(redis.call('ZSCORE', waiters, head)) or now + ttl, mark)
+    local key = prefix .. ':wake:' .. head
     redis.call('RPUSH', key, 1)
     redis.call('PEXPIRE', key, ttl)
-    woken[#woken + 1] = next
-    woken[#woken + 1] = redis.call('HGET', clients, next) or ''
+    woken[#woken + 1] = head
+    woken[#woken + 1] = redis.call('HGET', clients, head) or ''
+    if exclusive >= slots then break end
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   return woken
 end
@@ -185,7 +249,7 @@ local function tidy()
     if #top > 0 then last = math.max(last, tonumber(top[2])) end
   end
   if last == 0 then
-    redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg, clients)
+    redis.call('DEL', holders, queue, waiters, ticket, owners, info, cfg, clients, stop)
     redis.call('PEXPIRE', fence, DAY)
     return
   end
@@ -216,104 +280,164 @@ local function hand_on(tokens)
 end
 """
 
-# → {1, slot, fence} granted; {0, rank, ms until a lease or a place ahead of us may lapse}
-# queued (or, in 'try' mode, not queued); {-1, N in use, 0} when live users of the name
-# have another N. Then the {token, CLIENT ID} pairs of other waiters it woke.
+# → {code, number, number, number, text, then the {token, CLIENT ID} pairs of other waiters
+# it woke}: {1, slot, fence (0 for a reader), 0, ''} granted; {0, rank, ms until a lease or
+# a place ahead of us may lapse, ms the lock stays taken whatever happens (a --hold-at-least
+# window), ''} queued (or, in 'try' mode, not queued); {-1, N in use, 0, 0, ''} when live
+# users of the name have another N; {2, 0, 0, 0, the taker's record} granted while a
+# take-over was pending: given back at once, for the taker.
 _ACQUIRE: Final = (
     _PRELUDE
     + """
 -- A free lock: nobody holds or waits, so its keys are gone (tidy() deletes them with the
--- last user, or they expire together). No lease can have lapsed, no waiter is owed a slot
--- and no other N is in use: slot 0 is ours, recorded as grant() and tidy() would.
+-- last user, or they expire together). No lease can have lapsed, no waiter is owed a slot,
+-- no take-over is pending and no other N is in use: slot 0 is ours, recorded as grant() and
+-- tidy() would.
 if redis.call('EXISTS', holders, queue) == 0 then
-  local stamp, keep = next_fence(), lifetime(now + ttl)
+  local keep = lifetime(now + ttl)
+  local stamp = 0
+  if not is_shared(token) then
+    stamp = next_fence()
+    redis.call('PEXPIRE', fence, math.max(keep, DAY))
+  end
   redis.call('ZADD', holders, now + ttl, token)
   redis.call('HSET', owners, token, string.format('0 %d %d', stamp, now))
   redis.call('HSET', info, token, ARGV[5])
   redis.call('SET', cfg, n, 'PX', keep)
   for _, key in ipairs({holders, owners, info}) do redis.call('PEXPIRE', key, keep) end
-  redis.call('PEXPIRE', fence, math.max(keep, DAY))
-  return {1, 0, stamp}
+  return {1, 0, stamp, 0, ''}
 end
 """
     + _MACHINERY
     + """
+local mode = ARGV[6]
 reap()
 local configured = configured_n() or n
 if configured ~= n and redis.call('ZCARD', holders) + redis.call('ZCARD', queue) > 0 then
-  return {-1, configured, 0}
+  return {-1, configured, 0, 0, ''}
 end
 redis.call('SET', cfg, n)
 local woken = wake(n)
-local function reply(a, b, c)
+local function reply(a, b, c, d, text)
   tidy()
-  local all = {a, b, c}
+  local all = {a, b, c, d, text}
   for i = 1, #woken, 2 do
     if woken[i] ~= token then all[#all + 1], all[#all + 2] = woken[i], woken[i + 1] end
   end
   return all
 end
 local mine = redis.call('HGET', owners, token)
-local slot, stamp = string.match(mine or '', '^(%d+) (%d+) ')
-if mine and not slot then forget({token}) end  -- not what grant() wrote: start afresh
+local slot, stamp, rest = string.match(mine or '', '^(%d+) (%d+) %d+(.*)$')
+local taker = string.match(rest or '', '^ y:(%S+)$')
+if mine and (not slot or (rest ~= '' and not taker)) then
+  -- Not what grant() wrote for a token that asks (a window is a released token's): anew.
+  forget({token})
+  slot = nil
+end
+if slot and taker and (redis.call('HEXISTS', owners, taker) == 1
+                       or redis.call('ZSCORE', queue, taker)) then
+  -- Granted while a take-over was pending, and its taker still waits or holds: it came
+  -- after us, so we give way (docs/design.md A4) and hand the slot on, to the taker or to
+  -- who is before it. (A taker gone meanwhile leaves us the slot.)
+  local record = redis.call('HGET', info, taker) or ''
+  for _, each in ipairs(hand_on({token})) do woken[#woken + 1] = each end
+  return reply(2, 0, 0, 0, record)
+end
 if slot then  -- granted while we slept, or a retried call: the lease runs from now
+  if taker then redis.call('HSET', owners, token, string.match(mine, '^%d+ %d+ %d+')) end
   redis.call('ZADD', holders, 'XX', now + ttl, token)
   redis.call('HDEL', clients, token)  -- claimed: ours now, whatever becomes of a connection
-  return reply(1, tonumber(slot), tonumber(stamp))
+  return reply(1, tonumber(slot), tonumber(stamp), 0, '')
 end
-local rank = redis.call('ZRANK', queue, token) or redis.call('ZCARD', queue)
-if rank < n - redis.call('ZCARD', holders) then  -- only when nobody queues: wake() ran
-  redis.call('HSET', info, token, ARGV[5])
-  local slot, stamp = grant(token, now + ttl)
-  redis.call('HDEL', clients, token)
-  return reply(1, slot, stamp)
-end
-if ARGV[6] ~= 'try' then
-  if not redis.call('ZSCORE', queue, token) then
-    redis.call('ZADD', queue, next_ticket(), token)
+local rank = redis.call('ZRANK', queue, token)
+local queued = rank ~= false
+if not queued then rank = redis.call('ZCARD', queue) end
+if rank == 0 and not queued then  -- nobody queues (wake() ran): we may fit beside the holders
+  local exclusive, shared = census(redis.call('ZCARD', holders))
+  if fits(token, n, exclusive, shared) then
+    redis.call('HSET', info, token, ARGV[5])
+    local slot, stamp = grant(token, now + ttl)
+    redis.call('HDEL', clients, token)
+    return reply(1, slot, stamp, 0, '')
   end
+end
+if mode ~= 'try' then
+  if not queued then redis.call('ZADD', queue, next_ticket(), token) end
   redis.call('ZADD', waiters, now + ttl, token)
   redis.call('HSET', info, token, ARGV[5])
   if ARGV[7] ~= '' then redis.call('HSET', clients, token, ARGV[7]) end
+  if mode == 'take' then
+    -- Ask the holders to stop (their renewals say so), for as long as our place is kept:
+    -- the request lapses with it. A later taker's request replaces ours.
+    local taker = stopper()
+    if not taker or taker == token then
+      redis.call('SET', stop, token .. ' ' .. ARGV[5], 'PX', ttl)
+    end
+  end
 end
-tidy()
--- Sleep at most until the first lease, or the place of a waiter ahead of us, runs out.
+-- Sleep at most until the first lease, or the place of a waiter ahead of us, runs out. If
+-- the only lease is a window (--hold-at-least), the lock stays taken until it ends.
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
-local until_free = ttl
-if #first > 0 then until_free = math.min(ttl, tonumber(first[2]) - now) end
-if ARGV[6] ~= 'try' and rank > 0 then
+local until_free, taken = ttl, 0
+if #first > 0 then
+  local ends = tonumber(first[2])
+  until_free = math.min(ttl, ends - now)
+  local owner = redis.call('HGET', owners, first[1]) or ''
+  if n == 1 and string.find(owner, '^%d+ %d+ %d+ %d') then
+    taken = math.min(ends - now, MAX_WINDOW)
+  end
+end
+if mode ~= 'try' and rank > 0 then
   for _, ahead in ipairs(redis.call('ZRANGE', queue, 0, rank - 1)) do
     local lapse = redis.call('ZSCORE', waiters, ahead)
     if lapse then until_free = math.min(until_free, tonumber(lapse) - now) end
   end
 end
-return reply(0, rank, math.max(0, until_free))
+return reply(0, rank, math.max(0, until_free), math.max(0, taken), '')
 """
 )
 
-# → 1 extended, 0 lost. An expired lease is lost even before anyone reaped it.
+# → 1 extended, 0 lost, or the taker's record: extended, but a take-over asks us to stop.
+# An expired lease is lost even before anyone reaped it, and so is a window (--hold-at-least):
+# its run has ended, and a renewal that arrives after the release revives nothing (P4).
 _RENEW: Final = (
     _PRELUDE
     + _MACHINERY
     + """
 local expiry = redis.call('ZSCORE', holders, token)
 if not expiry or tonumber(expiry) <= now then return 0 end
+if string.find(redis.call('HGET', owners, token) or '', '^%d+ %d+ %d+ ') then return 0 end
 redis.call('ZADD', holders, 'XX', now + ttl, token)
 tidy()
+local taker, record = stopper()
+if taker and taker ~= token then return record end
 return 1
 """
 )
 
 # Releases a slot or leaves the queue, whichever the token has; grants to who is next.
+# ARGV[5]: the hold in ms (--hold-at-least): a slot held is kept taken until the server's
+# now + hold, marked as a window in owners ("SLOT FENCE GRANTED UNTIL"), and nothing is
+# granted; the head of the queue is woken to sleep until the window ends. A release while
+# a take-over is pending leaves no window: the taker asked for the lock now.
+# ARGV[6]: '1' if the caller's connection tracked the stop key (a lease's bell): the key is
+# then written, which is what ends Redis's tracking of it for every connection that ever
+# read it (CLIENT TRACKING OFF does not; a lock's users would pile up in the table).
 # → the {token, CLIENT ID} pairs of the waiters it woke.
 _RELEASE: Final = (
     _PRELUDE
     + """
+local hold = tonumber(ARGV[5] or '')
+if not hold or hold ~= hold or hold < 1 then hold = 0 end  -- none, NaN, or under a ms
+if ARGV[6] == '1' and redis.call('EXISTS', stop) == 0 then
+  redis.call('SET', stop, '', 'PX', 1)  -- no request (stopper() reads none), just a write
+end
 -- The only holder leaves and nobody waits: nobody is owed the slot, whether or not our
 -- lease ran out. The keys go, as tidy() deletes them after the last user.
 local first_two = redis.call('ZRANGE', holders, 0, 1)  -- is ours the only lease?
-if #first_two == 1 and first_two[1] == token and redis.call('EXISTS', queue) == 0 then
-  redis.call('DEL', holders, waiters, ticket, owners, info, cfg, clients,
+if hold == 0 and #first_two == 1 and first_two[1] == token
+    and redis.call('EXISTS', queue) == 0 then
+  redis.call('DEL', holders, waiters, ticket, owners, info, cfg, clients, stop,
              prefix .. ':wake:' .. token)
   redis.call('PEXPIRE', fence, DAY)
   return {}
@@ -321,6 +445,28 @@ end
 """
     + _MACHINERY
     + """
+if hold > 0 then
+  local expiry = tonumber(redis.call('ZSCORE', holders, token) or '')
+  local mine = redis.call('HGET', owners, token) or ''
+  if string.find(mine, '^%d+ %d+ %d+ %d') then return {} end  -- a retry: the window stands
+  local taker = stopper()
+  if expiry and expiry > now and string.find(mine, '^%d+ %d+ %d+$') and not taker then
+    local ends = now + math.min(hold, MAX_WINDOW)
+    redis.call('ZADD', holders, 'XX', ends, token)
+    redis.call('HSET', owners, token, mine .. string.format(' %d', ends))
+    redis.call('HDEL', clients, token)
+    local head = redis.call('ZRANGE', queue, 0, 0)[1]
+    if head then  -- a hint (D2): it asks again and learns when the window ends
+      local key = prefix .. ':wake:' .. head
+      redis.call('RPUSH', key, 1)
+      redis.call('PEXPIRE', key, ttl)
+    end
+    tidy()
+    return {}
+  end
+end
+local taker = stopper()
+if taker == token then redis.call('DEL', stop) end  -- a taker that gives up
 return hand_on({token})
 """
 )
@@ -390,7 +536,8 @@ def _run(
 ) -> list[Any]:
     """Run *script* on *connection*, then the commands *after*, in one round trip.
 
-    Return their replies. A server that lacks the script (a restart, SCRIPT FLUSH, another
+    Return their replies; an error reply to one of *after* is returned as the exception.
+    A server that lacks the script (a restart, SCRIPT FLUSH, another
     server behind the address) is given it, once.
     """
     packed = b"".join(
@@ -405,13 +552,38 @@ def _run(
             reply = connection.read_response()
         except errors.NoScriptError:
             for _ in after:  # their replies, before the connection is used again
-                connection.read_response()
+                _reply(connection)
             connection.send_packed_command([_command("SCRIPT", "LOAD", _SCRIPTS[script])])
             connection.read_response()
             continue
-        return [reply, *(connection.read_response() for _ in after)]
+        except errors.ResponseError:
+            for _ in after:  # the connection stays in step, then the error is reported
+                _reply(connection)
+            raise
+        return [reply, *(_reply(connection) for _ in after)]
     msg = "the server forgot our script as soon as it was loaded"
     raise errors.ConnectionError(msg)
+
+
+# Client-side caching's tracking, for a lease's take-over bell (`RedisBackend.track`).
+_TRACK: Final = (("CLIENT", "TRACKING", "ON", "OPTIN"), ("CLIENT", "CACHING", "yes"))
+
+
+def _reply(connection: Any) -> Any:  # noqa: ANN401 - redis-py's Connection, and any reply
+    """Read one reply; an error reply (a refused command) is returned, not raised.
+
+    Its whole reply has been read, so the connection stays in step for the next.
+    """
+    try:
+        return connection.read_response()
+    except errors.ResponseError as refused:
+        return refused
+
+
+def _pipeline(connection: Any, *commands: tuple[str, ...]) -> list[Any]:  # noqa: ANN401
+    """Send *commands* in one round trip; return their replies (errors as values, `_reply`)."""
+    connection.send_packed_command([b"".join(_command(*command) for command in commands)])
+    return [_reply(connection) for _ in commands]
 
 
 # -- URIs --------------------------------------------------------------------------------------
@@ -521,10 +693,16 @@ def _escape(text: str) -> str:
     return _KEY_UNSAFE.sub(lambda match: f"%{ord(match[0]):02X}", text)
 
 
-# What grant() writes in the owners hash: slot, fence, and when it was granted (server ms).
+# What grant() writes in the owners hash: slot, fence (0 for a reader), and when it was
+# granted (server ms); then the end of a --hold-at-least window (server ms), or "y:TOKEN"
+# for a waiter granted while TOKEN's take-over was pending (it gives way when it claims).
 _OWNER: Final = re.compile(
-    r"(?P<slot>\d{1,19}) (?P<fence>\d{1,19}) (?P<granted>\d{1,19})", re.ASCII
+    r"(?P<slot>\d{1,19}) (?P<fence>\d{1,19}) (?P<granted>\d{1,19})"
+    r"(?: (?P<window>\d{1,19})| y:\S+)?",
+    re.ASCII,
 )
+SHARED: Final = "s:"  # the start of a reader's token (--shared)
+_GAVE_WAY: Final = 2  # the acquire script's code for "granted during a take-over: given back"
 
 
 def _slots(text: str) -> int | None:
@@ -537,13 +715,14 @@ def _slots(text: str) -> int | None:
 
 def _well_formed(script: str, reply: Any) -> bool:  # noqa: ANN401 - Lua's reply
     """Return whether *reply* has the shape our *script* returns (see each script above)."""
-    if script == "renew":
-        return isinstance(reply, int)
+    if script == "renew":  # 1, 0, or the record of a taker
+        return isinstance(reply, int | str)
     if not isinstance(reply, list):
         return False
-    if script == "acquire":  # {granted, number, extra, token, CLIENT ID, …}
-        numbers, woken = reply[:3], reply[3:]
-        shaped = len(numbers) == 3 and all(isinstance(number, int) for number in numbers)  # noqa: PLR2004 - three numbers
+    if script == "acquire":  # {code, number, number, number, text, token, CLIENT ID, …}
+        numbers, text, woken = reply[:4], reply[4:5], reply[5:]
+        shaped = len(numbers) == 4 and all(isinstance(number, int) for number in numbers)  # noqa: PLR2004 - four numbers
+        shaped = shaped and len(text) == 1 and isinstance(text[0], str)
         return shaped and len(woken) % 2 == 0 and all(isinstance(item, str) for item in woken)
     if script == "status":  # {ms, N, holders, queue, owners, info, waiters}
         head, lists = reply[:2], reply[2:]
@@ -576,6 +755,7 @@ def _keys(prefix: str) -> list[str]:
             "info",
             "n",
             "clients",
+            "stop",
         )
     ]
 
@@ -724,11 +904,13 @@ def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
 
 def _field(reply: Any, name: str) -> str:  # noqa: ANN401 - a raw reply
     """Return field *name* of a raw Sentinel reply: a map (RESP3) or a flat list (RESP2)."""
-    if isinstance(reply, list):
-        reply = dict(zip(reply[::2], reply[1::2], strict=False))
-    if not isinstance(reply, dict):
+    if isinstance(reply, list):  # pairs, not a dict: a key may be a list or a map
+        pairs = list(zip(reply[::2], reply[1::2], strict=False))
+    elif isinstance(reply, dict):
+        pairs = list(reply.items())
+    else:
         return ""
-    return _text(next((value for key, value in reply.items() if _text(key) == name), ""))
+    return _text(next((value for key, value in pairs if _text(key) == name), ""))
 
 
 class RedisBackend:
@@ -864,7 +1046,12 @@ class RedisBackend:
                 if identify is not None:
                     argv = [*argv, self._identity(connection) if identify else ""]
                 reply, role = _run(connection, script, keys, argv, ("ROLE",))
-                granted = reply == 1 or (isinstance(reply, list) and reply[:1] == [1])
+                # a renewal answered with a taker's record extended the lease too
+                granted = (
+                    reply == 1
+                    or isinstance(reply, str)
+                    or (isinstance(reply, list) and reply[:1] == [1])
+                )
                 self._check_durable(connection, view, role, written=durable and granted)
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
@@ -875,7 +1062,7 @@ class RedisBackend:
         self,
         connection: Any,  # noqa: ANN401 - redis-py's Connection
         view: _SentinelView,
-        role: list[Any],
+        role: Any,  # noqa: ANN401 - ROLE's reply, or the error it got
         *,
         written: bool,
     ) -> None:
@@ -888,6 +1075,8 @@ class RedisBackend:
         about a second after they promote it.
         """
         where = f"{view.primary[0]}:{view.primary[1]}"
+        if isinstance(role, Exception):  # ROLE refused (an ACL): say so
+            raise role
         if not role or role[0] != "master":
             msg = f"{where} is not a primary (it says {role[:1]})"
             raise _NotDurable(msg)
@@ -984,14 +1173,11 @@ class RedisBackend:
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
         client = self.client()
-        claim = Claim(
-            key_prefix(request.namespace, request.name),
-            secrets.token_hex(10),
-            request.slots,
-            max(1, round(request.ttl * 1000)),
-        )
+        claim = Claim.of(request)
         record = json.dumps(request.holder.to_dict())
-        mode = "try" if deadline is not None and deadline <= now() else "wait"
+        mode = "take" if request.take_over else "wait"
+        if deadline is not None and deadline <= now():
+            mode = "try"
         heard: float | None = None  # when the server last answered; None: not yet
         try:
             while True:
@@ -999,39 +1185,53 @@ class RedisBackend:
                     self.prepare(client)
                     sent = now()  # the lease runs from here (ZADD now + ttl on the server)
                     # A waiter names its connection, for releasers to see whether it lives.
-                    granted, number, extra, *woken = self.call(
-                        "acquire", claim, record, mode, identify=mode == "wait"
+                    granted, number, extra, taken, text, *woken = self.call(
+                        "acquire", claim, record, mode, identify=mode != "try"
                     )
                     heard = now()
-                    # granted: number is our slot, extra our fence, and our lease runs (no
-                    # calls for the sake of others now: the woken lapse as before)
+                    # granted: number is our slot, extra our fence (0: a reader's, none),
+                    # and our lease runs (no calls for the sake of others now: the woken
+                    # lapse as before)
                     if granted == 1:
-                        return RedisLease(self, claim, slot=number, fence=extra, sent=sent)
+                        fence = None if request.shared else extra
+                        return RedisLease(self, claim, slot=number, fence=fence, sent=sent)
                     if granted == -1:  # number: the N the live users of the name have
                         raise self.mismatch(request, claim.prefix, number)
-                    # number: our place in the queue; extra: ms until a lease, or a place
-                    # ahead of ours, may lapse
                     self.pass_over_the_dead(claim, woken)
-                    if mode == "try":
-                        return None  # nothing was queued
-                    remaining = None if deadline is None else deadline - now()
-                    if remaining is not None and remaining <= 0:
-                        self.leave(claim)
-                        return None
-                    # Bounded sleeps: the wake list is only a hint (docs/design.md D2), and
-                    # asking again renews our place in the queue, which lapses after a ttl
-                    # without word.
-                    block = min(extra / 1000 + 0.002, request.ttl / 2)
-                    if remaining is not None:
-                        block = min(block, remaining)
-                    self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
+                    if granted == _GAVE_WAY:  # text: the taker's record; nothing is held
+                        raise TakenOver(_taken_over_by(text))
+                    # number: our place in the queue; extra: ms until a lease, or a place
+                    # ahead of ours, may lapse; taken: ms the lock stays taken for sure (a
+                    # --hold-at-least window)
+                    if mode == "try" or not self.wait_in_line(claim, deadline, extra, taken):
+                        return None  # nothing was queued, or we left the queue
                 except BackendUnavailable as err:
                     self._check_interrupted(request)
                     heard = self.ride_out(err, heard, request.ttl, deadline, mode)
                 self._check_interrupted(request)
+        except TakenOver:
+            raise  # the script gave the slot back and left the queue
         except BaseException:
             self.leave(claim)  # our place in the queue, or a slot granted meanwhile
             raise
+
+    def wait_in_line(self, claim: Claim, deadline: float | None, extra: int, taken: int) -> bool:
+        """Sleep until our wake list is pushed or *extra* ms pass; False if we gave up instead.
+
+        We give up (and leave the queue) once *deadline* has passed, or at once when the
+        lock stays taken for *taken* more ms, beyond it (a --hold-at-least window).
+        """
+        remaining = None if deadline is None else deadline - now()
+        if remaining is not None and (remaining <= 0 or remaining < taken / 1000):
+            self.leave(claim)  # busy at once, not after the wait
+            return False
+        # Bounded sleeps: the wake list is only a hint (docs/design.md D2), and asking
+        # again renews our place in the queue, which lapses after a ttl without word.
+        block = min(extra / 1000 + 0.002, claim.ttl_ms / 2000)
+        if remaining is not None:
+            block = min(block, remaining)
+        self.sleep(f"{claim.prefix}:wake:{claim.token}", block)
+        return True
 
     def interrupt(self) -> None:
         """From another thread: end a waiting `acquire` at once; it raises `Interrupted`.
@@ -1079,7 +1279,7 @@ class RedisBackend:
             isinstance(cause, errors.AuthenticationError | errors.AuthorizationError)
         )
         current = now()
-        if mode == "wait" and transient and self._sentinels_answer(cause):
+        if mode != "try" and transient and self._sentinels_answer(cause):
             heard = current
         if not transient or heard is None or current - heard > ttl:
             raise err
@@ -1126,10 +1326,91 @@ class RedisBackend:
             self._sleeping = None
             pool.release(connection)
 
-    def leave(self, claim: Claim) -> None:
-        """Give up a slot or a place in the queue; best effort, as both lapse by themselves."""
+    def leave(self, claim: Claim, hold_ms: int = 0, *, own: Any = None) -> None:  # noqa: ANN401 - redis-py's Connection
+        """Give up a slot or a place in the queue; best effort, as both lapse by themselves.
+
+        *hold_ms*: keep a held slot taken that long (--hold-at-least). *own*: a lease's own
+        connection (`track`), used for the release if it can be, then given to the pool.
+        """
+        woken: list[str] | None = None
+        if own is not None:
+            woken = self._release_on(own, claim, hold_ms)
         with contextlib.suppress(LockrunError):
-            self.pass_over_the_dead(claim, self.call("release", claim))
+            if woken is None:  # D3: a release is idempotent, asked again if in doubt
+                woken = self.call("release", claim, hold_ms)
+            self.pass_over_the_dead(claim, woken)
+
+    def track(self, claim: Claim) -> tuple[Any, bool]:
+        """Take a connection out of the pool on which Redis pushes writes to *claim*'s stop key.
+
+        Client-side caching's tracking (RESP3), OPTIN: only the key read right after
+        CLIENT CACHING yes is tracked, once; each renewal on the connection reads it again.
+        Return the connection (None behind Sentinel, or when the server refuses: the
+        renewals' cadence remains) and whether the key holds something already.
+        """
+        if self._sentinel is not None:
+            return None, False
+        try:
+            pool = self.client().connection_pool
+            connection: Any = pool.get_connection()
+        except _REPLY_ERRORS:
+            return None, False
+        replies: list[Any] = []
+        try:
+            replies = _pipeline(connection, *_TRACK, ("GET", f"{claim.prefix}:stop"))
+        except BaseException as err:
+            connection.disconnect()  # a reply may still be on its way: never reuse it
+            if not isinstance(err, _REPLY_ERRORS):
+                pool.release(connection)
+                raise
+        if not replies or any(isinstance(reply, Exception) for reply in replies):
+            pool.release(connection)
+            return None, False
+        return connection, replies[-1] is not None
+
+    def renew_on(self, connection: Any, claim: Claim, *, track: bool) -> tuple[Any, bool]:  # noqa: ANN401 - redis-py's Connection
+        """Run the renew script on a lease's own *connection*, tracking the stop key again.
+
+        Return its reply and whether the server still tracks the key for us. A connection
+        lost meanwhile is made again by redis-py (without our bell: renewals remain).
+        """
+        keys = _keys(claim.prefix)
+        argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms]
+        after = (*_TRACK, ("GET", f"{claim.prefix}:stop")) if track else ()
+        try:
+            reply, *tracked = _run(connection, "renew", keys, argv, *after)
+        except _REPLY_ERRORS as err:
+            connection.disconnect()
+            raise self.failure(err) from err
+        except BaseException:
+            connection.disconnect()  # a reply may still be on its way: never reuse it
+            raise
+        if not _well_formed("renew", reply):
+            msg = f"{self.settings.where}: the server's reply is not Redis's (to renew)"
+            raise BackendUnavailable(msg)
+        return reply, track and not any(isinstance(each, Exception) for each in tracked)
+
+    def _release_on(self, connection: Any, claim: Claim, hold_ms: int) -> list[str] | None:  # noqa: ANN401 - redis-py's Connection
+        """Release on a lease's own *connection* and end its tracking; give it to the pool.
+
+        Return the woken pairs, or None if the call failed (the caller asks again).
+        """
+        keys = _keys(claim.prefix)
+        argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, hold_ms, 1]
+        pool = self.client().connection_pool
+        woken: list[str] | None = None
+        try:
+            reply, _ = _run(connection, "release", keys, argv, ("CLIENT", "TRACKING", "OFF"))
+            if _well_formed("release", reply):
+                woken = reply
+        except _REPLY_ERRORS:
+            connection.disconnect()  # a reply may still be on its way: never reuse it
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        return woken
 
     def pass_over_the_dead(self, claim: Claim, woken: list[str]) -> None:
         """Take back the slots just granted to waiters whose connection is gone.
@@ -1208,14 +1489,21 @@ class RedisBackend:
                 holder = Holder.from_dict(read_json(info.get(token, "")))
             except ValueError:
                 holder = Holder("?", 0, "?", ())
+            # The token says the mode, the owners entry a window; never the record's word.
+            holder = holder._replace(shared=token.startswith(SHARED), until=None)
             owner = _OWNER.fullmatch(owners.get(token, ""))
             if expires_ms is None or owner is None:
                 return holder
             slot = int(owner["slot"])
+            expires = float(expires_ms) / 1000
+            # A window's end is the lease's (what the scripts go by), shown no later than
+            # the longest window from now: another client may have written +inf.
+            window = min(expires, server_ms / 1000 + MAX_WAIT) if owner["window"] else None
             return holder._replace(
                 slot=slot if slot < MAX_SLOTS else None,
                 since=int(owner["granted"]) / 1000,
-                expires=float(expires_ms) / 1000,
+                expires=expires,
+                until=window,
             )
 
         held = tuple(
@@ -1251,29 +1539,142 @@ class Claim(NamedTuple):
     slots: int
     ttl_ms: int
 
+    @classmethod
+    def of(cls, request: Request) -> Claim:
+        """Return a new acquisition for *request*; a reader's token says so ("s:")."""
+        token = secrets.token_hex(10)
+        return cls(
+            key_prefix(request.namespace, request.name),
+            f"{SHARED}{token}" if request.shared else token,
+            request.slots,
+            max(1, round(request.ttl * 1000)),
+        )
+
 
 class RedisLease:
-    """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends."""
+    """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends.
+
+    Asked for its `bells`, it takes a connection of its own out of the pool and has Redis
+    track the lock's stop key on it (`RedisBackend.track`): a take-over request then makes
+    Redis push a message on that connection. A thread of the lease's reads what arrives
+    between two calls of ours and rings the bell (an eventfd); the socket itself cannot be
+    the bell, since the answer to every renewal would ring it. The renewals run on that
+    connection and track the key again, in their one round trip.
+    """
 
     fds: tuple[int, ...] = ()
     sessions: tuple[int, ...] = ()  # the lease outlives a connection
-    bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
 
     def __init__(
-        self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int, sent: float
+        self, backend: RedisBackend, claim: Claim, *, slot: int, fence: int | None, sent: float
     ) -> None:
         """Describe the slot *claim* holds, granted by a call *sent* then."""
         self.backend = backend
         self.claim = claim
         self.slot = slot
-        self.fence: int | None = fence
+        self.fence = fence
         self.confirmed = sent
         self.ttl: float | None = claim.ttl_ms / 1000
         self.released = False
+        self._using = threading.Lock()  # the renewals, `Lock.check` and the bell share _own
+        self._own: Any = None  # our connection, tracking the stop key, once bells were asked
+        # Until the server refuses CLIENT TRACKING (an ACL, Redis < 6). Only a lone holder
+        # has a bell: the release's write that ends the tracking would ring every other
+        # reader or slot holder (a renewal each, per release), and their entries in Redis's
+        # tracking table would pile up for as long as the lock is never left alone.
+        self._tracking = claim.slots == 1 and not claim.token.startswith(SHARED)
+        self._bell: int | None = None  # an eventfd: readable when Redis pushed something
+        self._quit: int | None = None  # an eventfd that ends the listening thread
+        self._listener: threading.Thread | None = None
+
+    @property
+    def bells(self) -> tuple[int, ...]:
+        """An eventfd that turns readable when Redis pushes a write to the lock's stop key.
+
+        The first call takes the connection and arms it (one round trip). None for a
+        reader or a slot of N > 1, behind Sentinel, whose primary connection is shared and
+        re-aimed, nor where the server refuses tracking: renewals every ttl/3 still see a
+        take-over.
+        """
+        with self._using:
+            if self._bell is None and self._tracking and not self.released:
+                self._own, asked = self.backend.track(self.claim)
+                self._tracking = self._own is not None
+                if self._tracking:
+                    # rung already if a take-over may have been asked before we listened
+                    self._bell = os.eventfd(int(asked), os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    self._quit = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    self._listen()
+            return () if self._bell is None else (self._bell,)
+
+    def _listen(self) -> None:
+        """Start the thread that rings the bell, with every signal blocked.
+
+        The supervisor waits for its signals with them blocked (sigtimedwait): a thread
+        that left one unblocked could be handed it, or killed by it.
+        """
+        thread = threading.Thread(target=self._ring, name="lockrun-redis-bell", daemon=True)
+        saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+        self._listener = thread
+
+    def _ring(self) -> None:
+        """Ring the bell for each message Redis pushes while none of our calls is under way.
+
+        Ends when the lease is released or the connection lost (the next renewal makes a
+        new one and listens again).
+        """
+        poll = select.poll()
+        assert self._quit is not None  # noqa: S101 - set before the thread starts
+        poll.register(self._quit, select.POLLIN)
+        watched = -1
+        while True:
+            with self._using:  # a call of ours under way reads its own answer first
+                own = self._own
+                sock = getattr(own, "_sock", None)
+                if own is None or sock is None or self._bell is None:
+                    return
+                try:
+                    pushed = own.can_read(timeout=0)
+                    if pushed:
+                        own.read_response(push_request=True)
+                except _REPLY_ERRORS:
+                    own.disconnect()  # a renewal finds out what happened, on a new one
+                    pushed = True
+                if pushed:
+                    os.eventfd_write(self._bell, 1)
+                    continue
+                if sock.fileno() != watched:
+                    if watched >= 0:
+                        poll.unregister(watched)
+                    watched = sock.fileno()
+                    poll.register(watched, select.POLLIN)
+            if any(fd == self._quit for fd, _ in poll.poll()):
+                return
 
     def refresh(self) -> None:
-        """Extend the lease by a ttl; `LeaseLost` if it ended or Redis lost it."""
-        if self.backend.call("renew", self.claim) != 1:
+        """Extend the lease by a ttl; `LeaseLost` if it ended or Redis lost it.
+
+        `TakenOver` (with the lease extended) while another acquirer asks for a take-over.
+        """
+        with self._using:
+            if self._own is None:
+                reply = self.backend.call("renew", self.claim)
+            else:
+                if self._bell is not None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._bell)  # heard: this renewal answers it
+                reply, self._tracking = self.backend.renew_on(
+                    self._own, self.claim, track=self._tracking
+                )
+                if self._tracking and not (self._listener and self._listener.is_alive()):
+                    self._listen()  # the connection was made again
+        if isinstance(reply, str):  # the taker's record
+            raise TakenOver(_taken_over_by(reply))
+        if reply != 1:
             msg = (
                 "the Redis lease is gone (expired, evicted, FLUSHALL, or a restart or failover "
                 "that lost it)"
@@ -1281,7 +1682,32 @@ class RedisLease:
             raise LeaseLost(msg)
 
     def release(self, hold: float = 0.0) -> None:
-        """Give the slot back and wake the next waiter; silent if the lease was lost."""
-        if not self.released:
+        """Give the slot back and wake the next waiter; silent if the lease was lost.
+
+        With *hold*, keep it taken until the server's clock is *hold* seconds on
+        (--hold-at-least): nothing of ours keeps running for that.
+        """
+        with self._using:
+            if self.released:
+                return
             self.released = True
-            self.backend.leave(self.claim)
+            own, self._own = self._own, None
+            if self._quit is not None:
+                os.eventfd_write(self._quit, 1)
+        if self._listener is not None:
+            self._listener.join()
+        for fd in (self._bell, self._quit):
+            if fd is not None:
+                os.close(fd)
+        self._bell = self._quit = None
+        hold_ms = math.ceil(hold * 1000) if hold > 0 else 0
+        self.backend.leave(self.claim, hold_ms, own=own)
+
+
+def _taken_over_by(record: str) -> str:
+    """Return the reason a take-over gives, naming the taker from its *record* (anyone's)."""
+    try:
+        taker = Holder.from_dict(read_json(record))
+    except ValueError:
+        return "taken over by another lockrun, whose record is unreadable"
+    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"

@@ -139,6 +139,9 @@ _NOW_US: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAM
 _MAX_HOLD_US: Final = int(MAX_WAIT * 1_000_000)
 _HOLD: Final = "hold"
 _STOP: Final = "stop"
+# A taker writes its row a moment after it got the stop lock: who it is is asked this often.
+_WHO_TRIES: Final = 3
+_WHO_PAUSE: Final = 0.05
 _READER: Final = re.compile(r"r:[0-9a-f]{16}")  # the mark of a shared holder of ours
 # Whether a reader's row is live: its session holds its lock. The name is made of our key
 # and a mark of 18 characters at most, so no row can make GET_LOCK's name too long (1059).
@@ -784,6 +787,9 @@ class MySQLBackend(SessionLockBackend[Session]):
         attempt.mode.stop = session
         return True
 
+    def _unlock(self, session: Session, part: int | str, attempt: Attempt[Session]) -> None:
+        session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{part}",))
+
     def _keepable(self, session: Session, attempt: Attempt[Session]) -> bool:
         """Whether *session* holds nothing: not a taker's stop request."""
         return attempt.mode is None or attempt.mode.stop is not session
@@ -1010,31 +1016,44 @@ class MySQLBackend(SessionLockBackend[Session]):
 
         From its row, else from its waiting statement's comment in the processlist (its
         own user's sessions are the ones a user sees there without PROCESS), else by the
-        connection. Any error is no answer; each waits up to a ttl, as a check does, so
-        that a slow server does not make us hang up on a slot we still hold.
+        connection. A taker writes its row just after it got the lock: asked again a few
+        times, a moment apart, before the connection has to do.
         """
-        holder: Holder | None = None
+        where = f"connection {connection}"
+        for again in range(_WHO_TRIES):
+            if again:
+                time.sleep(_WHO_PAUSE)
+            holder, seen = self._taker(session, key, connection)
+            if holder is not None:
+                return f"{holder.user}@{holder.host} pid {holder.pid}"
+            where = seen or where
+        return where
+
+    def _taker(
+        self, session: Session, key: str, connection: object
+    ) -> tuple[Holder | None, str | None]:
+        """Return the taker's record (row, else comment), and its session as the server says.
+
+        Any error is no answer; each waits up to a ttl, as a check does, so that a slow
+        server does not make us hang up on a slot we still hold.
+        """
         with contextlib.suppress(pymysql.err.Error):
             row = session.row(_TAKER, (key, connection), timeout=self.ttl)
             if row is not None:
                 with contextlib.suppress(ValueError):
-                    holder = Holder.from_dict(read_json(str(row[0])))
-        where = f"connection {connection}"
-        if holder is None:
-            with contextlib.suppress(pymysql.err.Error):
-                row = session.row(
-                    "SELECT USER, HOST, INFO FROM information_schema.PROCESSLIST WHERE ID = %s",
-                    (connection,),
-                    timeout=self.ttl,
-                )
-                if row is not None:
-                    match = _WAITING.fullmatch(str(row[2]))
-                    who = None if match is None else read_identity(match["json"])
-                    holder = None if who is None else who.holder
-                    where = f"{row[0]}@{row[1]} (connection {connection})"
-        if holder is None:
-            return where
-        return f"{holder.user}@{holder.host} pid {holder.pid}"
+                    return Holder.from_dict(read_json(str(row[0]))), None
+        with contextlib.suppress(pymysql.err.Error):
+            row = session.row(
+                "SELECT USER, HOST, INFO FROM information_schema.PROCESSLIST WHERE ID = %s",
+                (connection,),
+                timeout=self.ttl,
+            )
+            if row is not None:
+                match = _WAITING.fullmatch(str(row[2]))
+                who = None if match is None else read_identity(match["json"])
+                seen = f"{row[0]}@{row[1]} (connection {connection})"
+                return (None if who is None else who.holder), seen
+        return None, None
 
     def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
         session.send(_get_lock(f"{attempt.key}:{slot}", seconds, attempt.tag))

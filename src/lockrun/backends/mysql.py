@@ -143,11 +143,12 @@ _STOP: Final = "stop"
 _WHO_TRIES: Final = 3
 _WHO_PAUSE: Final = 0.05
 _READER: Final = re.compile(r"r:[0-9a-f]{16}")  # the mark of a shared holder of ours
-# Whether a reader's row is live: its session holds its lock. The name is made of our key
-# and a mark of 18 characters at most, so no row can make GET_LOCK's name too long (1059).
+# Whether a reader's row is live: its session holds its lock (NULL, not live, where either
+# is NULL). The name is made of our key and a mark of 18 characters, so no row can make
+# GET_LOCK's name too long (1059).
 _LIVE_READER: Final = (
     "CASE WHEN mark LIKE 'r:%%' AND CHAR_LENGTH(mark) = 18 "
-    "THEN IS_USED_LOCK(CONCAT(%s, ':', mark)) <=> connection_id END"
+    "THEN IS_USED_LOCK(CONCAT(%s, ':', mark)) = connection_id END"
 )
 # The window left (µs, 0 … _MAX_HOLD_US) and the shared holders of a lock, live or not (the
 # dead are swept), with their records and the server's time. Read in a statement of its
@@ -975,6 +976,8 @@ class MySQLBackend(SessionLockBackend[Session]):
         elif found.readers and (taker or not attempt.request.shared):
             for mark in found.readers:
                 reader = f"{attempt.key}:{mark}"
+                if deadline is not None and now() >= deadline:
+                    return False  # a try, or rows that stay live: busy, never a loop
                 if not self._wait_for(session, reader, attempt, mark):
                     return False
                 session.one("SELECT RELEASE_LOCK(%s)", (reader,))

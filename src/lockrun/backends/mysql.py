@@ -13,6 +13,10 @@ A slot lives with its session: the server frees it when the connection closes, o
 session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
 ttl/3 with ``IS_USED_LOCK(slot) = CONNECTION_ID()`` and never reconnects: a session that
 failed once has lost its locks (docs/design.md P19).
+
+The modes (docs/design.md A7) add ``KEY:r:TOKEN`` for each shared holder, ``KEY:stop`` for a
+take-over request, and rows in lockrun_marks: hold windows on the server's clock, shared
+holders, who takes over.
 """
 
 from __future__ import annotations

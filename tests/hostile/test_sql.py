@@ -191,3 +191,39 @@ def test_a_name_the_charset_cannot_carry_is_refused_with_78(
             Request("default" if where == "name" else text, text, 1, 30.0, Holder.me(["x"])),
             now(),
         )
+
+
+@pytest.mark.parametrize("charset", ["utf8mb4", "gbk"])
+def test_sql_in_names_and_records_is_data_in_every_mode(mysql_uri: str, charset: str) -> None:
+    """Shared holders, hold windows and take-overs write names and records as data too.
+
+    Each goes into lockrun_marks (docs/design.md A7) and comes back unchanged in status.
+    """
+    backend = open_backend(parse_uri(with_charset(mysql_uri, charset)), ttl=10.0)
+    try:
+        for payload in payloads(charset):
+            unique = uuid.uuid4().hex[:8]
+            namespace, name = f"{payload}{unique}", f"{unique}{payload}"
+            holder = Holder(payload, 4242, f"u{payload}", (payload, "--", payload))
+            shared = Request(namespace, name, 1, 10.0, holder._replace(shared=True), shared=True)
+            lease = backend.acquire(shared, now())
+            assert lease is not None, (charset, payload)
+            [state] = backend.status(namespace, name)
+            [shown] = state.holders
+            assert shown.shared
+            if charset not in GARBLED:
+                assert (shown.host, shown.user, shown.argv) == (payload, f"u{payload}", holder.argv)
+            lease.release()
+            taker = Request(namespace, name, 1, 10.0, holder, take_over=True)
+            lease = backend.acquire(taker, now() + 5)
+            assert lease is not None, (charset, payload)
+            lease.release(hold=30)
+            [state] = backend.status(namespace, name)
+            [shown] = state.holders
+            assert shown.until is not None
+            assert (shown.host, shown.user) == (payload, f"u{payload}")
+            assert backend.acquire(taker._replace(take_over=False), now()) is None  # the window
+            assert {state.name for state in backend.status(namespace, None)} == {name}
+    finally:
+        backend.close()
+    assert not injected(mysql_uri), charset

@@ -13,12 +13,17 @@ A slot lives with its session: the server frees it when the connection closes, o
 session idled for its ``wait_timeout``, which is the lease. The holder proves ownership every
 ttl/3 with ``IS_USED_LOCK(slot) = CONNECTION_ID()`` and never reconnects: a session that
 failed once has lost its locks (docs/design.md P19).
+
+The modes (docs/design.md A7) add ``KEY:r:TOKEN`` for each shared holder, ``KEY:stop`` for a
+take-over request, and rows in lockrun_marks: hold windows on the server's clock, shared
+holders, who takes over.
 """
 
 from __future__ import annotations
 
 import configparser
 import contextlib
+import decimal
 import functools
 import hashlib
 import json
@@ -44,12 +49,14 @@ from lockrun.backends import (
     slots_mismatch,
 )
 from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
-from lockrun.bounds import MAX_FENCE, MAX_SLOTS
+from lockrun.bounds import MAX_FENCE, MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
     ConfigError,
     LockrunError,
+    TakenOver,
 )
+from lockrun.timing import now
 from lockrun.uri import (
     Secrets,
     option_name,
@@ -76,6 +83,7 @@ _FOREVER: Final = 31_536_000
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
 HOLDERS: Final = "lockrun_holders"
+MARKS: Final = "lockrun_marks"  # hold windows, shared holders, take-over requests
 _TABLES: Final = (
     f"""CREATE TABLE IF NOT EXISTS {FENCES} (
       lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
@@ -90,6 +98,19 @@ _TABLES: Final = (
       name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
       holder TEXT CHARACTER SET utf8mb4 NOT NULL,
       PRIMARY KEY (lock_key, slot)
+    ) ENGINE=InnoDB""",
+    # One row per lock and mark: ``hold``, a --hold-at-least window ending at until_us (the
+    # server's Unix time in µs); ``r:TOKEN``, a --shared holder of GET_LOCK KEY:r:TOKEN;
+    # ``stop``, a --take-over request of the holder of KEY:stop (docs/design.md A7).
+    f"""CREATE TABLE IF NOT EXISTS {MARKS} (
+      lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+      mark VARCHAR(24) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+      connection_id BIGINT UNSIGNED NOT NULL,
+      until_us BIGINT NOT NULL DEFAULT 0,
+      namespace VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+      name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+      holder TEXT CHARACTER SET utf8mb4 NOT NULL,
+      PRIMARY KEY (lock_key, mark)
     ) ENGINE=InnoDB""",
 )
 # The server's clock in µs seeds the fence, so it keeps rising if the table is ever lost.
@@ -113,6 +134,63 @@ _MISMATCH: Final = (
     f"SELECT slots, holder FROM {HOLDERS} WHERE lock_key = %s AND slots <> %s "
     f"AND slots BETWEEN 1 AND {MAX_SLOTS} "  # a row lockrun could have written
     "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id LIMIT 1"
+)
+# The server's clock as Unix time in µs, free of the session's time zone (UNIX_TIMESTAMP of
+# NOW() repeats an hour when daylight saving time ends). One value for a whole statement.
+_NOW_US: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+# A window read back is cut to the longest one lockrun writes: a forged until_us of the year
+# 9999 keeps a lock busy no longer than a --hold-at-least could (and never overflows).
+_MAX_HOLD_US: Final = int(MAX_WAIT * 1_000_000)
+_HOLD: Final = "hold"
+_STOP: Final = "stop"
+# A taker writes its row a moment after it got the stop lock: who it is is asked this often.
+_WHO_TRIES: Final = 3
+_WHO_PAUSE: Final = 0.05
+_READER: Final = re.compile(r"r:[0-9a-f]{16}")  # the mark of a shared holder of ours
+# Whether a reader's row is live: its session holds its lock (NULL, not live, where either
+# is NULL). The name is made of our key and a mark of 18 characters, so no row can make
+# GET_LOCK's name too long (1059).
+_LIVE_READER: Final = (
+    "CASE WHEN mark LIKE 'r:%%' AND CHAR_LENGTH(mark) = 18 "
+    "THEN IS_USED_LOCK(CONCAT(%s, ':', mark)) = connection_id END"
+)
+# The window left (µs, 0 … _MAX_HOLD_US) and the shared holders of a lock, live or not (the
+# dead are swept), with their records and the server's time. Read in a statement of its
+# own after the slot is ours, so that it sees every mark committed before the slot was free.
+_MARKS_OF: Final = (
+    f"SELECT mark, connection_id, "
+    f"LEAST(GREATEST(until_us, {_NOW_US}), {_NOW_US} + {_MAX_HOLD_US}) - {_NOW_US}, "
+    f"{_LIVE_READER}, holder, {_NOW_US} FROM {MARKS} WHERE lock_key = %s "
+    f"AND (mark = '{_HOLD}' AND until_us > {_NOW_US} OR mark LIKE 'r:%%') ORDER BY mark LIMIT 1000"
+)
+_SWEEP: Final = (  # the rows of shared holders whose sessions ended without a goodbye
+    f"DELETE FROM {MARKS} WHERE lock_key = %s AND mark LIKE 'r:%%' "
+    f"AND NOT COALESCE({_LIVE_READER}, 0)"
+)
+_MARK: Final = (
+    f"REPLACE INTO {MARKS} (lock_key, mark, connection_id, until_us, namespace, name, holder) "
+    "VALUES (%s, %s, CONNECTION_ID(), 0, %s, %s, %s)"
+)
+_UNMARK: Final = (
+    f"DELETE FROM {MARKS} WHERE lock_key = %s AND mark = %s AND connection_id = CONNECTION_ID()"
+)
+_WINDOW: Final = (
+    f"REPLACE INTO {MARKS} (lock_key, mark, connection_id, until_us, namespace, name, holder) "
+    f"VALUES (%s, '{_HOLD}', CONNECTION_ID(), {_NOW_US} + %s, %s, %s, %s)"
+)
+_END_WINDOW: Final = f"DELETE FROM {MARKS} WHERE lock_key = %s AND mark = '{_HOLD}'"
+_STOP_MARK: Final = (  # only by the session that got the stop lock: who asks, for the message
+    f"REPLACE INTO {MARKS} (lock_key, mark, connection_id, until_us, namespace, name, holder) "
+    f"SELECT %s, '{_STOP}', CONNECTION_ID(), 0, %s, %s, %s FROM DUAL "
+    "WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
+)
+_TAKER: Final = (
+    f"SELECT holder FROM {MARKS} WHERE lock_key = %s AND mark = '{_STOP}' AND connection_id = %s"
+)
+# A live shared holder, for a user of N > 1: readers are users of one slot.
+_SHARED_MISMATCH: Final = (
+    f"SELECT 1, holder FROM {MARKS} WHERE lock_key = %s AND mark LIKE 'r:%%' "
+    f"AND {_LIVE_READER} LIMIT 1"
 )
 # No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
 _NO_TABLES: Final = frozenset(
@@ -141,8 +219,11 @@ _LOST: Final = frozenset(
 # max_statement_time (MariaDB) / max_execution_time (MySQL).
 _CANCELLED: Final = frozenset({ER.QUERY_INTERRUPTED, ER.STATEMENT_TIMEOUT, ER.QUERY_TIMEOUT})
 # What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
+# A waiter waits in GET_LOCK for a slot, the gate, a take-over's stop lock or a shared
+# holder to leave; or sleeps, holding slot 0, until a hold window ends (named by its column).
 _WAITING: Final = re.compile(
-    r"SELECT GET_LOCK\('(?P<key>lr:[0-9a-f]{40}):(?P<part>gate|\d+)', [0-9.]+\) "
+    r"SELECT (?:GET_LOCK\(|SLEEP\([0-9.]+\) AS )"
+    r"'(?P<key>lr:[0-9a-f]{40}):(?P<part>gate|\d+|stop|r:[0-9a-f]{16})'(?:, [0-9.]+\))? "
     r"/\* lockrun (?P<json>\{.*\}) \*/",
     re.DOTALL,
 )
@@ -569,8 +650,11 @@ class MySQLBackend(SessionLockBackend[Session]):
         """One GET_LOCK (never a negative timeout, docs/design.md P20).
 
         After `_refuse_mismatch`, the next one tries at once, with the check in the same
-        round trip, and waits in the queue only if the lock is busy.
+        round trip, and waits in the queue only if the lock is busy. A shared request
+        enters beside other shared holders where it can (`_enter_shared`).
         """
+        if _reading(attempt) and part == 0:
+            return self._enter_shared(session, seconds, attempt)
         lock = f"{attempt.key}:{part}"
         if session.unchecked is attempt:
             session.unchecked = None
@@ -580,6 +664,17 @@ class MySQLBackend(SessionLockBackend[Session]):
                 raise self._cancelled(part)
             if got == 1 or seconds == 0:
                 return bool(got == 1)
+        return self._get(session, lock, seconds, attempt, part)
+
+    def _get(
+        self,
+        session: Session,
+        lock: str,
+        seconds: float | None,
+        attempt: Attempt[Session],
+        part: int | str,
+    ) -> bool:
+        """Wait up to *seconds* (None: a year) in GET_LOCK for *lock*; True if ours."""
         limit = _FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
         tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
@@ -587,6 +682,17 @@ class MySQLBackend(SessionLockBackend[Session]):
         if got is None:  # KILL QUERY from outside, or an error
             raise self._cancelled(part)
         return bool(got == 1)
+
+    def _wait_for(self, session: Session, lock: str, attempt: Attempt[Session], part: str) -> bool:
+        """Wait in *lock*'s queue until it is ours (True) or the attempt's deadline passes."""
+        deadline = attempt.deadline
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - now())
+            attempt.queued = attempt.queued or remaining != 0
+            if self._get(session, lock, remaining, attempt, part):
+                return True
+            if deadline is not None and now() >= deadline:
+                return False
 
     def _first_free(self, session: Session, attempt: Attempt[Session]) -> int:
         statement = _first_free(attempt.key, attempt.slots)
@@ -600,10 +706,12 @@ class MySQLBackend(SessionLockBackend[Session]):
         """Have *attempt*'s next try on *session* refuse a live holder of another N.
 
         The check goes in that try's round trip (`_checked`), before any wait in the queue;
-        without the tables there is nothing to check.
+        without the tables there is nothing to check. A shared request checked already,
+        with its first try (`_enter_shared`).
         """
         session.gate_left = None
-        session.unchecked = None if self.tables is False else attempt
+        checks = self.tables is not False and not _reading(attempt)
+        session.unchecked = attempt if checks else None
 
     def _checked(
         self,
@@ -616,23 +724,343 @@ class MySQLBackend(SessionLockBackend[Session]):
 
         One round trip; return the try's answer. A holder of another N is refused (78), once
         the lock the try caught, if any (*caught* names it from the answer), is let go.
-        Without the tables nobody recorded anything: the try runs alone.
+        Without the tables nobody recorded anything: the try runs alone. A user of N > 1
+        also looks for shared holders, who use one slot, where their table is.
         """
+        key = attempt.key
+        statements: list[tuple[str, object]] = [
+            (_MISMATCH, (key, attempt.slots)),
+            (statement, None),
+        ]
+        if attempt.slots > 1:
+            statements.append((_SHARED_MISMATCH, (key, key)))
         answers: list[Answer] = []
         try:
-            session.batch(((_MISMATCH, (attempt.key, attempt.slots)), (statement, None)), answers)
+            session.batch(statements, answers)
         except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
-            if answers or not _tableless(err):
+            if not _tableless(err) or len(answers) == 1:
                 raise
-            return session.one(statement)  # _grant finds out about the tables and says so
-        answer = answers[1].rows[0][0]
-        if answers[0].rows:
+            if not answers:
+                return session.one(statement)  # _grant finds out about the tables and says so
+        mismatch, answer, *shared = answers  # a shared holder's table may be missing
+        answer = answer.rows[0][0]
+        found = mismatch.rows or (shared[0].rows if shared else ())
+        if found:
             lock = caught(answer)
             if lock is not None:
                 session.one("SELECT RELEASE_LOCK(%s)", (lock,))
-            slots, record = answers[0].rows[0]
+            slots, record = found[0]
             raise _mismatch(attempt.request, int(slots), str(record))
         return answer
+
+    # -- the modes: --shared, --take-over, --hold-at-least (docs/design.md A7) ----------------
+
+    def _begin(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Give a shared or take-over request its state; a taker asks for the stop first.
+
+        The stop request is the GET_LOCK KEY:stop, held by the taker's first session while
+        it waits, and a row naming the taker. Takers queue on it: the newest that got it
+        makes an older one that is granted meanwhile give way (`_end_stop`).
+        """
+        request = attempt.request
+        if not (request.shared or request.take_over):
+            return True
+        attempt.mode = _Mode()
+        if not request.take_over:
+            return True
+        key = attempt.key
+        stop = f"{key}:{_STOP}"
+        record = json.dumps(request.holder.to_dict())
+        row = (key, request.namespace, request.name, record, stop)
+        answers: list[Answer] = []
+        try:
+            session.batch(
+                (("SELECT GET_LOCK(%s, 0)", (stop,)), (_STOP_MARK, row)),
+                answers,
+            )
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if not answers or not _tableless(err):  # no row: the message says less
+                raise
+        got = answers[0].rows[0][0]
+        if got is None:
+            raise self._cancelled(_STOP)
+        if got != 1:
+            if not self._wait_for(session, stop, attempt, _STOP):
+                return False
+            with contextlib.suppress(pymysql.err.OperationalError, pymysql.err.ProgrammingError):
+                session.one(_STOP_MARK, row)  # best effort, as above
+        attempt.mode.stop = session
+        return True
+
+    def _unlock(self, session: Session, part: int | str, attempt: Attempt[Session]) -> None:
+        session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{part}",))
+
+    def _keepable(self, session: Session, attempt: Attempt[Session]) -> bool:
+        """Whether *session* holds nothing: not a taker's stop request."""
+        return attempt.mode is None or attempt.mode.stop is not session
+
+    def _enter_shared(
+        self, session: Session, seconds: float | None, attempt: Attempt[Session]
+    ) -> bool:
+        """Enter as a shared holder at once if no one holds or waits for the lock.
+
+        Else queue in slot 0's queue as an exclusive request does; the grant then passes
+        through slot 0 (`_grant_shared`). Consecutive shared requests at the head of the
+        queue so all enter, and a later one never overtakes a queued exclusive one.
+        """
+        mode: _Mode = attempt.mode
+        if not mode.tried:
+            mode.tried = True
+            if self._mark_reader(session, attempt, through=False):
+                mode.entered = True
+                return True
+        if seconds == 0:
+            return False
+        return self._get(session, f"{attempt.key}:0", seconds, attempt, 0)
+
+    def _mark_reader(self, session: Session, attempt: Attempt[Session], *, through: bool) -> bool:
+        """Take this shared holder's lock and row; True if they count, else leave none.
+
+        *through*: the session holds slot 0, and lets it go in the same round trip. Else
+        the row counts only if, once it is written, nobody holds slot 0, asks for a
+        take-over, or keeps a window: an exclusive holder reads the rows after it got slot
+        0, so one of the two always sees the other (docs/design.md A7). One round trip,
+        with the check for users of another N.
+        """
+        request = attempt.request
+        key, mark = attempt.key, f"r:{attempt.token}"
+        lock = f"{key}:{mark}"
+        record = json.dumps(request.holder._replace(slot=0, since=time.time()).to_dict())
+        statements: list[tuple[str, object]] = [
+            (_MARK, (key, mark, request.namespace, request.name, record)),
+            ("SELECT GET_LOCK(%s, 0)", (lock,)),
+        ]
+        if through:
+            statements.append(("SELECT RELEASE_LOCK(%s)", (f"{key}:0",)))
+        else:
+            statements += [
+                ("SELECT IS_USED_LOCK(%s), IS_USED_LOCK(%s)", (f"{key}:0", f"{key}:{_STOP}")),
+                (_MARKS_OF, (key, key)),
+                (_MISMATCH, (key, 1)),
+            ]
+        sent = now()
+        try:
+            answers = self._need_marks(session, statements, "--shared")
+        except BaseException:
+            self._unmark(session, key, mark)
+            raise
+        if answers[1].rows[0][0] != 1:  # another session holds our random name: not ours
+            self._unmark(session, key, mark)
+            if through:
+                msg = f"{self.where}: the lock {lock} is held by another session"
+                raise BackendUnavailable(msg)
+            return False
+        if through:
+            return True
+        slot0, stop = answers[2].rows[0]
+        found = _found(answers[3].rows)
+        if answers[4].rows:
+            self._unmark(session, key, mark)
+            slots, other = answers[4].rows[0]
+            raise _mismatch(request, int(slots), str(other))
+        if slot0 is None and stop is None and not found.window:
+            attempt.sent = sent
+            return True
+        self._unmark(session, key, mark)
+        return False
+
+    def _unmark(self, session: Session, key: str, mark: str) -> None:
+        """Take back a shared holder's row and lock (best effort on a session that failed)."""
+        lock = f"{key}:{mark}"
+        with contextlib.suppress(pymysql.err.OperationalError, pymysql.err.ProgrammingError):
+            session.one(_UNMARK, (key, mark))
+        session.one("SELECT RELEASE_LOCK(%s)", (lock,))
+
+    def _need_marks(
+        self, session: Session, statements: Sequence[tuple[str, object]], mode: str
+    ) -> list[Answer]:
+        """Run *statements*, which need lockrun's tables, making them on first use.
+
+        A user who may not use them gets `ConfigError`: *mode* cannot work without them.
+        Nothing before the failing statement has changed anything then: a mark is written
+        first.
+        """
+        for making in (False, True):
+            answers: list[Answer] = []
+            try:
+                session.batch(statements, answers)
+            except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+                code = err.args[0] if err.args else None
+                if code == ER.NO_SUCH_TABLE and not making:
+                    try:
+                        for statement in _TABLES:
+                            session.one(statement)
+                    except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as denied:
+                        if not _tableless(denied):
+                            raise
+                        raise self._no_marks(mode, denied) from denied
+                    continue
+                if _tableless(err):
+                    raise self._no_marks(mode, err) from err
+                raise
+            return answers
+        raise AssertionError  # pragma: no cover - the loop returns or raises
+
+    def _no_marks(self, mode: str, err: pymysql.err.Error) -> ConfigError:
+        return ConfigError(
+            f"{self.where}: {mode} needs lockrun's table {MARKS}, which this user cannot "
+            f"create or use ({_said(self.settings, err)}); create the tables ahead "
+            "(docs/backends.md) or grant SELECT, INSERT, UPDATE, DELETE on them"
+        )
+
+    def _look(self, session: Session, attempt: Attempt[Session]) -> _Found:
+        """Read, after the slot is ours: a take-over asked, a window, shared holders."""
+        key = attempt.key
+        statements = (
+            ("SELECT IS_USED_LOCK(%s)", (f"{key}:{_STOP}",)),
+            (_MARKS_OF, (key, key)),
+        )
+        answers: list[Answer] = []
+        try:
+            session.batch(statements, answers)
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if not answers or not _tableless(err):  # no marks: no window, no shared holder
+                raise
+        return _found(answers[1].rows if len(answers) > 1 else (), answers[0].rows[0][0])
+
+    def _settle(
+        self, session: Session, attempt: Attempt[Session], lock: str, found: _Found
+    ) -> bool:
+        """With *lock* (slot 0) ours, wait out what the grant *found*; False: busy.
+
+        Each wait (`_step`) is followed by a new look; a taker then ends its stop request.
+        """
+        mode: _Mode | None = attempt.mode
+        taker = mode is not None and mode.stop is not None
+        while True:
+            if found.swept:
+                with contextlib.suppress(
+                    pymysql.err.OperationalError, pymysql.err.ProgrammingError
+                ):
+                    session.one(_SWEEP, (attempt.key, attempt.key))
+            waited = self._step(session, attempt, lock, found, taker=taker)
+            if waited is None:
+                break
+            if not waited:
+                return False
+            attempt.proved = now()
+            found = self._look(session, attempt)
+        if mode is not None and mode.stop is not None:
+            if mode.stop is session:
+                attempt.proved = now()
+            self._end_stop(mode, attempt.key)
+        return True
+
+    def _step(
+        self, session: Session, attempt: Attempt[Session], lock: str, found: _Found, *, taker: bool
+    ) -> bool | None:
+        """Wait once for what *found* says: True once waited, False if busy, None if free.
+
+        A take-over asked after this attempt: give way (`TakenOver`). A window: wait until
+        it ends (a piece at a time), holding the slot, so that the queue behind keeps its
+        order, unless the deadline comes first; a taker ends it instead. Shared holders,
+        for an exclusive request or a taker: wait until each has left.
+        """
+        deadline = attempt.deadline
+        if found.stop is not None and not taker:
+            if deadline is not None and now() >= deadline:
+                return False  # a try: busy, as if the taker had the lock already
+            raise TakenOver(f"taken over by {self._who(session, attempt.key, found.stop)}")
+        if found.window and taker:
+            session.one(_END_WINDOW, (attempt.key,))  # a take-over ends a window
+        elif found.window:
+            if deadline is not None and now() + found.window > deadline:
+                return False
+            self._sleep(session, lock, min(found.window, self.ttl / 3), attempt)
+        elif found.readers and (taker or not attempt.request.shared):
+            for mark in found.readers:
+                reader = f"{attempt.key}:{mark}"
+                if deadline is not None and now() >= deadline:
+                    return False  # a try, or rows that stay live: busy, never a loop
+                if not self._wait_for(session, reader, attempt, mark):
+                    return False
+                session.one("SELECT RELEASE_LOCK(%s)", (reader,))
+        else:
+            return None
+        return True
+
+    def _sleep(
+        self, session: Session, lock: str, seconds: float, attempt: Attempt[Session]
+    ) -> None:
+        """Sleep on the server, holding *lock*: a statement that runs is not idle.
+
+        Named after *lock* with the waiter's comment, so `status` shows a waiter. A KILL
+        QUERY ends it early: the caller looks again.
+        """
+        seconds = max(0.001, seconds)
+        statement = f"SELECT SLEEP({seconds:.3f}) AS '{lock}' {attempt.tag}"
+        try:
+            session.one(statement, timeout=seconds + self.timeout)
+        except pymysql.err.OperationalError as err:
+            if err.args[0] not in _CANCELLED:
+                raise
+
+    def _end_stop(self, mode: _Mode, key: str) -> None:
+        """End a taker's stop request; `TakenOver` if a later taker got it in the release."""
+        stop = f"{key}:{_STOP}"
+        session, mode.stop = mode.stop, None
+        assert session is not None  # noqa: S101 - a taker's
+        answers: list[Answer] = []
+        session.batch(
+            (("SELECT RELEASE_LOCK(%s)", (stop,)), ("SELECT IS_USED_LOCK(%s)", (stop,))), answers
+        )
+        newer = answers[1].rows[0][0]
+        if newer is not None:  # the newest taker wins: this one never ran
+            raise TakenOver(f"taken over by {self._who(session, key, newer)}")
+
+    def _who(self, session: Session, key: str, connection: object) -> str:
+        """Name the taker whose session *connection* holds the stop lock of *key*.
+
+        From its row, else from its waiting statement's comment in the processlist (its
+        own user's sessions are the ones a user sees there without PROCESS), else by the
+        connection. A taker writes its row just after it got the lock: asked again a few
+        times, a moment apart, before the connection has to do.
+        """
+        where = f"connection {connection}"
+        for again in range(_WHO_TRIES):
+            if again:
+                time.sleep(_WHO_PAUSE)
+            holder, seen = self._taker(session, key, connection)
+            if holder is not None:
+                return f"{holder.user}@{holder.host} pid {holder.pid}"
+            where = seen or where
+        return where
+
+    def _taker(
+        self, session: Session, key: str, connection: object
+    ) -> tuple[Holder | None, str | None]:
+        """Return the taker's record (row, else comment), and its session as the server says.
+
+        Any error is no answer; each waits up to a ttl, as a check does, so that a slow
+        server does not make us hang up on a slot we still hold.
+        """
+        with contextlib.suppress(pymysql.err.Error):
+            row = session.row(_TAKER, (key, connection), timeout=self.ttl)
+            if row is not None:
+                with contextlib.suppress(ValueError):
+                    return Holder.from_dict(read_json(str(row[0]))), None
+        with contextlib.suppress(pymysql.err.Error):
+            row = session.row(
+                "SELECT USER, HOST, INFO FROM information_schema.PROCESSLIST WHERE ID = %s",
+                (connection,),
+                timeout=self.ttl,
+            )
+            if row is not None:
+                match = _WAITING.fullmatch(str(row[2]))
+                who = None if match is None else read_identity(match["json"])
+                seen = f"{row[0]}@{row[1]} (connection {connection})"
+                return (None if who is None else who.holder), seen
+        return None, None
 
     def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
         session.send(_get_lock(f"{attempt.key}:{slot}", seconds, attempt.tag))
@@ -673,48 +1101,80 @@ class MySQLBackend(SessionLockBackend[Session]):
 
     def _grant(
         self, session: Session, attempt: Attempt[Session], slot: int
-    ) -> SessionLease[Session]:
+    ) -> SessionLease[Session] | None:
         """Record the holder, draw a fence, and refuse a live user with another N.
 
         Checking after recording ourselves catches two users of different N who got in at
-        the same moment: the later check of the two sees the other's record.
+        the same moment: the later check of the two sees the other's record. The same
+        round trip reads what the modes left (`_settle`): None if that makes the lock busy.
         """
-        fence, other = self._fence(session, attempt, slot)
+        if attempt.request.shared:
+            return self._grant_shared(session, attempt)
+        fence, other, found, record = self._fence(session, attempt, slot)
         lock = f"{attempt.key}:{slot}"
         if other is not None:  # leave no row behind, and the slot free; the caller hangs up
             with contextlib.suppress(pymysql.err.Error):
                 forget = ((_FORGET, (attempt.key, slot)), ("SELECT RELEASE_LOCK(%s)", (lock,)))
                 session.batch(forget, [])
             raise _mismatch(attempt.request, int(other[0]), str(other[1]))
-        return SessionLease(self, session, lock, slot, fence)
+        if not self._settle(session, attempt, lock, found):
+            session.one("SELECT RELEASE_LOCK(%s)", (lock,))
+            return None
+        return MySQLLease(self, session, lock, slot, fence, attempt, record)
+
+    def _grant_shared(
+        self, session: Session, attempt: Attempt[Session]
+    ) -> SessionLease[Session] | None:
+        """Hold the lock shared: entered by the try, or now through slot 0, which it holds."""
+        mode: _Mode = attempt.mode
+        key = attempt.key
+        mark = f"r:{attempt.token}"
+        if not mode.entered:
+            slot0 = f"{key}:0"
+            if not self._settle(session, attempt, slot0, self._look(session, attempt)):
+                session.one("SELECT RELEASE_LOCK(%s)", (slot0,))
+                return None
+            attempt.proved = now()
+            self._mark_reader(session, attempt, through=True)
+        return MySQLLease(self, session, f"{key}:{mark}", 0, None, attempt, None, mark)
 
     def _fence(
         self, session: Session, attempt: Attempt[Session], slot: int
-    ) -> tuple[int | None, Any]:
-        """Record the holder, draw a fence, check for another N: (fence, a live other's row).
+    ) -> tuple[int | None, Any, _Found, str]:
+        """Record the holder, draw a fence, check for another N, look at the modes' marks.
 
-        One round trip and one commit (docs/design.md A7): the record and the fence in one
-        transaction, then the check, which sees every record committed before ours. The
-        holder of the gate lets it go in the same round trip, after the commit
+        Return (fence, a live other's row, what the marks say, the holder's record). One
+        round trip and one commit (docs/design.md A7): the record and the fence in one
+        transaction, then the check, which sees every record committed before ours, and
+        the reads of a take-over's stop lock and of lockrun_marks, which need no commit.
+        The holder of the gate lets it go in the same round trip, after the commit
         (`_release_gate`). The fence is None where the tables are out of reach; the record
-        and the check are left out too.
+        and the check are left out too, and the marks are read (in a round trip of their
+        own) only by an attempt that waited or has a mode.
         """
-        if self.tables is False:
-            return None, None
         request = attempt.request
+        key = attempt.key
         record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
+        if self.tables is False:
+            plain = attempt.mode is None and not attempt.queued
+            return None, None, _Found() if plain else self._look(session, attempt), record
         statements: list[tuple[str, object]] = [
             ("START TRANSACTION", None),
-            (_RECORD, (attempt.key, slot, request.slots, request.namespace, request.name, record)),
-            (_NEXT_FENCE, (attempt.key,)),
+            (_RECORD, (key, slot, request.slots, request.namespace, request.name, record)),
+            (_NEXT_FENCE, (key,)),
             ("COMMIT", None),
         ]
         gate = attempt.gate is session
         if gate:
-            statements.append(("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{GATE}",)))
-        statements.append((_MISMATCH, (attempt.key, request.slots)))
+            statements.append(("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",)))
+        first = len(statements)  # the reads that follow the commit
+        statements += [
+            ("SELECT IS_USED_LOCK(%s)", (f"{key}:{_STOP}",)),
+            (_MISMATCH, (key, request.slots)),
+            (_SHARED_MISMATCH, (key, key)) if request.slots > 1 else (_MARKS_OF, (key, key)),
+        ]
         try:
-            answers = self._draw(session, statements)
+            answers = self._draw(session, statements, optional=2)
         except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
             if err.args[0] not in _NO_TABLES:
                 raise
@@ -723,32 +1183,54 @@ class MySQLBackend(SessionLockBackend[Session]):
                 f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
                 f"{self.settings.where} ({_said(self.settings, err)}); LOCKRUN_FENCE stays unset"
             )
-            return None, None
+            return None, None, self._look(session, attempt), record
         self.tables = True
         if gate:
             session.gate_left = attempt
-        checked = answers[-1].rows if len(answers) == len(statements) else ()
-        return answers[2].last_id, (checked[0] if checked else None)
+        reads = [answer.rows for answer in answers[first:]] + [(), (), ()]
+        stop = reads[0][0][0] if reads[0] else None
+        other = reads[1][0] if reads[1] else None
+        if request.slots > 1:
+            other = other or (reads[2][0] if reads[2] else None)
+            found = _Found(stop=stop)
+        else:
+            found = _found(reads[2], stop)
+        return answers[2].last_id, other, found, record
 
     @staticmethod
-    def _draw(session: Session, statements: Sequence[tuple[str, object]]) -> list[Answer]:
+    def _draw(
+        session: Session, statements: Sequence[tuple[str, object]], optional: int
+    ) -> list[Answer]:
         """Run the grant's *statements*; on first use, make the tables and run them again."""
         try:
-            return _grant_answers(session, statements)
+            return _grant_answers(session, statements, optional)
         except pymysql.err.ProgrammingError as err:
             if err.args[0] != ER.NO_SUCH_TABLE:
                 raise
         for statement in _TABLES:
             session.one(statement)
-        return _grant_answers(session, statements)
+        return _grant_answers(session, statements, optional)
 
     # -- holding -------------------------------------------------------------------------
 
     def holds(self, lease: SessionLease[Session]) -> bool:
-        """Whether the server still gives *lease*'s slot to its session."""
-        ours = lease.session.one(
-            "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (lease.key,), timeout=self.ttl
+        """Whether the server still gives *lease*'s slot to its session.
+
+        The same statement asks whether a taker holds the stop lock (``lease.taken``);
+        who it is costs a second one, once per taker.
+        """
+        assert isinstance(lease, MySQLLease)  # noqa: S101 - ours
+        row = lease.session.row(
+            "SELECT IS_USED_LOCK(%s) = CONNECTION_ID(), IS_USED_LOCK(%s)",
+            (lease.key, f"{lease.base}:{_STOP}"),
+            timeout=self.ttl,
         )
+        ours, stop = (None, None) if row is None else row
+        if ours != 1 or stop is None:
+            lease.taken, lease.taker = None, None
+        elif stop != lease.taker:
+            lease.taker = stop
+            lease.taken = TakenOver(f"taken over by {self._who(lease.session, lease.base, stop)}")
         return bool(ours == 1)
 
     def was_cancelled(self, err: Exception) -> bool:
@@ -764,9 +1246,47 @@ class MySQLBackend(SessionLockBackend[Session]):
         """RELEASE_LOCK: the next waiter gets the slot at once.
 
         The holder's row stays: it no longer counts once the slot is free, and the next
-        holder replaces it without waiting for a DELETE of ours to commit.
+        holder replaces it without waiting for a DELETE of ours to commit. A shared
+        holder's row goes, in the same round trip: each has a name of its own.
         """
-        lease.session.one("SELECT RELEASE_LOCK(%s)", (lease.key,))
+        assert isinstance(lease, MySQLLease)  # noqa: S101 - ours
+        if lease.mark is None:
+            lease.session.one("SELECT RELEASE_LOCK(%s)", (lease.key,))
+            return
+        answers: list[Answer] = []
+        statements = (
+            (_UNMARK, (lease.base, lease.mark)),
+            ("SELECT RELEASE_LOCK(%s)", (lease.key,)),
+        )
+        try:
+            lease.session.batch(statements, answers)
+        except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
+            if not _tableless(err):  # the table went away under us: the lock goes anyway
+                raise
+            lease.session.one("SELECT RELEASE_LOCK(%s)", (lease.key,))
+
+    def hold_over(self, lease: SessionLease[Session], hold: float) -> None:
+        """Leave a window on the server's clock in lockrun_marks, then RELEASE_LOCK.
+
+        The row commits before the release, so whoever the release hands the slot to reads
+        it (`_settle`). In one round trip; without the table (and no right to make it),
+        `ConfigError` once the slot is free: the hold cannot be kept.
+        """
+        assert isinstance(lease, MySQLLease)  # noqa: S101 - ours
+        request = lease.request
+        if lease.mark is not None or request.slots != 1:
+            self.give_back(lease)
+            msg = "--hold-at-least applies to an exclusive lock of one slot"
+            raise ConfigError(msg)
+        record = lease.record or json.dumps(request.holder.to_dict())
+        micros = min(_MAX_HOLD_US, max(1, round(hold * 1_000_000)))
+        window = (lease.base, micros, request.namespace, request.name, record)
+        statements = ((_WINDOW, window), ("SELECT RELEASE_LOCK(%s)", (lease.key,)))
+        try:
+            self._need_marks(lease.session, statements, "--hold-at-least")
+        except ConfigError:
+            lease.session.one("SELECT RELEASE_LOCK(%s)", (lease.key,))
+            raise
 
     # -- status --------------------------------------------------------------------------
 
@@ -788,16 +1308,21 @@ class MySQLBackend(SessionLockBackend[Session]):
             session.close()
 
     def _recorded(self, session: Session, namespace: str) -> list[str]:
-        """Return the names lockrun's table has holders of (none without the table)."""
-        try:
-            rows = session.rows(
+        """Return the names lockrun's tables have holders or windows of (none without them)."""
+        names: list[str] = []
+        for statement in (
+            (
                 f"SELECT DISTINCT name FROM {HOLDERS} WHERE namespace = %s "
-                "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id",
-                (namespace,),
-            )
-        except (pymysql.err.ProgrammingError, pymysql.err.OperationalError):
-            return []
-        return [str(row[0]) for row in rows]
+                "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id"
+            ),
+            (  # the names of rows that may count; `_state` reads each lock's own
+                f"SELECT DISTINCT name FROM {MARKS} WHERE namespace = %s "
+                f"AND (mark = '{_HOLD}' AND until_us > {_NOW_US} OR mark LIKE 'r:%%') LIMIT 1000"
+            ),
+        ):
+            with contextlib.suppress(pymysql.err.ProgrammingError, pymysql.err.OperationalError):
+                names += [str(row[0]) for row in session.rows(statement, (namespace,))]
+        return names
 
     def _state(
         self, session: Session, namespace: str, name: str, waiters: list[_Waiter]
@@ -814,21 +1339,52 @@ class MySQLBackend(SessionLockBackend[Session]):
                 records[int(slot)] = (int(slots), int(connection), str(holder))
         known = {slots for slots, _, _ in records.values()} | {waiter.slots for waiter in queue}
         known = {slots for slots in known if 1 <= slots <= MAX_SLOTS}  # the table is anyone's
+        marked = self._marked(session, key)
+        if marked:
+            known.add(1)  # a window, shared holders: a lock of one slot
         probed = max(known, default=_PROBED_SLOTS)
         used = session.row(
             "SELECT " + ", ".join(f"IS_USED_LOCK('{key}:{slot}')" for slot in range(probed))
         )
+        # A session that holds slot 0 while it waits (for shared holders to leave, or a
+        # window to end) is a waiter: it is in the queue's statements.
+        waiting = {waiter.connection for waiter in queue}
         holders = [
             self._holder(session, slot, int(connection), records.get(slot))
             for slot, connection in enumerate(used)
-            if connection is not None
+            if connection is not None and int(connection) not in waiting
         ]
+        holders += marked
         # The head waits on the slots (one line per slot), the others on the gate.
         queue.sort(key=lambda waiter: waiter.lock.endswith(":gate"))
         people = {waiter.token: waiter.holder for waiter in queue}  # dicts keep the order
         return LockState(
             namespace, name, key, max(known, default=None), tuple(holders), tuple(people.values())
         )
+
+    @staticmethod
+    def _marked(session: Session, key: str) -> list[Holder]:
+        """Return the holders that rows of lockrun_marks add: a window's run, shared holders.
+
+        Anyone who may write the table may forge a row: a window is cut to the longest a
+        hold can be (`_MARKS_OF`), a record that is none is shown as its session.
+        """
+        try:
+            rows = session.rows(_MARKS_OF, (key, key))
+        except (pymysql.err.ProgrammingError, pymysql.err.OperationalError):
+            return []
+        holders = []
+        for mark, connection, left, live, record, server_now in rows:
+            if mark == _HOLD:
+                window = _micros(left)
+                if not window or not isinstance(server_now, int):
+                    continue
+                until = server_now / 1_000_000 + window
+                holders.append(_recorded_holder(record, connection)._replace(slot=0, until=until))
+            elif live == 1 and isinstance(mark, str) and _READER.fullmatch(mark):
+                holder = _recorded_holder(record, connection)
+                holders.append(holder._replace(slot=0, shared=True, until=None))
+        return holders
 
     @staticmethod
     def _holder(
@@ -845,24 +1401,106 @@ class MySQLBackend(SessionLockBackend[Session]):
         return Holder(f"{host} (connection {connection})", 0, user, (), slot=slot)
 
 
+class MySQLLease(SessionLease[Session]):
+    """A slot (or a shared hold) of a session, with what a hold window or a take-over needs."""
+
+    def __init__(
+        self,
+        backend: MySQLBackend,
+        session: Session,
+        key: str,
+        slot: int,
+        fence: int | None,
+        attempt: Attempt[Session],
+        record: str | None,
+        mark: str | None = None,
+    ) -> None:
+        """Describe *key* (slot *slot*, or the shared holder *mark*) held for *attempt*."""
+        super().__init__(backend, session, key, slot, fence)
+        self.base: str = attempt.key  # the lock's key without its part: KEY:stop is beside
+        self.request = attempt.request
+        self.record = record  # the holder's JSON, which a hold window keeps for `status`
+        self.mark = mark  # a shared holder's row in lockrun_marks
+        self.taker: object = None  # the session whose take-over `taken` names
+
+
+class _Mode:
+    """What a shared or take-over attempt registered and found (`Attempt.mode`)."""
+
+    def __init__(self) -> None:
+        self.stop: Session | None = None  # a taker's session holding KEY:stop
+        self.tried = False  # whether a shared request tried to enter (with its check of N)
+        self.entered = False  # whether that try entered: the lease needs no statement
+
+
+class _Found(NamedTuple):
+    """What a grant read of the modes: a take-over, a window, shared holders."""
+
+    stop: object = None  # the session holding KEY:stop, if any
+    window: float = 0.0  # seconds of a hold window left
+    readers: tuple[str, ...] = ()  # the marks of live shared holders
+    swept: bool = False  # whether rows of shared holders that ended are left to sweep
+
+
+def _found(rows: Sequence[Any], stop: object = None) -> _Found:
+    """Read `_MARKS_OF`'s rows, which anyone who may write the table could have forged."""
+    window, readers, swept = 0.0, [], False
+    for row in rows:
+        if not isinstance(row, tuple) or len(row) < 4:  # noqa: PLR2004 - the statement's columns
+            continue
+        mark, _, left, live = row[:4]
+        if mark == _HOLD:
+            window = max(window, _micros(left))
+        elif isinstance(mark, str) and mark.startswith("r:"):
+            if live == 1 and _READER.fullmatch(mark):
+                readers.append(mark)
+            else:
+                swept = True
+    return _Found(stop, window, tuple(readers), swept)
+
+
+def _micros(value: object) -> float:
+    """Return µs read back as seconds, 0 unless a number in [0, `_MAX_HOLD_US`]."""
+    if isinstance(value, bool) or not isinstance(value, int | float | decimal.Decimal):
+        return 0.0
+    seconds = float(value) / 1_000_000
+    return seconds if 0 <= seconds <= _MAX_HOLD_US / 1_000_000 else 0.0
+
+
+def _reading(attempt: Attempt[Session]) -> bool:
+    """Whether *attempt* enters as a shared holder beside others (a shared taker does not)."""
+    return attempt.request.shared and (attempt.mode is None or attempt.mode.stop is None)
+
+
+def _recorded_holder(record: object, connection: object) -> Holder:
+    """Return the holder a mark's record names; a record that is none names the session."""
+    try:
+        return Holder.from_dict(read_json(record if isinstance(record, str) else ""))
+    except ValueError:  # anyone who may write the table may forge
+        return Holder(f"? (connection {connection})", 0, "?", ())
+
+
 def _said(settings: Settings, err: pymysql.err.Error) -> str:
     """Return what PyMySQL or the server said of *err*, in one line, with no secret."""
     text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
     return scrub(" ".join(text.split()), settings.secrets)
 
 
-def _grant_answers(session: Session, statements: Sequence[tuple[str, object]]) -> list[Answer]:
+def _grant_answers(
+    session: Session, statements: Sequence[tuple[str, object]], optional: int
+) -> list[Answer]:
     """Run the grant's *statements* in one round trip and return the answers.
 
-    All but the last (the check) if only the check may not read the records: as without
-    the tables, there is nothing to check. Any other error is raised after a rollback, so
-    that the session, which may serve more acquisitions, is never left in a transaction.
+    Fewer if one of the last *optional* (reads of the records and marks) may not read its
+    table: as without the tables, there is nothing to find. Any other error is raised
+    after a rollback, so that the session, which may serve more acquisitions, is never
+    left in a transaction.
     """
     answers: list[Answer] = []
     try:
         session.batch(statements, answers)
     except pymysql.err.Error as err:
-        if len(answers) == len(statements) - 1 and _tableless(err):
+        if len(answers) >= len(statements) - optional and _tableless(err):
             return answers
         with contextlib.suppress(pymysql.err.Error):  # best effort: the session may be gone
             session.one("ROLLBACK")
@@ -886,6 +1524,7 @@ def _transient(err: BaseException | None) -> bool:
 class _Waiter(NamedTuple):
     """A lockrun waiter as its GET_LOCK's comment describes it in the processlist."""
 
+    connection: int
     lock: str
     token: str
     namespace: str
@@ -899,14 +1538,15 @@ def _waiters(session: Session) -> list[_Waiter]:
     waited = "TIME_MS" if session.mariadb else "TIME"  # MySQL knows whole seconds only
     rows = session.rows(
         f"SELECT ID, {waited}, INFO FROM information_schema.PROCESSLIST "
-        "WHERE ID <> CONNECTION_ID() AND INFO LIKE 'SELECT GET\\_LOCK(''lr:%'"
+        "WHERE ID <> CONNECTION_ID() AND (INFO LIKE 'SELECT GET\\_LOCK(''lr:%' "
+        "OR INFO LIKE 'SELECT SLEEP(%')"
     )
     waiters = []
-    for _, _, info in sorted(rows, key=lambda row: (-float(row[1] or 0), int(row[0]))):
+    for connection, _, info in sorted(rows, key=lambda row: (-float(row[1] or 0), int(row[0]))):
         match = _WAITING.fullmatch(str(info))
         who = None if match is None else read_identity(match["json"])  # "*\\/" is JSON's "*/"
         if match is not None and who is not None:  # else not ours after all, or forged badly
-            waiters.append(_Waiter(f"{match['key']}:{match['part']}", *who))
+            waiters.append(_Waiter(int(connection), f"{match['key']}:{match['part']}", *who))
     return waiters
 
 

@@ -34,7 +34,14 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
-from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost, LockrunError
+from lockrun.errors import (
+    BackendUnavailable,
+    ConfigError,
+    Interrupted,
+    LeaseLost,
+    LockrunError,
+    TakenOver,
+)
 from lockrun.timing import now
 
 if TYPE_CHECKING:
@@ -94,6 +101,13 @@ class Attempt(Generic[S]):
         # what it learnt here, and when it sent that try: the grant's time.
         self.ahead: Any = None
         self.sent: float | None = None
+        # When a statement of the grant's on the slot's session last proved it ours, if the
+        # grant waited after it began (a hold window, shared holders leaving): the lease
+        # runs from there, not from the grant's first statement.
+        self.proved: float | None = None
+        # The backend's state for the request's mode (--shared, --take-over): what `_begin`
+        # registered, what a try found; None for a plain request.
+        self.mode: Any = None
 
 
 class SessionLockBackend(abc.ABC, Generic[S]):
@@ -172,7 +186,7 @@ class SessionLockBackend(abc.ABC, Generic[S]):
             granted = now() if attempt.sent is None else attempt.sent
             lease = None if holder is None else self._grant(holder, attempt, slot)
             if lease is not None:
-                lease.confirmed = granted
+                lease.confirmed = granted if attempt.proved is None else attempt.proved
             if holder is not None and attempt.gate is holder:
                 self._release_gate(holder, attempt)
         except BaseException as err:
@@ -186,7 +200,7 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         for session in attempt.opened:
             if lease is not None and session is lease.session:
                 continue
-            if lease is None and attempt.slots == 1:
+            if lease is None and attempt.slots == 1 and self._keepable(session, attempt):
                 self.keep(session)  # a try that failed, a wait that ran out: it holds nothing
             else:
                 session.close()  # frees the gate, and anything a loser got
@@ -245,13 +259,10 @@ class SessionLockBackend(abc.ABC, Generic[S]):
     def _take(self, attempt: Attempt[S]) -> tuple[int, S | None]:
         """Get a slot: (slot, the session holding it), or (-1, None) when the wait ends."""
         first = self._open(attempt)
+        if not self._begin(first, attempt):
+            return -1, None
         if attempt.slots == 1:
-            # A free lock has no queue (the server hands a released lock to the next
-            # waiter inside the release): take it in one statement, check N after.
-            if self._lock(first, 0, 0, attempt):
-                return 0, first
-            self._refuse_mismatch(first, attempt)  # rather than queue behind another N
-            return (0, first) if self._wait(first, 0, attempt) else (-1, None)
+            return (0, first) if self._take_one(first, attempt) else (-1, None)
         self._refuse_mismatch(first, attempt)
         if attempt.deadline is not None and attempt.deadline <= now():  # one try: no gate
             slot = self._first_free(first, attempt)
@@ -259,10 +270,25 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         if not self._wait(first, GATE, attempt):
             return -1, None
         attempt.gate = first
+        return self._take_at_head(first, attempt)
+
+    def _take_at_head(self, first: S, attempt: Attempt[S]) -> tuple[int, S | None]:
+        """As head of the queue (the gate's holder), get a slot; as `_take`."""
+        if attempt.request.take_over:
+            return (0, first) if self._take_all(first, attempt) else (-1, None)
         slot = self._first_free(first, attempt)
         if slot >= 0:
             return slot, first
         return self._wait_any(first, attempt)
+
+    def _take_one(self, first: S, attempt: Attempt[S]) -> bool:
+        """Take the one slot on *first*: True when it is ours, False when the wait ends."""
+        # A free lock has no queue (the server hands a released lock to the next waiter
+        # inside the release): take it in one statement, check N after.
+        if self._lock(first, 0, 0, attempt):
+            return True
+        self._refuse_mismatch(first, attempt)  # rather than queue behind another N
+        return self._wait(first, 0, attempt)
 
     def _wait(self, session: S, part: int | str, attempt: Attempt[S]) -> bool:
         """Wait in *part*'s queue on *session* until we hold it (True) or the deadline passes.
@@ -278,6 +304,20 @@ class SessionLockBackend(abc.ABC, Generic[S]):
                 return True
             if deadline is not None and now() >= deadline:
                 return False
+
+    def _take_all(self, first: S, attempt: Attempt[S]) -> bool:
+        """As a taker at the head of the queue, wait for every slot, then keep slot 0.
+
+        A take-over stops every holder, and its stop request lasts until its grant: taking
+        the first slot that came free would leave the holders of the others unasked. True
+        once slot 0 is ours and the others are free again; False when the deadline passed.
+        """
+        for slot in range(attempt.slots):
+            if not self._wait(first, slot, attempt):
+                return False
+        for slot in range(1, attempt.slots):
+            self._unlock(first, slot, attempt)
+        return True
 
     def _wait_any(self, first: S, attempt: Attempt[S]) -> tuple[int, S | None]:
         """As head of the queue, wait on every slot at once; keep the first slot we get."""
@@ -321,6 +361,25 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         return BackendUnavailable(f"{self.where}: the wait for {what} was cancelled on the server")
 
     # -- what a backend supplies --------------------------------------------------------
+
+    def _begin(self, session: S, attempt: Attempt[S]) -> bool:  # noqa: ARG002 - a mode's
+        """Before the first try, register on *session* what the request's mode needs.
+
+        A take-over's stop request, say, which then lasts while the attempt waits and
+        ends with its session. False if the deadline passed first (busy). Nothing by default.
+        """
+        return True
+
+    def _keepable(self, session: S, attempt: Attempt[S]) -> bool:  # noqa: ARG002 - a mode's
+        """Whether *session*, whose *attempt* got no slot, holds nothing and may be kept.
+
+        False closes it instead, which frees whatever `_begin` took on it.
+        """
+        return True
+
+    def _unlock(self, session: S, part: int | str, attempt: Attempt[S]) -> None:
+        """Let *part* go on *session*, which holds it (`_take_all`)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def _key(self, request: Request) -> Any:  # noqa: ANN401 - the backend's own
@@ -387,8 +446,13 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         """From *winner*, end the other sessions' waits, and any slot they got meanwhile."""
 
     @abc.abstractmethod
-    def _grant(self, session: S, attempt: Attempt[S], slot: int) -> SessionLease[S]:
-        """Draw a fence, record the holder, refuse another N: return the lease."""
+    def _grant(self, session: S, attempt: Attempt[S], slot: int) -> SessionLease[S] | None:
+        """Draw a fence, record the holder, refuse another N: return the lease.
+
+        None if the slot was given back instead: what the grant found (a hold window, shared
+        holders) outlasts the deadline. It may raise `TakenOver` when a take-over asked
+        after the attempt queued: it gives way. A grant that waits sets `attempt.proved`.
+        """
 
     @abc.abstractmethod
     def _release_gate(self, session: S, attempt: Attempt[S]) -> None:
@@ -406,7 +470,8 @@ class SessionLockBackend(abc.ABC, Generic[S]):
 
         No answer within the lease: the server has freed the slot by then. A shorter
         timeout would hang up while the slot may still be ours, and the supervisor stops a
-        command whose check hangs on its own schedule.
+        command whose check hangs on its own schedule. A backend that learns of a take-over
+        in the same answer sets ``lease.taken`` (None when there is none).
         """
 
     @abc.abstractmethod
@@ -420,6 +485,17 @@ class SessionLockBackend(abc.ABC, Generic[S]):
     @abc.abstractmethod
     def give_back(self, lease: SessionLease[S]) -> None:
         """Release *lease*'s slot on its session; the next waiter gets it at once."""
+
+    def hold_over(self, lease: SessionLease[S], hold: float) -> None:  # noqa: ARG002 - a backend's
+        """Release *lease*'s slot, leaving it taken *hold* more seconds (--hold-at-least).
+
+        A window on the server, measured by the server's clock, that later acquirers
+        respect: nothing of ours stays behind to keep it. A backend that cannot keep one
+        releases the slot and raises `ConfigError`, as here.
+        """
+        self.give_back(lease)
+        msg = f"{self.where}: this server cannot keep a lock taken after its run (--hold-at-least)"
+        raise ConfigError(msg)
 
     def cut(self, lease: SessionLease[S]) -> bool:
         """Hang up under a refresh that hangs.
@@ -453,11 +529,16 @@ class SessionLease(Generic[S]):
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
         self.sessions = self.fds  # the server frees the slot the moment it hangs up
         self.bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
+        # A take-over that the last check found asked for, set by the backend's `holds`.
+        self.taken: TakenOver | None = None
         self.released = False
         self.busy = threading.Lock()  # one statement at a time on the session
 
     def refresh(self) -> None:
-        """Prove the slot is still ours; `LeaseLost` if the session or the slot is gone."""
+        """Prove the slot is still ours; `LeaseLost` if the session or the slot is gone.
+
+        `TakenOver` once it is proven, if another acquirer asked for a take-over.
+        """
         with self.busy:
             if self.released:
                 return
@@ -475,16 +556,24 @@ class SessionLease(Generic[S]):
         if not ours:
             msg = "the server no longer gives this session the lock"
             raise LeaseLost(msg)
+        if self.taken is not None:
+            raise self.taken
 
     def release(self, hold: float = 0.0) -> None:
-        """Give the slot back (the next waiter gets it at once) and end the session."""
+        """Give the slot back (the next waiter gets it at once) and end the session.
+
+        With *hold* > 0 the slot stays taken that many more seconds (`hold_over`).
+        """
         if self.released:
             return
         self.released = True
         if not self.busy.acquire(blocking=False) and not self.backend.cut(self):  # a refresh hangs
             return
         try:
-            self.backend.give_back(self)
+            if hold > 0:
+                self.backend.hold_over(self, hold)
+            else:
+                self.backend.give_back(self)
         except self.backend.errors:
             self.session.abandon()  # the server frees what a lost session held
         except BaseException:

@@ -389,7 +389,7 @@ def test_a_taker_that_dies_leaves_no_stop_behind(
 
 def test_api_holder_sees_a_take_over_in_check(uri: str, name: str) -> None:
     """A Python holder's `lease.check()` raises `TakenOver`; the taker gets in after release."""
-    with Lock(name, uri=uri) as lease:
+    with Lock(name, uri=uri, ttl=float(TEST_TTL)) as lease:  # renewed as often as the CLI's
         taker = start("--uri", uri, "-n", name, "--take-over", "--wait", "60", "--", "true")
         deadline = time.monotonic() + NOTICE + SLACK
         while True:

@@ -291,6 +291,7 @@ class Lock:
             holder,
             shared=self.shared,
             take_over=self.take_over,
+            hold=self.hold_at_least,
         )
 
     def _backend(self) -> Backend:

@@ -106,6 +106,7 @@ def run(
         Holder.me(argv)._replace(shared=options.shared),
         shared=options.shared,
         take_over=options.take_over,
+        hold=options.hold_at_least,
     )
     with _interruptible(name, verbose) as waiting:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)

@@ -132,16 +132,17 @@ def test_an_uncontended_cycle_costs_its_round_trips(
 # -- tables: what works without lockrun_marks -----------------------------------------------
 
 
-def test_hold_without_the_table_of_marks_is_78_once_the_run_is_over(
+def test_hold_without_the_table_of_marks_is_78_before_anything_runs(
     old_server: MariaServer, name: str
 ) -> None:
-    """A user who may not create lockrun_marks: the command runs, then 78 in one line, lock free.
+    """A user who may not create lockrun_marks: 78 in one line before the run, lock free.
 
-    The window cannot be kept, which the user must hear of; it must not hold the lock.
+    The window could not be kept, which the user must hear of before the job runs on every
+    host of the fleet; it must not hold the lock either.
     """
     uri = as_user(old_server, "old", "old")
     result = lockrun("--uri", uri, "-n", name, "--hold-at-least", "30", "--", "echo", "ran")
-    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, "ran\n"), result.stderr
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
     line = one_line(result.stderr)
     assert "--hold-at-least needs lockrun's table lockrun_marks" in line
     assert "pw-old" not in line

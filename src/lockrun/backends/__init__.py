@@ -231,6 +231,7 @@ class Request(NamedTuple):
     holder: Holder
     shared: bool = False
     take_over: bool = False
+    hold: float = 0.0  # --hold-at-least: a backend that could not keep the window refuses now
 
 
 class LockState(NamedTuple):

@@ -906,10 +906,11 @@ class MySQLBackend(SessionLockBackend[Session]):
             return answers
         raise AssertionError  # pragma: no cover - the loop returns or raises
 
-    def _no_marks(self, mode: str, err: pymysql.err.Error) -> ConfigError:
+    def _no_marks(self, mode: str, err: pymysql.err.Error | None = None) -> ConfigError:
+        said = "" if err is None else f" ({_said(self.settings, err)})"
         return ConfigError(
             f"{self.where}: {mode} needs lockrun's table {MARKS}, which this user cannot "
-            f"create or use ({_said(self.settings, err)}); create the tables ahead "
+            f"create or use{said}; create the tables ahead "
             "(docs/backends.md) or grant SELECT, INSERT, UPDATE, DELETE on them"
         )
 
@@ -926,6 +927,8 @@ class MySQLBackend(SessionLockBackend[Session]):
         except (pymysql.err.OperationalError, pymysql.err.ProgrammingError) as err:
             if not answers or not _tableless(err):  # no marks: no window, no shared holder
                 raise
+            if attempt.request.hold:  # said before the run, not after: it could not be kept
+                raise self._no_marks("--hold-at-least", err) from err
         return _found(answers[1].rows if len(answers) > 1 else (), answers[0].rows[0][0])
 
     def _settle(
@@ -1156,7 +1159,7 @@ class MySQLBackend(SessionLockBackend[Session]):
         key = attempt.key
         record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
         if self.tables is False:
-            plain = attempt.mode is None and not attempt.queued
+            plain = attempt.mode is None and not attempt.queued and not request.hold
             return None, None, _Found() if plain else self._look(session, attempt), record
         statements: list[tuple[str, object]] = [
             ("START TRANSACTION", None),
@@ -1187,6 +1190,8 @@ class MySQLBackend(SessionLockBackend[Session]):
         self.tables = True
         if gate:
             session.gate_left = attempt
+        if request.hold and len(answers) < len(statements):  # the marks could not be read:
+            raise self._no_marks("--hold-at-least")  # no window could be kept; said before the run
         reads = [answer.rows for answer in answers[first:]] + [(), (), ()]
         stop = reads[0][0][0] if reads[0] else None
         other = reads[1][0] if reads[1] else None

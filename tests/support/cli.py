@@ -151,8 +151,9 @@ class Held:
         if not self.ready.exists():
             _, err = self.process.communicate()
             pytest.fail(f"holder did not start (status {self.process.returncode}): {err}")
-        slot, fence = self.ready.read_text().split()
-        self.slot, self.fence = int(slot), int(fence)
+        slot, *fence = self.ready.read_text().split()  # a shared holder has no fence
+        self.slot = int(slot)
+        self.fence = int(fence[0]) if fence else 0  # fences are above 0: 0 is none
 
     def finish(self) -> int:
         """Let the command end and return lockrun's status."""

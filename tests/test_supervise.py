@@ -792,3 +792,16 @@ def test_a_stopped_guardian_never_blocks_the_renewals() -> None:
     took, acted = result.stdout.split()
     assert acted == "False"  # nothing of its group was due
     assert float(took) < 30  # thousands of writes, not a wait (it would never return)
+
+
+@pytest.mark.parametrize("scheme", ["file", "abstract"])
+def test_a_bell_that_rings_as_the_command_ends_is_no_death(
+    scheme: str, tmp_path: Path, name: str
+) -> None:
+    """SIGIO (a bell's ring) still pending when the command has ended is dropped, not fatal.
+
+    The command rings and exits at once; SIGCHLD, the lower number, is taken first.
+    """
+    uri = f"file://{tmp_path}/locks" if scheme == "file" else f"abstract:{name}"
+    result = lockrun("--uri", uri, "-n", name, "--", "sh", "-c", "kill -IO $PPID")
+    assert (result.returncode, result.stderr) == (0, "")

@@ -334,6 +334,10 @@ def supervise(
                 watch.terminal = terminal
                 return watch.run()
     finally:
+        # A ring or a hang-up the loop no longer took must not outlive the mask: SIGIO's
+        # default action ends the process (a reader's bell rings whenever anyone looks).
+        while signal.sigtimedwait((_BELL, _HANGUP), 0) is not None:
+            pass
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 

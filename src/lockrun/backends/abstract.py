@@ -415,10 +415,11 @@ class AbstractLease:
     def _window_name(self, hold: float) -> str:
         """Name the window's marker: the run's grant time and pid, and the window's end.
 
-        The end is in base 36: the name must fit 107 bytes (docs/backends.md).
+        The end is in ms after the grant, in base 36: the name must fit 107 bytes with the
+        longest base (docs/backends.md).
         """
-        until = _base36(int((time.time() + hold) * 1000))
-        return f"{self._base}/h0.1/{self._since_ms}/{os.getpid()}/u{until}"
+        after = max(0, int((time.time() + hold) * 1000) - self._since_ms)
+        return f"{self._base}/h0.1/{self._since_ms}/{os.getpid()}/u{_base36(after)}"
 
 
 def _taken_by(taker: Holder) -> str:
@@ -536,8 +537,9 @@ class AbstractBackend:
                         stop.close()  # granted: our own request ends here
                         stop = None
                     lease = self._grant(base, request.slots, taken, counter)
-                    if not taken[2] or _readable(gate_listener):  # anyone behind us?
-                        _check(base, request, lease.release)
+                    # A taker queued behind us? One not queued yet rings our marker later.
+                    if _readable(gate_listener):
+                        _check(base, request, lease.release, "x")
                 finally:
                     fence = b"" if lease is None else str(lease.fence).encode()
                     hand_over(gate_listener, fence or counter)
@@ -597,25 +599,28 @@ class AbstractBackend:
         """
         fresh = not payload
         counter = _counter(payload)
-        pending = fresh or _readable(listener)
+        # What to look at: all on a name that was free; after a hand-over, requests if
+        # anyone queues behind us, readers if a reader handed it on. Each is one read of
+        # /proc/net/unix, which a hand-over with nobody behind it never pays.
+        kinds = "hx" if fresh else "x" if _readable(listener) else ""
         own = None
         try:
             if request.shared:
                 own = _bind_own(f"{base}/r")  # listed first, then looking: A3
-                if pending:
-                    _check(base, request, own.close)
+                if kinds:
+                    _check(base, request, own.close, kinds)
                 hand_over(listener, counter + _SHARED_FLAG)
                 return AbstractLease(0, None, own, None, base=base)
+            if fresh or _SHARED_FLAG in payload:
+                kinds += "r"
             own, since_ms = _mark(base, 0, 1)
-            if pending or _SHARED_FLAG in payload:
-                readers = _check(base, request, _closer(own))
-                if readers:
-                    _closer(own)()
-                    if not self._wait_for_readers(base, request, readers, deadline):
-                        hand_over(listener, payload)
-                        return None
-                    own, since_ms = _mark(base, 0, 1)
-                    _check(base, request, _closer(own))
+            if kinds and (readers := _check(base, request, _closer(own), kinds)):
+                _closer(own)()
+                if not self._wait_for_readers(base, request, readers, deadline):
+                    hand_over(listener, payload)
+                    return None
+                own, since_ms = _mark(base, 0, 1)
+                _check(base, request, _closer(own), "x")
             return AbstractLease(
                 0, next_fence(counter), listener, own, base=base, since_ms=since_ms
             )
@@ -634,7 +639,9 @@ class AbstractBackend:
         """
         conns: dict[str, socket.socket] = {}
         left = set(readers)
-        with self._waiting(base, request):
+        with self._waiting(base, request), contextlib.ExitStack() as asking:
+            if request.take_over:  # a taker that found the slot free: ask the readers now
+                asking.callback(StopRequest(base).close)
             try:
                 while True:
                     for name in list(left - conns.keys()):
@@ -739,23 +746,32 @@ def _agree(base: str, request: Request) -> float | None:
     return window
 
 
-def _check(base: str, request: Request, give_back: Callable[[], None]) -> list[str]:
+def _check(
+    base: str, request: Request, give_back: Callable[[], None], kinds: str = "hrx"
+) -> list[str]:
     """Look, as a new holder of *base*, at its other holders and at take-over requests.
 
     Raise `ConfigError` for one of another --slots and `TakenOver` for a request (a later
-    acquirer asks: we give way), calling *give_back* first. Return the readers' names.
+    acquirer asks: we give way), calling *give_back* first; look only at markers of *kinds*
+    (h, r, x). Return the names of the
+    readers' sockets: every one, believed or not, since a writer must never run beside a
+    reader the kernel cannot name to us (another PID namespace); a forged one only holds
+    the lock as a squatter could.
     """
     readers: list[str] = []
     problem: ConfigError | TakenOver | None = None
-    for marker, pid in _markers(base, "hrx"):
+    for marker, pid in _markers(base, kinds, unchecked="r"):
         theirs = 1 if marker["rpid"] is not None else int(marker["slots"] or 1)
         if marker["xpid"] is not None:
             problem = problem or TakenOver(_taken_by(describe_pid(pid)))
+        elif marker["rpid"] is not None:
+            readers.append(marker[0])
+            if request.slots != 1 and pid == _listener_pid(marker[0]):
+                problem = slots_mismatch(request, 1, _described(marker, pid))
+                break
         elif theirs != request.slots:
             problem = slots_mismatch(request, theirs, _described(marker, pid))
             break
-        elif marker["rpid"] is not None:
-            readers.append(marker[0])
     if problem is not None:
         give_back()
         raise problem
@@ -764,7 +780,7 @@ def _check(base: str, request: Request, give_back: Callable[[], None]) -> list[s
 
 _MARKER: Final = re.compile(
     r"(?P<base>lockrun/(?:#[0-9a-f]+|[^/]*/[^/]*/[^/]*))/"
-    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)(?:/u(?P<until>[0-9a-z]{1,9}))?"
+    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)(?:/u(?P<until>[0-9a-z]{1,8}))?"
     r"|w/(?P<us>\d+)/(?P<wpid>\d+)(?P<wshared>/s)?"
     r"|r/(?P<rus>\d+)/(?P<rpid>\d+)"
     r"|x/(?P<xus>\d+)/(?P<xpid>\d+))",
@@ -794,11 +810,14 @@ def _described(marker: re.Match[str], pid: int) -> Holder:
         return describe_pid(pid)
     holder = describe_pid(pid)._replace(since=int(marker["ms"]) / 1e3, slot=int(marker["slot"]))
     if marker["until"] is not None:  # a window: the keeper is *pid*; the run was marker's pid
-        holder = holder._replace(pid=int(marker["pid"]), until=int(marker["until"], 36) / 1e3)
+        until = (int(marker["ms"]) + int(marker["until"], 36)) / 1e3
+        holder = holder._replace(pid=int(marker["pid"]), until=until)
     return holder
 
 
-def _markers(base: str | None = None, kinds: str = "hwrx") -> Iterator[tuple[re.Match[str], int]]:
+def _markers(
+    base: str | None = None, kinds: str = "hwrx", unchecked: str = ""
+) -> Iterator[tuple[re.Match[str], int]]:
     """Yield the markers of *kinds* (of *base* only, if given) the kernel backs, with their pid.
 
     Anyone can bind any abstract name, and a name may hold a line break that forges a line
@@ -809,7 +828,8 @@ def _markers(base: str | None = None, kinds: str = "hwrx") -> Iterator[tuple[re.
     slot. A reader's socket or a take-over request (listening sockets) only if the process
     the name names listens on it. A waiter marker, an unconnected socket, only if the
     process it names has that very socket open, where /proc lets us look (our own
-    processes, or all of them as root).
+    processes, or all of them as root). Markers of the kinds in *unchecked* are yielded
+    unchecked, with the pid they name.
     """
     seen = set()
     for path, inode in _abstract_names(base):
@@ -820,8 +840,9 @@ def _markers(base: str | None = None, kinds: str = "hwrx") -> Iterator[tuple[re.
         kind = _kind(marker)
         if kind not in kinds:
             continue
-        pid = _believed(marker, kind, path, inode)
-        if pid is not None:
+        if kind in unchecked:
+            yield marker, int(marker[f"{kind}pid"])
+        elif (pid := _believed(marker, kind, path, inode)) is not None:
             yield marker, pid
 
 

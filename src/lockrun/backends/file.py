@@ -440,37 +440,56 @@ class FileBackend:
         self._directory()  # opened, or checked to be still the one its path names
         if request.slots == 1:
             return self._acquire_lock(base, request, deadline)
-        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
-
         self._check_agreement(base, request)
-        gate = self._open(f"{base}.gate").fd
-        stop = None
-        try:
-            if request.take_over and not try_flock(gate):
-                stop = self._ask_to_stop(base, request.slots, deadline)
-                if stop is None:
-                    return None
-            # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
-            gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
-            if not wait_flock(gate, gate_deadline):
-                return None
-            taken = self._take_slot(base, request.slots, deadline)
+        # Closed in this order: a take-over request of ours once granted, the gate once
+        # the fence is drawn (docs/design.md A2).
+        with contextlib.ExitStack() as gate, contextlib.ExitStack() as asking:
+            taken = self._wait_for_slot(base, request, deadline, gate, asking)
             if taken is None:
                 return None
             slot, held, wake = taken
             with _closed_on_error(held.fd):
-                if stop is not None:
-                    os.close(stop)  # granted: our own request ends here
-                    stop = None
+                asking.close()
                 if (taker := self.taker(base, held.fd)) is not None:
                     if wake is not None:
                         wake.close()
                     raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
                 return self._grant(base, request, slot, held, wake)
-        finally:
-            if stop is not None:
-                os.close(stop)
-            os.close(gate)  # the next waiter in the kernel's queue becomes the head
+
+    def _wait_for_slot(
+        self,
+        base: str,
+        request: Request,
+        deadline: float | None,
+        line: contextlib.ExitStack,
+        asking: contextlib.ExitStack,
+    ) -> tuple[int, _Held, socket.socket | None] | None:
+        """Queue on NAME.gate, then take a slot as the head (docs/design.md A2).
+
+        *line* closes the gate, *asking* a take-over request. A taker asks the holders to
+        stop once it must wait: for the gate, or as the head finding no slot free.
+        """
+        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
+
+        gate = self._open(f"{base}.gate").fd
+        line.callback(os.close, gate)  # the next waiter in the kernel's queue becomes the head
+        asked = False
+        if request.take_over and not try_flock(gate):
+            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
+                return None
+            asking.callback(os.close, stop)
+            asked = True
+        # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
+        gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
+        if not wait_flock(gate, gate_deadline):
+            return None
+        if request.take_over and not asked:
+            if (taken := self._take_slot(base, request.slots, now())) is not None:
+                return taken
+            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
+                return None
+            asking.callback(os.close, stop)
+        return self._take_slot(base, request.slots, deadline)
 
     def _acquire_lock(
         self, base: str, request: Request, deadline: float | None

@@ -105,7 +105,8 @@ def test_a_window_is_kept_by_a_detached_keeper_until_it_ends(name: str) -> None:
     for fd in ("0", "1", "2"):
         assert os.readlink(f"/proc/{keeper}/fd/{fd}") == os.devnull
     others = [fd for fd in os.listdir(f"/proc/{keeper}/fd") if fd not in {"0", "1", "2"}]
-    assert all(os.readlink(f"/proc/{keeper}/fd/{fd}").startswith("socket:") for fd in others)
+    kinds = {fd: os.readlink(f"/proc/{keeper}/fd/{fd}") for fd in others}
+    assert all(kind.startswith("socket:") for kind in kinds.values()), kinds
     (holder,) = lock_state(uri, name)["holders"]
     assert holder["pid"] == run
     assert 25 < holder["until"] - time.time() <= 30

@@ -381,13 +381,14 @@ class AbstractLease:
 
     def refresh(self) -> None:
         """Raise `TakenOver` if another acquirer asks for the lock; it lives as long as we do."""
-        if self.fence is None and self._listener is not None:
+        listener, marker = self._listener, self._marker  # a release may run meanwhile
+        if self.fence is None and listener is not None:
             # Keep what writers connected: a connection closed would tell them we left.
             self._kept = [conn for conn in self._kept if not _hung_up(conn)]
-            self._kept += accept_all(self._listener)
-        elif self._marker is not None:
+            self._kept += accept_all(listener)
+        elif marker is not None:
             with contextlib.suppress(OSError):
-                while self._marker.recv(64, socket.MSG_DONTWAIT):
+                while marker.recv(64, socket.MSG_DONTWAIT):
                     pass
         for _, pid in _markers(self._base, "x") if self._base else ():
             raise TakenOver(_taken_by(describe_pid(pid)))
@@ -428,7 +429,7 @@ def _taken_by(taker: Holder) -> str:
 
 def _hung_up(conn: socket.socket) -> bool:
     """Whether the far end of *conn* closed (it never sends: anything readable is the end)."""
-    if not wait_readable([conn], 0):
+    if conn.fileno() >= 0 and not wait_readable([conn], 0):
         return False
     conn.close()
     return True
@@ -472,7 +473,7 @@ def _keep(listener: socket.socket, marker: str, hold: float, payload: bytes) -> 
     try:
         waiting = select.poll()
         waiting.register(ready, select.POLLIN)
-        waiting.poll(_KEEPER_READY * 1000)  # a byte, or EOF if the keeper failed
+        waiting.poll(_KEEPER_READY * 1000)  # EOF: the keeper is in place (or has died)
     finally:
         os.close(ready)
 
@@ -495,8 +496,7 @@ def _keeper(
     window = bind_listener(marker)
     if window is not None:
         window.setblocking(False)  # noqa: FBT003 - the socket API
-    os.write(told, b"!")
-    os.close(told)
+    os.close(told)  # the last writer: the releasing lockrun reads EOF, and goes
     while (left := until - now()) > 0:
         if window is None:
             time.sleep(left)

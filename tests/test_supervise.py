@@ -861,3 +861,16 @@ def test_a_take_over_bell_refreshes_at_once_and_stops_the_command(tmp_path: Path
     assert err.strip() == "taken over by bob@ci3 pid 77"
     assert term.exists()  # stopped with TERM, its grace, not KILL
     assert count.read_text() == "xx"
+
+
+@pytest.mark.parametrize("scheme", ["file", "abstract"])
+def test_a_bell_that_rings_as_the_command_ends_is_no_death(
+    scheme: str, tmp_path: Path, name: str
+) -> None:
+    """SIGIO (a bell's ring) still pending when the command has ended is dropped, not fatal.
+
+    The command rings and exits at once; SIGCHLD, the lower number, is taken first.
+    """
+    uri = f"file://{tmp_path}/locks" if scheme == "file" else f"abstract:{name}"
+    result = lockrun("--uri", uri, "-n", name, "--", "sh", "-c", "kill -IO $PPID")
+    assert (result.returncode, result.stderr) == (0, "")

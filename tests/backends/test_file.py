@@ -10,18 +10,31 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun import LeaseLost
+from lockrun import LeaseLost, Lock
 from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import file as file_backend
 from lockrun.backends.file import FileBackend, FileLease
-from tests.support.cli import Held, finish, lockrun, queue_length, start, wait_for
+from lockrun.timing import now
+from tests.support.cli import (
+    Held,
+    finish,
+    lock_state,
+    lockrun,
+    queue_length,
+    start,
+    wait_for,
+    waiter_pids,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
+    from subprocess import Popen
 
 
 def test_a_lock_path_that_is_a_directory_exits_78(tmp_path: Path, name: str) -> None:
@@ -187,4 +200,204 @@ def test_fences_grow_across_an_older_counter_a_semaphore_and_a_lock(
     second.release()
     lease = take(kept, name)  # slot files beside NAME.lock: NAME.fence is read as well
     assert lease.fence == ahead + 4
+    lease.release()
+
+
+# -- the modes (docs/design.md A1) ------------------------------------------------------
+
+
+def flocked(tmp_path: Path, lock_file: Path, *options: str) -> tuple[subprocess.Popen[str], Path]:
+    """Start ``flock OPTIONS LOCK_FILE`` holding until the returned path exists; wait for it."""
+    tag = uuid.uuid4().hex[:8]
+    ready, go = tmp_path / f"flock-ready-{tag}", tmp_path / f"flock-go-{tag}"
+    script = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.01; done"
+    lock_file.parent.mkdir(exist_ok=True)
+    process = subprocess.Popen(["flock", *options, str(lock_file), "sh", "-c", script], text=True)
+    wait_for(lambda: ready.exists() or process.poll() is not None, what="flock(1)")
+    assert ready.exists(), f"flock(1) {options} did not get the lock"
+    return process, go
+
+
+def test_shared_and_exclusive_exclude_flock1_users_both_ways(
+    tmp_path: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """`flock -s` shares with --shared and excludes a writer; `flock -x` excludes a reader."""
+    uri, lock_file = f"file://{tmp_path}/locks", tmp_path / "locks" / f"{name}.lock"
+    reader, go = flocked(tmp_path, lock_file, "-s")
+    assert lockrun("--uri", uri, "-n", name, "--shared", "--", "true").returncode == 0
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 75
+    go.touch()
+    assert reader.wait(10) == 0
+    writer, go = flocked(tmp_path, lock_file, "-x")
+    assert lockrun("--uri", uri, "-n", name, "--shared", "--", "true").returncode == 75
+    go.touch()
+    assert writer.wait(10) == 0
+    ours = held("--uri", uri, "-n", name, "--shared")
+    assert (
+        subprocess.run(["flock", "-s", "-n", str(lock_file), "true"], check=False).returncode == 0
+    )
+    assert (
+        subprocess.run(["flock", "-x", "-n", str(lock_file), "true"], check=False).returncode == 1
+    )
+    assert ours.finish() == 0
+    assert (
+        subprocess.run(["flock", "-x", "-n", str(lock_file), "true"], check=False).returncode == 0
+    )
+
+
+def test_shared_holders_leave_the_lock_file_alone_and_have_no_fence(
+    kept: FileBackend, tmp_path: Path, name: str
+) -> None:
+    """A reader writes no record and cuts nothing off; status names each reader from the kernel."""
+    take(kept, name).release()
+    lock_file = tmp_path / "locks" / f"{name}.lock"
+    before = lock_file.read_bytes()
+    request = Request("default", name, 1, 30.0, Holder.me(["test"]), shared=True)
+    readers = [kept.acquire(request, 0) for _ in range(2)]
+    assert all(reader is not None and reader.fence is None for reader in readers)
+    assert lock_file.read_bytes() == before
+    (state,) = kept.status("default", name)
+    assert [(holder.pid, holder.shared, holder.slot) for holder in state.holders] == [
+        (os.getpid(), True, 0),
+        (os.getpid(), True, 0),
+    ]
+    for reader in readers:
+        assert reader is not None
+        reader.release()
+    assert lock_file.read_bytes() == before
+    assert kept.status("default", name)[0].holders == ()
+
+
+def test_shared_waiters_show_as_shared_in_the_gate_and_at_the_head(
+    tmp_path: Path, name: str, held: Callable[..., Held], spawn: Callable[..., Popen[str]]
+) -> None:
+    """Behind a writer, a reader at the head (LOCK_SH) and one in the gate (its mark) are shared."""
+    uri = f"file://{tmp_path}/locks"
+    writer = held("--uri", uri, "-n", name)
+    first = spawn("--uri", uri, "-n", name, "--shared", "-w", "30", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 1, what="the first reader")
+    second = spawn("--uri", uri, "-n", name, "--shared", "-w", "30", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 2, what="the second reader")
+    third = spawn("--uri", uri, "-n", name, "-w", "30", "--", "true")
+    wait_for(lambda: queue_length(uri, name) == 3, what="the writer")
+    waiters = lock_state(uri, name)["waiters"]
+    assert [(waiter["pid"], waiter["shared"]) for waiter in waiters] == [
+        (first.pid, True),
+        (second.pid, True),
+        (third.pid, False),
+    ]
+    assert writer.finish() == 0
+    assert [finish(process) for process in (first, second, third)] == [0, 0, 0]
+
+
+def test_a_window_is_the_runs_record_with_until_left_in_the_lock_file(
+    kept: FileBackend, tmp_path: Path, name: str
+) -> None:
+    """release(hold) leaves counter and record, with until; the next grant overwrites both."""
+    lock_file = tmp_path / "locks" / f"{name}.lock"
+    lease = take(kept, name)
+    began = time.time()
+    lease.release(hold=0.4)
+    counter, record = lock_file.read_bytes().split(b"\n", 1)
+    assert counter == str(lease.fence).encode()
+    data = json.loads(record)
+    assert data["pid"] == os.getpid()
+    assert began + 0.3 < data["until"] < time.time() + 0.4
+    assert kept.acquire(Request("default", name, 1, 30.0, Holder.me(["x"])), 0) is None
+    (state,) = kept.status("default", name)
+    assert [holder.until for holder in state.holders] == [data["until"]]
+    waited = time.monotonic()
+    after = kept.acquire(Request("default", name, 1, 30.0, Holder.me(["x"])), now() + 5)
+    assert after is not None
+    assert time.time() >= data["until"]
+    assert time.monotonic() - waited < 2
+    assert json.loads(lock_file.read_bytes().split(b"\n", 1)[1])["until"] is None
+    after.release()
+    assert lock_file.read_bytes() == f"{after.fence}\n".encode()
+
+
+def test_a_waiter_waits_out_a_window_holding_the_lock_first_in_line(
+    tmp_path: Path, name: str, spawn: Callable[..., Popen[str]]
+) -> None:
+    """The waiter that got the flock sleeps out the window: status shows the run, then it."""
+    uri = f"file://{tmp_path}/locks"
+    assert lockrun("--uri", uri, "-n", name, "--hold-at-least", "3", "--", "true").returncode == 0
+    waiter = spawn("--uri", uri, "-n", name, "-w", "30", "--", "true")
+    wait_for(lambda: waiter_pids(uri, name) == [waiter.pid], what="the waiter")
+    (holder,) = lock_state(uri, name)["holders"]
+    assert holder["until"] is not None
+    assert holder["pid"] != waiter.pid
+    assert finish(waiter) == 0
+    assert lock_state(uri, name)["holders"] == []
+
+
+def take_over_ring(tmp_path: Path, name: str, *options: str) -> float:
+    """Return how long a holder of *options* took to hear a taker (its command's TERM)."""
+    uri = f"file://{tmp_path}/locks"
+    ready, term = tmp_path / f"ready-{name}", tmp_path / f"term-{name}"
+    script = (
+        f"trap 'date +%s.%N > {term}; exit 0' TERM; touch {ready}; while :; do sleep 0.01; done"
+    )
+    holder = start("--uri", uri, "-n", name, *options, "--", "sh", "-c", script)
+    wait_for(ready.exists, what="the holder")
+    asked = time.time()
+    taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "30", "--", "true")
+    assert taker.returncode == 0, taker.stderr
+    assert finish(holder) == 79
+    return float(term.read_text()) - asked
+
+
+@pytest.mark.parametrize("options", [(), ("--shared",)])
+def test_a_holder_hears_a_taker_at_once_through_its_bell(
+    tmp_path: Path, name: str, options: tuple[str, ...]
+) -> None:
+    """The taker's touch rings the holder's inotify watch: TERM comes in well under ttl/3."""
+    assert take_over_ring(tmp_path, name, *options) < 2.0  # a Python start-up, not 10 s
+
+
+def test_a_take_over_stops_every_slot_of_a_semaphore(
+    tmp_path: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Both holders of two slots hear a taker of the name and stop; it gets a slot."""
+    uri = f"file://{tmp_path}/locks"
+    holders = [held("--uri", uri, "-n", name, "-s", "2") for _ in range(2)]
+    taker = lockrun("--uri", uri, "-n", name, "-s", "2", "--take-over", "-w", "30", "--", "true")
+    assert taker.returncode == 0, taker.stderr
+    assert [finish(holder.process) for holder in holders] == [79, 79]
+
+
+def test_a_taker_holds_a_shared_flock_on_the_stop_file_while_it_waits(
+    tmp_path: Path, name: str, spawn: Callable[..., Popen[str]]
+) -> None:
+    """NAME.stop carries the request: LOCK_SH while the taker waits, nothing once it gave up."""
+    uri = f"file://{tmp_path}/locks"
+    flock_holder, go = flocked(tmp_path, tmp_path / "locks" / f"{name}.lock", "-x")
+    taker = spawn("--uri", uri, "-n", name, "--take-over", "-w", "1.5", "--", "true")
+    stop = tmp_path / "locks" / f"{name}.stop"
+    wait_for(stop.exists, what="the request")
+    wait_for(lambda: is_locked(stop), what="the request's flock")
+    assert finish(taker) == 75  # flock(1) hears nobody: the taker gives up
+    assert not is_locked(stop)
+    go.touch()
+    assert flock_holder.wait(10) == 0
+
+
+def test_a_deleted_lock_file_is_heard_at_once_by_a_python_holder(tmp_path: Path, name: str) -> None:
+    """The bell also rings for an unlink: check() raises LeaseLost, no ttl/3 to wait."""
+    uri = f"file://{tmp_path}/locks"
+    with Lock(name, uri=uri) as lease:
+        lease.check()
+        (tmp_path / "locks" / f"{name}.lock").unlink()
+        time.sleep(0.05)  # no renewal ran meanwhile: a local lease has none
+        with pytest.raises(LeaseLost, match="deleted or replaced"):
+            lease.check()
+
+
+def test_without_inotify_a_lease_has_no_bell(
+    kept: FileBackend, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No inotify (not Linux, or no instance left): no bell, refreshes alone hear a taker."""
+    monkeypatch.setattr(file_backend, "_INOTIFY", [lambda *_: -1])
+    lease = take(kept, name)
+    assert lease.bells == ()
     lease.release()

@@ -10,6 +10,12 @@ and sleeps until a slot holder's abstract socket hangs up (docs/design.md A2).
 A slot file's first line is the fence counter, which stays when the holder leaves; a
 holder's JSON record follows it while the slot is held. So a grant reads and writes only
 the file it locked: one ``pread`` and one ``pwrite`` (docs/design.md A1).
+
+The modes (docs/design.md A1): --shared is flock(2)'s LOCK_SH on NAME.lock, with every
+lockrun waiter queued on NAME.gate so a later reader cannot pass a waiting writer; a
+--hold-at-least window is the record left in NAME.lock with an ``until``; a --take-over
+request is a LOCK_SH on NAME.stop, and the holders' bell an inotify watch on their lock file,
+which the taker touches.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from lockrun.backends import (
     slots_mismatch,
 )
 from lockrun.backends.directories import default_directory, failure, open_directory
-from lockrun.bounds import MAX_SLOTS
-from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost
+from lockrun.bounds import MAX_SLOTS, MAX_WAIT
+from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, TakenOver
 from lockrun.names import escape, unescape
 from lockrun.timing import now
 
@@ -54,6 +60,11 @@ _SLOW_WAKE: Final = 1.0  # longest pause when a slot's holder has no wake-up soc
 # O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
 _OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _SINCE_AND_SLOT: Final = ', "since": null, "slot": null'  # what _record_line fills in
+_UNTIL: Final = b'"until": '  # a --hold-at-least window's end, in a record left behind
+# A window read back that ends further away than any --hold-at-least could make it was
+# never written by lockrun (a forged record, a clock stepped back by a year): no window.
+_LONGEST_WINDOW: Final = MAX_WAIT + 86400.0
+_WINDOW_NAP: Final = 1.0  # a window's wait looks at the wall clock again this often
 
 
 def connect(
@@ -101,10 +112,10 @@ def _slot_file(base: str, slot: int) -> str:
     return f"{base}.lock" if slot == 0 else f"{base}~{slot}.lock"
 
 
-def try_flock(fd: int) -> bool:
-    """Take an exclusive flock on *fd* if it is free (or already ours); never block."""
+def try_flock(fd: int, mode: int = fcntl.LOCK_EX) -> bool:
+    """Take a flock of *mode* on *fd* if it is free (or already ours); never block."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     return True
@@ -118,12 +129,12 @@ def _raise_expired(_signum: int, _frame: object) -> None:
     raise _Expired
 
 
-def wait_flock(fd: int, deadline: float | None) -> bool:
-    """Block in flock(2) until *fd* is locked (True) or *deadline* passes (False)."""
-    if try_flock(fd):
+def wait_flock(fd: int, deadline: float | None, mode: int = fcntl.LOCK_EX) -> bool:
+    """Block in flock(2) until *fd* is locked in *mode* (True) or *deadline* passes (False)."""
+    if try_flock(fd, mode):
         return True
     if deadline is None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, mode)
         return True
     timeout = deadline - now()
     if timeout <= 0:
@@ -133,7 +144,7 @@ def wait_flock(fd: int, deadline: float | None) -> bool:
     try:
         previous = signal.signal(signal.SIGALRM, _raise_expired)
     except ValueError:  # not the main thread: no signals here, so look twice a second
-        while not try_flock(fd):
+        while not try_flock(fd, mode):
             if now() >= deadline:
                 return False
             time.sleep(min(0.5, max(0.0, deadline - now())))
@@ -141,31 +152,101 @@ def wait_flock(fd: int, deadline: float | None) -> bool:
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _Expired:
         pass
     finally:
         signal.signal(signal.SIGALRM, previous)
-    return try_flock(fd)  # re-locking our own lock succeeds: covers a grant racing the timer
+    return try_flock(fd, mode)  # re-locking our own lock succeeds: covers a grant racing the timer
+
+
+# -- the take-over bell: inotify(7) on the held lock file -----------------------------------
+
+_IN_ATTRIB: Final = 0x004  # inotify(7): times, mode or link count changed (a taker's touch)
+_IN_DELETE_SELF: Final = 0x400
+_IN_MOVE_SELF: Final = 0x800
+_INOTIFY: list[Callable[..., int]] = []  # inotify_init1, inotify_add_watch; [] not loaded yet
+
+
+def _load_inotify() -> bool:
+    """Find inotify in the C library (ctypes costs ~1.5 ms of start-up: loaded when needed)."""
+    if not _INOTIFY:
+        try:
+            import ctypes  # noqa: PLC0415 - only held leases need it
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            init, add = libc.inotify_init1, libc.inotify_add_watch
+        except (ImportError, OSError, AttributeError):  # not Linux: the refresh cadence only
+            _INOTIFY.append(lambda *_: -1)
+            return False
+        init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
+        add.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        add.restype = ctypes.c_int
+        _INOTIFY.extend((init, add))
+    return len(_INOTIFY) == 2  # noqa: PLR2004
+
+
+def _watch(fd: int) -> int | None:
+    """Return an inotify descriptor that turns readable when the file open as *fd* is touched.
+
+    Touched: its times or mode changed (a taker's utime), or it was unlinked or renamed. None
+    where there is no inotify, or no instance left (fs.inotify.max_user_instances).
+    """
+    if not _load_inotify():
+        return None
+    init, add = _INOTIFY
+    bell = init(os.O_NONBLOCK | os.O_CLOEXEC)
+    if bell < 0:
+        return None
+    # The magic link names the open file itself, even one renamed or unlinked meanwhile.
+    mask = _IN_ATTRIB | _IN_DELETE_SELF | _IN_MOVE_SELF
+    if add(bell, f"/proc/self/fd/{fd}".encode(), mask) < 0:
+        os.close(bell)
+        return None
+    return bell
+
+
+def _drain(bell: int) -> None:
+    """Read what a bell has to say, so that it rings again for the next event only."""
+    with contextlib.suppress(OSError):  # EAGAIN once empty
+        while os.read(bell, 4096):
+            pass
 
 
 class FileLease:
-    """A held slot: its locked file (and, for a semaphore, a wake-up socket)."""
+    """A held slot: its locked file (and, for a semaphore, a wake-up socket).
+
+    A shared (reader) lease holds NAME.lock with LOCK_SH and writes nothing into it.
+    """
 
     ttl: float | None = None  # the slot lives as long as some process has the fd
     sessions: tuple[int, ...] = ()
-    bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
 
-    def __init__(self, slot: int, fence: int, held: _Held, wake: socket.socket | None) -> None:
-        """Wrap the slot file *held*, locked, as slot *slot* with *fence*."""
+    def __init__(
+        self,
+        slot: int,
+        fence: int | None,
+        held: _Held,
+        wake: socket.socket | None,
+        backend: FileBackend,
+        base: str,
+    ) -> None:
+        """Wrap the slot file *held*, locked, as slot *slot* of *base* with *fence*.
+
+        *fence* is None for a shared lease, which has none (docs/semantics.md).
+        """
         self.slot, self.fence, self.path = slot, fence, held.path
         self.confirmed = now()  # no lease: for the record only
         self._fd: int | None = held.fd
         self._identity = held.identity
         self._counter = held.counter  # the bytes that stay: the counter line
+        self._record = held.record  # the holder's line after it, kept for a window's marker
         self._wake = wake
+        self._backend, self._base = backend, base
+        self._bell: int | None = None
+        self._armed = False
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -173,12 +254,30 @@ class FileLease:
         fds = () if self._fd is None else (self._fd,)
         return fds + (() if self._wake is None else (self._wake.fileno(),))
 
+    @property
+    def bells(self) -> tuple[int, ...]:
+        """Return an inotify fd on the lock file: a taker touches it (docs/design.md A1).
+
+        Made on first use, so a block that never asks pays nothing. A request made before
+        the watch existed rings it at once: we touch the file ourselves.
+        """
+        if not self._armed and self._fd is not None:
+            self._armed = True
+            self._bell = _watch(self._fd)
+            if self._bell is not None and self._backend.taker(self._base, self._fd) is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(self._fd)
+        return () if self._bell is None else (self._bell,)
+
     def refresh(self) -> None:
         """Raise `LeaseLost` if the lock file's path no longer names the file we locked.
 
         By path, not in the directory we opened: a directory deleted or replaced (a tmpfs
-        cleaned up, a renamed release) sends every newcomer to another file, too.
+        cleaned up, a renamed release) sends every newcomer to another file, too. Then
+        raise `TakenOver` if another acquirer asks for the lock with --take-over.
         """
+        if self._bell is not None:
+            _drain(self._bell)
         try:
             info = os.stat(self.path, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -188,17 +287,41 @@ class FileLease:
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
+        if self._fd is not None and (taker := self._backend.taker(self._base, self._fd)):
+            raise TakenOver(_taken_by(taker))
 
     def release(self, hold: float = 0.0) -> None:
-        """Clear the holder record and unlock; the file and its fence counter stay."""
+        """Clear the holder record and unlock; the file and its fence counter stay.
+
+        With *hold*, leave the record with the window's end instead (--hold-at-least).
+        """
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._counter)
+            if self.fence is not None:  # a shared lease wrote nothing, and cuts nothing off
+                with contextlib.suppress(OSError):
+                    if hold > 0 and self._record:
+                        _overwrite(self._fd, _window_marker(self._record, time.time() + hold))
+                    else:
+                        os.ftruncate(self._fd, self._counter)
             os.close(self._fd)  # unlocks unless a command still holds a duplicate
             self._fd = None
         if self._wake is not None:  # after the unlock, so the head finds the slot free
             self._wake.close()
             self._wake = None
+        if self._bell is not None:
+            os.close(self._bell)
+            self._bell = None
+
+
+def _taken_by(taker: Holder) -> str:
+    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
+
+
+def _window_marker(data: bytes, until: float) -> bytes:
+    """Return the slot file's *data* (counter line and record) with the record ending *until*."""
+    counter, _, line = data.partition(b"\n")
+    record = json.loads(line)
+    record["until"] = until
+    return b"%s\n%s\n" % (counter, json.dumps(record).encode())
 
 
 class _Held(NamedTuple):
@@ -208,6 +331,7 @@ class _Held(NamedTuple):
     fd: int
     identity: tuple[int, int]  # (st_dev, st_ino)
     counter: int = 0  # the length of its counter line, once the grant has written it
+    record: bytes = b""  # what the grant wrote: the counter line and the holder's record
 
 
 class FileBackend:
@@ -316,39 +440,179 @@ class FileBackend:
         self._directory()  # opened, or checked to be still the one its path names
         if request.slots == 1:
             return self._acquire_lock(base, request, deadline)
-        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
-
         self._check_agreement(base, request)
-        gate = self._open(f"{base}.gate").fd
-        try:
-            # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
-            gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
-            if not wait_flock(gate, gate_deadline):
-                return None
-            taken = self._take_slot(base, request.slots, deadline)
+        # Closed in this order: a take-over request of ours once granted, the gate once
+        # the fence is drawn (docs/design.md A2).
+        with contextlib.ExitStack() as gate, contextlib.ExitStack() as asking:
+            taken = self._wait_for_slot(base, request, deadline, gate, asking)
             if taken is None:
                 return None
             slot, held, wake = taken
             with _closed_on_error(held.fd):
+                asking.close()
+                if (taker := self.taker(base, held.fd)) is not None:
+                    if wake is not None:
+                        wake.close()
+                    raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
                 return self._grant(base, request, slot, held, wake)
-        finally:
-            os.close(gate)  # the next waiter in the kernel's queue becomes the head
+
+    def _wait_for_slot(
+        self,
+        base: str,
+        request: Request,
+        deadline: float | None,
+        line: contextlib.ExitStack,
+        asking: contextlib.ExitStack,
+    ) -> tuple[int, _Held, socket.socket | None] | None:
+        """Queue on NAME.gate, then take a slot as the head (docs/design.md A2).
+
+        *line* closes the gate, *asking* a take-over request. A taker asks the holders to
+        stop once it must wait: for the gate, or as the head finding no slot free.
+        """
+        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
+
+        gate = self._open(f"{base}.gate").fd
+        line.callback(os.close, gate)  # the next waiter in the kernel's queue becomes the head
+        asked = False
+        if request.take_over and not try_flock(gate):
+            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
+                return None
+            asking.callback(os.close, stop)
+            asked = True
+        # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
+        gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
+        if not wait_flock(gate, gate_deadline):
+            return None
+        if request.take_over and not asked:
+            if (taken := self._take_slot(base, request.slots, now())) is not None:
+                return taken
+            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
+                return None
+            asking.callback(os.close, stop)
+        return self._take_slot(base, request.slots, deadline)
 
     def _acquire_lock(
         self, base: str, request: Request, deadline: float | None
     ) -> FileLease | None:
-        """Take the one slot of a lock: flock(2) on NAME.lock (docs/design.md A1)."""
+        """Take the one slot of a lock: flock(2) on NAME.lock, LOCK_SH if shared (A1)."""
         held = self._open(_slot_file(base, 0))
         with _closed_on_error(held.fd):
             # Slot files beyond the first are a semaphore's: one in use would be a mismatch.
             semaphore = self._check_agreement(base, request, first=1)
-            if not try_flock(held.fd):  # held: by someone with the same --slots, we hope
-                self._agree(base, request, held.identity, os.pread(held.fd, MAX_RECORD + 1, 0))
-                self._record_parts(request)  # now, not after the wait
-                if not wait_flock(held.fd, deadline):
+            with contextlib.ExitStack() as line:  # the gate and a take-over request, if any
+                # The uncontended writer takes the lock and touches no other file; a reader
+                # must first see in the gate that no writer waits.
+                if (request.shared or not try_flock(held.fd)) and not self._wait_in_line(
+                    base, request, held, deadline, line
+                ):
                     os.close(held.fd)
                     return None
-            return self._grant(base, request, 0, held, None, semaphore=semaphore)
+            content = self._content(held, request)
+            if not _wait_out(_window(content, base), deadline):
+                os.close(held.fd)
+                return None
+            if (taker := self.taker(base, held.fd)) is not None:
+                raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
+            if request.shared:  # no record, no fence: others share the file
+                return FileLease(0, None, held, None, self, base)
+            return self._grant(base, request, 0, held, None, semaphore=semaphore, content=content)
+
+    def _wait_in_line(
+        self,
+        base: str,
+        request: Request,
+        held: _Held,
+        deadline: float | None,
+        line: contextlib.ExitStack,
+    ) -> bool:
+        """Queue on NAME.gate, then wait on NAME.lock as the head; True once it is ours.
+
+        Every lockrun waiter passes the gate, which the kernel grants in arrival order, and
+        only its holder waits on the lock: flock(2) lets a new LOCK_SH pass a waiting
+        LOCK_EX [V], so a reader that came after a queued writer would overtake it. What
+        *line* closes, the caller closes once the lock is ours (docs/design.md A1).
+        """
+        from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - waiters only
+
+        mode = fcntl.LOCK_SH if request.shared else fcntl.LOCK_EX
+        gate = None
+        if request.shared:
+            gate = self._open(f"{base}.gate").fd
+            line.callback(os.close, gate)
+            if try_flock(gate) and try_flock(held.fd, mode):
+                return True  # no writer holds it, none waits: in beside the other readers
+        self._agree(base, request, held.identity, self._content(held, request))
+        self._record_parts(request)  # now, not after the wait
+        if deadline is not None and deadline <= now() and not request.shared:
+            return False  # a one-shot writer: busy
+        _load_inotify()  # the bell's library: now, not on the hand-over's path
+        if gate is None:
+            gate = self._open(f"{base}.gate").fd
+            line.callback(os.close, gate)
+        if request.take_over:
+            stop = self._ask_to_stop(base, 1, deadline)
+            if stop is None:
+                return False
+            line.callback(os.close, stop)
+        if request.shared:  # a mark for status: a POSIX lock, which no flock(2) sees (P17)
+            with contextlib.suppress(OSError):
+                fcntl.lockf(gate, fcntl.LOCK_SH | fcntl.LOCK_NB, 1)
+        # A one-shot reader waits briefly for a gate held by a reader on its way in.
+        gate_deadline = deadline
+        if request.shared and deadline is not None:
+            gate_deadline = max(deadline, now() + GATE_GRACE)
+        return wait_flock(gate, gate_deadline) and wait_flock(held.fd, deadline, mode)
+
+    def _content(self, held: _Held, request: Request) -> bytes:
+        """Return what the slot file *held* holds: a counter line and a record, if any."""
+        try:
+            return os.pread(held.fd, MAX_RECORD + 1, 0)
+        except OSError as err:  # EIO
+            raise failure(f"lock files of {request.name} in {self.directory}", err) from err
+
+    def _ask_to_stop(self, base: str, slots: int, deadline: float | None) -> int | None:
+        """Register a take-over request until the descriptor returned is closed; ring holders.
+
+        The request is a LOCK_SH on NAME.stop (so it ends with us, SIGKILL included), the
+        ring a touch of each slot file, which their holders watch (docs/design.md A1). None
+        if *deadline* passed first (a holder's probe holds NAME.stop only for a moment).
+        """
+        stop = self._open(f"{base}.stop").fd
+        with _closed_on_error(stop):
+            if not wait_flock(stop, deadline, fcntl.LOCK_SH):
+                os.close(stop)
+                return None
+        for slot in range(slots):
+            with contextlib.suppress(OSError):  # not ours to touch: refreshes will see it
+                os.utime(_slot_file(base, slot), dir_fd=self._dir, follow_symlinks=False)
+        return stop
+
+    def taker(self, base: str, lock_fd: int) -> Holder | None:
+        """Return who asks for the lock *base* with --take-over now, if anyone may.
+
+        A request is a LOCK_SH on NAME.stop by a process that could open the lock file
+        (*lock_fd*'s) for writing, that is, take the lock; the kernel says who holds it, no
+        record does. Anything else in NAME.stop (a planted symlink, a FIFO, a flock of a user
+        who may not take the lock) is no request (docs/security.md).
+        """
+        try:
+            directory = self._fd if self._fd is not None else self._directory(make=False)
+            fd = os.open(f"{base}.stop", os.O_RDONLY | _OPEN, dir_fd=directory)
+        except (OSError, ConfigError, BackendUnavailable):
+            return None  # no request was ever made: the usual case, one failed open(2)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or try_flock(fd):
+                return None  # nobody holds it (our probe goes with the close)
+            lock = os.fstat(lock_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        for pid in _proc_locks().get((info.st_dev, info.st_ino), _NO_LOCKS).readers:
+            if _may_write(pid, lock):
+                return describe_pid(pid)
+        return None  # probes of other holders, or requests of users who may not take it
 
     def _check_agreement(self, base: str, request: Request, first: int = 0) -> bool:
         """Raise `ConfigError` (78) if a live holder of this name uses another --slots.
@@ -366,12 +630,15 @@ class FileBackend:
     def _agree(
         self, base: str, request: Request, identity: tuple[int, int], content: bytes
     ) -> None:
-        """Raise `ConfigError` if *content* is a live holder's record with another --slots."""
+        """Raise `ConfigError` if *content* is a live holder's record with another --slots.
+
+        Live: its writer holds the file exclusively, or its --hold-at-least window is open.
+        """
         record = _record(content, base)
         if record is None or record.slots == request.slots:
             return
         locks = _proc_locks()  # only when a record disagrees: is its writer still there?
-        if locks.get(identity, _Locks([], [])).holding:
+        if locks.get(identity, _NO_LOCKS).writers or _window(content, base) is not None:
             raise slots_mismatch(request, record.slots, record.holder)
 
     def _take_slot(
@@ -420,6 +687,7 @@ class FileBackend:
         wake: socket.socket | None,
         *,
         semaphore: bool = False,
+        content: bytes | None = None,
     ) -> FileLease:
         """Draw the fence and write it and the holder into the slot file; we hold its lock.
 
@@ -427,10 +695,12 @@ class FileBackend:
         semaphore's head draws under the gate, from NAME.fence and that line, and keeps
         it in NAME.fence; so a lock reads NAME.fence too when a semaphore has used its
         name (*semaphore*: slot files beside NAME.lock), or when NAME.lock has no counter
-        line (a new file, or one an older lockrun or a flock(1) user wrote).
+        line (a new file, or one an older lockrun or a flock(1) user wrote). *content* is
+        the file's, if the caller has read it since it was locked.
         """
         try:
-            content = os.pread(held.fd, MAX_RECORD + 1, 0)
+            if content is None:
+                content = os.pread(held.fd, MAX_RECORD + 1, 0)
             counter = _split(content)[0]
             if request.slots > 1:
                 fence = self._semaphore_fence(base, counter if slot == 0 else None)
@@ -445,7 +715,9 @@ class FileBackend:
                 os.ftruncate(held.fd, len(data))
         except OSError as err:  # ENOSPC, EIO: we could not record the fence
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
-        return FileLease(slot, fence, held._replace(counter=len(line)), wake)
+        return FileLease(
+            slot, fence, held._replace(counter=len(line), record=data), wake, self, base
+        )
 
     def _semaphore_fence(self, base: str, counter: bytes | None) -> int:
         """Draw a semaphore's fence (as its head) and keep it in NAME.fence.
@@ -538,23 +810,40 @@ class FileBackend:
             identity, content = self._peek(_slot_file(base, slot))
             if identity is None:
                 break
-            entry = locks.get(identity, _Locks([], []))
-            if slot == 0:
-                waiters += [describe_pid(pid) for pid in entry.waiting]
-            if not entry.holding:
-                continue
+            entry = locks.get(identity, _NO_LOCKS)
             record = _record(content, base)
-            if record is None:
+            if record is not None and _window(content, base) is not None:
+                # A --hold-at-least window: the run that left it holds the slot. Whoever has
+                # the flock waits out the window (docs/design.md A1): the first in line.
+                holders.append(record.holder)
+                lock_name, slots = record.name, record.slots
+                waiters += [_described(pid, shared=pid in entry.readers) for pid in entry.holding]
+            elif entry.readers:  # the kernel's word: shared holders write no record
+                holders += [_described(pid, shared=True, slot=slot) for pid in entry.readers]
+            elif not entry.holding:
+                pass
+            elif record is None:
                 holders.append(describe_pid(entry.holding[0])._replace(slot=slot))
-                continue
-            holders.append(record.holder)
-            lock_name, slots = record.name, record.slots
+            else:
+                holders.append(record.holder)
+                lock_name, slots = record.name, record.slots
+            if slot == 0:
+                waiters += [
+                    _described(pid, shared=pid in entry.shared_waiting) for pid in entry.waiting
+                ]
         gate_identity, _ = self._peek(f"{base}.gate")
         if gate_identity is not None:
-            gate = locks.get(gate_identity, _Locks([], []))
-            waiters += [describe_pid(pid) for pid in (*gate.holding, *gate.waiting)]
+            gate = locks.get(gate_identity, _NO_LOCKS)
+            waiters += [
+                _described(pid, shared=pid in gate.marked) for pid in (*gate.holding, *gate.waiting)
+            ]
         return LockState(
-            namespace, lock_name, self._path(f"{base}.lock"), slots, tuple(holders), tuple(waiters)
+            namespace,
+            lock_name,
+            self._path(f"{base}.lock"),
+            slots,
+            tuple(holders),
+            _once(waiters, {holder.pid for holder in holders}),
         )
 
     def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
@@ -640,24 +929,120 @@ def _name_of(base: str) -> str:
     return unescape(base.split(".", 1)[-1])
 
 
+def _once(waiters: list[Holder], seen: set[int]) -> tuple[Holder, ...]:
+    """Return *waiters* without holders (*seen*) and repeats: the head is in gate and lock."""
+    kept = []
+    for waiter in waiters:
+        if waiter.pid not in seen:
+            seen.add(waiter.pid)
+            kept.append(waiter)
+    return tuple(kept)
+
+
+def _described(pid: int, *, shared: bool, slot: int | None = None) -> Holder:
+    return describe_pid(pid)._replace(shared=shared, slot=slot)
+
+
+def _window(content: bytes, base: str) -> float | None:
+    """Return when the --hold-at-least window left in a slot file of *base* ends, if it is open.
+
+    Anyone who may write the file may write a record: an end further away than any window
+    lockrun makes (a forged one, a clock stepped back by a year) is none, and a negative or
+    non-numeric one is none (docs/security.md). So a forged window can hold the lock for as
+    long as a lockrun could, never for ever.
+    """
+    if _UNTIL not in content:  # the usual file: a counter line and nothing else
+        return None
+    record = _record(content, base)
+    until = None if record is None else record.holder.until
+    if until is None or not 0 < until - time.time() <= _LONGEST_WINDOW:
+        return None
+    return until
+
+
+def _wait_out(until: float | None, deadline: float | None) -> bool:
+    """Sleep, holding the lock, until the window ending *until* (Unix time) is over.
+
+    False at once if *deadline* comes first: busy. Holding the lock keeps our place; the
+    waiters behind us stay queued in the kernel (docs/design.md A1).
+    """
+    if until is None:
+        return True
+    if deadline is not None and deadline - now() < until - time.time():
+        return False
+    while (left := until - time.time()) > 0:  # the wall clock, as the window was written
+        if deadline is not None and now() >= deadline:  # the clock stepped back
+            return False
+        time.sleep(min(left, _WINDOW_NAP))
+    return True
+
+
+def _may_write(pid: int, info: os.stat_result) -> bool:
+    """Whether process *pid* could open the file *info* is of for writing (so take the lock).
+
+    From its file-system uid and groups in /proc/PID/status and the file's mode bits (ACLs
+    aside). False if we cannot tell: a process gone, or hidden from us (hidepid).
+    """
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        uid = int(fields["Uid"].split()[3])  # real, effective, saved, file system
+        groups = {int(fields["Gid"].split()[3]), *map(int, fields.get("Groups", "").split())}
+    except (OSError, KeyError, IndexError, ValueError):
+        return False
+    if uid == 0:
+        return True
+    if uid == info.st_uid:
+        return bool(info.st_mode & stat.S_IWUSR)
+    if info.st_gid in groups:
+        return bool(info.st_mode & stat.S_IWGRP)
+    return bool(info.st_mode & stat.S_IWOTH)
+
+
 class _Locks(NamedTuple):
-    holding: list[int]
-    waiting: list[int]
+    """What /proc/locks says of one file: pids, in the order it lists them."""
+
+    holding: list[int]  # a flock(2) lock held, either kind
+    waiting: list[int]  # blocked in flock(2)
+    readers: list[int]  # of those holding: LOCK_SH
+    writers: list[int]  # of those holding: LOCK_EX
+    shared_waiting: list[int]  # of those waiting: LOCK_SH
+    marked: list[int]  # POSIX read locks: on NAME.gate, the marks of shared waiters
+
+
+_NO_LOCKS: Final = _Locks([], [], [], [], [], [])
 
 
 def _proc_locks() -> dict[tuple[int, int], _Locks]:
-    """Map (st_dev, st_ino) to the pids holding and waiting for a flock, from /proc/locks."""
+    """Map (st_dev, st_ino) to the pids holding and waiting for locks, from /proc/locks.
+
+    A line: ``N: [->] FLOCK|POSIX|OFDLCK ADVISORY READ|WRITE PID MAJ:MIN:INODE START END``.
+    """
     found: dict[tuple[int, int], _Locks] = {}
-    with open("/proc/locks", encoding="ascii") as table:
+    with open("/proc/locks", encoding="ascii", errors="replace") as table:
         lines = table.read().splitlines()
     for line in lines:
         fields = line.split()
         blocked = fields[1:2] == ["->"]
         fields = fields[2:] if blocked else fields[1:]
-        if len(fields) < 5 or fields[0] != "FLOCK":  # noqa: PLR2004
+        if len(fields) < 5 or fields[0] not in {"FLOCK", "POSIX"}:  # noqa: PLR2004
             continue
-        major, minor, inode = fields[4].split(":")
-        identity = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        entry = found.setdefault(identity, _Locks([], []))
-        (entry.waiting if blocked else entry.holding).append(int(fields[3]))
+        try:
+            major, minor, inode = fields[4].split(":")
+            identity = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+            pid = int(fields[3])
+        except ValueError:
+            continue
+        entry = found.setdefault(identity, _Locks([], [], [], [], [], []))
+        shared = fields[2] == "READ"
+        if fields[0] == "POSIX":
+            if shared and not blocked:
+                entry.marked.append(pid)
+        elif blocked:
+            entry.waiting.append(pid)
+            if shared:
+                entry.shared_waiting.append(pid)
+        else:
+            entry.holding.append(pid)
+            (entry.readers if shared else entry.writers).append(pid)
     return found

@@ -1,0 +1,324 @@
+"""The local backends' modes under forged records: windows, take-over requests, readers.
+
+Another user writes what the modes read back: an ``until`` in a shared lock file, a
+NAME.stop planted or flocked, abstract names squatted. Each may make a lock look busy (the
+power of holding it), never crash lockrun, hold a lock for ever or stop a holder it may not
+take (docs/security.md). Properties over random input close the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lockrun.backends import Holder, Request
+from lockrun.backends import abstract as abstract_backend
+from lockrun.backends import file as file_backend
+from lockrun.bounds import MAX_WAIT
+from lockrun.errors import TakenOver
+from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.strategies import holder_like, json_values
+from tests.support.users import needs_root
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from tests.support.users import Runner
+
+PRECIOUS = "precious: root's file, not a lock\n"
+
+
+@pytest.fixture
+def locks(shared: Path) -> Path:
+    """Return a lock directory every user may write to, sticky, as flock(1) users share."""
+    path = shared / "locks"
+    path.mkdir()
+    path.chmod(0o1777)
+    return path
+
+
+def record(name: str, until: object) -> bytes:
+    """Return a lock file: a counter line and a well-formed record of *name* ending *until*."""
+    data = {"name": name, "namespace": "default", "slots": 1, "host": "h", "pid": 1}
+    data |= {"user": "mallory", "argv": ["x"], "since": time.time(), "until": until}
+    return b"1\n" + json.dumps(data).encode() + b"\n"
+
+
+# -- file: forged windows ---------------------------------------------------------------
+
+
+@needs_root
+@pytest.mark.parametrize(
+    "until",
+    [
+        pytest.param(lambda: time.time() + 10 * 366 * 86400, id="ten-years"),
+        pytest.param(lambda: -5, id="negative"),
+        pytest.param(lambda: "soon", id="text"),
+        pytest.param(lambda: True, id="bool"),
+        pytest.param(lambda: [time.time() + 60], id="list"),
+        pytest.param(lambda: float("inf"), id="infinity"),
+        pytest.param(lambda: time.time() - 5, id="over"),
+    ],
+)
+def test_a_window_no_lockrun_could_have_left_is_none(
+    mallory: Runner, locks: Path, name: str, until: Callable[[], object]
+) -> None:
+    """Mallory's lock file ends a window in ten years, never, or at 'soon': no window at all."""
+    lock_file = locks / f"{name}.lock"
+    content = record(name, until()).replace(b"Infinity", b"1e400")  # JSON's spelling of inf
+    assert (
+        mallory.run(
+            ["sh", "-c", f"cat > {lock_file}; chmod 666 {lock_file}"], input=content.decode()
+        ).returncode
+        == 0
+    )
+    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+    status = lockrun("status", "--uri", f"file://{locks}", "--json", name)
+    assert (status.returncode, status.stderr) == (0, "")
+    assert json.loads(status.stdout)[0]["holders"] == []
+
+
+@needs_root
+def test_a_window_a_lockrun_could_have_left_is_busy_and_shown(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """An hour's window written by mallory: busy at once (75), as any holder makes it; shown."""
+    lock_file = locks / f"{name}.lock"
+    content = record(name, time.time() + 3600).decode()
+    assert (
+        mallory.run(
+            ["sh", "-c", f"cat > {lock_file}; chmod 666 {lock_file}"], input=content
+        ).returncode
+        == 0
+    )
+    began = time.monotonic()
+    result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "20", "--", "true")
+    assert result.returncode == 75
+    assert time.monotonic() - began < 10  # not after the 20 s: the window outlasts them
+    assert "--hold-at-least" in one_line(result.stderr)
+    status = lockrun("status", "--uri", f"file://{locks}", "--json", name)
+    (holder,) = json.loads(status.stdout)[0]["holders"]
+    assert (holder["user"], holder["until"] > time.time()) == ("mallory", True)
+
+
+# -- file: forged and planted take-over requests ------------------------------------------
+
+
+@contextlib.contextmanager
+def requested_by(runner: Runner, stop_file: Path) -> Iterator[None]:
+    """Have *runner* hold LOCK_SH on *stop_file* (made if missing) during the block."""
+    holder = runner.popen(["flock", "-s", str(stop_file), "sleep", "60"])
+    inode = None
+    try:
+        wait_for(stop_file.exists, what="the stop file")
+        inode = f":{os.stat(stop_file).st_ino} "
+        locks = Path("/proc/locks")
+        wait_for(lambda: inode in locks.read_text(), what="the request's flock")
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def file_lease(locks: Path, name: str) -> file_backend.FileLease:
+    """Take *name* in *locks* through the backend, as root; fail if busy."""
+    backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
+    lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["root"])), 0)
+    assert lease is not None
+    return lease
+
+
+@needs_root
+def test_a_stop_request_of_a_user_who_may_not_take_the_lock_stops_nobody(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """Root's lock file is 0644: mallory's flock on NAME.stop stops nobody, turns nobody away."""
+    lease = file_lease(locks, name)
+    (locks / f"{name}.lock").chmod(0o644)
+    with requested_by(mallory, locks / f"{name}.stop"):
+        lease.refresh()  # no TakenOver
+        lease.release()
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+
+
+@needs_root
+def test_a_stop_request_of_a_user_who_may_take_the_lock_is_heard(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """A lock file mallory may write (0666): she may take the lock, so she may take it over."""
+    lease = file_lease(locks, name)
+    (locks / f"{name}.lock").chmod(0o666)
+    with requested_by(mallory, locks / f"{name}.stop"):
+        with pytest.raises(TakenOver, match=f"taken over by {mallory.user.name}@"):
+            lease.refresh()
+        lease.release()
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+        assert result.returncode == 79
+        assert f"taken over by {mallory.user.name}@" in one_line(result.stderr)
+
+
+@needs_root
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_planted_stop_file_is_refused_by_a_taker_and_ignored_by_holders(
+    mallory: Runner, locks: Path, shared: Path, name: str, planted: str, held: Callable[..., Held]
+) -> None:
+    """NAME.stop as a link to root's file or a FIFO: the taker exits 78, the holder runs on."""
+    precious = shared / "precious"
+    precious.write_text(PRECIOUS)
+    stop = locks / f"{name}.stop"
+    plant = (
+        ["ln", "-s", str(precious), str(stop)]
+        if planted == "symlink"
+        else ["mkfifo", "-m", "666", str(stop)]
+    )
+    assert mallory.run(plant).returncode == 0
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    taker = lockrun("--uri", f"file://{locks}", "-n", name, "--take-over", "-w", "5", "--", "true")
+    assert taker.returncode == 78, taker.stderr
+    assert f"{stop}" in one_line(taker.stderr)
+    assert holder.process.poll() is None
+    assert holder.finish() == 0
+    assert precious.read_text() == PRECIOUS
+    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+@needs_root
+def test_a_symlink_planted_as_the_gate_of_a_lock_is_refused_when_waiting(
+    mallory: Runner, locks: Path, shared: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """A one-slot waiter passes NAME.gate now: a planted link there is 78, and never written."""
+    precious = shared / "precious"
+    precious.write_text(PRECIOUS)
+    assert mallory.run(["ln", "-s", str(precious), str(locks / f"{name}.gate")]).returncode == 0
+    assert lockrun("--uri", f"file://{locks}", "-n", name, "--", "true").returncode == 0
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    waiter = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "5", "--", "true")
+    assert waiter.returncode == 78
+    assert f"{locks / name}.gate" in one_line(waiter.stderr)
+    assert holder.finish() == 0
+    assert precious.read_text() == PRECIOUS
+
+
+# -- abstract: forged requests, windows and readers -----------------------------------------
+
+# Listen on each name of argv (pid "self": this process's) until stdin closes.
+SQUAT = """
+import os, socket, sys
+socks = []
+for name in sys.argv[1:]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\\0" + name.replace("self", str(os.getpid())))
+    sock.listen(64)
+    socks.append(sock)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def squatting(runner: Runner, *names: str) -> Iterator[None]:
+    """Have *runner* listen on abstract *names* during the block."""
+    process = runner.python(SQUAT, *names, stdin=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """Return an abstract: prefix of this test's own."""
+    return f"hostile-modes-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@needs_root
+def test_a_forged_stop_request_naming_another_process_stops_nobody(
+    mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
+) -> None:
+    """Mallory's request says pid 1 asks: SO_PEERCRED says otherwise; nobody gives way."""
+    base = abstract_backend._base(prefix, "default", name)
+    uri = f"abstract:{prefix}"
+    with squatting(mallory, f"{base}/x/1/1"):
+        holder = held("--uri", uri, "-n", name)
+        assert holder.process.poll() is None
+        assert holder.finish() == 0
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+
+
+@needs_root
+def test_a_local_users_own_stop_request_is_heard_on_abstract(
+    mallory: Runner, prefix: str, name: str
+) -> None:
+    """Anyone local may queue on abstract:, so anyone may take over: the grantee gives way."""
+    base = abstract_backend._base(prefix, "default", name)
+    with squatting(mallory, f"{base}/x/1/self"):
+        result = lockrun("--uri", f"abstract:{prefix}", "-n", name, "--", "true")
+        assert result.returncode == 79
+        assert f"taken over by {mallory.user.name}@" in one_line(result.stderr)
+
+
+@needs_root
+def test_forged_windows_and_readers_are_not_shown(
+    mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
+) -> None:
+    """A window marker no keeper backs, a reader naming pid 1: neither shown nor believed."""
+    base = abstract_backend._base(prefix, "default", name)
+    uri = f"abstract:{prefix}"
+    window = f"{base}/h0.1/{int(time.time() * 1000)}/1/u{abstract_backend._base36(3_600_000)}"
+    with squatting(mallory, window):
+        result = lockrun("--uri", uri, "-n", name, "-w", "5", "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")  # no window held it
+        holder = held("--uri", uri, "-n", name)
+        busy = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert busy.returncode == 75
+        assert "--hold-at-least" not in one_line(busy.stderr)
+        assert holder.finish() == 0
+    with squatting(mallory, f"{base}/r/1/1"):
+        status = lockrun("status", "--uri", uri, "--json", name)
+        assert json.loads(status.stdout)[0]["holders"] == []
+        busy = lockrun("--uri", uri, "-n", name, "--", "true")  # a squatter holds it
+        assert busy.returncode == 75, busy.stderr
+        assert "busy" in one_line(busy.stderr)
+
+
+# -- properties -----------------------------------------------------------------------------
+
+
+@given(
+    content=st.binary(max_size=300)
+    | st.builds(
+        lambda data, until: b"7\n" + json.dumps(data | {"until": until}).encode(),
+        holder_like(),
+        json_values | st.floats(allow_nan=True) | st.integers(min_value=-(2**70), max_value=2**70),
+    )
+)
+def test_windows_in_lock_files_decode_within_bounds_or_are_none(content: bytes) -> None:
+    """Whatever a co-user writes into a lock file: no window, or one within a year from now."""
+    until = file_backend._window(content, "sales")
+    if until is not None:
+        assert time.time() < until <= time.time() + MAX_WAIT + 86400
+
+
+@given(name=st.text(max_size=120) | st.from_regex(abstract_backend._MARKER, fullmatch=True))
+def test_abstract_names_of_anyone_decode_or_are_ignored(name: str) -> None:
+    """Any name in the socket table: not ours, or a marker that describes without raising."""
+    marker = abstract_backend._MARKER.fullmatch(name)
+    if marker is not None:
+        described = abstract_backend._described(marker, os.getpid())
+        assert described.pid >= 0

@@ -83,7 +83,7 @@ _FOREVER: Final = 31_536_000
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
 HOLDERS: Final = "lockrun_holders"
-_HOLD: Final = "--hold-at-least"
+_HOLD_OPTION: Final = "--hold-at-least"
 MARKS: Final = "lockrun_marks"  # hold windows, shared holders, take-over requests
 _TABLES: Final = (
     f"""CREATE TABLE IF NOT EXISTS {FENCES} (
@@ -929,7 +929,7 @@ class MySQLBackend(SessionLockBackend[Session]):
             if not answers or not _tableless(err):  # no marks: no window, no shared holder
                 raise
             if attempt.request.hold:  # said before the run, not after: it could not be kept
-                raise self._no_marks(_HOLD, err) from err
+                raise self._no_marks(_HOLD_OPTION, err) from err
         return _found(answers[1].rows if len(answers) > 1 else (), answers[0].rows[0][0])
 
     def _settle(
@@ -1192,7 +1192,7 @@ class MySQLBackend(SessionLockBackend[Session]):
         if gate:
             session.gate_left = attempt
         if request.hold and len(answers) < len(statements):  # the marks could not be read:
-            raise self._no_marks(_HOLD)  # no window could be kept: said before the run
+            raise self._no_marks(_HOLD_OPTION)  # no window could be kept: said before the run
         reads = [answer.rows for answer in answers[first:]] + [(), (), ()]
         stop = reads[0][0][0] if reads[0] else None
         other = reads[1][0] if reads[1] else None

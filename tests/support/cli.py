@@ -151,8 +151,9 @@ class Held:
         if not self.ready.exists():
             _, err = self.process.communicate()
             pytest.fail(f"holder did not start (status {self.process.returncode}): {err}")
-        slot, fence = self.ready.read_text().split()
-        self.slot, self.fence = int(slot), int(fence)
+        slot, *fence = self.ready.read_text().split()
+        # 0: no LOCKRUN_FENCE (a --shared holder has none: a fence orders writers)
+        self.slot, self.fence = int(slot), int(fence[0]) if fence else 0
 
     def finish(self) -> int:
         """Let the command end and return lockrun's status."""

@@ -143,6 +143,7 @@ _GIVE_BACK: Final = (
 )
 _UNLISTEN: Final = "UNLISTEN *"
 _WINDOWS_SHOWN: Final = 10000  # `status` reads at most this many open windows
+_MAX_STAMP: Final = 2.0**40  # a Unix time past the year 36812 is made up (Holder's bound)
 _NO_ANSWER: Final = "the server sent no answer"
 _GRANT_ANSWERS: Final = 3  # a grant's statements: the grant, the check of N, the takers
 _UNDEFINED_TABLE: Final = "42P01"
@@ -278,7 +279,7 @@ class Session:
         self.connection = connection
         self.pgconn = connection.pgconn
         self.tag = tag
-        self.record = ""  # the holder's identity as JSON, once a grant named it
+        self.holder: Holder | None = None  # whom a grant named the holder, from then on
         self.pid = 0  # the server process, as pg_backend_pid() says (a pooler hides it)
         self.stopping = False  # whether it holds the stop key of a name (a taker, waiting)
         self.listening = ""  # the channel it listens on for take-overs (a holder's, a try's)
@@ -466,7 +467,8 @@ class _Lease(SessionLease[Session]):
         self.keys = keys
         self.token = attempt.token
         self.names = (attempt.request.namespace, attempt.request.name)
-        self.record = ""  # the holder as the grant named it (JSON): a window's row keeps it
+        self.request = attempt.request
+        self.holder = attempt.request.holder  # as the grant named it: a window's row keeps it
         self.hold = 0.0  # --hold-at-least: seconds the slot stays taken after release
         self.refused: ConfigError | None = None  # a window that could not be written
 
@@ -1011,7 +1013,7 @@ class PostgresBackend(SessionLockBackend[Session]):
                 _, ahead, _ = self._draw(session, attempt, slot, trying=False)
             else:  # the try drew it (`_try_and_grant`)
                 ahead = attempt.ahead
-            lease.record = session.record
+            lease.holder = session.holder or lease.holder
             lease.fence = ahead.fence
             self._judge(ahead.others, attempt)
             _give_way(ahead.stops, lease)
@@ -1026,9 +1028,10 @@ class PostgresBackend(SessionLockBackend[Session]):
     def _name(self, session: Session, attempt: Attempt[Session], slot: int) -> None:
         """Have *session*'s statements name it the holder of *slot*, from now."""
         request = attempt.request
-        holder = request.holder._replace(slot=slot, since=time.time(), shared=request.shared)
-        session.record = _identity(request, attempt.token, holder)
-        session.tag = f"/* lockrun {session.record} */"
+        session.holder = request.holder._replace(
+            slot=slot, since=time.time(), shared=request.shared
+        )
+        session.tag = _comment(request, attempt.token, session.holder)
 
     def _draw(
         self, session: Session, attempt: Attempt[Session], slot: int, *, trying: bool
@@ -1187,6 +1190,8 @@ class PostgresBackend(SessionLockBackend[Session]):
         transaction, so the table holds about one row per window open.
         """
         session = lease.session
+        # The whole record (its command line cut at about 1 kB), not the comment's part.
+        record = _identity(lease.request, lease.token, lease.holder, room=MAX_RECORD // 2)
         statements = [] if self.windows else list(_CREATE_WINDOWS)
         statements += [
             # Rows another session is busy with are left to it: this waits for nobody.
@@ -1197,7 +1202,7 @@ class PostgresBackend(SessionLockBackend[Session]):
             (
                 f"INSERT INTO {WINDOWS} (key, until, holder) VALUES ({lease.key}, "
                 f"clock_timestamp() + make_interval(secs => {lease.hold:.6f}), "
-                f"{session.literal(lease.record)}) ON CONFLICT (key) DO UPDATE "
+                f"{session.literal(record)}) ON CONFLICT (key) DO UPDATE "
                 "SET until = excluded.until, holder = excluded.holder"
             ),
             "COMMIT",
@@ -1259,17 +1264,8 @@ class PostgresBackend(SessionLockBackend[Session]):
             f"interval '{int(MAX_WAIT)} seconds')), left(holder::text, {MAX_RECORD}) "
             f"FROM {WINDOWS} WHERE until > clock_timestamp() LIMIT {_WINDOWS_SHOWN}"
         )
-        rows, error = self._results(session, self.timeout)
-        windows: dict[int, tuple[Identity | None, float]] = {}
-        for key, until, record in rows[0] if error is None and rows else []:
-            try:
-                ends = float(until or "")
-                slot = int(key or "")
-            except ValueError:
-                continue
-            if 0 < ends < math.inf:
-                windows[slot] = (read_identity(record or ""), ends)
-        return windows
+        answers, error = self._results(session, self.timeout)
+        return _open_windows(answers[0] if error is None and answers else [])
 
     def _state(
         self,
@@ -1421,12 +1417,12 @@ def _comment(request: Request, token: str, holder: Holder) -> str:
     return f"/* lockrun {_identity(request, token, holder)} */"
 
 
-def _identity(request: Request, token: str, holder: Holder) -> str:
+def _identity(request: Request, token: str, holder: Holder, room: int = _TAG_BYTES) -> str:
     """Return who runs a session's statements as JSON, for its comment or a window's row.
 
     ``/`` and ``*`` are escaped (valid JSON) so the text can neither end nor nest the
-    comment (PostgreSQL nests ``/* */``); a long
-    command line is cut so the whole fits the 1024 bytes pg_stat_activity keeps.
+    comment (PostgreSQL nests ``/* */``); a long command line is cut so the whole fits
+    *room* bytes: for a comment the 1024 bytes pg_stat_activity keeps.
     """
     argv = holder.argv
     while True:
@@ -1438,7 +1434,7 @@ def _identity(request: Request, token: str, holder: Holder) -> str:
             "holder": holder._replace(argv=argv).to_dict(),
         }
         text = json.dumps(identity).replace("/", "\\/").replace("*", "\\u002a")
-        if len(text) <= _TAG_BYTES or not argv:
+        if len(text) <= room or not argv:
             return text
         argv = argv[: len(argv) // 2]
 
@@ -1486,6 +1482,20 @@ def _taker(
             return f"{who.holder.user}@{who.holder.host} pid {who.holder.pid}"
         return f"{user or '?'}@{client or 'local socket'} (backend {pid})"
     return None
+
+
+def _open_windows(rows: list[tuple[str | None, ...]]) -> dict[int, tuple[Identity | None, float]]:
+    """Decode `status`'s rows of lockrun_holds (anyone's): key → (the run, if ours; its end)."""
+    windows: dict[int, tuple[Identity | None, float]] = {}
+    for row in rows:
+        key, until, record = (*row, None, None, None)[:3]
+        try:
+            ends, slot = float(until or ""), int(key or "")
+        except ValueError:
+            continue
+        if 0 < ends <= _MAX_STAMP:
+            windows[slot] = (read_identity(record or ""), ends)
+    return windows
 
 
 def _held_over(window: tuple[Identity | None, float], namespace: str, name: str) -> Holder:

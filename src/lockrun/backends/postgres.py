@@ -100,35 +100,42 @@ _FAILURES: Final[tuple[tuple[str, type[LockrunError], str], ...]] = (
 _FILE_PARAMETERS: Final = frozenset({"passfile", "sslcert", "sslkey", "sslrootcert", "sslcrl"})
 # Statements every session prepares: planning a join with pg_stat_activity takes longer
 # than running it. EXECUTE takes our own values, formatted ints.
-_PREPARED: Final = {
-    # The holders of (name, N) locks with N other than $2.
-    "lockrun_mismatch": "PREPARE lockrun_mismatch(bigint, int) AS "
-    "SELECT l.objid, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a "
-    "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 2 "
-    "AND l.granted AND l.classid = ($1 & 4294967295)::oid "
-    "AND l.objid <> $2::oid AND l.database = "
-    "(SELECT oid FROM pg_database WHERE datname = current_database())",
-    # Whether this session holds the advisory lock (classid $1, objid $2), in either mode.
-    "lockrun_owns": "PREPARE lockrun_owns(oid, oid) AS "
-    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-    "AND pid = pg_backend_pid() AND objsubid = 1 AND classid = $1 AND objid = $2",
-    # Who may ask for a take-over: other sessions holding the stop key (classid $1, objid
-    # $2), and whether each waits for an advisory lock (docs/design.md A8). Their activity
-    # is read only when there are any: pg_stat_get_activity of one pid, not the whole view.
-    "lockrun_stops": "PREPARE lockrun_stops(oid, oid) AS "
-    "SELECT l.pid, a.query, pg_get_userbyid(a.usesysid), host(a.client_addr), "
-    "EXISTS (SELECT FROM pg_locks w WHERE w.pid = l.pid AND NOT w.granted "
-    "AND w.locktype = 'advisory') "
-    "FROM pg_locks l LEFT JOIN LATERAL pg_stat_get_activity(l.pid) a ON true "
-    "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
-    "AND l.classid = $1 AND l.objid = $2 AND l.pid <> pg_backend_pid() AND l.database = "
-    "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY l.pid",
-}
-_MISMATCH: Final = "EXECUTE lockrun_mismatch({agreed}, {slots})"
-_STOPS: Final = "EXECUTE lockrun_stops({classid}, {objid})"
 # --hold-at-least: the window of a run that ended, as (lock key, end on the server's clock,
 # the run's identity as JSON), created on first use (docs/design.md A8).
 WINDOWS: Final = "lockrun_holds"
+_PREPARED: Final = {
+    # In one scan of pg_locks: the holders of (name, N) locks with N other than $2 (kind 2),
+    # and the sessions holding the stop key (classid $3, objid $4; kind 1), with whether
+    # each waits for an advisory lock (docs/design.md A8). Activity is read per row found:
+    # pg_stat_get_activity of one pid, not the whole view.
+    "lockrun_others": "PREPARE lockrun_others(bigint, int, oid, oid) AS "
+    "SELECT l.objsubid, l.objid, l.pid, a.query, pg_get_userbyid(a.usesysid), "
+    "host(a.client_addr), l.objsubid = 1 AND EXISTS (SELECT FROM pg_locks w "
+    "WHERE w.pid = l.pid AND NOT w.granted AND w.locktype = 'advisory') "
+    "FROM pg_locks l LEFT JOIN LATERAL pg_stat_get_activity(l.pid) a ON true "
+    "WHERE l.locktype = 'advisory' AND l.granted AND l.database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND ((l.objsubid = 2 AND l.classid = ($1 & 4294967295)::oid AND l.objid <> $2::oid) "
+    "OR (l.objsubid = 1 AND l.classid = $3 AND l.objid = $4 AND l.pid <> pg_backend_pid())) "
+    "ORDER BY l.pid",
+    # Whether this session holds the advisory lock (classid $1, objid $2), in either mode
+    # (a row whose first column is true), and the stop key's holders as above: one scan.
+    "lockrun_check": "PREPARE lockrun_check(oid, oid, oid, oid) AS "
+    "SELECT l.pid = pg_backend_pid(), l.pid, a.query, pg_get_userbyid(a.usesysid), "
+    "host(a.client_addr), l.pid <> pg_backend_pid() AND EXISTS (SELECT FROM pg_locks w "
+    "WHERE w.pid = l.pid AND NOT w.granted AND w.locktype = 'advisory') "
+    "FROM pg_locks l LEFT JOIN LATERAL (SELECT * FROM pg_stat_get_activity(l.pid) "
+    "WHERE l.pid <> pg_backend_pid()) a ON true "
+    "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+    "AND ((l.pid = pg_backend_pid() AND l.classid = $1 AND l.objid = $2) "
+    "OR (l.pid <> pg_backend_pid() AND l.classid = $3 AND l.objid = $4 AND l.database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database()))) ORDER BY l.pid",
+    # Whether the table of --hold-at-least windows exists, under the statement's snapshot
+    # (a name the catalog cache remembers as missing may be older than our transaction).
+    "lockrun_table": "PREPARE lockrun_table AS SELECT EXISTS (SELECT FROM pg_class c "
+    f"JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relname = '{WINDOWS}' "
+    "AND n.nspname = ANY (current_schemas(false)))",
+}
 _CREATE_WINDOWS: Final = (
     (
         f"CREATE TABLE IF NOT EXISTS {WINDOWS} "
@@ -142,10 +149,18 @@ _GIVE_BACK: Final = (
     "SELECT pg_advisory_unlock_all(), set_config('application_name', 'lockrun', false)"
 )
 _UNLISTEN: Final = "UNLISTEN *"
+# The open window of slot $1: seconds left, cut to MAX_WAIT (anyone may write the table).
+_WINDOW: Final = (
+    f"SELECT extract(epoch FROM least(until, clock_timestamp() + interval "
+    f"'{int(MAX_WAIT)} seconds') - clock_timestamp()) FROM {WINDOWS} "
+    "WHERE key = $1 AND until > clock_timestamp() ORDER BY until DESC LIMIT 1"
+)
+_PREPARED_READ: Final = "prepared"  # Session.windowed: lockrun_window is
+_BROKEN: Final = "inline"  # Session.windowed: a read failed; the next ones are not prepared
 _WINDOWS_SHOWN: Final = 10000  # `status` reads at most this many open windows
 _MAX_STAMP: Final = 2.0**40  # a Unix time past the year 36812 is made up (Holder's bound)
 _NO_ANSWER: Final = "the server sent no answer"
-_GRANT_ANSWERS: Final = 3  # a grant's statements: the grant, the check of N, the takers
+_GRANT_ANSWERS: Final = 2  # a grant's statements: the grant, the others (N, takers)
 _UNDEFINED_TABLE: Final = "42P01"
 _DUPLICATE: Final = "23505"  # two sessions creating the table at once
 _TAGGED: Final = re.compile(r"/\* lockrun (?P<json>\{.*\}) \*/", re.DOTALL)
@@ -283,6 +298,7 @@ class Session:
         self.pid = 0  # the server process, as pg_backend_pid() says (a pooler hides it)
         self.stopping = False  # whether it holds the stop key of a name (a taker, waiting)
         self.listening = ""  # the channel it listens on for take-overs (a holder's, a try's)
+        self.windowed = ""  # whether the read of windows is prepared (lockrun_window)
 
     def fileno(self) -> int:
         """Return the socket's descriptor; `PgError` once libpq has closed it."""
@@ -435,11 +451,10 @@ class _Keys:
 
 
 class _Ahead(NamedTuple):
-    """What a grant's round trip learnt: the fence, users of another N, takers waiting."""
+    """What a grant's round trip learnt: its fence, and the rows of `lockrun_others`."""
 
     fence: int | None
     others: list[tuple[str | None, ...]]
-    stops: list[tuple[str | None, ...]]
 
 
 class _Window(NamedTuple):
@@ -767,7 +782,7 @@ class PostgresBackend(SessionLockBackend[Session]):
             statements[:0] = [stop, "COMMIT"]
             session.stopping = True
         if attempt.slots == 1:  # a statement of its own: its snapshot is taken after the wait
-            statements.append(self._window_check(key))
+            statements += self._window_check(session, key)
         session.send_simple(*statements)
         answers, error = self._results(session, None if seconds is None else seconds + self.timeout)
         if asking and answers:
@@ -806,21 +821,22 @@ class PostgresBackend(SessionLockBackend[Session]):
 
     # -- --hold-at-least windows ---------------------------------------------------------
 
-    def _window_check(self, key: int) -> str:
-        """Return the statement that reads the window of slot *key*, if the table exists.
+    def _window_check(self, session: Session, key: int) -> list[str]:
+        """Return the statements that read the window of slot *key*, if the table exists.
 
-        Where this backend has not seen the table, it asks whether the table exists now
+        Where this backend has not seen the table, they ask whether the table exists now
         (made since our sessions began): `_window` then reads it in a round trip of its own.
-        It asks pg_class with the statement's snapshot: a cached "no such table" could be
-        older than the unlock that let us in.
+        They ask pg_class under the statement's snapshot: a cached "no such table" could be
+        older than the unlock that let us in. The read is prepared on its session's first
+        use (planning it costs more than running it); it cannot be before the table exists.
         """
         if not self.windows:
-            return (
-                "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n "
-                f"ON n.oid = c.relnamespace WHERE c.relname = '{WINDOWS}' "
-                "AND n.nspname = ANY (current_schemas(false)))"
-            )
-        return _read_window(key)
+            return ["EXECUTE lockrun_table"]
+        if session.windowed == _BROKEN:  # a failed read: whether it is prepared is unknown
+            return [_WINDOW.replace("$1", str(key))]
+        prepare = [] if session.windowed else [f"PREPARE lockrun_window(bigint) AS {_WINDOW}"]
+        session.windowed = _PREPARED_READ
+        return [*prepare, f"EXECUTE lockrun_window({key})"]
 
     def _window(
         self,
@@ -831,23 +847,24 @@ class PostgresBackend(SessionLockBackend[Session]):
     ) -> _Window | None:
         """Read `_window_check`'s answer for a slot we hold; None if no window is open."""
         if error is not None or not answers:
-            self._unreadable(error)
+            self._unreadable(session, error)
             return None
         rows = answers[0]
         if not self.windows:
             if rows != [("t",)]:
                 return None
             self.windows = True
-            session.send_simple(_read_window(key))
+            session.send_simple(*self._window_check(session, key))
             answers, error = self._results(session, self.timeout)
             if error is not None or not answers:
-                self._unreadable(error)
+                self._unreadable(session, error)
                 return None
             rows = answers[0]
         return _parse_window(rows)
 
-    def _unreadable(self, error: PgError | None) -> None:
+    def _unreadable(self, session: Session, error: PgError | None) -> None:
         """Say once that windows cannot be read (another role's table, or not lockrun's)."""
+        session.windowed = _BROKEN  # a prepared statement outlives the failed transaction
         if error is not None and error.sqlstate == _UNDEFINED_TABLE:
             self.windows = False  # dropped: none to respect
             return
@@ -1016,7 +1033,7 @@ class PostgresBackend(SessionLockBackend[Session]):
             lease.holder = session.holder or lease.holder
             lease.fence = ahead.fence
             self._judge(ahead.others, attempt)
-            _give_way(ahead.stops, lease)
+            _give_way([row[2:] for row in ahead.others if row[0] == "1"], lease)
         except BaseException:
             lease.release()
             raise
@@ -1058,18 +1075,16 @@ class PostgresBackend(SessionLockBackend[Session]):
         steps = ", ".join(
             f"CASE WHEN got THEN {step} END" for step in self._grant_steps(session, attempt, slot)
         )
-        classid, objid = _halves(attempt.key.stop)
         statements = [
             f"SELECT got, {steps} FROM (SELECT {taking} AS got OFFSET 0) AS try",
-            _MISMATCH.format(agreed=attempt.key.agreed, slots=request.slots),
-            _STOPS.format(classid=classid, objid=objid),
+            _others(attempt.key, request.slots),
         ]
         channel = _channel(attempt.key)
         if session.listening != channel:  # from the commit on, a taker's NOTIFY rings our bell
             statements += [_UNLISTEN] if session.listening else []
             statements.append(f"LISTEN {channel}")
         if trying:  # in the same transaction, but with a snapshot taken after the try
-            statements.append(self._window_check(key))
+            statements += self._window_check(session, key)
         session.send_simple(*statements)
         answers, error = self._results(session, self.timeout)
         if len(answers) < _GRANT_ANSWERS:  # the grant failed, not the window's read
@@ -1077,15 +1092,15 @@ class PostgresBackend(SessionLockBackend[Session]):
                 raise error or PgError(_NO_ANSWER)
             return self._draw(session, attempt, slot, trying=trying)  # a held slot: again
         session.listening = channel if error is None else ""
-        ([got, fence, *_],), others, stops = answers[:_GRANT_ANSWERS]
+        ([got, fence, *_],), others = answers[:_GRANT_ANSWERS]
         if got != "t":
-            return False, _Ahead(None, others, stops), None
+            return False, _Ahead(None, others), None
         if error is not None:  # the window's read failed, and rolled the grant back with it
-            self._unreadable(error)
+            self._unreadable(session, error)
             _, ahead, _ = self._draw(session, attempt, slot, trying=False)  # ours: again
             return True, ahead, None
         session.stopping = False  # the grant let go of a taker's stop key
-        ahead = _Ahead(None if request.shared else int(fence or 0), others, stops)
+        ahead = _Ahead(None if request.shared else int(fence or 0), others)
         window = self._window(session, key, answers[_GRANT_ANSWERS:], None) if trying else None
         return True, ahead, window
 
@@ -1098,16 +1113,18 @@ class PostgresBackend(SessionLockBackend[Session]):
             others = attempt.ahead.others
             attempt.ahead = None
         else:
-            session.send_simple(_MISMATCH.format(agreed=attempt.key.agreed, slots=attempt.slots))
+            session.send_simple(_others(attempt.key, attempt.slots))
             others = session.receive(self.timeout)
         self._judge(others, attempt)
 
     @staticmethod
     def _judge(rows: list[tuple[str | None, ...]], attempt: Attempt[Session]) -> None:
-        """Raise `ConfigError` if *rows* of `_MISMATCH` name a live user of the name."""
+        """Raise `ConfigError` if *rows* of `lockrun_others` name a live user of the name."""
         request = attempt.request
-        for objid, query in rows:
-            slots, who = int(objid or 0), _tagged(query or "")
+        for row in rows:
+            if row[0] != "2":  # a stop key's holder
+                continue
+            slots, who = int(row[1] or 0), _tagged(row[3] or "")
             if not 1 <= slots <= MAX_SLOTS:  # no lockrun takes (key, N) with such an N
                 continue
             if who is None:  # another role's session: trust the 32-bit key
@@ -1131,13 +1148,12 @@ class PostgresBackend(SessionLockBackend[Session]):
         heard = session.heard()  # what rang the bell: this check answers it
         for _ in range(2):
             session.send_simple(
-                f"EXECUTE lockrun_owns({classid}, {objid})",
-                _STOPS.format(classid=stop_class, objid=stop_obj),
+                f"EXECUTE lockrun_check({classid}, {objid}, {stop_class}, {stop_obj})"
             )
-            owns, stops = session.answers(self.ttl)
-            if owns != [("1",)]:
+            rows = session.receive(self.ttl)
+            if not any(row[0] == "t" for row in rows):
                 return False
-            _give_way(stops, lease, heard)
+            _give_way([row[1:] for row in rows if row[0] != "t"], lease, heard)
             # A NOTIFY read with the answer may have come after the check ran: ask again.
             heard = session.heard()
             if not heard:
@@ -1366,25 +1382,19 @@ def _wait_for(seconds: float | None, key: int, *, shared: bool = False) -> str:
     return f"SELECT {function}({key}::bigint) FROM set_config('lock_timeout', '{limit}ms', false)"
 
 
+def _others(keys: _Keys, slots: int) -> str:
+    """Return the statement that finds users of another N and takers (`lockrun_others`)."""
+    classid, objid = _halves(keys.stop)
+    return f"EXECUTE lockrun_others({keys.agreed}, {slots}, {classid}, {objid})"
+
+
 def _channel(keys: _Keys) -> str:
     """Return the LISTEN channel on which takers of a name ring its holders' bells."""
     return f"lockrun_{keys.stop & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
 
-def _read_window(key: int) -> str:
-    """Return the statement that reads the open window of slot *key*: (seconds left, record).
-
-    Anyone may write the table: a window read back is cut to `MAX_WAIT` (366 days).
-    """
-    return (
-        f"SELECT extract(epoch FROM least(until, clock_timestamp() + interval "
-        f"'{int(MAX_WAIT)} seconds') - clock_timestamp()), holder::text FROM {WINDOWS} "
-        f"WHERE key = {key} AND until > clock_timestamp() ORDER BY until DESC LIMIT 1"
-    )
-
-
 def _parse_window(rows: list[tuple[str | None, ...]]) -> _Window | None:
-    """Return the window in `_read_window`'s rows, if one is open."""
+    """Return the window in the rows of a read of it (`_WINDOW`), if one is open."""
     if not rows or not rows[0]:
         return None
     try:
@@ -1452,7 +1462,10 @@ def _tagged(query: str) -> Identity | None:
 def _give_way(
     rows: list[tuple[str | None, ...]], lease: _Lease, heard: AbstractSet[int] = frozenset()
 ) -> None:
-    """Raise `TakenOver` if `_STOPS`'s *rows* name a taker other than *lease*'s own."""
+    """Raise `TakenOver` if *rows* of stop key holders name a taker but *lease*'s own.
+
+    A row is (pid, query, user, client, whether it waits), as `lockrun_others` and the check read.
+    """
     taker = _taker(rows, lease, heard)
     if taker is not None:
         msg = f"taken over by {taker}"
@@ -1462,7 +1475,7 @@ def _give_way(
 def _taker(
     rows: list[tuple[str | None, ...]], lease: _Lease, heard: AbstractSet[int]
 ) -> str | None:
-    """Name the first taker in `_STOPS`'s *rows* that is not *lease*'s own acquisition.
+    """Name the first taker in *rows* (`_give_way`'s) that is not *lease*'s own acquisition.
 
     A session that holds the stop key asks for a take-over, whoever it is, while it waits
     for a lock, or if it has just said so (a NOTIFY from its pid, in *heard*: its wait may

@@ -18,6 +18,11 @@ ownership in pg_locks every ttl/3 and never reconnects (no pools, docs/design.md
 also takes the shared int-pair lock (hash32(namespace NUL name), N), which tells users of
 another N apart. Statements carry a ``/* lockrun {json} */`` comment naming who runs them,
 which `lockrun status` reads back from pg_stat_activity.
+
+The modes: --shared takes the slot's key in ShareLock mode (one queue with the writers);
+--hold-at-least leaves a row in the table ``lockrun_holds``, made on first use, that
+every one-slot grant reads; --take-over holds the name's ``stop`` key while it waits and
+NOTIFYs the holders, which LISTEN from their grant (docs/design.md A8).
 """
 
 from __future__ import annotations

@@ -151,6 +151,8 @@ def held(tmp_path: Path) -> Iterator[Callable[..., Held]]:
     for holder in started:
         if holder.process.poll() is None:
             holder.finish()
+        else:  # it ended by itself (stopped, taken over): its stderr pipe is still open
+            holder.process.communicate(timeout=30)
 
 
 @pytest.fixture

@@ -135,14 +135,12 @@ class Lease:
         Cheap enough for every step of a loop: it asks no server, it reads what the
         renewals (every ttl/3) found, and a local lock's bell. A local lock is never lost.
         """
+        if self.taken is None and self.lost is None and _rung(self._lease.bells):
+            # A renewal now: what it finds is kept, a lost lease too. A bell that is the
+            # session's own socket (PostgreSQL's) also rings when the server hangs up.
+            self.renew()
         if self.lost is not None:
             raise self.lost
-        if self.taken is None and _rung(self._lease.bells):
-            # A renewal now: what it finds is kept as the renewals' is. A bell also rings
-            # for a lease the server lost (a Redis FLUSHALL): that must raise on release too.
-            self.renew()
-            if self.lost is not None:
-                raise self.lost
         if self.taken is not None:
             raise self.taken
         if self.ttl is not None and not self.released and now() - self.confirmed >= self.ttl:

@@ -419,6 +419,14 @@ def _hung_up(fds: Sequence[int]) -> bool:
     return any(events & _HUNG_UP for _, events in _hangup_poll(fds).poll(0))
 
 
+def _readable(fds: Sequence[int]) -> bool:
+    """Return whether any of *fds* has something to read right now."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class _Hangups(threading.Thread):
     """Wake the loop when the server hangs up on a session lock, or a take-over bell rings.
 
@@ -663,6 +671,10 @@ class _Watch:
                 self.doubt = BackendUnavailable(f"no answer for {current - ask.sent:.1f}s")
             return False
         self.asking = None
+        # A bell that rang while the refresh ran may have been that refresh's own answer (a
+        # bell on the session's socket: PostgreSQL's LISTEN). What the refresh read is
+        # gone from the socket, so the bell counts only if one is still readable.
+        self.rung = self.rung and _readable(self.lease.bells)
         if ask.error is None:
             self._confirm(ask.sent)
         elif isinstance(ask.error, TakenOver):  # still ours, proved: stop with the usual grace

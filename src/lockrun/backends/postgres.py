@@ -743,6 +743,8 @@ class PostgresBackend(SessionLockBackend[Session]):
         window in the same round trip (docs/design.md A8).
         """
         key = attempt.key.gate if part == GATE else attempt.key.slots[part]
+        if attempt.request.hold and not self.windows:
+            self._make_windows(session, attempt.request.name)
         if seconds == 0 and attempt.slots == 1:
             return self._try_and_grant(session, attempt)
         if seconds == 0:
@@ -763,6 +765,23 @@ class PostgresBackend(SessionLockBackend[Session]):
             if window is not None:
                 self._sit_out(session, attempt, window)
         return True
+
+    def _make_windows(self, session: Session, name: str) -> None:
+        """Make the table of windows before a --hold-at-least run; 78 now if this role cannot.
+
+        Once per backend, where the table is missing: a window the release could not write
+        would be a fleet's job run on every host, said only after it ran.
+        """
+        session.send_simple(*_CREATE_WINDOWS)
+        _, error = self._results(session, self.timeout)
+        if error is not None and error.sqlstate != _DUPLICATE:  # a race with another maker
+            msg = (
+                f"{name}: --hold-at-least needs table {WINDOWS} on {self.where}, which this "
+                f"role cannot make ({_one_line(self.settings, error.message)}); "
+                "docs/backends.md (PostgreSQL) says how to make it ahead"
+            )
+            raise ConfigError(msg)
+        self.windows = True
 
     def _queue(
         self,
@@ -1196,6 +1215,10 @@ class PostgresBackend(SessionLockBackend[Session]):
             else:
                 return
         self._give_back(lease.session)
+
+    def hold_over(self, lease: SessionLease[Session], hold: float) -> None:  # noqa: ARG002
+        """Leave the window `give_back` writes for a lease whose ``hold`` is set (`_Lease`)."""
+        self.give_back(lease)
 
     def _give_back(self, session: Session) -> None:
         """Unlock all that *session* holds (slot, gate, stop key); it then hears nothing."""

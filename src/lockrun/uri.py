@@ -207,15 +207,21 @@ def _at_after_authority(text: str) -> bool:
 def _userinfo_end(text: str) -> int | None:
     """Return where the user information ends (its last ``@``), hiding too much; or None.
 
-    Where the authority is empty and a path follows, an ``@`` in the path is a user
-    information typed behind it, but for schemes whose path is a file name.
+    Where the authority is empty and a path follows, an ``@`` after it is a user
+    information typed behind it, but for schemes whose path is a file name. An unescaped
+    password may hold a ``#`` or a ``?`` before that ``@`` (``redis:///pw#rd@host``): an
+    ``@`` in an option's value (``?host=/run/pg@x``) is the option's.
     """
     start = _authority_start(text)
     if text.startswith("/", start):
         if _scheme_of(text) in _PATH_SCHEMES:
             return None
-        path = re.match(r"[^?#]*", text[start:])[0]  # type: ignore[index]  # always matches
-        at = path.rfind("@")
+        path, _, query = text[start:].partition("?")
+        at, offset = path.rfind("@"), len(path) + 1
+        for item in query.split("&"):
+            if "@" in item and "=" not in item.partition("@")[0]:
+                at = offset + item.rfind("@")
+            offset += len(item) + 1
         return None if at < 0 else start + at
     at = text.rfind("@")
     return at if at > start else None

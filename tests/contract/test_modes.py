@@ -6,6 +6,7 @@ commands' own records (the times they started and ended, who ran), never the loc
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -404,3 +405,24 @@ def test_api_holder_sees_a_take_over_in_check(uri: str, name: str) -> None:
             assert time.monotonic() < deadline, "check() never saw the take-over"
             time.sleep(0.05)
     assert finish(taker) == 0
+
+
+# -- status --------------------------------------------------------------------------------------
+
+
+def test_status_shows_readers_as_sharing_and_a_window_as_held_until(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """`lockrun status` says `sharing` for each reader, `held until HH:MM:SS` for a window."""
+    readers = [held("--uri", uri, "-n", name, "--shared") for _ in range(2)]
+    table = lockrun("status", "--uri", uri, name)
+    assert table.returncode == 0, table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith(name)]
+    assert len(rows) == 2
+    assert all(" sharing " in row for row in rows), table.stdout
+    assert [reader.finish() for reader in readers] == [0, 0]
+    other = f"{name}-held"
+    assert lockrun("--uri", uri, "-n", other, "--hold-at-least", "60", "--", "true").returncode == 0
+    table = lockrun("status", "--uri", uri, other)
+    (row,) = [line for line in table.stdout.splitlines() if line.startswith(other)]
+    assert re.search(r" held until \d\d:\d\d:\d\d ", row), table.stdout

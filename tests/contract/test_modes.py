@@ -426,3 +426,23 @@ def test_status_shows_readers_as_sharing_and_a_window_as_held_until(
     table = lockrun("status", "--uri", uri, other)
     (row,) = [line for line in table.stdout.splitlines() if line.startswith(other)]
     assert re.search(r" held until \d\d:\d\d:\d\d ", row), table.stdout
+
+
+def test_a_shared_taker_joins_readers_and_stops_a_writer(
+    uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """--shared --take-over shares with the readers it finds; a writer it stops (79)."""
+    reader = held("--uri", uri, "-n", name, "--shared")
+    joined = lockrun(
+        *("--uri", uri, "-n", name, "--shared", "--take-over", "--wait", "30", "--", "true")
+    )
+    assert joined.returncode == 0, joined.stderr
+    assert reader.process.poll() is None, "a reader was stopped by a shared taker"
+    assert reader.finish() == 0
+    writer = held("--uri", uri, "-n", f"{name}-w", "--kill-after", "1")
+    taker = lockrun(
+        *("--uri", uri, "-n", f"{name}-w", "--shared", "--take-over", "--wait", "60"),
+        *("--", "true"),
+    )
+    assert taker.returncode == 0, taker.stderr
+    assert writer.process.wait(30) == ExitCode.TAKEN_OVER

@@ -769,6 +769,11 @@ class MySQLBackend(SessionLockBackend[Session]):
         attempt.mode = _Mode()
         if not request.take_over:
             return True
+        if request.shared:  # a shared taker that can join the readers stops nobody
+            attempt.mode.tried = True
+            if self._mark_reader(session, attempt, through=False):
+                attempt.mode.entered = True
+                return True
         key = attempt.key
         stop = f"{key}:{_STOP}"
         record = json.dumps(request.holder.to_dict())

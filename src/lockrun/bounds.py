@@ -61,20 +61,28 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
     return check_seconds(ttl, what, low=MIN_TTL, high=MAX_TTL)
 
 
-def check_modes(slots: int, *, shared: bool, hold: object, cli: bool = False) -> float:
-    """Return the seconds of *hold* if a hold and *shared* combine with *slots*.
+def check_modes(
+    slots: int, *, shared: bool, hold: object, take_over: bool = False, cli: bool = False
+) -> float:
+    """Return the seconds of *hold* if a hold, *shared* and *take_over* combine with *slots*.
 
-    A shared lock and a hold each keep one lock: with N slots, which slot would a reader
-    or a window take? Refused rather than guessed (docs/semantics.md "Shared locks").
-    *cli* spells the options as the command line does.
+    Each mode keeps one lock: with N slots, which slot would a reader or a window take,
+    and whom would a taker stop, one holder or all N? Refused rather than guessed
+    (docs/semantics.md "Fleet modes"). *cli* spells the options as the command line does.
     """
-    spell = {"slots": "--slots", "shared": "--shared", "hold": "--hold-at-least"}
+    spell = {
+        "slots": "--slots",
+        "shared": "--shared",
+        "hold": "--hold-at-least",
+        "take_over": "--take-over",
+    }
     if not cli:
-        spell = {"slots": "slots", "shared": "shared", "hold": "hold_at_least"}
+        spell = {key: key if key != "hold" else "hold_at_least" for key in spell}
     check_flag(shared, spell["shared"])
+    check_flag(take_over, spell["take_over"])
     seconds = check_seconds(hold, spell["hold"], high=MAX_WAIT)
-    if slots > 1 and (shared or seconds):
-        what = spell["shared"] if shared else spell["hold"]
+    if slots > 1 and (shared or seconds or take_over):
+        what = spell["shared"] if shared else spell["hold"] if seconds else spell["take_over"]
         msg = f"{what} applies to a lock of one slot, not to {spell['slots']} {slots}"
         raise UsageError(msg)
     if shared and seconds:

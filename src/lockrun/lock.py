@@ -21,7 +21,6 @@ from lockrun.backends import (
     parse_uri,
 )
 from lockrun.bounds import (
-    check_flag,
     check_modes,
     check_slots,
     check_ttl,
@@ -221,8 +220,10 @@ class Lock:
         self.wait = check_wait(wait)
         self.ttl = check_ttl(ttl)
         self.shared = shared
-        self.hold_at_least = check_modes(self.slots, shared=shared, hold=hold_at_least)
-        self.take_over = check_flag(take_over, "take_over")
+        self.hold_at_least = check_modes(
+            self.slots, shared=shared, hold=hold_at_least, take_over=take_over
+        )
+        self.take_over = take_over
         if take_over and self.wait == 0:
             msg = "take_over waits for the holders to stop: give it a wait"
             raise UsageError(msg)

@@ -234,7 +234,13 @@ def check_options(options: Options) -> None:
         check_seconds(options.max_time, "--max-time", high=MAX_WAIT, above=True)
     check_seconds(options.kill_after, "--kill-after", high=MAX_KILL_AFTER)
     check_seconds(options.lost_kill_after, "--lost-kill-after", high=MAX_KILL_AFTER)
-    check_modes(options.slots, shared=options.shared, hold=options.hold_at_least, cli=True)
+    check_modes(
+        options.slots,
+        shared=options.shared,
+        hold=options.hold_at_least,
+        take_over=options.take_over,
+        cli=True,
+    )
     if options.take_over and options.wait == 0:
         msg = "--take-over waits for the holders to stop: give it a --wait (e.g. --wait 1m)"
         raise UsageError(msg)

@@ -235,19 +235,6 @@ def test_a_waiter_sleeping_through_a_window_gives_way_to_a_taker(
     assert "taken over by" in one_line(err)
 
 
-def test_take_over_stops_every_holder_of_a_semaphore(
-    mysql_uri: str, name: str, tmp_path: Path
-) -> None:
-    """With N slots every holder is stopped (79); the taker gets a slot after they left."""
-    options = ("--uri", mysql_uri, "-n", name, "--slots", "2", "--ttl", TTL)
-    holders = [Held(tmp_path, *options) for _ in range(2)]
-    taker = lockrun(*options, "--take-over", "-w", "30", "--", "echo", "ran")
-    assert (taker.returncode, taker.stdout) == (0, "ran\n"), taker.stderr
-    assert [holder.process.wait(30) for holder in holders] == [ExitCode.TAKEN_OVER] * 2
-    for holder in holders:
-        holder.process.communicate()
-
-
 # -- hold windows ---------------------------------------------------------------------------
 
 

@@ -159,6 +159,7 @@ def test_api_hold_at_least_keeps_the_lock_after_the_block(uri: str, name: str) -
         (("--shared", "--slots", "3"), "--shared applies to a lock of one slot"),
         (("--shared", "--hold-at-least", "5"), "do not combine"),
         (("--take-over",), "--take-over waits for the holders to stop"),
+        (("--take-over", "-w", "5", "--slots", "2"), "--take-over applies to a lock of one slot"),
         (("--hold-at-least", "-1"), "--hold-at-least"),
         (("--hold-at-least", "nan"), "--hold-at-least"),
     ],

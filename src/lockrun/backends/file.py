@@ -441,19 +441,14 @@ class FileBackend:
         if request.slots == 1:
             return self._acquire_lock(base, request, deadline)
         self._check_agreement(base, request)
-        # Closed in this order: a take-over request of ours once granted, the gate once
-        # the fence is drawn (docs/design.md A2).
-        with contextlib.ExitStack() as gate, contextlib.ExitStack() as asking:
-            taken = self._wait_for_slot(base, request, deadline, gate, asking)
+        # The gate is closed once the fence is drawn (docs/design.md A2). A take-over is
+        # of one slot only (docs/semantics.md "Fleet modes"): a semaphore has none.
+        with contextlib.ExitStack() as gate:
+            taken = self._wait_for_slot(base, request, deadline, gate)
             if taken is None:
                 return None
             slot, held, wake = taken
             with _closed_on_error(held.fd):
-                asking.close()
-                if (taker := self.taker(base, held.fd)) is not None:
-                    if wake is not None:
-                        wake.close()
-                    raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
                 return self._grant(base, request, slot, held, wake)
 
     def _wait_for_slot(
@@ -462,33 +457,19 @@ class FileBackend:
         request: Request,
         deadline: float | None,
         line: contextlib.ExitStack,
-        asking: contextlib.ExitStack,
     ) -> tuple[int, _Held, socket.socket | None] | None:
         """Queue on NAME.gate, then take a slot as the head (docs/design.md A2).
 
-        *line* closes the gate, *asking* a take-over request. A taker asks the holders to
-        stop once it must wait: for the gate, or as the head finding no slot free.
+        *line* closes the gate.
         """
         from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - semaphores only
 
         gate = self._open(f"{base}.gate").fd
         line.callback(os.close, gate)  # the next waiter in the kernel's queue becomes the head
-        asked = False
-        if request.take_over and not try_flock(gate):
-            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
-                return None
-            asking.callback(os.close, stop)
-            asked = True
         # A one-shot try still waits briefly on the gate: its holder may only be sweeping.
         gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
         if not wait_flock(gate, gate_deadline):
             return None
-        if request.take_over and not asked:
-            if (taken := self._take_slot(base, request.slots, now())) is not None:
-                return taken
-            if (stop := self._ask_to_stop(base, request.slots, deadline)) is None:
-                return None
-            asking.callback(os.close, stop)
         return self._take_slot(base, request.slots, deadline)
 
     def _acquire_lock(
@@ -550,7 +531,7 @@ class FileBackend:
             gate = self._open(f"{base}.gate").fd
             line.callback(os.close, gate)
         if request.take_over:
-            stop = self._ask_to_stop(base, 1, deadline)
+            stop = self._ask_to_stop(base, deadline)
             if stop is None:
                 return False
             line.callback(os.close, stop)
@@ -570,11 +551,11 @@ class FileBackend:
         except OSError as err:  # EIO
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
 
-    def _ask_to_stop(self, base: str, slots: int, deadline: float | None) -> int | None:
+    def _ask_to_stop(self, base: str, deadline: float | None) -> int | None:
         """Register a take-over request until the descriptor returned is closed; ring holders.
 
         The request is a LOCK_SH on NAME.stop (so it ends with us, SIGKILL included), the
-        ring a touch of each slot file, which their holders watch (docs/design.md A1). None
+        ring a touch of the lock file, which its holders watch (docs/design.md A1). None
         if *deadline* passed first (a holder's probe holds NAME.stop only for a moment).
         """
         stop = self._open(f"{base}.stop").fd
@@ -582,9 +563,8 @@ class FileBackend:
             if not wait_flock(stop, deadline, fcntl.LOCK_SH):
                 os.close(stop)
                 return None
-        for slot in range(slots):
-            with contextlib.suppress(OSError):  # not ours to touch: refreshes will see it
-                os.utime(_slot_file(base, slot), dir_fd=self._dir, follow_symlinks=False)
+        with contextlib.suppress(OSError):  # not ours to touch: refreshes will see it
+            os.utime(_slot_file(base, 0), dir_fd=self._dir, follow_symlinks=False)
         return stop
 
     def taker(self, base: str, lock_fd: int) -> Holder | None:

@@ -798,9 +798,6 @@ class MySQLBackend(SessionLockBackend[Session]):
         attempt.mode.stop = session
         return True
 
-    def _unlock(self, session: Session, part: int | str, attempt: Attempt[Session]) -> None:
-        session.one("SELECT RELEASE_LOCK(%s)", (f"{attempt.key}:{part}",))
-
     def _keepable(self, session: Session, attempt: Attempt[Session]) -> bool:
         """Whether *session* holds nothing: not a taker's stop request."""
         return attempt.mode is None or attempt.mode.stop is not session

@@ -274,8 +274,6 @@ class SessionLockBackend(abc.ABC, Generic[S]):
 
     def _take_at_head(self, first: S, attempt: Attempt[S]) -> tuple[int, S | None]:
         """As head of the queue (the gate's holder), get a slot; as `_take`."""
-        if attempt.request.take_over:
-            return (0, first) if self._take_all(first, attempt) else (-1, None)
         slot = self._first_free(first, attempt)
         if slot >= 0:
             return slot, first
@@ -304,20 +302,6 @@ class SessionLockBackend(abc.ABC, Generic[S]):
                 return True
             if deadline is not None and now() >= deadline:
                 return False
-
-    def _take_all(self, first: S, attempt: Attempt[S]) -> bool:
-        """As a taker at the head of the queue, wait for every slot, then keep slot 0.
-
-        A take-over stops every holder, and its stop request lasts until its grant: taking
-        the first slot that came free would leave the holders of the others unasked. True
-        once slot 0 is ours and the others are free again; False when the deadline passed.
-        """
-        for slot in range(attempt.slots):
-            if not self._wait(first, slot, attempt):
-                return False
-        for slot in range(1, attempt.slots):
-            self._unlock(first, slot, attempt)
-        return True
 
     def _wait_any(self, first: S, attempt: Attempt[S]) -> tuple[int, S | None]:
         """As head of the queue, wait on every slot at once; keep the first slot we get."""
@@ -376,10 +360,6 @@ class SessionLockBackend(abc.ABC, Generic[S]):
         False closes it instead, which frees whatever `_begin` took on it.
         """
         return True
-
-    def _unlock(self, session: S, part: int | str, attempt: Attempt[S]) -> None:
-        """Let *part* go on *session*, which holds it (`_take_all`)."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def _key(self, request: Request) -> Any:  # noqa: ANN401 - the backend's own

@@ -376,13 +376,15 @@ def test_a_deleted_lock_file_is_heard_at_once_by_a_python_holder(tmp_path: Path,
 
     Leaving the block raises it again, as for any lease found lost (docs/api.md).
     """
-    uri = f"file://{tmp_path}/locks"
-    with pytest.raises(LeaseLost, match="deleted or replaced"), Lock(name, uri=uri) as lease:
+    lock = Lock(name, uri=f"file://{tmp_path}/locks")
+    lease = lock.acquire()
+    lease.check()
+    (tmp_path / "locks" / f"{name}.lock").unlink()
+    time.sleep(0.05)  # no renewal ran meanwhile: a local lease has none
+    with pytest.raises(LeaseLost, match="deleted or replaced"):
         lease.check()
-        (tmp_path / "locks" / f"{name}.lock").unlink()
-        time.sleep(0.05)  # no renewal ran meanwhile: a local lease has none
-        with pytest.raises(LeaseLost, match="deleted or replaced"):
-            lease.check()
+    with pytest.raises(LeaseLost, match="deleted or replaced"):
+        lock.release()
 
 
 def test_without_inotify_a_lease_has_no_bell(

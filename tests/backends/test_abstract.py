@@ -15,7 +15,7 @@ from lockrun import ConfigError
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
-from tests.support.cli import finish, lock_state, lockrun, start, wait_for
+from tests.support.cli import lock_state, lockrun, take_over_ring, wait_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -138,14 +138,4 @@ def test_a_holder_hears_a_taker_at_once(
 ) -> None:
     """The taker rings the holder's marker (a reader's socket): TERM well under ttl/3."""
     uri = f"abstract:modes-{os.getpid()}"
-    ready, term = tmp_path / "ready", tmp_path / "term"
-    script = (
-        f"trap 'date +%s.%N > {term}; exit 0' TERM; touch {ready}; while :; do sleep 0.01; done"
-    )
-    holder = start("--uri", uri, "-n", name, *options, "--", "sh", "-c", script)
-    wait_for(ready.exists, what="the holder")
-    asked = time.time()
-    taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "30", "--", "true")
-    assert taker.returncode == 0, taker.stderr
-    assert finish(holder) == 79
-    assert float(term.read_text()) - asked < 2.0  # a Python start-up, not 10 s
+    assert take_over_ring(uri, tmp_path, name, *options) < 2.0  # a Python start-up, not 10 s

@@ -27,6 +27,7 @@ from tests.support.cli import (
     lockrun,
     queue_length,
     start,
+    take_over_ring,
     wait_for,
     waiter_pids,
 )
@@ -331,28 +332,14 @@ def test_a_waiter_waits_out_a_window_holding_the_lock_first_in_line(
     assert lock_state(uri, name)["holders"] == []
 
 
-def take_over_ring(tmp_path: Path, name: str, *options: str) -> float:
-    """Return how long a holder of *options* took to hear a taker (its command's TERM)."""
-    uri = f"file://{tmp_path}/locks"
-    ready, term = tmp_path / f"ready-{name}", tmp_path / f"term-{name}"
-    script = (
-        f"trap 'date +%s.%N > {term}; exit 0' TERM; touch {ready}; while :; do sleep 0.01; done"
-    )
-    holder = start("--uri", uri, "-n", name, *options, "--", "sh", "-c", script)
-    wait_for(ready.exists, what="the holder")
-    asked = time.time()
-    taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "30", "--", "true")
-    assert taker.returncode == 0, taker.stderr
-    assert finish(holder) == 79
-    return float(term.read_text()) - asked
-
-
 @pytest.mark.parametrize("options", [(), ("--shared",)])
 def test_a_holder_hears_a_taker_at_once_through_its_bell(
     tmp_path: Path, name: str, options: tuple[str, ...]
 ) -> None:
     """The taker's touch rings the holder's inotify watch: TERM comes in well under ttl/3."""
-    assert take_over_ring(tmp_path, name, *options) < 2.0  # a Python start-up, not 10 s
+    assert (
+        take_over_ring(f"file://{tmp_path}/locks", tmp_path, name, *options) < 2.0
+    )  # a Python start-up, not 10 s
 
 
 def test_a_taker_holds_a_shared_flock_on_the_stop_file_while_it_waits(

@@ -216,3 +216,18 @@ def python(code: str, timeout: float = 60, **kwargs: Any) -> subprocess.Complete
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
         **kwargs,
     )  # fmt: skip
+
+
+def take_over_ring(uri: str, directory: Path, name: str, *options: str) -> float:
+    """Return how long a holder of *options* took to hear a taker (its command's TERM)."""
+    ready, term = directory / f"ready-{name}", directory / f"term-{name}"
+    script = (
+        f"trap 'date +%s.%N > {term}; exit 0' TERM; touch {ready}; while :; do sleep 0.01; done"
+    )
+    holder = start("--uri", uri, "-n", name, *options, "--", "sh", "-c", script)
+    wait_for(ready.exists, what="the holder")
+    asked = time.time()
+    taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "30", "--", "true")
+    assert taker.returncode == 0, taker.stderr
+    assert finish(holder) == 79
+    return float(term.read_text()) - asked

@@ -192,9 +192,9 @@ def test_kill_storm_of_readers_writers_and_take_overs(
 ) -> None:
     """SIGKILLs among --shared, exclusive, --take-over and --hold-at-least runs of one name.
 
-    No exclusive run ever overlaps another run; readers do share; every status is one the
-    modes give; and afterwards the lock is free for a writer within a ttl: no stop request,
-    window or reader the dead left behind holds it.
+    No exclusive run ever overlaps another run; every status is one the modes give; and
+    afterwards the lock is free for a writer within a ttl: no stop request, window or reader
+    the dead left behind holds it.
     """
     seed = os.getpid() ^ int(time.time())
     rng = random.Random(seed)  # noqa: S311 - chaos, not secrets
@@ -227,7 +227,8 @@ def test_kill_storm_of_readers_writers_and_take_overs(
             seed=seed,
         )
         assert exclusive == [], explain(pool)
-        assert shared, "readers never shared the lock"
+        # That readers share is test_modes' interval oracle's to show: here a killed Redis
+        # holder's lease keeps the lock for seconds, and a storm may see few readers at all.
         assert free_after < TTL + SLACK
         pool.oracle.release(after)
         for process in pool.live:

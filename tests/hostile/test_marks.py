@@ -24,7 +24,7 @@ from lockrun.backends import parse_uri
 from lockrun.backends.mysql import _MAX_HOLD_US, MARKS, _found, lock_key
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.bounds import MAX_WAIT
-from tests.support.cli import Held, lock_state, lockrun, one_line, wait_for
+from tests.support.cli import Held, lock_state, lockrun, one_line, statuses_read, wait_for
 from tests.support.net import mysql_query as query
 from tests.support.strategies import deep, json_values
 
@@ -48,15 +48,6 @@ def clean(result: Any, *statuses: int) -> None:
     assert "Traceback" not in result.stderr
     if result.stderr:
         one_line(result.stderr)
-
-
-def statuses_read(uri: str, name: str) -> None:
-    """Assert every form of status reads the lock: 0, no stderr, parseable JSON."""
-    for args in ([name], ["--json", name], ["--json"], []):
-        shown = lockrun("status", "--uri", uri, *args)
-        assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
-        if "--json" in args:
-            json.loads(shown.stdout)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from lockrun.backends.postgres import WINDOWS, lock_key
 from lockrun.bounds import MAX_WAIT
 from lockrun.errors import ExitCode
 from lockrun.timing import now
-from tests.support.cli import lock_state, lockrun, one_line, start, wait_for
+from tests.support.cli import clean, lock_state, lockrun, one_line, start, statuses_read, wait_for
 from tests.support.net import postgres_query as query
 from tests.support.strategies import holder_like
 
@@ -46,21 +46,6 @@ SQL_ISH = (
     f"*/ CREATE TABLE {MARK} (i int); /*",
     f"$$; CREATE TABLE {MARK} (i int); $$",
 )
-
-
-def clean(result: Any, *statuses: int) -> None:
-    """Assert one of *statuses*, no traceback, and one line when lockrun says something."""
-    assert result.returncode in statuses, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    if result.returncode != 0:
-        one_line(result.stderr)
-
-
-def statuses_read(uri: str, name: str) -> None:
-    """Every form of status reads the lock: 0, nothing on stderr."""
-    for args in ([name], ["--json", name], ["--json"], []):
-        shown = lockrun("status", "--uri", uri, *args)
-        assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
 
 
 def run(uri: str, name: str, *options: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 import pymysql
@@ -28,7 +28,7 @@ from lockrun.backends.postgres import slots_key
 from lockrun.backends.redis import key_prefix
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import now
-from tests.support.cli import Held, lockrun, one_line, wait_for
+from tests.support.cli import Held, clean, lockrun, statuses_read, wait_for
 from tests.support.net import mysql_query as query
 from tests.support.strategies import deep, holder_like, json_values
 
@@ -43,24 +43,6 @@ def fence_of_run(uri: str, name: str) -> int:
     fence = int(result.stdout)
     assert 0 < fence <= MAX_FENCE
     return fence
-
-
-def clean(result: Any, *statuses: int) -> None:
-    """Assert a run ended with one of *statuses*, and with exactly one line if lockrun's."""
-    assert result.returncode in statuses, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    if result.returncode != 0:
-        one_line(result.stderr)
-
-
-def statuses_read(uri: str, name: str) -> None:
-    """Assert every form of status reads the lock: 0, no stderr, parseable JSON."""
-    for args in ([name], ["--json", name], ["--json"], []):
-        shown = lockrun("status", "--uri", uri, *args)
-        assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
-        if "--json" in args:
-            json.loads(shown.stdout)
-        assert "\x1b" not in shown.stdout
 
 
 # -- Redis ----------------------------------------------------------------------------------

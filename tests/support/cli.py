@@ -231,3 +231,21 @@ def take_over_ring(uri: str, directory: Path, name: str, *options: str) -> float
     assert taker.returncode == 0, taker.stderr
     assert finish(holder) == 79
     return float(term.read_text()) - asked
+
+
+def clean(result: subprocess.CompletedProcess[str], *statuses: int) -> None:
+    """Assert a run ended with one of *statuses*, and with exactly one line if lockrun's."""
+    assert result.returncode in statuses, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    if result.returncode != 0:
+        one_line(result.stderr)
+
+
+def statuses_read(uri: str, name: str) -> None:
+    """Assert every form of status reads the lock: 0, no stderr, parseable JSON, no escapes."""
+    for args in ([name], ["--json", name], ["--json"], []):
+        shown = lockrun("status", "--uri", uri, *args)
+        assert (shown.returncode, shown.stderr) == (0, ""), shown.stderr
+        if "--json" in args:
+            json.loads(shown.stdout)
+        assert "\x1b" not in shown.stdout

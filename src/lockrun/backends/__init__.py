@@ -12,6 +12,7 @@ import importlib
 import os
 import pwd
 import time
+import zipimport
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS
@@ -392,7 +393,7 @@ def open_backend(
     try:
         module = importlib.import_module(f"lockrun.backends.{kind.backend}")
     except ImportError as err:  # the driver, not our module: missing, or without libpq
-        hint = f"pip install 'lockrun-cli[{kind.extra}]'" if kind.extra else "reinstall lockrun-cli"
+        hint = _install_hint(kind.extra)
         what = (
             f"the {err.name} module"
             if isinstance(err, ModuleNotFoundError)
@@ -403,6 +404,14 @@ def open_backend(
     # Backends split hosts with `host_port` below, so a bad one is already a ConfigError.
     backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
     return backend
+
+
+def _install_hint(extra: str | None) -> str:
+    """Say how to add a backend's missing driver: to lockrun.pyz by hand, else with pip."""
+    loader: object = __spec__.loader  # typeshed's Loader is no zipimporter's base
+    if isinstance(loader, zipimport.zipimporter):  # pragma: no cover - tests/test_pyz.py
+        return 'lockrun.pyz leaves it out (docs/install.md, "One file: lockrun.pyz", says how)'
+    return f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
 
 
 def parse_uri(text: object) -> LockURI:

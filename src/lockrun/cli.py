@@ -199,10 +199,12 @@ def _complete_command(
         return _offer({incomplete: None}, "file")
     found: set[str] = set()
     for directory in os.environ.get("PATH", "").split(os.pathsep):
-        with contextlib.suppress(OSError):
+        # Closed however the scan ends: an error mid-way left the directory open (a
+        # ResourceWarning under the tests' filterwarnings = error).
+        with contextlib.suppress(OSError), os.scandir(directory or ".") as entries:
             found.update(
                 entry.name
-                for entry in os.scandir(directory or ".")
+                for entry in entries
                 if entry.name.startswith(incomplete)
                 and not entry.is_dir()
                 and os.access(entry.path, os.X_OK)

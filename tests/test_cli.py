@@ -72,6 +72,9 @@ def test_the_commands_own_status_passes_through(file_uri: str, name: str, status
         (["--kill-after", "1e11", "--", "true"], "invalid duration '1e11'"),
         (["--kill-after", "99999999999", "--", "true"], "--kill-after must be at least 0s"),
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
+        (["--wait", "30m1h", "--", "true"], "'30m1h': units must come largest first, each once"),
+        (["--ttl", "500ms", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 0.5s"),
+        (["--ttl=1.5.5s", "--", "true"], "invalid duration '1.5.5s': use seconds (90, 1.5) or"),
         (["--slots", "0", "--", "true"], "0 is not in the range 1<=x<=1000"),
         (["--slots", "-1", "--", "true"], "-1 is not in the range 1<=x<=1000"),
         (["--slots", "1001", "--", "true"], "1001 is not in the range 1<=x<=1000"),
@@ -93,6 +96,23 @@ def test_usage_errors_exit_64_with_one_line(arguments: list[str], message: str) 
     result = lockrun(*arguments)
     assert result.returncode == ExitCode.USAGE
     assert message in one_line(result.stderr)
+
+
+def test_durations_may_be_compound_and_below_a_second(file_uri: str, name: str) -> None:
+    """Every DURATION option and its variable takes 1m30s and 500ms: --max-time 300ms stops."""
+    started = time.monotonic()
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--wait", "1m30s", "--ttl", "2.5s"),
+        *("--kill-after", "1s500ms", "--max-time", "300ms", "--", "sleep", "30"),
+        env=os.environ | {"LOCKRUN_LOST_KILL_AFTER": "250ms"},
+    )
+    assert result.returncode == ExitCode.TIMEOUT
+    assert "--max-time 0.30s expired" in one_line(result.stderr)
+    assert time.monotonic() - started < 20  # not the 30 s of sleep
+    refused = lockrun("-n", name, "--", "true", env=os.environ | {"LOCKRUN_WAIT": "1h1h"})
+    assert refused.returncode == ExitCode.USAGE
+    assert "'1h1h': units must come largest first" in one_line(refused.stderr)
+    assert "(from LOCKRUN_WAIT)" in refused.stderr  # where to look for it
 
 
 def on_private_tmpfs(mount: Path, size: str, then: str) -> subprocess.CompletedProcess[str]:

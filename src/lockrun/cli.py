@@ -143,7 +143,7 @@ def _on_terminal() -> bool:
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic
-    """A DURATION: ``90``, ``1.5``, ``90s``, ``15m``, ``2h``, ``1d``, maybe ``forever``."""
+    """A DURATION: ``90``, ``1.5``, ``500ms``, ``15m``, ``1h30m``, maybe ``forever``."""
 
     name = "duration"
 
@@ -158,7 +158,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         try:
             return parse_duration(str(value), allow_forever=self.allow_forever)
         except UsageError as err:
-            self.fail(str(err), param, ctx)
+            self.fail(f"{err}{_from_environment(param, ctx)}", param, ctx)
 
     def shell_complete(
         self, ctx: click.Context, param: click.Parameter, incomplete: str
@@ -167,6 +167,15 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         del ctx, param
         wanted = self.allow_forever and "forever".startswith(incomplete)
         return _offer({"forever": "wait as long as it takes"} if wanted else {})
+
+
+def _from_environment(param: click.Parameter | None, ctx: click.Context | None) -> str:
+    """Return `` (from LOCKRUN_X)`` if *param*'s value came from there, else ''."""
+    if param is None or ctx is None or param.name is None:
+        return ""
+    if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.ENVIRONMENT:
+        return ""
+    return f" (from {ctx.auto_envvar_prefix}_{param.name.upper()})"
 
 
 # What Tab offers for --uri: each scheme as it starts.
@@ -239,6 +248,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     "76 lock lost; 78 configuration; 79 taken over; 124 --max-time; "
     "126/127 cannot execute / not found; "
     "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
+    "DURATION: seconds (90, 1.5), or units d, h, m, s, ms largest first (500ms, 1m30s, 2d12h). "
     "`lockrun status --help` shows who holds a lock.",
 )
 @click.option(

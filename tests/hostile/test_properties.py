@@ -19,7 +19,7 @@ from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
-from lockrun.timing import parse_duration
+from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
 from lockrun.uri import parse_uri as parse_uri_alone
 from tests.support.strategies import (
@@ -113,6 +113,40 @@ def test_durations_parse_or_are_usage_errors(text: str) -> None:
     except UsageError:
         return
     assert seconds is None or (math.isfinite(seconds) and seconds >= 0)
+
+
+# Text made of what DURATIONs are made of, so that most of it nearly parses.
+duration_like = st.text(alphabet="0123456789.dhmsDHMS \t-+e", max_size=20) | st.builds(
+    "".join, st.lists(st.sampled_from(["1", "05", ".5", "2.", "d", "h", "m", "s", "ms", " "]))
+)
+
+
+@given(text=duration_like)
+def test_duration_shaped_text_parses_or_is_a_usage_error(text: str) -> None:
+    """Text of digits and units: finite seconds >= 0, or UsageError naming the text."""
+    try:
+        seconds = parse_duration(text)
+    except UsageError as err:
+        said = str(err)
+    else:
+        assert seconds is not None
+        assert math.isfinite(seconds)
+        assert seconds >= 0
+        return
+    assert said.startswith("invalid duration ")
+
+
+@given(seconds=st.floats(min_value=0, max_value=1e9, exclude_max=True))
+def test_a_printed_duration_parses_back(seconds: float) -> None:
+    """parse_duration(format_duration(x)) is x, to the precision format_duration prints."""
+    back = parse_duration(format_duration(seconds))
+    assert back is not None
+    # format_duration keeps 2 decimals under 10 s, whole seconds under 1 h, then drops the
+    # seconds (2h00m), then the minutes (1d02h).
+    precision = (
+        0.005 if seconds < 10 else 0.5 if seconds < 3599.5 else 60 if seconds < 86400 else 3600
+    )
+    assert abs(back - seconds) <= precision
 
 
 anything = (

@@ -5,6 +5,7 @@ The statuses are those of docs/semantics.md "Exit status".
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -384,6 +385,47 @@ def test_status_usage_errors() -> None:
     assert lockrun("status", "--uri", "nope://").returncode == ExitCode.CONFIG
     assert lockrun("status", "x" * 300).returncode == ExitCode.USAGE
     assert lockrun("status", "--frob").returncode == ExitCode.USAGE
+    nameless = lockrun("status", "--check")
+    assert nameless.returncode == ExitCode.USAGE
+    assert "--check needs a NAME" in one_line(nameless.stderr)
+    check = ("status", "--check", "--uri")
+    assert lockrun(*check, "nope://", "x").returncode == ExitCode.CONFIG
+    unreachable = lockrun(*check, "redis://127.0.0.1:1/0", "x")
+    assert unreachable.returncode == ExitCode.UNAVAILABLE
+    assert unreachable.stdout == ""
+    one_line(unreachable.stderr)
+
+
+def test_status_check_exits_75_while_anyone_holds_the_name(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """--check: 0 when free; 75 for readers and for a --hold-at-least window; -q prints nothing.
+
+    Neither -q nor --check comes from LOCKRUN_QUIET or LOCKRUN_CHECK: a run's -q in the
+    environment must not silence a status, and a status must not start failing.
+    """
+    check = ("status", "--uri", file_uri, "--check")
+    quiet_env = os.environ | {"LOCKRUN_QUIET": "1", "LOCKRUN_CHECK": "1"}
+    free = lockrun(*check, "-q", name)
+    assert (free.returncode, free.stdout, free.stderr) == (0, "", "")
+    reader = held("--uri", file_uri, "-n", name, "--shared")
+    shared = lockrun(*check, "--json", name)
+    assert shared.returncode == ExitCode.BUSY
+    [state] = json.loads(shared.stdout)
+    assert [holder["shared"] for holder in state["holders"]] == [True]
+    assert f"{name} is held by " in one_line(shared.stderr)
+    quiet = lockrun(*check, "--quiet", name)
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (ExitCode.BUSY, "", "")
+    plain = lockrun("status", "--uri", file_uri, name, env=quiet_env)
+    assert (plain.returncode, plain.stderr) == (0, "")
+    assert "sharing" in plain.stdout
+    assert reader.finish() == 0
+    window = lockrun("--uri", file_uri, "-n", name, "--hold-at-least", "1h", "--", "true")
+    assert window.returncode == 0, window.stderr
+    kept = lockrun(*check, name)
+    assert kept.returncode == ExitCode.BUSY
+    assert "held until" in kept.stdout
+    assert "(--hold-at-least)" in one_line(kept.stderr)
 
 
 def test_a_command_called_status_runs_after_the_separator(file_uri: str, tmp_path: Path) -> None:

@@ -119,6 +119,8 @@ def test_status_options_complete() -> None:
         "plain,--uri",
         "plain,--namespace",
         "plain,--json",
+        "plain,--check",
+        "plain,--quiet",
         "plain,--help",
     ]
 

@@ -22,7 +22,7 @@ from lockrun.errors import (
     OutputError,
     UsageError,
 )
-from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL
+from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
 from lockrun.runner import (
     DEFAULT_KILL_AFTER,
     DEFAULT_LOST_KILL_AFTER,
@@ -395,26 +395,59 @@ def run_command(
         return conflict_exit_code
 
 
-@click.command(context_settings=_CONTEXT)
+@click.command(
+    context_settings=_CONTEXT,
+    epilog="Exit status: 0 (with --check: 0 if NAME is free, 75 if anyone holds it; waiters "
+    "alone do not count); 64 usage; 69 backend unavailable; 74 could not write; "
+    "78 configuration.",
+)
 @_uri_option("Lock service to ask, as for running a command.")
 @_namespace_option
 @click.option(
     "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="Print JSON for machines."
 )
+@click.option(
+    "--check",
+    is_flag=True,
+    allow_from_autoenv=False,  # a status that fails must be asked for where it is run
+    help="Exit 75 if anyone holds NAME (a holder, readers, a --hold-at-least window), else 0.",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    allow_from_autoenv=False,  # LOCKRUN_QUIET is the run command's: it must not hide a status
+    help="Print nothing; with --check, only the exit status answers.",
+)
 @click.argument("name", required=False)
-def status_command(uri: str, namespace: str, as_json: bool, name: str | None) -> int:
+def status_command(
+    uri: str, namespace: str, as_json: bool, check: bool, quiet: bool, name: str | None
+) -> int:
     """Show who holds NAME (or every held lock) and who waits for it."""
     _keep_secret(uri)
+    if check and name is None:
+        msg = "--check needs a NAME: lockrun status --check NAME"
+        raise click.UsageError(msg)
     states = states_for_status(uri, namespace, name)
+    if not quiet:
+        _print(_shown(states, as_json=as_json, empty=f"{namespace} at {redact(uri)}"))
+    holders = [holder for state in states for holder in state.holders]
+    if not check or not holders:
+        return 0
+    if not quiet:
+        say(f"{name} is held by {'; '.join(describe(holder) for holder in holders)}")
+    return ExitCode.BUSY
+
+
+def _shown(states: Sequence[LockState], *, as_json: bool, empty: str) -> str:
+    """Return what `lockrun status` prints of *states*: JSON, a table, or that *empty* is."""
     if as_json:
         import json  # noqa: PLC0415 - kept off the start-up path of the run command
 
-        _print(json.dumps([state.to_dict() for state in states], indent=2))
-    elif not states:
-        _print(printable(f"no locks held or awaited in namespace {namespace} at {redact(uri)}"))
-    else:
-        _print(_table(states))
-    return 0
+        return json.dumps([state.to_dict() for state in states], indent=2)
+    if not states:
+        return printable(f"no locks held or awaited in namespace {empty}")
+    return _table(states)
 
 
 def _print(text: str) -> None:

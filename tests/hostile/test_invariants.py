@@ -106,6 +106,8 @@ CORPUS: Final = {
     "status-long-name": case("status", "--uri", "file://DIR", "x" * 300),
     "status-closed": case("status", "--uri", "file://DIR", closed=">&-"),
     "status-bad-utf8": case("status", "--uri", "file://DIR", "\udcff"),
+    "status-check-closed": case("status", "--check", "--uri", "file://DIR", "x", closed=">&-"),
+    "status-check-nameless": case("status", "--check", "-q", "--uri", "file://DIR"),
 }
 
 

@@ -14,7 +14,7 @@ from lockrun.errors import UsageError
 # the optional spaces are systemd.time(7)'s, the compound form Go's time.ParseDuration's; the
 # order rule refuses what reads as a typo (`30m1h`, `1h1h`) rather than add it up.
 _UNITS: Final = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-_BLANKS: Final = " \t"
+_BLANKS: Final = " \t\n\r\f\v"  # around it; str.strip() would also take Unicode spaces
 _COMPONENT: Final = re.compile(r"([0-9.]+)[ \t]*(ms|[dhms])?[ \t]*")
 _NUMBER: Final = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _SHOWN: Final = 40  # characters of a bad DURATION quoted back: 400 digits are not news

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 
 import click
 
@@ -32,6 +33,7 @@ from lockrun.runner import (
 )
 from lockrun.timing import clock_time, format_duration, parse_duration
 from lockrun.uri import DEFAULT_URI, HIDDEN, SCHEMES, redact, secrets_of
+from lockrun.urifile import CREDENTIAL, choose_uri
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -200,6 +202,13 @@ def _complete_uri(
     )
 
 
+def _complete_file(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    del ctx, param
+    return _offer({incomplete: None}, "file")
+
+
 def _complete_command(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
@@ -220,16 +229,39 @@ def _complete_command(
 
 
 def _uri_option(what: str) -> Callable[[_Command], _Command]:
-    """Return the ``-u/--uri`` option both commands take, explained as *what*."""
-    return click.option(
-        "-u",
-        "--uri",
-        metavar="URI",
-        default=DEFAULT_URI,
-        show_default=True,
-        shell_complete=_complete_uri,
-        help=what,
-    )
+    """Return ``-u/--uri`` and ``--uri-file``, which every command takes; *what* explains --uri.
+
+    The command gets one ``uri``: the first of --uri, --uri-file, LOCKRUN_URI,
+    LOCKRUN_URI_FILE and systemd's credential that is given (`lockrun.urifile.choose_uri`).
+    """
+
+    def options(command: _Command) -> _Command:
+        @functools.wraps(command)
+        def chosen(
+            *args: object, uri: str | None, uri_file: str | None, **kwargs: object
+        ) -> object:
+            return command(*args, uri=choose_uri(uri, uri_file, os.environ), **kwargs)
+
+        uri_file = click.option(
+            "--uri-file",
+            metavar="PATH",
+            allow_from_autoenv=False,  # LOCKRUN_URI_FILE: choose_uri reads it, in its turn
+            shell_complete=_complete_file,
+            help="Read the lock URI from this file, yours (0600) or root's (0640): no password "
+            "in ps or the environment.",
+        )
+        uri = click.option(
+            "-u",
+            "--uri",
+            metavar="URI",
+            allow_from_autoenv=False,  # LOCKRUN_URI: choose_uri reads it, in its turn
+            shell_complete=_complete_uri,
+            help=f"{what}  [default: from --uri-file, LOCKRUN_URI, LOCKRUN_URI_FILE or "
+            f"$CREDENTIALS_DIRECTORY/{CREDENTIAL}, else {DEFAULT_URI}]",
+        )
+        return cast("_Command", uri(uri_file(chosen)))
+
+    return options
 
 
 _namespace_option: Final = click.option(  # each use makes an option of its own

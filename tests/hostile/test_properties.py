@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from typing import Final
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -22,6 +24,7 @@ from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, che
 from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
 from lockrun.uri import parse_uri as parse_uri_alone
+from lockrun.urifile import read_uri_file
 from tests.support.strategies import (
     TEMPLATES,
     assert_hidden,
@@ -100,6 +103,52 @@ def test_a_redacted_uri_is_refused_by_a_nested_lockrun() -> None:
         assert redacted_by_lockrun(shown)
         with pytest.raises(ConfigError, match="replaced by \\*\\*\\* by the lockrun"):
             parse_uri(shown)
+
+
+# Whatever a URI file holds: the URI as it should be, with spaces, lines, a NUL, a BOM, or a
+# password alone; around it bytes of any kind.
+_URI_FILE_SHAPES: Final = (
+    "{uri}", "{uri}\n", " {uri} \r\n", "{uri}\n{uri}", "{uri}\0", "\ufeff{uri}", "{secret}\n", ""
+)  # fmt: skip
+
+
+@given(
+    template=st.sampled_from(TEMPLATES),
+    secret=passwords,
+    shape=st.sampled_from(_URI_FILE_SHAPES),
+    before=st.binary(max_size=8) | st.just(b""),
+    after=st.binary(max_size=8) | st.just(b""),
+    mode=st.sampled_from([0o600, 0o400, 0o640, 0o440, 0o644, 0o604, 0o620, 0o700]),
+)
+def test_a_uri_file_gives_its_uri_or_one_line_without_its_secret(
+    tmp_path_factory: pytest.TempPathFactory,
+    template: str,
+    secret: str,
+    shape: str,
+    before: bytes,
+    after: bytes,
+    mode: int,
+) -> None:
+    """Any content and mode: the URI, or ConfigError naming the file and no piece of the secret."""
+    path = tmp_path_factory.getbasetemp() / "uri-file"
+    content = shape.format(uri=place(template, secret, encoded=False), secret=secret)
+    path.write_bytes(before + content.encode() + after)
+    path.chmod(mode)
+    try:
+        uri = read_uri_file(str(path), "--uri-file")
+    except ConfigError as err:
+        said = str(err)
+    else:
+        assert uri == uri.strip()
+        assert "\n" not in uri
+        assert not mode & (0o037 if os.geteuid() == 0 else 0o077)  # never read if open
+        try:
+            open_backend(parse_uri(uri), ttl=5.0).close()
+        except (ConfigError, UsageError) as err:
+            assert_hidden(secret, str(err))
+        return
+    assert said.startswith(f"--uri-file {path}: ")
+    assert_hidden(secret, said)
 
 
 # -- numbers --------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ The statuses are those of docs/semantics.md "Exit status".
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -72,6 +73,9 @@ def test_the_commands_own_status_passes_through(file_uri: str, name: str, status
         (["--kill-after", "1e11", "--", "true"], "invalid duration '1e11'"),
         (["--kill-after", "99999999999", "--", "true"], "--kill-after must be at least 0s"),
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
+        (["--wait", "30m1h", "--", "true"], "'30m1h': units must come largest first, each once"),
+        (["--ttl", "500ms", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 0.5s"),
+        (["--ttl=1.5.5s", "--", "true"], "invalid duration '1.5.5s': use seconds (90, 1.5) or"),
         (["--slots", "0", "--", "true"], "0 is not in the range 1<=x<=1000"),
         (["--slots", "-1", "--", "true"], "-1 is not in the range 1<=x<=1000"),
         (["--slots", "1001", "--", "true"], "1001 is not in the range 1<=x<=1000"),
@@ -93,6 +97,23 @@ def test_usage_errors_exit_64_with_one_line(arguments: list[str], message: str) 
     result = lockrun(*arguments)
     assert result.returncode == ExitCode.USAGE
     assert message in one_line(result.stderr)
+
+
+def test_durations_may_be_compound_and_below_a_second(file_uri: str, name: str) -> None:
+    """Every DURATION option and its variable takes 1m30s and 500ms: --max-time 300ms stops."""
+    started = time.monotonic()
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--wait", "1m30s", "--ttl", "2.5s"),
+        *("--kill-after", "1s500ms", "--max-time", "300ms", "--", "sleep", "30"),
+        env=os.environ | {"LOCKRUN_LOST_KILL_AFTER": "250ms"},
+    )
+    assert result.returncode == ExitCode.TIMEOUT
+    assert "--max-time 0.30s expired" in one_line(result.stderr)
+    assert time.monotonic() - started < 20  # not the 30 s of sleep
+    refused = lockrun("-n", name, "--", "true", env=os.environ | {"LOCKRUN_WAIT": "1h1h"})
+    assert refused.returncode == ExitCode.USAGE
+    assert "'1h1h': units must come largest first" in one_line(refused.stderr)
+    assert "(from LOCKRUN_WAIT)" in refused.stderr  # where to look for it
 
 
 def on_private_tmpfs(mount: Path, size: str, then: str) -> subprocess.CompletedProcess[str]:
@@ -364,6 +385,47 @@ def test_status_usage_errors() -> None:
     assert lockrun("status", "--uri", "nope://").returncode == ExitCode.CONFIG
     assert lockrun("status", "x" * 300).returncode == ExitCode.USAGE
     assert lockrun("status", "--frob").returncode == ExitCode.USAGE
+    nameless = lockrun("status", "--check")
+    assert nameless.returncode == ExitCode.USAGE
+    assert "--check needs a NAME" in one_line(nameless.stderr)
+    check = ("status", "--check", "--uri")
+    assert lockrun(*check, "nope://", "x").returncode == ExitCode.CONFIG
+    unreachable = lockrun(*check, "redis://127.0.0.1:1/0", "x")
+    assert unreachable.returncode == ExitCode.UNAVAILABLE
+    assert unreachable.stdout == ""
+    one_line(unreachable.stderr)
+
+
+def test_status_check_exits_75_while_anyone_holds_the_name(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """--check: 0 when free; 75 for readers and for a --hold-at-least window; -q prints nothing.
+
+    Neither -q nor --check comes from LOCKRUN_QUIET or LOCKRUN_CHECK: a run's -q in the
+    environment must not silence a status, and a status must not start failing.
+    """
+    check = ("status", "--uri", file_uri, "--check")
+    quiet_env = os.environ | {"LOCKRUN_QUIET": "1", "LOCKRUN_CHECK": "1"}
+    free = lockrun(*check, "-q", name)
+    assert (free.returncode, free.stdout, free.stderr) == (0, "", "")
+    reader = held("--uri", file_uri, "-n", name, "--shared")
+    shared = lockrun(*check, "--json", name)
+    assert shared.returncode == ExitCode.BUSY
+    [state] = json.loads(shared.stdout)
+    assert [holder["shared"] for holder in state["holders"]] == [True]
+    assert f"{name} is held by " in one_line(shared.stderr)
+    quiet = lockrun(*check, "--quiet", name)
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (ExitCode.BUSY, "", "")
+    plain = lockrun("status", "--uri", file_uri, name, env=quiet_env)
+    assert (plain.returncode, plain.stderr) == (0, "")
+    assert "sharing" in plain.stdout
+    assert reader.finish() == 0
+    window = lockrun("--uri", file_uri, "-n", name, "--hold-at-least", "1h", "--", "true")
+    assert window.returncode == 0, window.stderr
+    kept = lockrun(*check, name)
+    assert kept.returncode == ExitCode.BUSY
+    assert "held until" in kept.stdout
+    assert "(--hold-at-least)" in one_line(kept.stderr)
 
 
 def test_a_command_called_status_runs_after_the_separator(file_uri: str, tmp_path: Path) -> None:

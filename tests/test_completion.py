@@ -65,7 +65,8 @@ def test_completing_without_the_scripts_variables_is_a_usage_error() -> None:
 
 def test_option_names_complete() -> None:
     """`lockrun --ur` offers --uri; `lockrun --` offers every long option not yet given."""
-    assert complete("lockrun --ur") == ["plain,--uri"]
+    assert complete("lockrun --ur") == ["plain,--uri", "plain,--uri-file"]
+    assert complete("lockrun status --uri-file /etc/lockrun-") == ["file,/etc/lockrun-"]
     offered = complete("lockrun --wait 5 --")
     assert "plain,--name" in offered
     assert "plain,--slots" in offered
@@ -117,8 +118,11 @@ def test_status_options_complete() -> None:
     """`lockrun status --` offers the status subcommand's own options."""
     assert complete("lockrun status --") == [
         "plain,--uri",
+        "plain,--uri-file",
         "plain,--namespace",
         "plain,--json",
+        "plain,--check",
+        "plain,--quiet",
         "plain,--help",
     ]
 
@@ -144,15 +148,15 @@ def completion_env(home: Path) -> dict[str, str]:
 
 
 def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
-    """In an interactive bash with the script sourced, `lockrun --ur<Tab>` becomes --uri."""
+    """In an interactive bash with the script sourced, `lockrun --uri-f<Tab>` becomes --uri-file."""
     bash = installed("bash")
     script = ROOT / "completions" / "lockrun.bash"
     with Terminal([bash, "--norc", "--noprofile", "-i"], env=completion_env(tmp_path)) as term:
         term.send(f"PS1='$ '; source {script}; echo sourced-$?\n".encode())
         term.read_until(b"sourced-0")
-        term.send(b"lockrun --ur\t")
-        term.read_until(b"lockrun --uri ")
-        term.send(b"redis+\t")
+        term.send(b"lockrun --uri-f\t")
+        term.read_until(b"lockrun --uri-file ")
+        term.send(b"\x15lockrun --uri redis+\t")
         shown = term.read_until(b"redis+sentinel://")
         term.send(b"h/0 --wa\t")  # after a URI, whose colon bash breaks words at
         term.read_until(b"--wait ")
@@ -164,22 +168,22 @@ def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
 
 
 def test_zsh_tab_completes_an_option_name(tmp_path: Path) -> None:
-    """In an interactive zsh with the script on fpath, `lockrun --ur<Tab>` becomes --uri."""
+    """In an interactive zsh with the script on fpath, `lockrun --uri-f<Tab>` completes."""
     setup = f"fpath=({ROOT / 'completions'} $fpath); autoload -Uz compinit && compinit -u -D"
     press_tab(
         [installed("zsh"), "-f", "-i"],
         f"{setup}; echo ready-$?",
-        "lockrun --ur",
-        "lockrun --uri",  # zsh draws its own suffix space, in bold
+        "lockrun --uri-f",
+        "lockrun --uri-file",  # zsh draws its own suffix space, in bold
         env=completion_env(tmp_path),
     )
 
 
 def test_fish_completes_option_names_schemes_and_status() -> None:
-    """fish, given the script, completes --ur, a scheme and status (`complete -C`)."""
+    """fish, given the script, completes --uri-f, a scheme and status (`complete -C`)."""
     fish = installed("fish")
     script = ROOT / "completions" / "lockrun.fish"
-    queries = ["lockrun --ur", "lockrun --uri mari", "lockrun statu"]
+    queries = ["lockrun --uri-f", "lockrun --uri mari", "lockrun statu"]
     commands = f"source {script}; " + "; ".join(f"complete -C '{query}'" for query in queries)
     result = subprocess.run(
         [fish, "--no-config", "-c", commands],
@@ -190,5 +194,5 @@ def test_fish_completes_option_names_schemes_and_status() -> None:
         timeout=30,
     )
     offered = [line.split("\t")[0] for line in result.stdout.splitlines()]
-    assert offered[:2] == ["--uri", "mariadb://"]
+    assert offered[:2] == ["--uri-file", "mariadb://"]
     assert "status" in offered[2:]

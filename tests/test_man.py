@@ -197,7 +197,9 @@ def test_every_setting_variable_has_an_entry_in_environment() -> None:
         and param.expose_value
         and param.allow_from_autoenv
     }
-    assert "LOCKRUN_URI" in settings  # the introspection found click's auto_envvar names
+    assert "LOCKRUN_WAIT" in settings  # the introspection found click's auto_envvar names
+    # --uri's, read by lockrun.urifile.choose_uri in its order rather than by click
+    settings |= {"LOCKRUN_URI", "LOCKRUN_URI_FILE", "CREDENTIALS_DIRECTORY"}
     told = {
         "LOCKRUN_NAME",
         "LOCKRUN_SLOT",

@@ -33,12 +33,27 @@ if TYPE_CHECKING:
         ("2h", 7200),
         ("1d", 86400),
         (" 3M ", 180),
+        ("5\n", 5),  # $(cat file) in a variable
         ("0", 0),
+        ("500ms", 0.5),
+        ("1.5s", 1.5),
+        ("1h30m", 5400),
+        ("2d12h", 216000),
+        ("1m30s", 90),
+        ("1s500ms", 1.5),
+        ("1h 30m", 5400),  # systemd.time(7) puts spaces between components
+        ("1 h 30 m", 5400),
+        ("1.5h", 5400),
+        ("1d2h3m4s5ms", 93784.005),
+        ("3m05s", 185),  # what format_duration prints
+        ("2h00m", 7200),
+        ("1d02h", 93600),
+        ("0.25s", 0.25),
     ],
 )
 def test_durations_parse(text: str, seconds: float) -> None:
     """Every DURATION form of docs/semantics.md "Options" parses to seconds."""
-    assert parse_duration(text) == seconds
+    assert parse_duration(text) == pytest.approx(seconds)
 
 
 def test_forever_only_where_allowed() -> None:
@@ -48,11 +63,45 @@ def test_forever_only_where_allowed() -> None:
         parse_duration("forever")
 
 
-@pytest.mark.parametrize("text", ["", "-1", "1.2.3", "5x", "1e3", "m", "1 5", "nan", "9" * 400])
-def test_bad_durations_are_usage_errors(text: str) -> None:
-    """Negative, malformed and absurd durations raise UsageError (64)."""
-    with pytest.raises(UsageError):
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "empty"),
+        (" \t ", "empty"),
+        ("-1", "negative"),
+        ("-1s", "negative"),
+        ("+1s", "use seconds"),
+        ("1.2.3", "use seconds"),
+        ("1.5.5s", "use seconds"),
+        ("5x", "use seconds"),
+        ("1e3", "use seconds"),
+        ("m", "use seconds"),
+        ("ms", "use seconds"),
+        ("s5", "use seconds"),
+        ("1 5", "needs its unit"),
+        ("1h30", "needs its unit"),
+        ("nan", "use seconds"),
+        ("1h1h", "largest first, each once"),
+        ("30m1h", "largest first, each once"),
+        ("1ms1s", "largest first, each once"),
+        ("1s1s", "largest first, each once"),
+        ("1m s", "use seconds"),
+        ("5\x00", "use seconds"),
+        ("١٢", "ASCII"),  # Arabic-Indic digits: str.isdigit() says yes, we say no
+        ("１２ｓ", "ASCII"),  # fullwidth
+        ("5\u2009s", "ASCII"),  # a thin space
+        ("9" * 400, "too large"),
+        ("9" * 400 + "d", "too large"),
+    ],
+)
+def test_bad_durations_are_usage_errors(text: str, says: str) -> None:
+    """Negative, malformed, non-ASCII and absurd durations raise UsageError (64), and say why."""
+    with pytest.raises(UsageError) as raised:
         parse_duration(text, allow_forever=True)
+    message = str(raised.value)
+    assert says in message
+    assert len(message) < 200, message  # 400 digits are not echoed back whole
+    assert "\x00" not in message
 
 
 @pytest.mark.parametrize(

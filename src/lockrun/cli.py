@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
 
 import click
 
@@ -22,7 +23,7 @@ from lockrun.errors import (
     OutputError,
     UsageError,
 )
-from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL
+from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
 from lockrun.runner import (
     DEFAULT_KILL_AFTER,
     DEFAULT_LOST_KILL_AFTER,
@@ -32,6 +33,7 @@ from lockrun.runner import (
 )
 from lockrun.timing import clock_time, format_duration, parse_duration
 from lockrun.uri import DEFAULT_URI, HIDDEN, SCHEMES, redact, secrets_of
+from lockrun.urifile import CREDENTIAL, choose_uri
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -143,7 +145,7 @@ def _on_terminal() -> bool:
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it generic
-    """A DURATION: ``90``, ``1.5``, ``90s``, ``15m``, ``2h``, ``1d``, maybe ``forever``."""
+    """A DURATION: ``90``, ``1.5``, ``500ms``, ``15m``, ``1h30m``, maybe ``forever``."""
 
     name = "duration"
 
@@ -158,7 +160,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         try:
             return parse_duration(str(value), allow_forever=self.allow_forever)
         except UsageError as err:
-            self.fail(str(err), param, ctx)
+            self.fail(f"{err}{_from_environment(param, ctx)}", param, ctx)
 
     def shell_complete(
         self, ctx: click.Context, param: click.Parameter, incomplete: str
@@ -167,6 +169,15 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # click 8.4 made it 
         del ctx, param
         wanted = self.allow_forever and "forever".startswith(incomplete)
         return _offer({"forever": "wait as long as it takes"} if wanted else {})
+
+
+def _from_environment(param: click.Parameter | None, ctx: click.Context | None) -> str:
+    """Return `` (from LOCKRUN_X)`` if *param*'s value came from there, else ''."""
+    if param is None or ctx is None or param.name is None:
+        return ""
+    if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.ENVIRONMENT:
+        return ""
+    return f" (from {ctx.auto_envvar_prefix}_{param.name.upper()})"
 
 
 # What Tab offers for --uri: each scheme as it starts.
@@ -191,6 +202,13 @@ def _complete_uri(
     )
 
 
+def _complete_file(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[CompletionItem]:
+    del ctx, param
+    return _offer({incomplete: None}, "file")
+
+
 def _complete_command(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
@@ -213,16 +231,39 @@ def _complete_command(
 
 
 def _uri_option(what: str) -> Callable[[_Command], _Command]:
-    """Return the ``-u/--uri`` option both commands take, explained as *what*."""
-    return click.option(
-        "-u",
-        "--uri",
-        metavar="URI",
-        default=DEFAULT_URI,
-        show_default=True,
-        shell_complete=_complete_uri,
-        help=what,
-    )
+    """Return ``-u/--uri`` and ``--uri-file``, which every command takes; *what* explains --uri.
+
+    The command gets one ``uri``: the first of --uri, --uri-file, LOCKRUN_URI,
+    LOCKRUN_URI_FILE and systemd's credential that is given (`lockrun.urifile.choose_uri`).
+    """
+
+    def options(command: _Command) -> _Command:
+        @functools.wraps(command)
+        def chosen(
+            *args: object, uri: str | None, uri_file: str | None, **kwargs: object
+        ) -> object:
+            return command(*args, uri=choose_uri(uri, uri_file, os.environ), **kwargs)
+
+        uri_file = click.option(
+            "--uri-file",
+            metavar="PATH",
+            allow_from_autoenv=False,  # LOCKRUN_URI_FILE: choose_uri reads it, in its turn
+            shell_complete=_complete_file,
+            help="Read the lock URI from this file, yours (0600) or root's (0640): no password "
+            "in ps or the environment.",
+        )
+        uri = click.option(
+            "-u",
+            "--uri",
+            metavar="URI",
+            allow_from_autoenv=False,  # LOCKRUN_URI: choose_uri reads it, in its turn
+            shell_complete=_complete_uri,
+            help=f"{what}  [default: from --uri-file, LOCKRUN_URI, LOCKRUN_URI_FILE or "
+            f"$CREDENTIALS_DIRECTORY/{CREDENTIAL}, else {DEFAULT_URI}]",
+        )
+        return cast("_Command", uri(uri_file(chosen)))
+
+    return options
 
 
 _namespace_option: Final = click.option(  # each use makes an option of its own
@@ -241,6 +282,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     "76 lock lost; 78 configuration; 79 taken over; 124 --max-time; "
     "126/127 cannot execute / not found; "
     "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
+    "DURATION: seconds (90, 1.5), or units d, h, m, s, ms largest first (500ms, 1m30s, 2d12h). "
     "`lockrun status --help` shows who holds a lock.",
 )
 @click.option(
@@ -387,26 +429,59 @@ def run_command(
         return conflict_exit_code
 
 
-@click.command(context_settings=_CONTEXT)
+@click.command(
+    context_settings=_CONTEXT,
+    epilog="Exit status: 0 (with --check: 0 if NAME is free, 75 if anyone holds it; waiters "
+    "alone do not count); 64 usage; 69 backend unavailable; 74 could not write; "
+    "78 configuration.",
+)
 @_uri_option("Lock service to ask, as for running a command.")
 @_namespace_option
 @click.option(
     "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="Print JSON for machines."
 )
+@click.option(
+    "--check",
+    is_flag=True,
+    allow_from_autoenv=False,  # a status that fails must be asked for where it is run
+    help="Exit 75 if anyone holds NAME (a holder, readers, a --hold-at-least window), else 0.",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    allow_from_autoenv=False,  # LOCKRUN_QUIET is the run command's: it must not hide a status
+    help="Print nothing; with --check, only the exit status answers.",
+)
 @click.argument("name", required=False)
-def status_command(uri: str, namespace: str, as_json: bool, name: str | None) -> int:
+def status_command(
+    uri: str, namespace: str, as_json: bool, check: bool, quiet: bool, name: str | None
+) -> int:
     """Show who holds NAME (or every held lock) and who waits for it."""
     _keep_secret(uri)
+    if check and name is None:
+        msg = "--check needs a NAME: lockrun status --check NAME"
+        raise click.UsageError(msg)
     states = states_for_status(uri, namespace, name)
+    if not quiet:
+        _print(_shown(states, as_json=as_json, empty=f"{namespace} at {redact(uri)}"))
+    holders = [holder for state in states for holder in state.holders]
+    if not check or not holders:
+        return 0
+    if not quiet:
+        say(f"{name} is held by {'; '.join(describe(holder) for holder in holders)}")
+    return ExitCode.BUSY
+
+
+def _shown(states: Sequence[LockState], *, as_json: bool, empty: str) -> str:
+    """Return what `lockrun status` prints of *states*: JSON, a table, or that *empty* is."""
     if as_json:
         import json  # noqa: PLC0415 - kept off the start-up path of the run command
 
-        _print(json.dumps([state.to_dict() for state in states], indent=2))
-    elif not states:
-        _print(printable(f"no locks held or awaited in namespace {namespace} at {redact(uri)}"))
-    else:
-        _print(_table(states))
-    return 0
+        return json.dumps([state.to_dict() for state in states], indent=2)
+    if not states:
+        return printable(f"no locks held or awaited in namespace {empty}")
+    return _table(states)
 
 
 def _print(text: str) -> None:

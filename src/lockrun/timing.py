@@ -9,8 +9,15 @@ from typing import Final
 
 from lockrun.errors import UsageError
 
-_UNITS: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)", re.ASCII)
+# A DURATION (docs/semantics.md "Options"): a number of seconds alone, or numbers each with
+# a unit, largest unit first and each once: `1h30m`, `1m30s`, `500ms`, `2d 12h`. The units and
+# the optional spaces are systemd.time(7)'s, the compound form Go's time.ParseDuration's; the
+# order rule refuses what reads as a typo (`30m1h`, `1h1h`) rather than add it up.
+_UNITS: Final = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_BLANKS: Final = " \t\n\r\f\v"  # around it; str.strip() would also take Unicode spaces
+_COMPONENT: Final = re.compile(r"([0-9.]+)[ \t]*(ms|[dhms])?[ \t]*")
+_NUMBER: Final = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+_SHOWN: Final = 40  # characters of a bad DURATION quoted back: 400 digits are not news
 FOREVER: Final = "forever"
 
 
@@ -22,20 +29,48 @@ def now() -> float:
 
 
 def parse_duration(text: str, *, allow_forever: bool = False) -> float | None:
-    """Parse ``90``, ``1.5``, ``90s``, ``15m``, ``2h``, ``1d`` (and ``forever`` → None)."""
-    cleaned = text.strip().lower()
+    """Parse ``90``, ``1.5``, ``500ms``, ``15m``, ``1h30m``, ``2d 12h`` (and ``forever`` → None)."""
+    cleaned = text.strip(_BLANKS).lower()
     if allow_forever and cleaned in {FOREVER, "inf", "infinity"}:
         return None
-    match = _DURATION.fullmatch(cleaned)
-    if match is None:
-        hint = ", or 'forever'" if allow_forever else ""
-        msg = f"invalid duration {text!r}: use seconds or a number with s, m, h or d{hint}"
-        raise UsageError(msg)
-    seconds = float(match[1]) * _UNITS[match[2]]
+    if not cleaned:
+        raise _invalid(text, "empty; " + _hint(allow_forever=allow_forever))
+    components, position = [], 0
+    while position < len(cleaned):
+        match = _COMPONENT.match(cleaned, position)
+        if match is None or not _NUMBER.fullmatch(match[1]):  # `ms`, `1.5.5s`, `5x`
+            raise _invalid(text, _what_is_wrong(cleaned, allow_forever=allow_forever))
+        components.append((match[1], match[2]))
+        position = match.end()
+    if len(components) > 1 and any(unit is None for _, unit in components):
+        raise _invalid(text, "each number of a compound needs its unit (1h30m, 1m30s)")
+    scales = [_UNITS[unit or "s"] for _, unit in components]
+    if scales != sorted(set(scales), reverse=True):
+        raise _invalid(text, "units must come largest first, each once (d, h, m, s, ms)")
+    seconds = sum(
+        float(number) * scale for (number, _), scale in zip(components, scales, strict=True)
+    )
     if not math.isfinite(seconds):
-        msg = f"invalid duration {text!r}: too large"
-        raise UsageError(msg)
+        raise _invalid(text, "too large")
     return seconds
+
+
+def _what_is_wrong(cleaned: str, *, allow_forever: bool) -> str:
+    if not cleaned.isascii():  # "١٢".isdigit() is True: only ASCII digits are read
+        return "only ASCII digits and the units d, h, m, s, ms are read"
+    if cleaned.startswith("-"):
+        return "a duration cannot be negative"
+    return _hint(allow_forever=allow_forever)
+
+
+def _hint(*, allow_forever: bool) -> str:
+    forever = ", or 'forever'" if allow_forever else ""
+    return f"use seconds (90, 1.5) or units d, h, m, s, ms, largest first (1h30m, 500ms){forever}"
+
+
+def _invalid(text: str, why: str) -> UsageError:
+    shown = text if len(text) <= _SHOWN else text[:_SHOWN] + "…"
+    return UsageError(f"invalid duration {shown!r}: {why}")
 
 
 def format_duration(seconds: float) -> str:

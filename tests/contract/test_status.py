@@ -118,6 +118,8 @@ def assert_free(uri: str, namespace: str, name: str) -> None:
     assert row.split()[:3] == [name, "-", "free"]
     if (shown := where(uri, namespace, name, 1)) is not None:
         assert row.split()[3:] == shown.split()
+    check = lockrun("status", "--uri", uri, "--namespace", namespace, "--check", name)
+    assert (check.returncode, check.stdout, check.stderr) == (0, table.stdout, "")
     listing = lockrun("status", "--uri", uri, "--namespace", namespace)
     assert (listing.returncode, listing.stderr) == (0, "")
     assert listing.stdout.startswith(f"no locks held or awaited in namespace {namespace} at ")
@@ -140,6 +142,10 @@ def assert_table(uri: str, namespace: str, name: str, pids: list[int]) -> None:
     assert [state["name"] for state in json.loads(listing.stdout)] == [name]
     everything = lockrun("status", "--uri", uri, "--namespace", namespace)
     assert everything.stdout == table.stdout
+    check = lockrun("status", "--uri", uri, "--namespace", namespace, "--check", name)
+    assert (check.returncode, check.stdout) == (ExitCode.BUSY, table.stdout)
+    assert f"lockrun: {name} is held by {ME}@{HOST} pid {pids[0]} since " in check.stderr
+    assert len(check.stderr.splitlines()) == 1, check.stderr
     elsewhere = lockrun("status", "--uri", uri, "--namespace", f"{namespace}-x", "--json")
     assert json.loads(elsewhere.stdout) == []
 

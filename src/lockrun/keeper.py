@@ -6,8 +6,8 @@ status` name the keeper's own pid. It hands its token to the parent over a socke
 and, once the parent has written it, detaches and holds the lock: it renews the lease every
 ttl/3, hears take-over bells, and watches its owner's pidfd. `release` and `renew` reach it
 through its door, a Linux abstract socket named by the token, which answers only the
-acquiring user or root, and only with the token's secret (docs/semantics.md "Holding a
-lock across steps", docs/security.md).
+acquiring user or root, and only with the token's secret (docs/security.md).
+docs/semantics.md "Holding a lock across steps" is the contract.
 """
 
 from __future__ import annotations

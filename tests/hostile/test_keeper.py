@@ -3,7 +3,7 @@
 The keeper listens on an abstract socket, which any local user may connect to (and, once
 it is gone, bind). Each attack is made by a real other Unix user (tests/support/users.py);
 the oracle is whether the lock is still held (another lockrun is busy), what the attacker
-heard, and the files an attacker pointed root at (docs/security.md, "A keeper's door").
+heard, and the files an attacker pointed root at (docs/security.md: a keeper's door).
 """
 
 from __future__ import annotations

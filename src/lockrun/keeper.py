@@ -459,7 +459,11 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
                 f"acquired {name} slot {lease.slot} of {options.slots} "
                 f"after {format_duration(now() - started)}{fence}"
             )
-            keeper = _Keeper(options, request, lease, self.pidfd, verbose)
+            try:
+                keeper = _Keeper(options, request, lease, self.pidfd, verbose)
+            except BaseException:  # no door: nobody could release it
+                _release(lease, request, now(), 0.0, verbose)
+                raise
             try:
                 with _Signals() as keeper.signals:
                     self._hand_over(keeper)

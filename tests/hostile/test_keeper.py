@@ -89,7 +89,8 @@ def test_another_user_at_the_door_is_refused_and_cannot_block_it(
     attacker = mallory.python(ATTACK, token.keeper, token.secret, text=True)
     assert attacker.stdout is not None
     answers = [attacker.stdout.readline().strip() for _ in range(6)]
-    assert all(answer.startswith("77 ") for answer in answers), answers
+    # Refused at the door: told so, or reset where her request was still unread at the close.
+    assert all(answer.startswith(("77 ", "ConnectionResetError")) for answer in answers), answers
     assert attacker.stdout.readline().strip() == "crowd"
     renewed = lockrun("renew", kept, timeout=15)  # while mallory's 200 connections stay open
     assert (renewed.returncode, renewed.stderr) == (0, "")

@@ -155,8 +155,14 @@ def test_groff_checks_the_page_without_warnings(device: str) -> None:
 
 @pytest.mark.parametrize(
     ("arguments", "subsection"),
-    [((), "Running a command"), (("status",), "lockrun status")],
-    ids=["run", "status"],
+    [
+        ((), "Running a command"),
+        (("status",), "lockrun status"),
+        (("acquire",), "lockrun acquire, release, renew"),
+        (("release",), "lockrun acquire, release, renew"),
+        (("renew",), "lockrun acquire, release, renew"),
+    ],
+    ids=["run", "status", "acquire", "release", "renew"],
 )
 def test_every_option_of_the_help_has_an_entry(arguments: tuple[str, ...], subsection: str) -> None:
     """Each short and long option --help lists has an entry in its part of OPTIONS."""

@@ -150,7 +150,7 @@ def _options_used(words: Sequence[str], options: Mapping[str, bool]) -> Iterator
 
 
 def _status_options_used(words: Sequence[str]) -> Iterator[str]:
-    """Yield each option word of a `lockrun status …` line (options may follow NAME)."""
+    """Yield each option word of a `lockrun status …` (or acquire …) line, NAME anywhere."""
     for word in (word.strip("[]") for word in words):  # also a synopsis: [--uri URI]
         if word in SHELL_WORDS or word.startswith(">"):
             return
@@ -263,13 +263,15 @@ def test_the_options_table_matches_help() -> None:
 
 def test_every_lockrun_line_in_a_code_block_uses_real_options() -> None:
     """Each `lockrun …` in a code block uses options that exist, up to the command it runs."""
-    options, status_options = help_options(), help_options("status")
+    options = help_options()
+    subcommands = {word: help_options(word) for word in ("status", "acquire", "release", "renew")}
     invocations = _invocations()
     unknown = []
     for invocation in invocations:
-        if invocation.words[:1] == ["status"]:
+        if invocation.words[:1] and invocation.words[0] in subcommands:
+            known = subcommands[invocation.words[0]]
             used = list(_status_options_used(invocation.words[1:]))
-            unknown += [(word, invocation.line) for word in used if word not in status_options]
+            unknown += [(word, invocation.line) for word in used if word not in known]
         else:
             used = list(_options_used(invocation.words, options))
             unknown += [(word, invocation.line) for word in used if word not in options]

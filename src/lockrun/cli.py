@@ -275,6 +275,59 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
 )
 
 
+_slots_option: Final = click.option(
+    "-s",
+    "--slots",
+    type=click.IntRange(1, MAX_SLOTS),
+    default=1,
+    show_default=True,
+    allow_from_autoenv=False,  # LOCKRUN_SLOTS is what a command is told, not a setting
+    help="Semaphore: at most N holders at once.",
+)
+_wait_option: Final = click.option(
+    "-w",
+    "--wait",
+    type=Duration(allow_forever=True),
+    default="0",
+    show_default=True,
+    help="How long to wait for the lock: 0 tries once, 'forever' waits; at most 366d.",
+)
+_ttl_option: Final = click.option(
+    "--ttl",
+    type=Duration(),
+    default=format_duration(DEFAULT_TTL),
+    show_default=True,
+    help="Lease length for lease-based backends, 1s to 1d; renewed every ttl/3.",
+)
+_conflict_option: Final = click.option(
+    "-E",
+    "--conflict-exit-code",
+    type=click.IntRange(0, 255),
+    default=int(ExitCode.BUSY),
+    show_default=True,
+    help="Exit status when the lock is busy or the wait expired.",
+)
+_shared_option: Final = click.option(
+    "--shared/--exclusive",
+    default=False,
+    show_default=True,
+    allow_from_autoenv=False,  # per lock, like --slots: a nested lockrun must not inherit it
+    help="Share the lock with other --shared holders (readers); --exclusive waits for all.",
+)
+_take_over_option: Final = click.option(
+    "--take-over",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Ask the current holders to stop (they exit 79), then run; needs a --wait.",
+)
+_quiet_option: Final = click.option(
+    "-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy."
+)
+_verbose_option: Final = click.option(
+    "-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing."
+)
+
+
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
@@ -293,30 +346,9 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     help="Lock name, up to 255 bytes of UTF-8.  [default: the command's basename plus a hash]",
 )
 @_uri_option(f"Lock service: {', '.join(kind.usage for kind in SCHEMES.values())}.")
-@click.option(
-    "-s",
-    "--slots",
-    type=click.IntRange(1, MAX_SLOTS),
-    default=1,
-    show_default=True,
-    allow_from_autoenv=False,  # LOCKRUN_SLOTS is what a command is told, not a setting
-    help="Semaphore: at most N holders at once.",
-)
-@click.option(
-    "-w",
-    "--wait",
-    type=Duration(allow_forever=True),
-    default="0",
-    show_default=True,
-    help="How long to wait for the lock: 0 tries once, 'forever' waits; at most 366d.",
-)
-@click.option(
-    "--ttl",
-    type=Duration(),
-    default=format_duration(DEFAULT_TTL),
-    show_default=True,
-    help="Lease length for lease-based backends, 1s to 1d; renewed every ttl/3.",
-)
+@_slots_option
+@_wait_option
+@_ttl_option
 @click.option(
     "--max-time",
     type=Duration(),
@@ -337,21 +369,8 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     show_default=True,
     help="That grace once the lock is known lost (someone may hold it); capped by --kill-after.",
 )
-@click.option(
-    "-E",
-    "--conflict-exit-code",
-    type=click.IntRange(0, 255),
-    default=int(ExitCode.BUSY),
-    show_default=True,
-    help="Exit status when the lock is busy or the wait expired.",
-)
-@click.option(
-    "--shared/--exclusive",
-    default=False,
-    show_default=True,
-    allow_from_autoenv=False,  # per lock, like --slots: a nested lockrun must not inherit it
-    help="Share the lock with other --shared holders (readers); --exclusive waits for all.",
-)
+@_conflict_option
+@_shared_option
 @click.option(
     "--hold-at-least",
     type=Duration(),
@@ -359,16 +378,11 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     allow_from_autoenv=False,
     help="Keep the lock taken until this long after the grant, even once the command ended.",
 )
-@click.option(
-    "--take-over",
-    is_flag=True,
-    allow_from_autoenv=False,
-    help="Ask the current holders to stop (they exit 79), then run; needs a --wait.",
-)
+@_take_over_option
 @_namespace_option
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
-@click.option("-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy.")
-@click.option("-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing.")
+@_quiet_option
+@_verbose_option
 @click.version_option(
     __version__,
     "-V",
@@ -484,6 +498,196 @@ def _shown(states: Sequence[LockState], *, as_json: bool, empty: str) -> str:
     return _table(states)
 
 
+TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a password
+
+
+@click.command(
+    context_settings=_CONTEXT,
+    epilog="Prints the token (LOCKRUN_TOKEN for `lockrun release`). Exit status: 0 held; "
+    "64 usage; 69 backend unavailable; 70 internal error; 74 the token could not be "
+    "written (released); 75 busy (-E); 78 configuration; 79 taken over while waiting; "
+    "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
+    "docs/semantics.md, 'Holding a lock across steps'.",
+)
+@_uri_option("Lock service, as for running a command.")
+@_slots_option
+@_wait_option
+@_ttl_option
+@click.option(
+    "--max-time",
+    type=Duration(),
+    default=None,
+    help="Release after this long (at most 366d); `lockrun renew` counts it again from then.",
+)
+@click.option(
+    "--owner",
+    metavar="PID|none",
+    allow_from_autoenv=False,  # per lock: an inherited one would outlive its process
+    help="Release when this process exits; 'none' needs --max-time.  [default: our parent]",
+)
+@_conflict_option
+@_shared_option
+@click.option(
+    "--hold-at-least",
+    type=Duration(),
+    default=None,
+    allow_from_autoenv=False,
+    help="Keep the lock taken until this long after the grant, even once released.",
+)
+@_take_over_option
+@_namespace_option
+@click.option(
+    "--export",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Print `export LOCKRUN_TOKEN=…` for eval, not the token alone.",
+)
+@click.option(
+    "--env-file",
+    metavar="FILE",
+    allow_from_autoenv=False,
+    help="Append LOCKRUN_TOKEN=… to FILE ($GITHUB_ENV), not to stdout.",
+)
+@click.option(
+    "--var",
+    metavar="NAME",
+    default=TOKEN_VARIABLE,
+    show_default=True,
+    allow_from_autoenv=False,
+    help="The variable --export and --env-file set, for a second lock.",
+)
+@_quiet_option
+@_verbose_option
+@click.argument("name")
+def acquire_command(
+    uri: str,
+    slots: int,
+    wait: float | None,
+    ttl: float,
+    max_time: float | None,
+    owner: str | None,
+    conflict_exit_code: int,
+    shared: bool,
+    hold_at_least: float | None,
+    take_over: bool,
+    namespace: str,
+    export: bool,
+    env_file: str | None,
+    var: str,
+    quiet: bool,
+    verbose: bool,
+    name: str,
+) -> int:
+    """Take NAME's lock and keep it in a keeper process until `lockrun release`.
+
+    Prints a token for `lockrun release` and `lockrun renew`. The keeper also releases
+    when its owner exits, after --max-time, and on TERM.
+    """
+    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
+
+    _keep_secret(uri)
+    if export and env_file is not None:
+        msg = "--export prints for eval, --env-file writes a file: give one of them"
+        raise click.UsageError(msg)
+    if var != TOKEN_VARIABLE and not export and env_file is None:
+        msg = "--var names the variable of --export or --env-file"
+        raise click.UsageError(msg)
+    keeper.check_variable(var)
+    options = Options(
+        name,
+        uri,
+        slots,
+        wait,
+        ttl,
+        max_time,
+        verbose=verbose,
+        namespace=namespace,
+        shared=shared,
+        hold_at_least=hold_at_least or 0.0,
+        take_over=take_over,
+    )
+    who = os.getppid() if owner is None else keeper.parse_owner(owner)
+    private = () if env_file is None else (keeper.open_env_file(env_file),)
+
+    def deliver(grant: keeper.Grant) -> None:
+        if private:
+            keeper.append_line(private[0], f"{var}={grant.token}", f"--env-file {env_file}")
+        else:
+            _print(f"export {var}={grant.token}" if export else str(grant.token))
+
+    live = _LIVE.show if verbose and _on_terminal() else None
+    try:
+        return keeper.acquire(options, who, deliver, log=say, live=live, private=private)
+    except LockBusy as err:
+        if not quiet:
+            say(str(err))
+        return conflict_exit_code
+    finally:
+        for fd in private:
+            with contextlib.suppress(OSError):  # closed in the keeper already
+                os.close(fd)
+
+
+_token_argument: Final = click.argument("token", required=False, metavar="[TOKEN]")
+_token_verbose: Final = click.option(
+    "-v", "--verbose", is_flag=True, help="Say what was done also when all went well."
+)
+
+
+def _token(token: str | None) -> str:
+    """Return *token*, else $LOCKRUN_TOKEN; a usage error if there is neither."""
+    if token is None:
+        token = os.environ.get(TOKEN_VARIABLE)
+    if token is None:
+        msg = f"no token: give TOKEN, or set {TOKEN_VARIABLE} (`lockrun acquire --export`)"
+        raise click.UsageError(msg)
+    return token
+
+
+@click.command(
+    context_settings=_CONTEXT,
+    epilog="Exit status: 0 released; 64 usage or malformed token; 69 the keeper did not "
+    "answer; 76 nothing held (released already, owner exited, lost); 77 not yours; "
+    "79 taken over; 124 --max-time expired.",
+)
+@_token_verbose
+@_token_argument
+def release_command(verbose: bool, token: str | None) -> int:
+    """Release the lock that `lockrun acquire` printed TOKEN for (default: $LOCKRUN_TOKEN)."""
+    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
+
+    said = keeper.ask(_token(token), "release")
+    if verbose:
+        say(said)
+    return 0
+
+
+@click.command(
+    context_settings=_CONTEXT,
+    epilog="Exit status: 0 held; 64 usage or malformed token; 69 the keeper did not answer; "
+    "76 not held (released, owner exited, lost); 77 not yours; 79 taken over; "
+    "124 --max-time expired.",
+)
+@_token_verbose
+@_token_argument
+def renew_command(verbose: bool, token: str | None) -> int:
+    """Confirm TOKEN's lock is held, and count its --max-time again from now."""
+    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
+
+    said = keeper.ask(_token(token), "renew")
+    if verbose:
+        say(said)
+    return 0
+
+
+SUBCOMMANDS: Final = {
+    "status": (status_command, "show who holds or waits for a lock"),
+    "acquire": (acquire_command, "take a lock and keep it until released"),
+    "release": (release_command, "release a lock that acquire took"),
+    "renew": (renew_command, "confirm a lock acquire took, and restart its --max-time"),
+}
+
+
 def _print(text: str) -> None:
     """Print *text* (escaped by the caller) on stdout, with no secret; `OutputError` if not."""
     if sys.stdout is None:  # started with fd 1 closed
@@ -541,8 +745,8 @@ def main(args: Sequence[str] | None = None) -> NoReturn:
         _exit(_complete(instruction))
     args = list(sys.argv[1:] if args is None else args)
     command, prog = run_command, "lockrun"
-    if args[:1] == ["status"]:  # `lockrun -- status` runs a command called status
-        command, prog, args = status_command, "lockrun status", args[1:]
+    if args[:1] and args[0] in SUBCOMMANDS:  # `lockrun -- status` runs a command called status
+        command, prog, args = SUBCOMMANDS[args[0]][0], f"lockrun {args[0]}", args[1:]
     _exit(_exit_status(command, prog, args))
 
 
@@ -640,16 +844,19 @@ def _shells() -> dict[str, type[ShellComplete]]:
 def _completions(
     completer: ShellComplete, args: list[str], incomplete: str
 ) -> list[CompletionItem]:
-    if args[:1] == ["status"]:
-        return type(completer)(status_command, {}, "lockrun status", COMPLETE_VAR).get_completions(
+    if args[:1] and args[0] in SUBCOMMANDS:
+        subcommand = SUBCOMMANDS[args[0]][0]
+        return type(completer)(subcommand, {}, f"lockrun {args[0]}", COMPLETE_VAR).get_completions(
             args[1:], incomplete
         )
     context = run_command.make_context("lockrun", list(args), resilient_parsing=True)
     if context.params.get("command"):  # past the command word, every word is the command's
         return _offer({incomplete: None}, "file")
     items = completer.get_completions(args, incomplete)
-    if not args and "status".startswith(incomplete):
-        items[:0] = _offer({"status": "show who holds or waits for a lock"})
+    if not args:
+        items[:0] = _offer(
+            {word: what for word, (_, what) in SUBCOMMANDS.items() if word.startswith(incomplete)}
+        )
     return items
 
 

@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
     IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
+    NOPERM = 77  # EX_NOPERM: `lockrun release`: the token's keeper is another user's
     CONFIG = 78  # EX_CONFIG: bad URI, missing driver, unusable lock directory, --slots mismatch
     TAKEN_OVER = 79  # another run took the lock over (--take-over); our command was stopped
     TIMEOUT = 124  # timeout(1): --max-time expired
@@ -67,6 +68,12 @@ class LeaseLost(LockrunError):
     """The lock was lost, or could no longer be confirmed, while held."""
 
     exit_code = ExitCode.LOST
+
+
+class NotYours(LockrunError):
+    """A keeper's token given by another user, or with a wrong secret (`lockrun release`)."""
+
+    exit_code = ExitCode.NOPERM
 
 
 class TakenOver(LockrunError):

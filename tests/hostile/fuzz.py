@@ -1,4 +1,4 @@
-"""A fuzz target for everything lockrun parses: URIs, URI files, durations, records, SQL comments.
+"""A fuzz target for everything lockrun parses: URIs, URI files, durations, records, tokens, SQL.
 
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
@@ -27,6 +27,13 @@ from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE
+from lockrun.keeper import (
+    check_variable,
+    parse_owner,
+    parse_token,
+    read_reply,
+    read_request,
+)
 from lockrun.timing import parse_duration
 from lockrun.uri import redact, scrub, secret_spans, secrets_of
 from lockrun.urifile import read_uri_file
@@ -45,6 +52,24 @@ def one_input(data: bytes) -> None:
         assert seconds is None or 0 <= seconds < math.inf
     _record(text, data)
     _uri_file(data)
+    _keeper(text, data)
+
+
+def _keeper(text: str, data: bytes) -> None:
+    """Parse *text* as a token, an --owner and a --var, and *data* as what a door reads."""
+    with contextlib.suppress(UsageError):
+        token = parse_token(text)
+        assert str(token) == text
+        assert all(c.isalnum() or c in "._-" for c in text)  # shell-safe: nothing to quote
+    with contextlib.suppress(UsageError):
+        owner = parse_owner(text)
+        assert owner is None or owner >= 1
+    with contextlib.suppress(UsageError):
+        assert check_variable(text).isidentifier()
+    request = read_request(data)
+    assert request is None or request[0] in {"release", "renew"}
+    reply = read_reply(data)
+    assert reply is None or 0 <= reply[0] <= 255
 
 
 def _uri(text: str) -> None:

@@ -1,0 +1,866 @@
+"""Hold one lock across several steps: `lockrun acquire`, `release` and `renew`.
+
+`acquire` forks a keeper before anything is opened. The keeper takes the lock as a run
+would (the same wait, progress lines and statuses), so the holder record and `lockrun
+status` name the keeper's own pid. It hands its token to the parent over a socket pair
+and, once the parent has written it, detaches and holds the lock: it renews the lease every
+ttl/3, hears take-over bells, and watches its owner's pidfd. `release` and `renew` reach it
+through its door, a Linux abstract socket named by the token, which answers only the
+acquiring user or root, and only with the token's secret (docs/security.md).
+docs/semantics.md "Holding a lock across steps" is the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import os
+import re
+import secrets
+import select
+import signal
+import socket
+import stat
+import struct
+import time
+from typing import TYPE_CHECKING, Final, NamedTuple, Self
+
+from lockrun.backends import Holder, Request, _user, open_backend, parse_uri
+from lockrun.backends.directories import open_directory
+from lockrun.errors import (
+    BackendUnavailable,
+    ConfigError,
+    ExitCode,
+    Interrupted,
+    LeaseLost,
+    LockrunError,
+    NotYours,
+    OutputError,
+    TakenOver,
+    TimedOut,
+    UsageError,
+)
+from lockrun.lock import Lease as Held
+from lockrun.names import check_name
+from lockrun.progress import WaitReport
+from lockrun.runner import _INTERRUPTS, _acquire, _interruptible, _release, check_options
+from lockrun.supervise import FORWARDED, _hung_up
+from lockrun.timing import clock_time, format_duration, now
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from collections.abc import Set as AbstractSet
+
+    from lockrun.backends import Lease
+    from lockrun.runner import Options
+    from lockrun.uri import LockURI
+
+# lr1.<keeper's uid>.<keeper id: 16 hex digits>.<secret: 24 characters of base64url>:
+# shell-safe, and no URI or password in it.
+_TOKEN: Final = re.compile(
+    r"lr1\.(0|[1-9][0-9]{0,9})\.([0-9a-f]{16})\.([A-Za-z0-9_-]{24})", re.ASCII
+)
+MAX_UID: Final = 2**32 - 2  # (uid_t) -1 is no user
+_DOOR: Final = b"\0lockrun-keeper/"  # + the keeper id: one abstract name per keeper
+_PID: Final = re.compile(r"[0-9]{1,10}", re.ASCII)
+_VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+MAX_REQUEST: Final = 64  # "release " + a secret, with room; anything longer is junk
+MAX_REPLY: Final = 1024
+_REPLIES: Final = {
+    0: None,
+    ExitCode.UNAVAILABLE: BackendUnavailable,
+    ExitCode.LOST: LeaseLost,
+    ExitCode.NOPERM: NotYours,
+    ExitCode.CONFIG: ConfigError,
+    ExitCode.TAKEN_OVER: TakenOver,
+    ExitCode.TIMEOUT: TimedOut,
+}
+VERBS: Final = ("release", "renew")
+ANSWER: Final = 30.0  # how long `release` waits for the keeper (a release may reach a server)
+PATIENCE: Final = 2.0  # how long the keeper waits for a client's request
+CLIENTS: Final = 8  # connections served at once; more are hung up on
+LINGER: Final = 3600.0  # how long a keeper whose lock ended waits to tell why
+PID_MAX: Final = 2**22  # the kernel's PID_MAX_LIMIT
+_PR_SET_PDEATHSIG: Final = 1  # prctl(2)
+_PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class Token(NamedTuple):
+    """What `acquire` prints: whose keeper, which one, and the secret it answers to.
+
+    The uid lets a client tell the keeper from a squatter: another user who binds a gone
+    keeper's name could otherwise answer root's `release` with "released".
+    """
+
+    uid: int
+    keeper: str
+    secret: str
+
+    @classmethod
+    def new(cls) -> Token:
+        """Return a fresh token of ours (64 bits of id, 144 of secret)."""
+        return cls(os.geteuid(), secrets.token_hex(8), secrets.token_urlsafe(18))
+
+    def __str__(self) -> str:
+        """Return the token as printed: ``lr1.<uid>.<id>.<secret>``."""
+        return f"lr1.{self.uid}.{self.keeper}.{self.secret}"
+
+    @property
+    def door(self) -> bytes:
+        """The keeper's abstract socket address."""
+        return _DOOR + self.keeper.encode()
+
+
+def parse_token(text: object) -> Token:
+    """Return the token *text*; `UsageError` (64) for anything `acquire` did not print."""
+    match = _TOKEN.fullmatch(text) if isinstance(text, str) else None
+    if match is None or int(match[1]) > MAX_UID:
+        msg = "malformed token: expected lr1.… as printed by `lockrun acquire`"
+        raise UsageError(msg)
+    return Token(int(match[1]), match[2], match[3])
+
+
+def parse_owner(text: str) -> int | None:
+    """Return the owner pid of ``--owner TEXT`` (None for ``none``), checked to be a pid."""
+    if text == "none":
+        return None
+    if not _PID.fullmatch(text) or not 1 <= int(text) <= PID_MAX:
+        msg = f"--owner takes a process id (1 to {PID_MAX}) or 'none', not {text!r}"
+        raise UsageError(msg)
+    return int(text)
+
+
+def check_variable(name: str) -> str:
+    """Return *name* if it is a shell variable name (``--var``)."""
+    if not _VARIABLE.fullmatch(name):
+        msg = f"--var takes a shell variable name ([A-Za-z_][A-Za-z0-9_]*), not {name!r}"
+        raise UsageError(msg)
+    return name
+
+
+def read_request(data: bytes) -> tuple[str, str] | None:
+    """Return (verb, secret) of a client's request, None if it is none of ours."""
+    if len(data) > MAX_REQUEST:
+        return None
+    verb, _, secret = data.partition(b" ")
+    text = verb.decode("ascii", "replace")
+    if text not in VERBS or not secret.isascii():
+        return None
+    return text, secret.decode()
+
+
+def read_reply(data: bytes) -> tuple[int, str] | None:
+    """Return (status, message) of a keeper's answer, None if it is none a keeper gives."""
+    if len(data) > MAX_REPLY:
+        return None
+    head, _, message = data.partition(b" ")
+    if not head.isdigit() or len(head) > 3 or int(head) not in _REPLIES:  # noqa: PLR2004
+        return None
+    return int(head), message.decode(errors="replace")
+
+
+# -- the client: release and renew ----------------------------------------------------------
+
+_GONE: Final = (
+    "no keeper holds a lock for this token: it was released, its owner exited, it was "
+    "stopped or killed, or it runs in another network namespace"
+)
+
+
+def ask(text: object, verb: str) -> str:
+    """Send *verb* to the keeper of the token *text*; return its line, or raise its status.
+
+    No keeper is `LeaseLost` (76), a keeper of another user's `NotYours` (77), a keeper
+    that does not answer `BackendUnavailable` (69).
+    """
+    token = parse_token(text)
+    me = os.geteuid()
+    if me not in {0, token.uid}:  # it would not answer us: say so without trying
+        msg = f"this token is of a keeper of another user (uid {token.uid}): not yours"
+        raise NotYours(msg)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as door:
+        door.settimeout(ANSWER)
+        try:
+            door.connect(token.door)
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise LeaseLost(_GONE) from None
+        except OSError as err:
+            msg = f"cannot reach the keeper: {err.strerror or err}"
+            raise BackendUnavailable(msg) from None
+        _, uid, _ = _PEERCRED.unpack(
+            door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid != token.uid:  # never show the secret to, nor believe, a squatter
+            msg = f"{_GONE}; user {_user(uid)} listens on its name instead, and was not asked"
+            raise LeaseLost(msg)
+        try:
+            door.send(f"{verb} {token.secret}".encode())
+            answer = read_reply(door.recv(MAX_REPLY + 1))
+        except TimeoutError:
+            msg = f"the keeper did not answer within {format_duration(ANSWER)}"
+            raise BackendUnavailable(msg) from None
+        except OSError as err:
+            answer = None
+            if err.errno not in {errno.ECONNRESET, errno.EPIPE}:
+                raise BackendUnavailable(f"the keeper: {err.strerror or err}") from None
+    if answer is None:
+        msg = "the keeper hung up without an answer"
+        raise BackendUnavailable(msg)
+    status, message = answer
+    error = _REPLIES[status]
+    if error is not None:
+        raise error(message)
+    return message
+
+
+# -- acquire: the parent ----------------------------------------------------------------------
+
+
+class Grant(NamedTuple):
+    """What the keeper tells its parent once it holds the lock."""
+
+    token: Token
+    fence: int | None
+
+
+def open_env_file(path: str) -> int:
+    """Open *path* to append to, refusing symlinks, other file types and other hard links.
+
+    Its directory is opened as lock directories are: a symlink on the way that another
+    user could have planted is refused. Made 0600 if missing. `ConfigError` (78).
+    """
+    absolute = os.path.abspath(path)
+    directory = open_directory(os.path.dirname(absolute), what="--env-file directory")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(os.path.basename(absolute), flags | os.O_CLOEXEC, 0o600, dir_fd=directory)
+    except OSError as err:
+        why = "is a symlink; refusing to write through it" if err.errno == errno.ELOOP else None
+        msg = f"--env-file {path}: {why or err.strerror}"
+        raise ConfigError(msg) from None
+    finally:
+        os.close(directory)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        msg = f"--env-file {path}: not a regular file with one name; refusing to write to it"
+        raise ConfigError(msg)
+    return fd
+
+
+def append_line(fd: int, line: str, what: str) -> None:
+    """Append *line* to the file *fd* in one write; `OutputError` (74) if it fails."""
+    data = f"{line}\n".encode()
+    try:
+        written = os.write(fd, data)
+    except OSError as err:
+        msg = f"cannot write to {what}: {err.strerror}"
+        raise OutputError(msg) from None
+    if written != len(data):
+        msg = f"cannot write to {what}: the file system took {written} of {len(data)} bytes"
+        raise OutputError(msg)
+
+
+def watch_owner(owner: int | None, options: Options) -> int | None:
+    """Return a pidfd of the *owner* process (None for none), checking the time bound.
+
+    Opened now, in the process that the owner started: a pidfd names that process, never
+    a later one that reuses its pid.
+    """
+    if owner is None or owner == 1:
+        if options.max_time is None:
+            who = "--owner none" if owner is None else "the owner, pid 1, never exits: it"
+            msg = (
+                f"{who} holds the lock until it is released; give --max-time too, so that "
+                "a lost token cannot hold it forever"
+            )
+            raise UsageError(msg)
+        return None
+    try:
+        pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        msg = f"--owner {owner}: no such process"
+        raise UsageError(msg) from None
+    except OSError as err:  # pragma: no cover - ENOSYS: Linux before 5.3
+        msg = f"--owner {owner}: cannot watch it: {err.strerror}"
+        raise ConfigError(msg) from None
+    if _readable(pidfd):
+        os.close(pidfd)
+        msg = f"--owner {owner}: that process has exited"
+        raise UsageError(msg)
+    return pidfd
+
+
+def acquire(
+    options: Options,
+    owner: int | None,
+    deliver: Callable[[Grant], None],
+    *,
+    log: Callable[[str], None],
+    live: Callable[[str], None] | None = None,
+    private: Sequence[int] = (),
+) -> int:
+    """Take the lock of *options* in a keeper process; return the status to exit with.
+
+    *deliver* writes the token (stdout, an env file), in this process; an `OutputError`
+    from it releases the lock. *private* are descriptors of ours that the keeper closes.
+    This forks: in the keeper it returns only once the keeper ends. What it raises maps to
+    an exit status (docs/semantics.md "Exit status").
+    """
+    uri = parse_uri(options.uri)
+    check_options(options)
+    name = check_name(options.name or "")
+    check_name(options.namespace, "namespace")
+    pidfd = watch_owner(owner, options)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
+    # No handler of ours may run in the child before its own are set (_interruptible).
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the keeper; its coverage is saved at its exit
+        ours.close()
+        for fd in private:
+            os.close(fd)
+        keeper = _Child(options, uri, _Parent(parent, theirs, saved), owner, pidfd)
+        return keeper.run(log=log, live=live)
+    theirs.close()
+    if pidfd is not None:
+        os.close(pidfd)
+    return _relay(ours, child, name, deliver, saved)
+
+
+def _relay(
+    link: socket.socket,
+    child: int,
+    name: str,
+    deliver: Callable[[Grant], None],
+    saved: AbstractSet[int],
+) -> int:
+    """In the parent: pass signals on to the keeper while it waits, and its token on."""
+    relaying = [True]
+
+    def forward(signo: int, _frame: object) -> None:
+        if relaying[0]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signo)
+
+    for signo in _INTERRUPTS:
+        if signal.getsignal(signo) is not signal.SIG_IGN:  # nohup's HUP stays ignored
+            signal.signal(signo, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+    with link:
+        grant = _read_grant(link.recv(MAX_REPLY))
+        if grant is None:  # the keeper ended without the lock, and said why on stderr
+            return _child_status(child, name)
+        try:
+            deliver(grant)
+        except OutputError as err:
+            with contextlib.suppress(OSError):
+                link.send(b"nack")
+            with contextlib.suppress(LockrunError):
+                _child_status(child, name)  # it has released the lock
+            raise OutputError(f"{name}: {err}; released the lock") from None
+        try:
+            link.send(b"ack")
+            kept = link.recv(16) == b"kept"
+        except OSError:
+            kept = False
+        relaying[0] = False
+        if not kept:  # a signal or its owner's end stopped it first: it released
+            return _child_status(child, name)
+    return 0
+
+
+def _read_grant(message: bytes) -> Grant | None:
+    """Decode our keeper's ``granted TOKEN FENCE`` (None: it ended without the lock)."""
+    if not message.startswith(b"granted "):
+        return None
+    _, token, fence = message.decode().split(" ")
+    return Grant(parse_token(token), None if fence == "-" else int(fence))
+
+
+def _child_status(child: int, name: str) -> int:
+    """Reap the keeper that ended and return its status (128+N for a signal N)."""
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        what = signal.Signals(-code).name
+        msg = f"{name}: the keeper was killed by {what}; nothing is held"
+        raise Interrupted(msg, signo=-code)
+    if code == 0:  # a keeper that ends without handing the token over says why
+        msg = f"{name}: the keeper ended before it handed the token over"
+        raise LockrunError(msg)
+    return code
+
+
+# -- acquire: the keeper ----------------------------------------------------------------------
+
+
+class _Parent(NamedTuple):
+    """The process that forked the keeper: who, the socket to it, its signal mask."""
+
+    pid: int
+    link: socket.socket
+    mask: AbstractSet[int]
+
+
+class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is saved at exit
+    """The forked keeper: wait for the lock, hand the token over, detach and hold it."""
+
+    def __init__(
+        self, options: Options, uri: LockURI, parent: _Parent, owner: int | None, pidfd: int | None
+    ) -> None:
+        self.options = options
+        self.uri = uri
+        self.parent = parent
+        self.owner = owner  # the pid, for the record
+        self.pidfd = pidfd
+
+    def run(self, *, log: Callable[[str], None], live: Callable[[str], None] | None) -> int:
+        """Take the lock, then keep it until something ends the keeper; return its status."""
+        options = self.options
+        name = options.name or ""
+        verbose = log if options.verbose else _quiet
+        os.setpgid(0, 0)  # our own group: a Ctrl-C reaches the parent, which passes it on once
+        _die_with(self.parent.pid)
+        _close_inherited({self.parent.link.fileno(), *([self.pidfd] if self.pidfd else [])})
+        owner = "none" if self.owner is None else str(self.owner)
+        request = Request(
+            options.namespace,
+            name,
+            options.slots,
+            options.ttl,
+            Holder.me(("lockrun", "acquire", "--owner", owner, name))._replace(
+                shared=options.shared
+            ),
+            shared=options.shared,
+            take_over=options.take_over,
+            hold=options.hold_at_least,
+        )
+        report = None
+        with _interruptible(name, verbose):
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.parent.mask)  # a TERM ends the wait
+            backend = open_backend(self.uri, ttl=options.ttl, warn=log, note=verbose)
+            try:
+                if options.verbose and options.wait != 0:
+                    report = WaitReport(request, self.uri, log=log, live=live)
+                started = now()
+                lease = _acquire(backend, request, options.wait, report)
+            except BaseException:
+                backend.close()
+                raise
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # ours from here on
+        try:
+            if report is not None:
+                report.stop()
+            fence = "" if lease.fence is None else f", fence {lease.fence}"
+            verbose(
+                f"acquired {name} slot {lease.slot} of {options.slots} "
+                f"after {format_duration(now() - started)}{fence}"
+            )
+            try:
+                keeper = _Keeper(options, request, lease, self.pidfd, verbose)
+            except BaseException:  # no door: nobody could release it
+                _release(lease, request, now(), 0.0, verbose)
+                raise
+            try:
+                with _Signals() as keeper.signals:
+                    self._hand_over(keeper)
+                    if not keeper.finished:
+                        keeper.run()
+            finally:
+                keeper.close()
+            return keeper.status
+        finally:
+            backend.close()
+
+    def _hand_over(self, keeper: _Keeper) -> None:
+        """Give the parent the token; detach once it says it wrote it, else release."""
+        link = self.parent.link
+        fence = "-" if keeper.lease.fence is None else str(keeper.lease.fence)
+        link.send(f"granted {keeper.token} {fence}".encode())
+        poll = select.poll()
+        for fd in (link.fileno(), keeper.signals.fd, self.pidfd):
+            if fd is not None:
+                poll.register(fd, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in poll.poll()}
+            if self.pidfd in ready:
+                keeper.finish()
+                msg = f"{keeper.name}: its owner (pid {self.owner}) exited; released the lock"
+                raise LeaseLost(msg)
+            if keeper.signals.fd in ready:
+                signo = keeper.end_on_signals()
+                if signo:
+                    what = signal.Signals(signo).name
+                    msg = f"{what} before the token of {keeper.name} was handed over; released it"
+                    raise Interrupted(msg, signo=signo)
+            if link.fileno() in ready:
+                break
+        if link.recv(16) != b"ack":  # the parent could not write it (and says so), or died
+            keeper.finish()
+            return
+        # Our group of its own (made at the fork) keeps the signals of the script's group
+        # (Ctrl-C, timeout(1), a CI runner's cancel) from us: its owner's end ends us.
+        _die_with(None)
+        null = os.open(os.environ.get("KDEBUG", os.devnull), os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        for fd in (0, 1, 2):  # the parent's stdout may be a $(…) that waits for its end
+            os.dup2(null, fd)
+        os.close(null)
+        with contextlib.suppress(OSError):
+            link.send(b"kept")
+        link.close()
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+def _die_with(parent: int | None) -> None:  # pragma: no cover - runs in the keeper
+    """Have the kernel TERM us when *parent* dies (None: no longer): prctl(2) PDEATHSIG.
+
+    While the keeper waits, a parent killed with SIGKILL must not leave it waiting, or
+    holding a lock whose token nobody received.
+    """
+    import ctypes  # noqa: PLC0415 - only keepers pay for it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _close_inherited(keep: set[int]) -> None:  # pragma: no cover - runs in the keeper
+    """Close what we inherited from the shell (a `flock 9`'s fd 9, a pipe's end) but *keep*.
+
+    Inherited descriptors are the inheritable ones: Python opens its own close-on-exec.
+    """
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd > 2 and fd not in keep:  # noqa: PLR2004 - past stdin, stdout and stderr
+            with contextlib.suppress(OSError):
+                if os.get_inheritable(fd):
+                    os.close(fd)
+
+
+def _readable(fd: int) -> bool:
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+class _Signals:  # pragma: no cover - runs in the keeper
+    """INT, TERM, HUP and QUIT as bytes on a pipe the keeper polls (signal.set_wakeup_fd)."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup = -1
+
+    def __enter__(self) -> Self:
+        for signo in _INTERRUPTS:
+            if signal.getsignal(signo) is not signal.SIG_IGN:  # nohup's HUP stays ignored
+                signal.signal(signo, _noted)
+        for signo in FORWARDED - _INTERRUPTS:  # USR1, USR2: there is no command to pass them
+            signal.signal(signo, signal.SIG_IGN)
+        self._wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # pending ones arrive now
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        signal.set_wakeup_fd(self._wakeup)
+        os.close(self.fd)
+        os.close(self._write)
+
+    def received(self) -> set[int]:
+        """Return the signals of _INTERRUPTS that arrived since the last call."""
+        got: set[int] = set()
+        with contextlib.suppress(BlockingIOError):
+            while data := os.read(self.fd, 64):
+                got.update(data)
+        return got & set(_INTERRUPTS)
+
+
+def _noted(_signo: int, _frame: object) -> None:  # pragma: no cover - runs in the keeper
+    """Do nothing: set_wakeup_fd has written the signal's number for the keeper's loop."""
+
+
+class _Client(NamedTuple):
+    connection: socket.socket
+    deadline: float  # `now` by which it must have asked, or be hung up on
+
+
+class _Keeper:  # pragma: no cover - runs in the forked keeper
+    """The detached keeper: its lease, door, owner and time limit, and why it ended."""
+
+    signals: _Signals
+
+    def __init__(
+        self,
+        options: Options,
+        request: Request,
+        lease: Lease,
+        pidfd: int | None,
+        verbose: Callable[[str], None],
+    ) -> None:
+        self.options = options
+        self.request = request
+        self.name = request.name
+        self.lease = lease
+        self.held_since = now()
+        # The Python API's lease: its renew() and check() keep the lease arithmetic.
+        self.held: Held | None = Held(lease, ("", request.namespace, request.name))
+        self.pidfd = pidfd
+        self.verbose = verbose
+        self.deadline = None if options.max_time is None else self.held_since + options.max_time
+        self.every = options.ttl / 3  # as a run's supervisor: local locks too (their file)
+        self.renew_at = lease.confirmed + self.every
+        self.ended: LockrunError | None = None  # why the lock is no longer held, if it is not
+        self.linger = 0.0  # when a keeper whose lock ended stops waiting to say why
+        self.finished = False
+        self.status = 0
+        self.clients: dict[int, _Client] = {}
+        self.watched: dict[int, str] = {}  # fd: what it is
+        self.epoll = select.epoll()
+        self.token, self.door = _open_door()
+
+    def run(self) -> None:
+        """Hold the lock and serve the door until something ends the keeper."""
+        self._watch(self.door.fileno(), "door", select.EPOLLIN)
+        self._watch(self.signals.fd, "signals", select.EPOLLIN)
+        if self.pidfd is not None:
+            self._watch(self.pidfd, "owner", select.EPOLLIN)
+        for fd in self.lease.sessions:  # the server hung up: the lock is gone at once
+            self._watch(fd, "session", select.EPOLLRDHUP)
+        for fd in self.lease.bells:  # a take-over may have been asked: renew now
+            self._watch(fd, "bell", select.EPOLLIN | select.EPOLLET)
+        while not self.finished:
+            for fd, _ in self.epoll.poll(self._timeout()):
+                if self._on(self.watched.get(fd, "client"), fd):
+                    return
+            self._tick()
+
+    def _watch(self, fd: int, what: str, events: int) -> None:
+        if fd not in self.watched:
+            self.epoll.register(fd, events)
+            self.watched[fd] = what
+
+    def _unwatch(self, *kinds: str) -> None:
+        for fd, kind in list(self.watched.items()):
+            if kind in kinds:
+                del self.watched[fd]
+                with contextlib.suppress(OSError):  # a lost session's socket is closed already
+                    self.epoll.unregister(fd)
+
+    def _timeout(self) -> float:
+        timers = [client.deadline for client in self.clients.values()]
+        if self.held is not None:
+            timers.append(self.renew_at)
+            if self.deadline is not None:
+                timers.append(self.deadline)
+        else:
+            timers.append(self.linger)
+        return max(0.0, min(timers) - now())
+
+    def _on(self, what: str, fd: int) -> bool:
+        """Act on *fd*, which is *what*, turning ready; return whether the keeper is done."""
+        if what == "door":
+            self._accept()
+        elif what == "client":
+            self._serve(fd)
+        elif what == "signals":
+            self.end_on_signals()
+        elif what == "owner":
+            self.finish()  # the script is gone: nobody is left to ask why
+        elif what == "session" and _hung_up(self.lease.sessions):
+            lost = "the session holding the lock ended (the server hung up); its locks are gone"
+            self._lost(LeaseLost(lost))
+        elif what == "bell":
+            self._check(renew=False)  # check() renews if the bell is still readable
+        return self.finished
+
+    def _tick(self) -> None:
+        current = now()
+        for fd, client in list(self.clients.items()):
+            if current >= client.deadline:
+                self._hang_up(fd)
+        if self.held is None:
+            self.finished = current >= self.linger
+            return
+        held = self._check(renew=current >= self.renew_at)
+        if held and self.deadline is not None and now() >= self.deadline:
+            limit = format_duration(self.options.max_time or 0.0)
+            self._lost(TimedOut(f"--max-time {limit} expired; the lock was released"))
+
+    def _check(self, *, renew: bool) -> bool:
+        """Renew if *renew*, and end the hold if the lease is gone; return whether held."""
+        held = self.held
+        if held is None:
+            return False
+        try:
+            if renew:
+                every = held.renew()
+                due = self.every if held.ttl is None or every is None else every
+                self.renew_at = now() + due
+            held.check()
+        except (LeaseLost, TakenOver) as err:
+            self._lost(err)
+            return False
+        return True
+
+    def _lost(self, why: LeaseLost | TakenOver | TimedOut) -> None:
+        """Release what is left of the lock; stay a while to tell `release` *why*."""
+        with contextlib.suppress(LockrunError):
+            # A taker runs next and a lost lock is no one's: only --max-time keeps a window.
+            self._give_back(keep_window=isinstance(why, TimedOut))
+        self.ended = type(why)(f"{self.name}: {why}")
+        self.linger = now() + LINGER
+
+    def _give_back(self, *, keep_window: bool) -> str:
+        """Release the lease (leaving the --hold-at-least window if *keep_window*); say so."""
+        if self.held is None:
+            return ""
+        self.held = None
+        self._unwatch("bell", "session")
+        took = now() - self.held_since
+        hold = self.options.hold_at_least if keep_window else 0.0
+        _release(self.lease, self.request, self.held_since, hold, self.verbose)
+        left = f" (taken {format_duration(hold - took)} more: --hold-at-least)" * (hold > took)
+        return f"released {self.name} after {format_duration(took)}{left}"
+
+    def finish(self) -> None:
+        """Release (its window stays) and end: the owner exited, or the parent gave up."""
+        self.finished = True
+        with contextlib.suppress(LockrunError):
+            self._give_back(keep_window=True)
+
+    def end_on_signals(self) -> int:
+        """End on INT, TERM, HUP or QUIT, releasing; return the signal (0: none came)."""
+        got = self.signals.received()
+        if not got:
+            return 0
+        signo = min(got)
+        self.status = 128 + signo
+        self.finish()
+        return signo
+
+    def _accept(self) -> None:
+        """Take every waiting connection; hang up at once on other users and on a crowd."""
+        allowed = {0, os.geteuid()}
+        while True:
+            try:
+                connection, _ = self.door.accept()
+            except OSError:  # none left (EAGAIN), the client gave up, or no fds left
+                return
+            connection.setblocking(False)  # noqa: FBT003 - the socket API
+            _, uid, _ = _PEERCRED.unpack(
+                connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            if uid not in allowed:
+                _answer(connection, ExitCode.NOPERM, "this keeper is another user's: not yours")
+                connection.close()
+            elif len(self.clients) >= CLIENTS:
+                _answer(connection, ExitCode.UNAVAILABLE, "the keeper is busy; ask again")
+                connection.close()
+            else:
+                fd = connection.fileno()
+                self.watched.pop(fd, None)  # a number a closed session had: not it any more
+                self.clients[fd] = _Client(connection, now() + PATIENCE)
+                self.epoll.register(fd, select.EPOLLIN)
+
+    def _hang_up(self, fd: int) -> None:
+        client = self.clients.pop(fd)
+        with contextlib.suppress(OSError):
+            self.epoll.unregister(fd)
+        client.connection.close()
+
+    def _serve(self, fd: int) -> None:
+        """Answer one request of a client of ours, then hang up; never wait for it."""
+        client = self.clients.get(fd)
+        if client is None:
+            return
+        try:
+            data = client.connection.recv(MAX_REQUEST + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        request = read_request(data)
+        if request is None:
+            _answer(client.connection, ExitCode.USAGE, "not a request a keeper answers")
+        elif not hmac.compare_digest(request[1].encode(), self.token.secret.encode()):
+            _answer(client.connection, ExitCode.NOPERM, "the token's secret is wrong: not yours")
+        else:
+            _answer(
+                client.connection, *(self._release() if request[0] == "release" else self._renew())
+            )
+        self._hang_up(fd)
+
+    def _release(self) -> tuple[int, str]:
+        """Release for `lockrun release`, proving the lock was still ours; the keeper ends.
+
+        A lease that a renewal has not yet found gone (a Redis key deleted a moment ago)
+        would otherwise be reported as released: 0 means held until the release.
+        """
+        self.finished = True
+        self._check(renew=True)
+        if self.ended is not None:
+            return self.ended.exit_code, str(self.ended)
+        try:
+            return 0, self._give_back(keep_window=True)
+        except LockrunError as err:
+            return err.exit_code, f"{self.name}: {err}"
+
+    def _renew(self) -> tuple[int, str]:
+        """Prove the lock ours now and count --max-time from now, for `lockrun renew`."""
+        if self.ended is None and self._check(renew=True):
+            if self.options.max_time is None:
+                return 0, f"{self.name} is held"
+            self.deadline = now() + self.options.max_time
+            return 0, f"{self.name} is held, until {_clock(self.deadline)} unless renewed"
+        ended = self.ended or LeaseLost(f"{self.name}: not held")
+        return ended.exit_code, str(ended)
+
+    def close(self) -> None:
+        """Let go of everything: the lease if still held, the door, its clients."""
+        with contextlib.suppress(LockrunError):
+            self._give_back(keep_window=True)
+        for fd in list(self.clients):
+            self._hang_up(fd)
+        self.door.close()
+        self.epoll.close()
+
+
+def _open_door() -> tuple[Token, socket.socket]:  # pragma: no cover - runs in the keeper
+    """Listen on a fresh token's abstract name (a new one if that one is taken)."""
+    for _ in range(8):
+        token = Token.new()
+        door = socket.socket(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
+        try:
+            door.bind(token.door)
+        except OSError as err:
+            door.close()
+            if err.errno == errno.EADDRINUSE:  # someone squats it: 64 random bits were guessed?
+                continue
+            raise ConfigError(f"cannot open the keeper's door: {err.strerror}") from None
+        door.listen(CLIENTS)
+        return token, door
+    msg = "cannot open the keeper's door: every name tried was taken"
+    raise ConfigError(msg)
+
+
+def _clock(deadline: float) -> str:
+    """Render a `now` deadline as the wall-clock time it falls on."""
+    return clock_time(time.time() + deadline - now())
+
+
+def _answer(connection: socket.socket, status: int, message: str) -> None:
+    """Send a keeper's answer without waiting: a client that does not read gets nothing."""
+    with contextlib.suppress(OSError):
+        connection.send(f"{int(status)} {message}".encode()[:MAX_REPLY], socket.MSG_DONTWAIT)
+
+
+__all__ = ["Grant", "Token", "acquire", "ask", "parse_token"]

@@ -1,0 +1,300 @@
+"""One lock across several steps: `lockrun acquire`, `release` and `renew` on every backend.
+
+Each scenario runs once per backend (the `uri` fixture). The keeper is judged by what other
+lockruns find (busy, free), by `lockrun status`, and by the processes themselves, never by
+its own word alone (docs/semantics.md "Holding a lock across steps").
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from lockrun import Lock, LockBusy
+from lockrun.uri import SCHEMES
+from tests.support.cli import (
+    LOCKRUN,
+    TEST_TTL,
+    gone,
+    lock_state,
+    lockrun,
+    one_line,
+    queue_length,
+    start,
+    unmeasured,
+    wait_for,
+)
+from tests.support.harness import shared_harness_for
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from tests.support.harness import Harness
+
+SLACK = 5.0  # Python start-ups on a loaded 2-core machine
+BIN = str(Path(sys.executable).parent)  # where this venv's `lockrun` script is
+
+
+@pytest.fixture
+def owner() -> Iterator[subprocess.Popen[bytes]]:
+    """Return a process to own keepers; killed at teardown, which releases what they hold."""
+    process = subprocess.Popen(["sleep", "600"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def acquire(uri: str, name: str, owner: int | str, *options: str) -> str:
+    """Run `lockrun acquire` to its end and return the token it printed."""
+    result = lockrun("acquire", "--uri", uri, "--owner", str(owner), *options, name)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    token = result.stdout.strip()
+    assert result.stdout == f"{token}\n"
+    return token
+
+
+def keeper_pid(uri: str, name: str) -> int:
+    """Return the pid `lockrun status` names as the holder of *name*."""
+    (holder,) = lock_state(uri, name)["holders"]
+    return int(holder["pid"])
+
+
+def taken(uri: str, name: str) -> bool:
+    """Whether *name* is held by someone now, asked in this process (no start-up to wait)."""
+    lock = Lock(name, uri=uri, ttl=float(TEST_TTL))
+    try:
+        with lock:
+            return False
+    except LockBusy:
+        return True
+    finally:
+        lock.close()
+
+
+def free(uri: str, name: str) -> bool:
+    """Whether *name* is free now (asked in this process: no start-up to wait for)."""
+    return not taken(uri, name)
+
+
+def time_to_free(uri: str, name: str, patience: float) -> float:
+    """Return when (`time.monotonic`) a Lock of our own got *name*, waiting up to *patience*."""
+    lock = Lock(name, uri=uri, wait=patience, ttl=float(TEST_TTL))
+    try:
+        with lock:
+            return time.monotonic()
+    finally:
+        lock.close()
+
+
+def test_a_keeper_holds_the_lock_across_steps_until_release(
+    uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """acquire: busy for others, shown by status as the keeper; release frees it; twice is 76."""
+    token = acquire(uri, name, owner.pid)
+    busy = lockrun("--uri", uri, "-n", name, "--", "true")
+    assert busy.returncode == 75
+    pid = keeper_pid(uri, name)
+    assert f"pid {pid}" in one_line(busy.stderr)
+    assert "acquire" in lock_state(uri, name)["holders"][0]["argv"]
+    assert not gone(pid)
+    renewed = lockrun("renew", token)
+    assert (renewed.returncode, renewed.stderr) == (0, "")
+    released = lockrun("release", "-v", token)
+    assert released.returncode == 0
+    assert one_line(released.stderr).startswith(f"lockrun: released {name} after ")
+    wait_for(lambda: gone(pid), what="the keeper to exit")
+    assert free(uri, name)
+    again = lockrun("release", token)
+    assert again.returncode == 76
+    assert "no keeper holds a lock for this token" in one_line(again.stderr)
+
+
+def test_the_owners_exit_releases_the_lock(
+    uri: str, name: str, owner: subprocess.Popen[bytes], record: Callable[..., None]
+) -> None:
+    """A keeper releases as its owner exits; the next holder gets in within milliseconds."""
+    acquire(uri, name, owner.pid)
+    pid = keeper_pid(uri, name)
+    exited = time.monotonic()
+    owner.kill()
+    got = time_to_free(uri, name, SLACK)
+    record("owner's exit to the next holder's grant", seconds=got - exited)
+    wait_for(lambda: gone(pid), what="the keeper to exit")
+
+
+def test_a_killed_keeper_frees_the_lock_as_a_killed_holder(
+    uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """SIGKILL to the keeper: freed at once, or within a ttl where the lock is a lease."""
+    token = acquire(uri, name, owner.pid, "--ttl", "2")
+    os.kill(keeper_pid(uri, name), signal.SIGKILL)
+    time_to_free(uri, name, 2 + SLACK)
+    assert lockrun("release", token).returncode == 76
+
+
+def test_a_take_over_ends_the_keeper_and_release_says_79(
+    uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """A --take-over run gets a keeper's lock; the script's release then exits 79, naming it."""
+    token = acquire(uri, name, owner.pid)
+    taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "30", "--", "true")
+    assert (taker.returncode, taker.stderr) == (0, "")
+    released = lockrun("release", token)
+    assert released.returncode == 79
+    assert one_line(released.stderr).startswith(f"lockrun: {name}: taken over by ")
+
+
+def test_a_lost_lease_is_told_by_renew_and_release(
+    shared_server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """The server ends the keeper's session (or lease): renew and release exit 76, saying so."""
+    uri = shared_server_harness.uri
+    token = acquire(uri, name, owner.pid, "--ttl", TEST_TTL)
+    shared_server_harness.end_session(name)
+    renewed = lockrun("renew", token)
+    assert renewed.returncode == 76
+    line = one_line(renewed.stderr)
+    assert line.startswith(f"lockrun: {name}: ")
+    released = lockrun("release", token)
+    assert (released.returncode, released.stderr) == (76, renewed.stderr)
+
+
+def test_max_time_releases_and_renew_counts_it_again(
+    file_uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """--max-time ends the hold unless renewed, counted from the renewal; then 124 is told."""
+    token = acquire(file_uri, name, owner.pid, "--max-time", "2")
+    began = time.monotonic()
+    time.sleep(0.5)
+    asked = time.monotonic()
+    renewed = lockrun("renew", "-v", token)
+    answered = time.monotonic()
+    assert renewed.returncode == 0, renewed.stderr
+    assert "held, until" in one_line(renewed.stderr)
+    time.sleep(max(0.0, began + 2.2 - time.monotonic()))  # past the first --max-time
+    if time.monotonic() < asked + 2:  # not a machine so loaded that this says nothing
+        assert taken(file_uri, name)
+    got = time_to_free(file_uri, name, SLACK)
+    assert asked + 2 <= got <= answered + 2 + SLACK
+    late = lockrun("renew", token)
+    assert late.returncode == 124
+    assert "--max-time 2s expired" in one_line(late.stderr)
+    assert lockrun("release", token).returncode == 124
+    assert lockrun("release", token).returncode == 76  # the keeper told it and left
+
+
+def test_a_signal_while_waiting_leaves_nothing(
+    file_uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """TERM to acquire while it waits: 143, one line, no keeper; SIGKILL: no keeper either."""
+    token = acquire(file_uri, name, owner.pid)
+    for signo, status in ((signal.SIGTERM, 143), (signal.SIGKILL, -9)):
+        waiter = start("acquire", "--uri", file_uri, "-w", "forever", name, stdout=subprocess.PIPE)
+        wait_for(lambda: queue_length(file_uri, name) == 1, what="the keeper to queue")
+        waiter.send_signal(signo)
+        out, err = waiter.communicate(timeout=30)
+        assert (waiter.returncode, out) == (status, "")
+        if status > 0:
+            assert f"TERM while waiting for {name}; nothing is held" in one_line(err)
+        wait_for(lambda: queue_length(file_uri, name) == 0, what="the keeper to leave the queue")
+    assert lockrun("release", token).returncode == 0
+
+
+def test_a_token_that_cannot_be_written_releases_the_lock(file_uri: str, name: str) -> None:
+    """Acquire whose stdout is a pipe nobody reads exits 74, and nothing stays held."""
+    read, write = os.pipe()
+    os.close(read)
+    result = subprocess.run(
+        [*LOCKRUN, "acquire", "--uri", file_uri, name],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    os.close(write)
+    assert result.returncode == 74
+    assert "released the lock" in one_line(result.stderr)
+    assert free(file_uri, name)
+
+
+# The exclusion oracle: each step appends its own interval while it believes it holds the lock.
+STEP = """
+eval "$(lockrun acquire --uri "$1" --owner $$ --export -w forever "$2")"
+start=$(date +%s%N)
+sleep 0.05
+echo "$start $(date +%s%N)" >> "$3"
+lockrun release
+"""
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # a server: sessions, a keeper's renewals
+def test_steps_that_acquire_and_release_never_overlap(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, name: str
+) -> None:
+    """Two loops of acquire / log an interval / release: no two intervals overlap."""
+    server = None if SCHEMES[backend].local else request.getfixturevalue(f"{backend}_uri")
+    uri = shared_harness_for(backend, tmp_path, server).uri
+    log, script = tmp_path / "intervals", tmp_path / "step.sh"
+    script.write_text(STEP)
+    loop = f"for i in 1 2; do sh {script} {shlex.join([uri, name, str(log)])} || exit 1; done"
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    workers = [subprocess.Popen(["sh", "-c", loop], env=env) for _ in range(2)]
+    assert [worker.wait(120) for worker in workers] == [0, 0]
+    intervals = sorted(tuple(map(int, line.split())) for line in log.read_text().splitlines())
+    assert len(intervals) == 4
+    for (_, end), (begin, _) in itertools.pairwise(intervals):
+        assert end <= begin, intervals
+
+
+# A script section, as docs/semantics.md and the README give it, in a function, under set -e.
+SECTION = """
+set -e
+section() {{
+  eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"
+  if lockrun --uri {uri} -n {name} -- true 2>/dev/null; then exit 9; fi
+  echo "$LOCKRUN_TOKEN" > {token}
+  lockrun release
+}}
+section
+lockrun --uri {uri} -n {name} -- true
+TOKEN=$(lockrun acquire --uri {uri} {name})
+touch {ready}
+sleep 600
+"""
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
+def test_a_shell_section_holds_the_lock_and_a_killed_script_frees_it(
+    shell: str, file_uri: str, name: str, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    """The documented recipe in bash, dash and zsh; SIGKILL to the script frees its lock."""
+    ready, token = tmp_path / "ready", tmp_path / "token"
+    script = SECTION.format(uri=file_uri, name=name, token=token, ready=ready)
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    errors = tmp_path / "stderr"
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(
+            [shell, "-c", script], env=env, stderr=stderr, start_new_session=True
+        )
+    wait_for(lambda: ready.exists() or process.poll() is not None, what="the script")
+    assert process.poll() is None, errors.read_text()
+    assert token.read_text().startswith("lr1.")
+    assert not free(file_uri, name)  # the plain `TOKEN=$(lockrun acquire …)`, owned by the shell
+    killed = time.monotonic()
+    os.killpg(process.pid, signal.SIGKILL)  # the script's group, as timeout(1) or a CI cancel
+    process.wait(30)
+    assert errors.read_text() == ""
+    record(
+        f"{shell} killed to the next holder's grant",
+        seconds=time_to_free(file_uri, name, SLACK) - killed,
+    )

@@ -504,7 +504,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         # Our group of its own (made at the fork) keeps the signals of the script's group
         # (Ctrl-C, timeout(1), a CI runner's cancel) from us: its owner's end ends us.
         _die_with(None)
-        null = os.open(os.environ.get("KDEBUG", os.devnull), os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # the parent's stdout may be a $(…) that waits for its end
             os.dup2(null, fd)
         os.close(null)

@@ -86,23 +86,26 @@ def _is_our_directory(path: str) -> bool:
     return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
-def open_directory(path: str, *, make_below: str | None = None, private: bool = False) -> int:
+def open_directory(
+    path: str, *, make_below: str | None = None, private: bool = False, what: str = "lock directory"
+) -> int:
     """Open the absolute directory *path* for ``dir_fd`` use, following only trusted symlinks.
 
     With *make_below*, the missing directories under that one are made (0700 when
     *private*, else 0777 less the umask). *private* also requires the last to be ours and
-    leaves it 0700. Raises `ConfigError` or `BackendUnavailable`.
+    leaves it 0700. Raises `ConfigError` or `BackendUnavailable`, whose message calls the
+    directory *what*.
     """
     try:
-        fd = _walk(path, make_below, _PRIVATE if private else 0o777)
+        fd = _walk(path, make_below, _PRIVATE if private else 0o777, what)
     except OSError as err:
-        raise failure(f"lock directory {path}", err) from err
+        raise failure(f"{what} {path}", err) from err
     if private:
         _make_private(path, fd)
     return fd
 
 
-def _walk(path: str, make_below: str | None, mode: int) -> int:
+def _walk(path: str, make_below: str | None, mode: int, what: str) -> int:
     """Open each component of *path* in turn from /; return the last one's descriptor.
 
     The last component itself must not be a symlink, trusted or not: the directory is
@@ -124,7 +127,7 @@ def _walk(path: str, make_below: str | None, mode: int) -> int:
             if stat.S_ISLNK(info.st_mode):
                 links += 1
                 where = os.path.join(walked or "/", name)
-                target = _trusted_target(where, name, fd, info, last=last, links=links)
+                target = _trusted_target(where, name, fd, info, last=last, links=links, what=what)
                 parts = [part for part in target.split("/") if part not in {"", "."}]
                 pending += [(part, False) for part in reversed(parts)]
                 if target.startswith("/"):
@@ -141,15 +144,15 @@ def _walk(path: str, make_below: str | None, mode: int) -> int:
 
 
 def _trusted_target(
-    where: str, name: str, fd: int, info: os.stat_result, *, last: bool, links: int
+    where: str, name: str, fd: int, info: os.stat_result, *, last: bool, links: int, what: str
 ) -> str:
     """Return where the symlink *name* in *fd* points, if we may follow it; else raise."""
     if last:
-        msg = f"lock directory {where} is a symlink; refusing to follow it"
+        msg = f"{what} {where} is a symlink; refusing to follow it"
         raise ConfigError(msg)
     if links > _MAX_LINKS:
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-    _refuse_untrusted_link(where, info, os.fstat(fd))
+    _refuse_untrusted_link(where, info, os.fstat(fd), what)
     return os.readlink(name, dir_fd=fd)
 
 
@@ -169,7 +172,9 @@ def _under(walked: str, top: str) -> bool:
     return walked == top or walked.startswith(top.rstrip("/") + "/")
 
 
-def _refuse_untrusted_link(where: str, link: os.stat_result, directory: os.stat_result) -> None:
+def _refuse_untrusted_link(
+    where: str, link: os.stat_result, directory: os.stat_result, what: str
+) -> None:
     """Raise `ConfigError` unless the symlink *where* is one only we or root could change."""
     trusted = (0, os.geteuid())
     writable_by_others = directory.st_uid not in trusted or (
@@ -179,7 +184,7 @@ def _refuse_untrusted_link(where: str, link: os.stat_result, directory: os.stat_
         return
     who = link.st_uid if link.st_uid not in trusted else directory.st_uid
     msg = (
-        f"lock directory path: {where} is a symlink that {_user(who)} could have planted "
+        f"{what} path: {where} is a symlink that {_user(who)} could have planted "
         "or could change; refusing to follow it (name the real directory)"
     )
     raise ConfigError(msg)

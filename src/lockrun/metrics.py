@@ -93,7 +93,7 @@ def parse(data: bytes) -> Locks:
         labels = None if sample is None else _labels(sample[2])
         if sample is None or labels is None or sample[1] not in METRICS:
             continue
-        metric, value = sample[1], float(sample[3])
+        metric, value = sample[1], round(float(sample[3]), 3)  # as `render` writes it
         outcome = labels.pop("outcome", "") if metric == "lockrun_runs_total" else ""
         lock = (labels.pop("namespace", ""), labels.pop("name", ""))
         if labels or not _plausible(metric, outcome, value) or not all(map(_is_name, lock)):

@@ -123,6 +123,7 @@ class Account:
         self.fence: int | None = None
         self.ignored: frozenset[int] = frozenset()  # under nohup: never forwarded to a hook
         self._starting: threading.Thread | None = None
+        self._said: set[str] = set()  # the start and the end record fail alike: one line
 
     def held(self, slot: int, fence: int | None) -> None:
         """Note the grant; record the start in the metrics file, beside the command.
@@ -202,9 +203,13 @@ class Account:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def _record(self, change: Callable[[metrics.Locks], None]) -> None:
-        path = self.options.metrics_file
-        if path:
-            metrics.update(path, change, log=lambda line: self.log(f"{self.request.name}: {line}"))
+        if self.options.metrics_file:
+            metrics.update(self.options.metrics_file, change, log=self._say_once)
+
+    def _say_once(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            self.log(f"{self.request.name}: {line}")
 
     def _started(self, locks: metrics.Locks) -> None:
         values = metrics.counted(locks, (self.request.namespace, self.request.name))

@@ -1,4 +1,4 @@
-"""A fuzz target for everything lockrun parses: URIs, durations, records, SQL comments.
+"""A fuzz target for everything lockrun parses: URIs, durations, records, metrics files.
 
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
@@ -18,7 +18,7 @@ import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockrun import ConfigError, UsageError
+from lockrun import ConfigError, UsageError, metrics
 from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
@@ -40,6 +40,7 @@ def one_input(data: bytes) -> None:
         seconds = parse_duration(text, allow_forever=True)
         assert seconds is None or seconds >= 0
     _record(text, data)
+    _metrics(data)
 
 
 def _uri(text: str) -> None:
@@ -75,6 +76,12 @@ def _record(text: str, data: bytes) -> None:
     for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):
         redis_backend._SentinelView.read(reply, reply, [reply, reply])
     assert 0 < next_fence(data) <= MAX_FENCE
+
+
+def _metrics(data: bytes) -> None:
+    """Read *data* as a previous --metrics-file: what survives reads back unchanged."""
+    locks = metrics.parse(data)
+    assert metrics.parse(metrics.render(locks).encode()) == locks
 
 
 @settings(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lockrun import monitor
 from lockrun.errors import ExitCode
 from lockrun.monitor import HOOK_GRACE
 from lockrun.uri import redact
@@ -288,18 +289,30 @@ def test_hooks_come_after_the_release(uri: str, name: str, tmp_path: Path) -> No
     assert (env["LOCKRUN_OUTCOME"], env["LOCKRUN_URI"]) == ("ok", redact(uri))
 
 
+@pytest.mark.parametrize(
+    ("end", "said"), [("exit 9", "exited 9"), ("kill -TERM $$", "was killed by SIGTERM")]
+)
 def test_a_hooks_output_goes_to_stderr_and_its_failure_is_one_line(
-    file_uri: str, name: str
+    file_uri: str, name: str, end: str, said: str
 ) -> None:
-    """The command keeps stdout, the hook reads /dev/null, and its exit 9 changes nothing."""
+    """The command keeps stdout, the hook reads /dev/null, and its failure changes nothing."""
     result = lockrun(
         "--uri", file_uri, "-n", name,
-        "--on-exit", "cat; echo from-the-hook; exit 9", "--", "echo", "from-the-command",
+        "--on-exit", f"cat; echo from-the-hook; {end}", "--", "echo", "from-the-command",
         input="for-the-command\n",
     )  # fmt: skip
     assert result.returncode == 0
     assert result.stdout == "from-the-command\n"
-    assert result.stderr == f"from-the-hook\nlockrun: {name}: --on-exit hook exited 9\n"
+    assert result.stderr == f"from-the-hook\nlockrun: {name}: --on-exit hook {said}\n"
+
+
+def test_a_hook_without_a_shell_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No /bin/sh to run the hook with: said once, and the run's report goes on."""
+    monkeypatch.setattr(monitor, "SHELL", "/nonexistent/sh")
+    run = monitor.Run("default", "n", "file:", 1, 0, "ok", 0.0)
+    said: list[str] = []
+    monitor.hook("--on-exit", "true", run, max_time=1.0, ignored=frozenset(), log=said.append)
+    assert said == ["n: --on-exit hook: cannot run /nonexistent/sh: No such file or directory"]
 
 
 def test_a_hook_that_outlives_its_time_is_stopped_with_its_group(

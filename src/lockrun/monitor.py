@@ -165,21 +165,23 @@ class Account:
             status = conflict
         else:
             status = result.exit_code if isinstance(result, LockrunError) else ExitCode.SOFTWARE
-        held = self.granted is not None
         run = Run(
-            self.request.namespace,
-            self.request.name,
-            self.uri,
-            self.request.slots,
-            status,
-            word,
-            (self.granted if self.granted is not None else now()) - self.asked,
-            self.slot if held else None,
-            self.fence,
-            metrics.stamp(self.started_at),
-            metrics.stamp(self.ended_at),
-            metrics.stamp(self.duration),
+            namespace=self.request.namespace,
+            name=self.request.name,
+            uri=self.uri,
+            slots=self.request.slots,
+            status=status,
+            outcome=word,
+            waited=(now() if self.granted is None else self.granted) - self.asked,
         )
+        if self.granted is not None:
+            run = run._replace(
+                slot=self.slot,
+                fence=self.fence,
+                started_at=metrics.stamp(self.started_at),
+                ended_at=metrics.stamp(self.ended_at),
+                duration=metrics.stamp(self.duration),
+            )
         self._report(run)
 
     def _report(self, run: Run) -> None:

@@ -172,17 +172,24 @@ def test_a_symlinked_directory_planted_by_another_user_is_refused(
     assert sorted(entry.name for entry in target.iterdir()) == ["passwd"]
 
 
-def test_a_directory_we_may_not_write_is_one_line(alice: Runner, name: str) -> None:
-    """Alice's run with its file in root's directory: EACCES in one line, her status stands."""
+@pytest.mark.parametrize("unreadable", [False, True], ids=["directory", "file"])
+def test_what_we_may_not_write_or_read_is_one_line(
+    alice: Runner, name: str, unreadable: bool
+) -> None:
+    """Alice's file in root's directory, or root's 0600 file in hers: one line, her status."""
     directory = tempfile.mkdtemp(prefix="lockrun-roots-", dir="/tmp")
+    path = f"{directory}/m.prom"
     try:
-        os.chmod(directory, 0o755)  # noqa: S103 - alice may read it, not write it
-        path = f"{directory}/m.prom"
+        os.chmod(directory, 0o1777 if unreadable else 0o755)  # sticky: alice's, root's file
+        if unreadable:
+            Path(path).write_text(PRECIOUS)
+            os.chmod(path, 0o600)
         result = alice.lockrun("-n", name, "--metrics-file", path, "--", "sh", "-c", "exit 5")
         assert result.returncode == 5, result.stderr
         line = one_line(result.stderr)
         assert line == f"lockrun: {name}: metrics file {path} not updated: Permission denied"
-        assert os.listdir(directory) == []
+        assert os.listdir(directory) == (["m.prom"] if unreadable else [])
+        assert not unreadable or Path(path).read_text() == PRECIOUS
     finally:
         shutil.rmtree(directory)
 

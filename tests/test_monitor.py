@@ -7,10 +7,12 @@ file read by Prometheus's own parser, and the exit statuses, never lockrun's wor
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import TYPE_CHECKING
 
 import pytest
@@ -33,6 +35,7 @@ from tests.support.cli import (
     wait_for,
 )
 from tests.support.harness import shared_harness_for
+from tests.support.servers import free_port, installed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -420,3 +423,58 @@ def test_concurrent_updates_serialise_their_read_modify_write(tmp_path: Path, na
     assert [worker.wait(60) for worker in workers] == [0] * 4
     assert samples(metrics)[of(name, "lockrun_skipped_total")] == 120
     assert [entry.name for entry in tmp_path.iterdir()] == ["m.prom"]
+
+
+# -- the real reader: node_exporter's textfile collector ----------------------------------------
+
+
+def test_node_exporter_reads_the_file_without_an_error(
+    tmp_path: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """A run, a skip and a hostile name: node_exporter serves them all and no scrape error."""
+    program = shutil.which("node_exporter") or installed("prometheus-node-exporter")
+    textfiles = tmp_path / "textfile"
+    textfiles.mkdir()
+    hostile = f'{name} "quoted" back\\slash\nline'
+    common = (
+        "--uri",
+        f"file://{tmp_path}/locks",
+        "--metrics-file",
+        str(textfiles / "lockrun.prom"),
+    )
+    holder = held(*common, "-n", name)
+    assert lockrun(*common, "-n", name, "-q", "--", "true").returncode == ExitCode.BUSY
+    assert holder.finish() == 0
+    assert lockrun(*common, "-n", hostile, "--", "sh", "-c", "exit 3").returncode == 3
+    port = free_port()
+    exporter = subprocess.Popen(
+        [program, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
+         "--collector.textfile", f"--collector.textfile.directory={textfiles}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        scraped: list[str] = []
+        wait_for(lambda: _scrape(port, scraped), what="node_exporter to answer")
+    finally:
+        exporter.kill()
+        exporter.wait()
+    found = {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(scraped[0])
+        for sample in family.samples
+    }
+    assert found[("node_textfile_scrape_error", frozenset())] == 0
+    assert found[of(name, "lockrun_skipped_total")] == 1
+    assert found[of(name, "lockrun_runs_total", "ok")] == 1
+    assert found[of(hostile, "lockrun_runs_total", "failed")] == 1
+    assert found[of(hostile, "lockrun_last_exit_status")] == 3
+
+
+def _scrape(port: int, into: list[str]) -> bool:
+    """Append node_exporter's /metrics to *into*; False while it does not answer yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            into.append(answer.read().decode())
+    except OSError:
+        return False
+    return True

@@ -25,6 +25,7 @@ from lockrun.errors import (
 )
 from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
 from lockrun.runner import (
+    DEFAULT_HOOK_MAX_TIME,
     DEFAULT_KILL_AFTER,
     DEFAULT_LOST_KILL_AFTER,
     Options,
@@ -381,6 +382,30 @@ _verbose_option: Final = click.option(
 @_take_over_option
 @_namespace_option
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
+@click.option(
+    "--on-busy",
+    metavar="CMD",
+    allow_from_autoenv=False,  # one job's monitor: a nested lockrun must not inherit it
+    help="Run CMD (/bin/sh -c) when the lock stayed busy; LOCKRUN_STATUS and more in its env.",
+)
+@click.option(
+    "--on-exit",
+    metavar="CMD",
+    allow_from_autoenv=False,
+    help="Run CMD (/bin/sh -c) after a run that got the lock, once the lock is released.",
+)
+@click.option(
+    "--hook-max-time",
+    type=Duration(),
+    default=f"{DEFAULT_HOOK_MAX_TIME:g}s",
+    show_default=True,
+    help="Stop a hook still running after this long (TERM to its group, KILL 1s later).",
+)
+@click.option(
+    "--metrics-file",
+    metavar="PATH",
+    help="Record each run in this Prometheus text file (node_exporter's textfile collector).",
+)
 @_quiet_option
 @_verbose_option
 @click.version_option(
@@ -407,6 +432,10 @@ def run_command(
     take_over: bool,
     namespace: str,
     close: bool,
+    on_busy: str | None,
+    on_exit: str | None,
+    hook_max_time: float,
+    metrics_file: str | None,
     quiet: bool,
     verbose: bool,
 ) -> int:
@@ -433,6 +462,11 @@ def run_command(
         shared,
         hold_at_least or 0.0,
         take_over,
+        conflict_exit_code=conflict_exit_code,
+        on_busy=on_busy,
+        on_exit=on_exit,
+        hook_max_time=hook_max_time,
+        metrics_file=metrics_file,
     )
     live = _LIVE.show if verbose and _on_terminal() else None
     try:

@@ -27,6 +27,7 @@ from lockrun.errors import (
     CommandNotExecutable,
     CommandNotFound,
     ConfigError,
+    ExitCode,
     Interrupted,
     LeaseLost,
     TakenOver,
@@ -44,9 +45,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from types import FrameType
 
+    from lockrun.monitor import Account
+
 DEFAULT_KILL_AFTER: Final = 10.0
 # Once the lock is known gone someone else may hold it: a short grace (docs/semantics.md G3).
 DEFAULT_LOST_KILL_AFTER: Final = 1.0
+DEFAULT_HOOK_MAX_TIME: Final = 60.0  # a hook that pings a monitor, retries included
 
 
 class Options(NamedTuple):
@@ -69,6 +73,12 @@ class Options(NamedTuple):
     shared: bool = False
     hold_at_least: float = 0.0  # 0: the lock is free once the command ended
     take_over: bool = False
+    # Monitoring (docs/semantics.md "Monitoring"): lockrun.monitor, imported only for them.
+    conflict_exit_code: int = ExitCode.BUSY  # -E: what busy exits with, as a hook is told
+    on_busy: str | None = None
+    on_exit: str | None = None
+    hook_max_time: float = DEFAULT_HOOK_MAX_TIME
+    metrics_file: str | None = None
 
 
 def run(
@@ -108,24 +118,44 @@ def run(
         take_over=options.take_over,
         hold=options.hold_at_least,
     )
-    with _interruptible(name, verbose) as waiting:
-        backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
-        # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
-        # must take the command's group down with us (docs/semantics.md G2).
-        guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
-        try:
-            report = (
-                WaitReport(request, uri, log=log, live=live)
-                if options.verbose and options.wait != 0
-                else None
-            )
-            return _hold_and_run(
-                backend, request, argv, options, verbose, guardian, waiting, report
-            )
-        finally:
-            if guardian is not None:
-                guardian.stand_down()
-            backend.close()
+    account = _account(options, request, log)
+    try:
+        with _interruptible(name, verbose) as waiting:
+            if account is not None:
+                account.ignored = waiting.ignored
+            backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
+            # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
+            # must take the command's group down with us (docs/semantics.md G2).
+            guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
+            try:
+                report = (
+                    WaitReport(request, uri, log=log, live=live)
+                    if options.verbose and options.wait != 0
+                    else None
+                )
+                status = _hold_and_run(
+                    backend, request, argv, options, verbose, guardian, waiting, report, account
+                )
+            finally:
+                if guardian is not None:
+                    guardian.stand_down()
+                backend.close()
+    except Exception as err:
+        if account is not None:  # only now: the guardian's copies of the lock fds are closed
+            account.close(err, conflict=options.conflict_exit_code)
+        raise
+    if account is not None:
+        account.close(status, conflict=options.conflict_exit_code)
+    return status
+
+
+def _account(options: Options, request: Request, log: Callable[[str], None]) -> Account | None:
+    """Return the account of a run that something monitors; None if nothing does."""
+    if not (options.on_busy or options.on_exit or options.metrics_file):
+        return None
+    from lockrun.monitor import Account  # noqa: PLC0415 - unmonitored runs do without it
+
+    return Account(options, request, redact(options.uri), log)
 
 
 def _hold_and_run(
@@ -137,6 +167,7 @@ def _hold_and_run(
     guardian: Guardian | None,
     waiting: _Waiting,
     report: WaitReport | None,
+    account: Account | None,
 ) -> int:
     started = now()
     lease = _acquire(backend, request, options.wait, report)
@@ -148,6 +179,8 @@ def _hold_and_run(
     try:
         held_since = now()
         hold = options.hold_at_least
+        if account is not None:
+            account.held(lease.slot, lease.fence)
         with _deferred(FORWARDED):
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
@@ -188,6 +221,8 @@ def _hold_and_run(
         # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
         raise type(err)(f"{request.name}: {err}") from err
     finally:
+        if account is not None:
+            account.released()
         _release(lease, request, held_since, hold, verbose)
 
 
@@ -244,6 +279,11 @@ def check_options(options: Options) -> None:
     if options.take_over and options.wait == 0:
         msg = "--take-over waits for the holders to stop: give it a --wait (e.g. --wait 1m)"
         raise UsageError(msg)
+    check_seconds(options.hook_max_time, "--hook-max-time", high=MAX_KILL_AFTER, above=True)
+    if options.metrics_file:
+        from lockrun.metrics import check_path  # noqa: PLC0415 - only for runs that use it
+
+        check_path(options.metrics_file)
 
 
 def command_environment(request: Request, lease: Lease) -> dict[str, str]:

@@ -63,6 +63,12 @@ _POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally
 _MARGIN: Final = 0.1
 
 
+class Killed(int):
+    """The status 128+N of a command that a signal N ended, told apart from an exit(128+N)."""
+
+    __slots__ = ()
+
+
 class Limits(NamedTuple):
     """How the command is watched: lease cadence, wall-clock limit, graces before KILL.
 
@@ -392,7 +398,7 @@ def _own_foreground_terminal() -> bool:
     return _members(os.getpgrp()) == [os.getpid()]
 
 
-def _genuine(info: signal.struct_siginfo) -> bool:
+def genuine(info: signal.struct_siginfo) -> bool:
     """Tell a received signal from garbage.
 
     When a stop and continue (SIGSTOP, a frozen VM) interrupt a wait whose time then runs
@@ -591,7 +597,7 @@ class _Watch:
                     if timer == float("inf")  # all done but waiting for the command to end
                     else signal.sigtimedwait(_WATCHED, max(0.0, timer - now()))
                 )
-                if info is None or not _genuine(info):
+                if info is None or not genuine(info):
                     self._on_timer()
                 elif info.si_signo == signal.SIGCHLD:
                     status = self._reap()
@@ -740,7 +746,7 @@ class _Watch:
             if not os.WIFSTOPPED(status):
                 self.reaped = True
                 code = os.waitstatus_to_exitcode(status)
-                return 128 - code if code < 0 else code
+                return Killed(128 - code) if code < 0 else code
             if self.terminal and follow_stops:
                 self._suspend_with_child()
 

@@ -1,4 +1,4 @@
-"""A fuzz target for everything lockrun parses: URIs, URI files, durations, records, tokens, SQL.
+"""A fuzz target for what lockrun parses: URIs and URI files, durations, records, tokens, metrics.
 
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
@@ -21,7 +21,7 @@ from typing import Final
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockrun import ConfigError, UsageError
+from lockrun import ConfigError, UsageError, metrics
 from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
@@ -53,6 +53,7 @@ def one_input(data: bytes) -> None:
     _record(text, data)
     _uri_file(data)
     _keeper(text, data)
+    _metrics(data)
 
 
 def _keeper(text: str, data: bytes) -> None:
@@ -125,6 +126,12 @@ def _record(text: str, data: bytes) -> None:
     for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):
         redis_backend._SentinelView.read(reply, reply, [reply, reply])
     assert 0 < next_fence(data) <= MAX_FENCE
+
+
+def _metrics(data: bytes) -> None:
+    """Read *data* as a previous --metrics-file: what survives reads back unchanged."""
+    locks = metrics.parse(data)
+    assert metrics.parse(metrics.render(locks).encode()) == locks
 
 
 @settings(

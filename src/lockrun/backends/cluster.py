@@ -168,13 +168,7 @@ class Router:
             except (errors.ConnectionError, errors.TimeoutError) as err:
                 last = err
                 continue
-            found: list[Address] = []
-            for entry in reply if isinstance(reply, list) else []:
-                primary = entry[2] if isinstance(entry, list) and len(entry) > 2 else None  # noqa: PLR2004 - start, end, primary
-                if isinstance(primary, list) and len(primary) >= 2:  # noqa: PLR2004 - host, port
-                    host = _text(primary[0]) or address[0]  # "": the node we asked
-                    found.append((host, int(primary[1])))
-            return list(dict.fromkeys(found))
+            return primaries_in(reply, address)
         assert last is not None  # noqa: S101 - there is a seed
         raise last
 
@@ -217,16 +211,40 @@ def check_durable(
             raise NotDurable(msg)
         return
     connection.send_command("CLUSTER", "REPLICAS", _text(myself))
-    replicas = connection.read_response()
-    # Each a CLUSTER NODES line, ID ADDRESS FLAGS …: one we cannot read counts as live.
-    flags = [_text(line).split(" ")[2:3] for line in replicas]
-    live = [each for each in flags if not each or "fail" not in each[0].split(",")]
+    live = live_replicas(connection.read_response())
     if live:
         msg = (
-            f"{where} has no replica in sync, but the cluster lists {len(live)} not failed; "
+            f"{where} has no replica in sync, but the cluster lists {live} not failed; "
             "a failover could promote one without the lease"
         )
         raise NotDurable(msg)
+
+
+def primaries_in(reply: Any, asked: Address) -> list[Address]:  # noqa: ANN401 - a raw reply
+    """Return the primaries a CLUSTER SLOTS *reply* of the node at *asked* names.
+
+    Each entry is START, END, then the primary's HOST, PORT, ID…; a host of "" is the node
+    asked. An entry lockrun cannot read is left out (another node's answer may name it).
+    """
+    found: list[Address] = []
+    for entry in reply if isinstance(reply, list) else []:
+        primary = entry[2] if isinstance(entry, list) and len(entry) > 2 else None  # noqa: PLR2004 - start, end, primary
+        if not (isinstance(primary, list) and len(primary) >= 2):  # noqa: PLR2004 - host, port
+            continue
+        port = _text(primary[1])
+        if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
+            found.append((_text(primary[0]) or asked[0], int(port)))
+    return list(dict.fromkeys(found))
+
+
+def live_replicas(reply: Any) -> int:  # noqa: ANN401 - a raw reply
+    """Return how many replicas of a CLUSTER REPLICAS *reply* the cluster has not failed.
+
+    Each a CLUSTER NODES line, ID ADDRESS FLAGS …: one lockrun cannot read counts as live.
+    """
+    lines = reply if isinstance(reply, list) else [reply]
+    flags = [_text(line).split(" ")[2:3] for line in lines]
+    return sum(not each or "fail" not in each[0].split(",") for each in flags)
 
 
 def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element

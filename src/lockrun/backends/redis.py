@@ -1463,16 +1463,9 @@ class RedisBackend:
                 _aim(connection, self._named)
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
-        except (errors.AskError, errors.TryAgainError) as err:
-            if self._router is None:
+        except errors.ResponseError as err:
+            if not self._cluster_news(err, key, connection.host, seconds):
                 raise self.failure(err) from err
-            if isinstance(err, errors.MovedError):
-                self._router.moved(slot_of(key), (err.host or connection.host, err.port))
-            else:  # mid-migration: not in a tight loop
-                time.sleep(min(seconds, 0.1))
-        except errors.ClusterDownError as err:
-            unsettled = Unsettled(f"the cluster cannot serve this lock now: {err}")
-            raise self.failure(unsettled) from unsettled
         except _REPLY_ERRORS as err:
             connection.disconnect()  # type: ignore[no-untyped-call]
             raise self.failure(err) from err
@@ -1482,6 +1475,26 @@ class RedisBackend:
         finally:
             self._sleeping = None
             pool.release(connection)
+
+    def _cluster_news(self, err: Exception, key: str, host: str, seconds: float) -> bool:
+        """Return whether a BLPOP's error *err* is a cluster's news, to ask again after.
+
+        MOVED, ASK, TRYAGAIN (a migration), UNBLOCKED (a failover made the primary a
+        replica): the wake list is only a hint, and the next ask goes where the slot is
+        served now. CLUSTERDOWN raises: an outage that a waiter rides out.
+        """
+        if self._router is None:
+            return False
+        if isinstance(err, errors.ClusterDownError):
+            unsettled = Unsettled(f"the cluster cannot serve this lock now: {err}")
+            raise self.failure(unsettled) from err
+        if isinstance(err, errors.MovedError):
+            self._router.moved(slot_of(key), (err.host or host, err.port))
+        elif isinstance(err, errors.AskError | errors.TryAgainError):
+            time.sleep(min(seconds, 0.1))  # mid-migration: not in a tight loop
+        return isinstance(err, errors.AskError | errors.TryAgainError) or str(err).startswith(
+            "UNBLOCKED"
+        )
 
     def leave(self, claim: Claim, hold_ms: int = 0, *, own: Any = None) -> None:  # noqa: ANN401 - redis-py's Connection
         """Give up a slot or a place in the queue; best effort, as both lapse by themselves.

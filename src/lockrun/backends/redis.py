@@ -1515,8 +1515,8 @@ class RedisBackend:
 
         Client-side caching's tracking (RESP3), OPTIN: only the key read right after
         CLIENT CACHING yes is tracked, once; each renewal on the connection reads it again.
-        Return the connection (None behind Sentinel, or when the server refuses: the
-        renewals' cadence remains) and whether the key holds something already.
+        Return the connection (None behind Sentinel, on a cluster, or when the server
+        refuses: the renewals' cadence remains) and whether the key holds something already.
         """
         if self._sentinel is not None or self._router is not None or not self._standalone:
             return None, False
@@ -1780,8 +1780,8 @@ class RedisLease:
 
         The first call takes the connection and arms it (one round trip). None for a
         reader or a slot of N > 1, behind Sentinel, whose primary connection is shared and
-        re-aimed, nor where the server refuses tracking: renewals every ttl/3 still see a
-        take-over.
+        re-aimed, on a cluster, whose slot may move to another node, nor where the server
+        refuses tracking: renewals every ttl/3 still see a take-over.
         """
         with self._using:
             if self._bell is None and self._tracking and not self.released:

@@ -32,6 +32,7 @@ from tests.support.cli import (
 )
 from tests.support.clusters import Cluster, slot_of
 from tests.support.harness import paused
+from tests.support.net import make_certificates
 
 if TYPE_CHECKING:
     import subprocess
@@ -228,3 +229,54 @@ def test_no_grant_counts_until_a_replica_has_it(
         assert states(uri, name)[0]["holders"] == []
     finally:
         redis_cluster.wait_settled()
+
+
+def tryagains(cluster: Cluster, port: int) -> int:
+    """Return how many TRYAGAIN errors the node on *port* has answered (INFO errorstats)."""
+    found = re.search(
+        r"errorstat_TRYAGAIN:count=(\d+)", cluster.command(port, "INFO", "errorstats")
+    )
+    return int(found[1]) if found else 0
+
+
+def test_a_lock_whose_slot_is_migrating_waits_for_the_migration(
+    redis_cluster: Cluster, name: str, spawn: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Mid-migration (ASK, then TRYAGAIN): -w 0 is 69 in one line; a waiter runs once it ends."""
+    uri, slot = redis_cluster.uri, slot_of(key_prefix("default", name))
+    source = redis_cluster.owner(slot)
+    target = redis_cluster.other_primary(source)
+    ids = {node.port: node.id for node in redis_cluster.nodes()}
+    redis_cluster.command(target, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", ids[source])
+    redis_cluster.command(source, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", ids[target])
+    try:
+        refused = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert refused.returncode == ExitCode.UNAVAILABLE, refused.stderr
+        assert "no node of the cluster could serve this lock" in one_line(refused.stderr)
+        before = tryagains(redis_cluster, target)
+        waiter = spawn("--uri", uri, "-n", name, "-w", "60", "--", "true")
+        wait_for(lambda: tryagains(redis_cluster, target) > before + 1, what="the waiter to ask")
+        assert waiter.poll() is None
+    finally:
+        redis_cluster.reshard(slot, target)  # no keys to move: SETSLOT NODE everywhere
+    assert finish(waiter) == 0
+
+
+@pytest.mark.slow  # a cluster of its own: CI's normal phase has no seconds to spare
+def test_rediss_cluster_checks_every_node_it_is_redirected_to(tmp_path: Path, name: str) -> None:
+    """rediss+cluster:// runs on each primary; another CA, or plain redis+cluster://, is 69."""
+    make_certificates(tmp_path)
+    cluster = Cluster(tls=tmp_path)
+    try:
+        for port in primaries(cluster):
+            lock = name_on(cluster, port, name)
+            ran = lockrun("--uri", cluster.uri, "-n", lock, "--", "true")
+            assert (ran.returncode, ran.stderr) == (0, "")
+        other_ca = cluster.uri.replace("ca.crt", "other-ca.crt")
+        plain = cluster.uri.replace("rediss+", "redis+").partition("?")[0]
+        for uri in (other_ca, plain):
+            result = lockrun("--uri", uri, "-n", name, "--", "true")
+            assert result.returncode == ExitCode.UNAVAILABLE, result.stderr
+            one_line(result.stderr)
+    finally:
+        cluster.close()

@@ -22,6 +22,7 @@ from tests.support.servers import RedisServer, free_port, installed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from pathlib import Path
 
 LOOPBACK: Final = "127.0.0.1"
 NODE_TIMEOUT: Final = 1000  # ms: cluster-node-timeout
@@ -55,10 +56,25 @@ def slot_of(key: str) -> int:
 class Cluster:
     """Three primaries and three replicas on loopback; `close` stops them all."""
 
-    def __init__(self, *options: str) -> None:
-        """Start the six nodes with extra *options*, join them, wait until all is well."""
+    def __init__(self, *, tls: Path | None = None) -> None:
+        """Start the six nodes, join them, wait until all is well.
+
+        With *tls*, a directory of `make_certificates`: clients, replicas and the cluster
+        bus speak TLS only (the port is the TLS port; the unix socket stays plain).
+        """
         installed("redis-cli")
         self.servers: dict[int, RedisServer] = {}
+        self.tls = tls
+        secure: tuple[str, ...] = ()
+        cli: tuple[str, ...] = ()
+        if tls is not None:
+            secure = (
+                *("--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no"),
+                *("--tls-cert-file", str(tls / "server.crt")),
+                *("--tls-key-file", str(tls / "server.key")),
+                *("--tls-ca-cert-file", str(tls / "ca.crt")),
+            )
+            cli = ("--tls", "--cacert", str(tls / "ca.crt"))
         try:
             for _ in range(2 * PRIMARIES):
                 port = free_port()
@@ -67,11 +83,11 @@ class Cluster:
                     *("--cluster-port", str(free_port())),  # not PORT + 10000, maybe taken
                     *("--cluster-node-timeout", str(NODE_TIMEOUT)),
                     *("--repl-diskless-sync-delay", "0", "--protected-mode", "no"),
-                    *options,
+                    *(("--port", "0", "--tls-port", str(port), *secure) if tls else ()),
                     port=port,
                 )
             addresses = [f"{LOOPBACK}:{port}" for port in self.servers]
-            create = ("redis-cli", "--cluster", "create", *addresses)
+            create = ("redis-cli", *cli, "--cluster", "create", *addresses)
             subprocess.run(
                 (*create, "--cluster-replicas", "1", "--cluster-yes"),
                 capture_output=True,
@@ -85,8 +101,11 @@ class Cluster:
 
     @property
     def uri(self) -> str:
-        """The lockrun URI that names every node."""
-        return "redis+cluster://" + ",".join(f"{LOOPBACK}:{port}" for port in self.servers)
+        """The lockrun URI that names every node (rediss+cluster://, checking them, with TLS)."""
+        nodes = ",".join(f"{LOOPBACK}:{port}" for port in self.servers)
+        if self.tls is None:
+            return f"redis+cluster://{nodes}"
+        return f"rediss+cluster://{nodes}?ssl_ca_certs={self.tls / 'ca.crt'}"
 
     def command(self, port: int, *args: str) -> str:
         """Run redis-cli against the node on *port* and return what it printed."""

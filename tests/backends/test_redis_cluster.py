@@ -280,3 +280,31 @@ def test_rediss_cluster_checks_every_node_it_is_redirected_to(tmp_path: Path, na
             one_line(result.stderr)
     finally:
         cluster.close()
+
+
+@pytest.mark.slow  # kills and restarts a node, and waits for the cluster to mark it failed
+def test_a_primary_whose_replica_died_is_trusted_alone_once_the_cluster_marks_it_failed(
+    redis_cluster: Cluster, name: str
+) -> None:
+    """Its replica killed: 69 while the cluster may still promote it, runs once marked fail."""
+    uri = redis_cluster.uri
+    primary = redis_cluster.owner(slot_of(key_prefix("default", name)))
+    port = redis_cluster.replica_of(primary)
+    replica = redis_cluster.servers[port]
+    replica.stop()
+    try:
+        refused = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert refused.returncode == ExitCode.UNAVAILABLE, refused.stderr
+        assert "has no replica in sync, but the cluster lists 1" in one_line(refused.stderr)
+        wait_for(
+            lambda: any(
+                node.port == port and "fail" in node.flags for node in redis_cluster.nodes(primary)
+            ),
+            30,
+            "the cluster to mark the replica failed",
+        )
+        ran = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert (ran.returncode, ran.stderr) == (0, "")
+    finally:
+        replica.start()  # nodes.conf keeps its identity: it rejoins as the replica
+        redis_cluster.wait_settled()

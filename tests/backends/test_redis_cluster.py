@@ -33,6 +33,7 @@ from tests.support.cli import (
 from tests.support.clusters import Cluster, slot_of
 from tests.support.harness import paused
 from tests.support.net import make_certificates
+from tests.support.servers import RedisServer, free_port
 
 if TYPE_CHECKING:
     import subprocess
@@ -308,3 +309,16 @@ def test_a_primary_whose_replica_died_is_trusted_alone_once_the_cluster_marks_it
     finally:
         replica.start()  # nodes.conf keeps its identity: it rejoins as the replica
         redis_cluster.wait_settled()
+
+
+def test_a_cluster_uri_naming_a_lone_server_is_78_and_holds_nothing(name: str) -> None:
+    """redis+cluster:// to a server without cluster support: 78 naming redis://, no lock left."""
+    server = RedisServer(port=free_port())
+    try:
+        uri = f"redis+cluster://127.0.0.1:{server.port}"
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert result.returncode == ExitCode.CONFIG, result.stderr
+        assert "use redis://" in one_line(result.stderr)
+        assert states(server.tcp_uri, name)[0]["holders"] == []
+    finally:
+        server.close()

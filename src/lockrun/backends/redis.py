@@ -845,6 +845,12 @@ _FAILURES: Final[
     ),
     (
         (),
+        ("cluster support disabled",),  # CLUSTER MYID, after a grant on a redis+cluster:// URI
+        ConfigError,
+        "{where}: the server is no node of a Redis Cluster; use redis://HOST[:PORT]",
+    ),
+    (
+        (),
         ("SELECT is not allowed in cluster mode",),
         ConfigError,
         (

@@ -17,9 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends import redis as redis_backend
 from lockrun.backends.redis import key_prefix
 from lockrun.errors import ExitCode
+from lockrun.timing import now
 from tests.support.cli import (
     Held,
     finish,
@@ -322,3 +324,27 @@ def test_a_cluster_uri_naming_a_lone_server_is_78_and_holds_nothing(name: str) -
         assert states(server.tcp_uri, name)[0]["holders"] == []
     finally:
         server.close()
+
+
+def test_a_moved_answer_switches_a_plain_uri_where_hello_hid_the_cluster(
+    redis_cluster: Cluster, name: str
+) -> None:
+    """A proxy may hide HELLO's mode: the first MOVED switches to the cluster's ways, once."""
+    slot = slot_of(key_prefix("default", name))
+    other = redis_cluster.other_primary(redis_cluster.owner(slot))
+    notes: list[str] = []
+    backend = open_backend(parse_uri(f"redis://127.0.0.1:{other}"), ttl=5.0, note=notes.append)
+    backend._mode_known = True  # type: ignore[attr-defined]  # as if HELLO had said nothing
+    try:
+        lease = backend.acquire(Request("default", name, 1, 5.0, Holder.me(["x"])), now() + 5)
+        assert lease is not None
+        assert lease.fence is not None
+        lease.release()
+    finally:
+        backend.close()
+    assert notes == [
+        (
+            f"redis://127.0.0.1:{other} is a node of a Redis Cluster: using it as "
+            f"redis+cluster://127.0.0.1:{other}"
+        )
+    ]

@@ -983,7 +983,8 @@ class RedisBackend:
         # A Redis Cluster's nodes, by the slots they serve: from a cluster URI, or once a
         # plain one turns out to name a node of a cluster (`_detect_cluster`).
         self._router = Router(settings.cluster, self._node) if settings.cluster else None
-        self._standalone = bool(settings.sentinels or settings.cluster)  # known, no check
+        # Whether HELLO said if the server is a cluster's (the URI says so for these)
+        self._mode_known = bool(settings.sentinels or settings.cluster)
 
     @property
     def timeout(self) -> float:
@@ -1072,11 +1073,13 @@ class RedisBackend:
             if self._sentinel is not None and script != "status":
                 reply = self._on_the_primary(script, keys, argv, durable=durable, identify=identify)
             else:
-                try:
-                    if self._router is None:
+                reply = None
+                if self._router is None:
+                    try:
                         reply = self._on_a_pooled_connection(script, keys, argv, identify=identify)
-                except errors.MovedError as moved:  # a node of a cluster that HELLO hid
-                    self._detect_cluster(None, moved)
+                    except errors.MovedError as moved:  # a node of a cluster that HELLO hid
+                        if not self._detect_cluster(None, moved):
+                            raise
                 if self._router is not None:
                     reply = self._on_the_node(
                         script, keys, argv, durable=durable, identify=identify
@@ -1115,13 +1118,13 @@ class RedisBackend:
         MOVED, where something hid it. A cluster has database 0 alone, and redirects
         name TCP addresses: a unix: URI, or another database, is refused (78).
         """
-        if self._standalone:
+        if self._router is not None or (moved is None and self._mode_known):
             return False
         if moved is None:
             said = getattr(connection, "handshake_metadata", None)
             mode = said.get("mode", said.get(b"mode")) if isinstance(said, dict) else None
+            self._mode_known = True  # asked once: the HELLO of later connections agrees
             if mode not in {"cluster", b"cluster"}:
-                self._standalone = True  # asked once: the HELLO of later connections agrees
                 return False
         where, kwargs = self.settings.where, self.settings.kwargs
         if "unix_socket_path" in kwargs or kwargs.get("db"):
@@ -1132,7 +1135,6 @@ class RedisBackend:
             )
             raise ConfigError(msg)
         host, port = address = (str(kwargs["host"]), int(kwargs["port"]))
-        self._standalone = True
         self._router = Router([address], self._node)
         scheme = "rediss+cluster" if kwargs.get("ssl") else "redis+cluster"
         shown = f"[{host}]" if ":" in host else host
@@ -1524,7 +1526,7 @@ class RedisBackend:
         Return the connection (None behind Sentinel, on a cluster, or when the server
         refuses: the renewals' cadence remains) and whether the key holds something already.
         """
-        if self._sentinel is not None or self._router is not None or not self._standalone:
+        if self._sentinel is not None or self._router is not None or not self._mode_known:
             return None, False
         try:
             pool = self.client().connection_pool
@@ -1648,7 +1650,7 @@ class RedisBackend:
 
     def _every_primary(self) -> list[redis.Redis]:
         """Return a client of the server, or of every primary of a cluster (for SCAN)."""
-        if self._router is None and not self._standalone:
+        if self._router is None and not self._mode_known:
             pool = self.client().connection_pool
             connection = pool.get_connection()  # its HELLO says whether it is a cluster's
             try:

@@ -269,7 +269,12 @@ def test_a_lock_whose_slot_is_migrating_waits_for_the_migration(
 def test_rediss_cluster_checks_every_node_it_is_redirected_to(tmp_path: Path, name: str) -> None:
     """rediss+cluster:// runs on each primary; another CA, or plain redis+cluster://, is 69."""
     make_certificates(tmp_path)
-    cluster = Cluster(tls=tmp_path)
+    try:
+        cluster = Cluster(tls=tmp_path)
+    except pytest.fail.Exception as err:  # as test_redis.py's test_tls
+        if "tls" not in str(err).lower():
+            raise
+        pytest.skip(f"this redis-server has no TLS support: {err}")
     try:
         for port in primaries(cluster):
             lock = name_on(cluster, port, name)

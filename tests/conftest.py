@@ -13,6 +13,7 @@ import pytest
 from hypothesis import settings
 
 from tests.support.cli import TEST_TTL, Held, start
+from tests.support.clusters import Cluster
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
@@ -77,6 +78,14 @@ def redis_uri() -> Iterator[str]:
     server = RedisServer()
     yield server.uri
     server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """Return a Redis Cluster of this worker's own (three primaries, a replica each)."""
+    cluster = Cluster()
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture

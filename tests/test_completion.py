@@ -83,6 +83,8 @@ def test_every_scheme_is_offered_for_uri() -> None:
         "plain,redis://",
         "plain,rediss://",
         "plain,redis+sentinel://",
+        "plain,redis+cluster://",
+        "plain,rediss+cluster://",
     ]
 
 
@@ -156,12 +158,12 @@ def test_bash_tab_completes_an_option_name(tmp_path: Path) -> None:
         term.read_until(b"sourced-0")
         term.send(b"lockrun --uri-f\t")
         term.read_until(b"lockrun --uri-file ")
-        term.send(b"\x15lockrun --uri redis+\t")
+        term.send(b"\x15lockrun --uri redis+s\t")
         shown = term.read_until(b"redis+sentinel://")
         term.send(b"h/0 --wa\t")  # after a URI, whose colon bash breaks words at
         term.read_until(b"--wait ")
-        term.send(b"\x15lockrun --uri=rediss\t")
-        term.read_until(b"--uri=rediss://")
+        term.send(b"\x15lockrun --uri=redis+c\t")
+        term.read_until(b"--uri=redis+cluster://")
         term.send(b"X\n")  # no space after the scheme: the host follows at once
         term.read_until(b"lockrun: no command to run")
         assert b"--uri redis+sentinel://" in shown

@@ -165,6 +165,11 @@ def test_uris_parse_and_reject() -> None:
             "redis+sentinel://:pw@a,b/svc?sentinel_password=sp",
             "redis+sentinel://***@a,b/svc?sentinel_password=***",
         ),
+        ("redis+cluster://hunter2@a:7000,b:7001", "redis+cluster://***@a:7000,b:7001"),
+        (
+            "rediss+cluster://u:p@ss@a,b?ssl_cert_reqs=none",
+            "rediss+cluster://***@a,b?ssl_cert_reqs=none",
+        ),
         ("mysql://root@localhost/x?unix_socket=/tmp/a@b", "mysql://***@b"),  # too much: safe
         ("postgresql:///db?host=/run/pg@x", "postgresql:///db?host=/run/pg@x"),  # no authority
         ("redis://:pa?ss@host/0", "redis://***"),  # refused, so hiding too much is fine

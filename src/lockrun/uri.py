@@ -69,6 +69,15 @@ SCHEMES: Final[Mapping[str, Scheme]] = {
         {"redis+sentinel://": "Redis behind Sentinel"},
         leased=True,
     ),
+    "redis+cluster": Scheme(
+        "redis",
+        "redis+cluster://H1[:PORT],H2[:PORT]",
+        {"redis+cluster://": "Redis Cluster"},
+        leased=True,
+    ),
+    "rediss+cluster": Scheme(
+        "redis", "rediss+cluster://…", {"rediss+cluster://": "Redis Cluster over TLS"}, leased=True
+    ),
     "mysql": Scheme(
         "mysql", "mysql://[USER@]HOST[:PORT]/DB", {"mysql://": "MySQL / MariaDB"}, session=True
     ),

@@ -415,6 +415,19 @@ def test_parse_sentinel_uris() -> None:
     assert parse(parse_uri("redis+sentinel://s/svc?db=7")).kwargs["db"] == 7
 
 
+def test_parse_cluster_uris(tmp_path: Path) -> None:
+    """Cluster nodes (default port 6379, IPv6 too), no database but 0, TLS for rediss+cluster."""
+    settings = parse(parse_uri("redis+cluster://u:pw@a,b:7001,[::1]:7002/"))
+    assert settings.cluster == (("a", 6379), ("b", 7001), ("::1", 7002))
+    assert dict(settings.kwargs) == {"username": "u", "password": "pw"}
+    assert "pw" not in settings.where.replace("//", "")
+    assert parse(parse_uri("redis+cluster://a/0")).cluster == (("a", 6379),)
+    (tmp_path / "ca.pem").write_text("")
+    tls = parse(parse_uri(f"rediss+cluster://a,b?ssl_ca_certs={tmp_path}/ca.pem")).kwargs
+    assert (tls["ssl"], tls["ssl_ca_certs"]) == (True, f"{tmp_path}/ca.pem")
+    assert not parse(parse_uri("redis+cluster://a")).kwargs.get("ssl")
+
+
 def test_a_sentinel_uri_without_tls_options_does_not_ask_for_tls(tmp_path: Path) -> None:
     """Plain redis+sentinel:// talks plain Redis to the master; TLS only when asked for."""
     assert not parse(parse_uri("redis+sentinel://s/svc")).kwargs.get("ssl")
@@ -432,6 +445,8 @@ def test_a_sentinel_uri_without_tls_options_does_not_ask_for_tls(tmp_path: Path)
         "redis+sentinel://s/svc?username=u",
         "redis://h:65536",
         "redis+sentinel://s/svc/x",
+        "redis+cluster://a,b/1",
+        "redis+cluster://a?password=hunter2",
     ],
 )
 def test_parse_rejects_bad_uris(text: str) -> None:

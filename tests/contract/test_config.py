@@ -400,6 +400,18 @@ BAD_URIS: Final = {
     "redis-db-path": ("redis://127.0.0.1:1/0/1", "'0/1' is not a number", ()),
     "unix-no-path": ("unix://", "expected unix:///path", ()),
     "sentinel-no-service": ("redis+sentinel://127.0.0.1:1", "SERVICE", ()),
+    "cluster-database": ("redis+cluster://127.0.0.1:1,127.0.0.1:2/3", "database 0 alone", ()),
+    "cluster-db-option": ("redis+cluster://127.0.0.1:1?db=0", "unknown option 'db'", ()),
+    "cluster-tls-option": (
+        "redis+cluster://127.0.0.1:1?ssl_ca_certs=/ca.pem",
+        "unknown option 'ssl_ca_certs'",
+        (),
+    ),
+    "cluster-password": (
+        f"rediss+cluster://:{SECRET}@127.0.0.1:1,127.0.0.1:99999",
+        "port 99999 is out of range",
+        (SECRET,),
+    ),
     # A CA, certificate or key file that cannot be read is 78 naming it (not 69).
     "rediss-missing-ca": (
         "rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent/ca.pem",

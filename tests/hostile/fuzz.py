@@ -22,7 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lockrun import ConfigError, UsageError, metrics
-from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
+from lockrun.backends import (
+    Holder,
+    cluster,
+    next_fence,
+    open_backend,
+    parse_uri,
+    read_identity,
+    read_json,
+)
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
@@ -45,7 +53,8 @@ def one_input(data: bytes) -> None:
     """Throw *data* at every parser; raise AssertionError where one misbehaves."""
     text = data.decode("utf-8", errors="surrogateescape")
     _uri(text)
-    for scheme in ("redis://", "mysql://", "postgresql://", "redis://:", "unix:///s?password="):
+    schemes = ("redis://", "mysql://", "postgresql://", "redis://:", "unix:///s?password=")
+    for scheme in (*schemes, "redis+cluster://", "rediss+cluster://h,"):
         _uri(scheme + text)
     with contextlib.suppress(UsageError):
         seconds = parse_duration(text, allow_forever=True)
@@ -125,6 +134,9 @@ def _record(text: str, data: bytes) -> None:
     raw = text.encode(errors="surrogateescape")
     for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):
         redis_backend._SentinelView.read(reply, reply, [reply, reply])
+        assert cluster.live_replicas(reply) >= 0
+        for entry in (reply, [0, 1, reply], [0, 1, [text, raw]], [0, 1, [raw, text, raw]]):
+            assert all(0 < port < 65536 for _, port in cluster.primaries_in([entry], ("h", 1)))
     assert 0 < next_fence(data) <= MAX_FENCE
 
 

@@ -19,6 +19,7 @@ import redis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pymysql.constants import COMMAND
+from redis.cluster import RedisCluster
 
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends.mysql import lock_key as mysql_key
@@ -34,6 +35,8 @@ from tests.support.strategies import deep, holder_like, json_values
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+
+    from tests.support.clusters import Cluster
 
 
 def fence_of_run(uri: str, name: str) -> int:
@@ -119,6 +122,40 @@ def test_a_lock_key_of_the_wrong_type_is_69_saying_so(
         clean(shown, 69)
     finally:
         redis_client.delete(f"{prefix}:holders")
+
+
+def test_records_another_client_of_a_cluster_writes_change_no_decision(
+    redis_cluster: Cluster, name: str
+) -> None:
+    """On a cluster: garbage keys, then a ghost holder, then a key of the wrong type.
+
+    Garbage in n, fence and owners: runs go on with 64-bit fences that rise; a token
+    leased till +inf: busy (75) in one line; holders written as a string: 69 naming
+    WRONGTYPE. Status reads each, without NAME too (a scan of every primary).
+    """
+    uri, prefix = redis_cluster.uri, key_prefix("default", name)
+    address = redis_cluster.uri.removeprefix("redis+cluster://").split(",")[0]
+    host, port = address.rsplit(":", 1)
+    client = RedisCluster(host=host, port=int(port), decode_responses=True)
+    try:
+        before = fence_of_run(uri, name)
+        client.set(f"{prefix}:n", "abc")
+        client.set(f"{prefix}:fence", str(2**63 - 2))
+        client.hset(f"{prefix}:owners", mapping={"tok": "not a slot", "t2": "9 x y"})
+        assert fence_of_run(uri, name) > before
+        statuses_read(uri, name)
+        client.zadd(f"{prefix}:holders", {"ghost": float("inf")})
+        client.hset(f"{prefix}:owners", "ghost", "0 1 1")
+        clean(lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true"), 75)
+        statuses_read(uri, name)
+        client.delete(f"{prefix}:holders")
+        client.set(f"{prefix}:holders", "not a sorted set")
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        clean(result, 69)
+        assert "WRONGTYPE" in result.stderr
+    finally:
+        client.delete(*(f"{prefix}:{part}" for part in ("holders", "owners", "n", "fence")))
+        client.close()
 
 
 redis_values = st.one_of(

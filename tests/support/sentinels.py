@@ -30,7 +30,14 @@ import redis
 
 from tests.support.cli import wait_for
 from tests.support.oracle import Oracle
-from tests.support.servers import RedisServer, _Server, free_port, installed, unavailable
+from tests.support.servers import (
+    REDIS_SERVER,
+    RedisServer,
+    _Server,
+    free_port,
+    installed,
+    unavailable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -183,7 +190,7 @@ class SentinelServer(_Server):
 
     def start(self) -> None:
         """Start the sentinel and wait until it answers PING."""
-        self._launch(("redis-server", self.conf, "--sentinel"), patience=10, pause=0.01)
+        self._launch((REDIS_SERVER, self.conf, "--sentinel"), patience=10, pause=0.01)
 
     def ping(self) -> bool:
         """Return whether the sentinel answers PING."""

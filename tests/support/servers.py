@@ -28,7 +28,9 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-REDIS_SERVER: Final = "redis-server"
+# Another server that speaks Redis, for a run by hand: Valkey's valkey-server, say
+# (docs/development.md). Read once, at import: each test clears LOCKRUN_* variables.
+REDIS_SERVER: Final = os.environ.get("LOCKRUN_TEST_REDIS_SERVER", "redis-server")
 _TEMPLATES: dict[str, str] = {}
 
 

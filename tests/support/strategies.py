@@ -43,6 +43,8 @@ USERINFO_TEMPLATES: Final = (
     "redis://user:{secret}@127.0.0.1:{port}/0",
     "rediss://:{secret}@127.0.0.1:{port}/0",
     "redis+sentinel://:{secret}@127.0.0.1:{port}/mymaster",
+    "redis+cluster://:{secret}@127.0.0.1:{port},127.0.0.2:{port}",
+    "rediss+cluster://user:{secret}@[::1]:{port},127.0.0.1",
     "mysql://user:{secret}@127.0.0.1:{port}/db",
     "mariadb://{secret}@127.0.0.1:{port}/db",
     "postgresql://user:{secret}@127.0.0.1:{port}/db",

@@ -42,6 +42,7 @@ from lockrun.backends import (
     slots_mismatch,
     timeout_for,
 )
+from lockrun.backends.cluster import NotDurable, Router, Unsettled, check_durable, slot_of
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
@@ -76,7 +77,10 @@ _OPTIONS: Final = {
     "rediss": frozenset({"db"}) | _TLS_OPTIONS,
     "unix": frozenset({"db", "username", "password"}),
     "redis+sentinel": frozenset({"db", "sentinel_username", "sentinel_password"}) | _TLS_OPTIONS,
+    "redis+cluster": frozenset(),
+    "rediss+cluster": _TLS_OPTIONS,
 }
+CLUSTER_SCHEMES: Final = frozenset({"redis+cluster", "rediss+cluster"})
 _KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 
 
@@ -533,15 +537,18 @@ def _run(
     keys: list[str],
     argv: list[Any],
     *after: tuple[str, ...],
+    asking: bool = False,
 ) -> list[Any]:
     """Run *script* on *connection*, then the commands *after*, in one round trip.
 
     Return their replies; an error reply to one of *after* is returned as the exception.
     A server that lacks the script (a restart, SCRIPT FLUSH, another
-    server behind the address) is given it, once.
+    server behind the address) is given it, once. *asking*: ASKING first, for the node a
+    cluster's ASK redirected us to.
     """
     packed = b"".join(
         [
+            _command("ASKING") if asking else b"",
             _command("EVALSHA", _SHA1[script], len(keys), *keys, *argv),
             *(_command(*c) for c in after),
         ]
@@ -549,6 +556,8 @@ def _run(
     for _attempt in range(2):
         connection.send_packed_command([packed])  # a list of chunks, as pack_command gives
         try:
+            if asking:
+                connection.read_response()  # OK
             reply = connection.read_response()
         except errors.NoScriptError:
             for _ in after:  # their replies, before the connection is used again
@@ -590,7 +599,7 @@ def _pipeline(connection: Any, *commands: tuple[str, ...]) -> list[Any]:  # noqa
 
 
 class Settings(NamedTuple):
-    """Where the server is and how to log in, from a redis:, rediss:, unix: or sentinel URI."""
+    """Where the server is and how to log in: a redis:, rediss:, unix:, sentinel or cluster URI."""
 
     where: str  # the URI without its password, for messages
     kwargs: Mapping[str, Any]  # for redis.Redis, or for Sentinel.master_for
@@ -598,6 +607,7 @@ class Settings(NamedTuple):
     sentinels: tuple[tuple[str, int], ...] = ()
     service: str = ""
     sentinel_kwargs: Mapping[str, Any] = {}
+    cluster: tuple[tuple[str, int], ...] = ()  # a Redis Cluster's nodes, to ask first
 
 
 def parse(uri: LockURI) -> Settings:
@@ -641,6 +651,8 @@ def parse(uri: LockURI) -> Settings:
             "password": query.pop("sentinel_password", None),
         }
         return Settings(uri.redacted, kwargs, secrets_of(uri.text), sentinels, service, sentinel)
+    elif uri.scheme in CLUSTER_SCHEMES:
+        return _cluster(uri, kwargs, hosts, path, query)
     else:
         kwargs["host"], kwargs["port"] = host_port(uri, hosts, DEFAULT_PORT)
         db = _one_db(uri, path.strip("/"), query)
@@ -648,6 +660,22 @@ def parse(uri: LockURI) -> Settings:
             kwargs |= _tls(uri, query)
     kwargs["db"] = _db(uri, db)
     return Settings(uri.redacted, kwargs, secrets_of(uri.text))
+
+
+def _cluster(
+    uri: LockURI, kwargs: dict[str, object], hosts: str, path: str, query: dict[str, str]
+) -> Settings:
+    """Return the settings of a redis+cluster:// or rediss+cluster:// URI."""
+    if path.strip("/") not in {"", "0"}:
+        msg = (
+            f"{uri.redacted}: a Redis Cluster has database 0 alone; "
+            "expected redis+cluster://HOST[:PORT],…"
+        )
+        raise ConfigError(msg)
+    nodes = tuple(host_port(uri, host, DEFAULT_PORT) for host in hosts.split(","))
+    if uri.scheme == "rediss+cluster":
+        kwargs |= _tls(uri, query)
+    return Settings(uri.redacted, kwargs, secrets_of(uri.text), cluster=nodes)
 
 
 def _one_db(uri: LockURI, in_path: str, query: dict[str, str]) -> str:
@@ -737,6 +765,14 @@ def _well_formed(script: str, reply: Any) -> bool:  # noqa: ANN401 - Lua's reply
     return len(reply) % 2 == 0 and all(isinstance(item, str) for item in reply)  # woken pairs
 
 
+def _granted(reply: Any) -> bool:  # noqa: ANN401 - Lua's reply
+    """Return whether an acquire or renew *reply* granted or extended a lease.
+
+    A renewal answered with a taker's record extended the lease too.
+    """
+    return reply == 1 or isinstance(reply, str) or (isinstance(reply, list) and reply[:1] == [1])
+
+
 def _pairs(flat: list[str]) -> dict[str, str]:
     """Turn a flat Redis reply [k1, v1, k2, v2, …] into a dict."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
@@ -808,6 +844,21 @@ _FAILURES: Final[
         "{where}: no such database on this server: {text}",
     ),
     (
+        (),
+        ("cluster support disabled",),  # CLUSTER MYID, after a grant on a redis+cluster:// URI
+        ConfigError,
+        "{where}: the server is no node of a Redis Cluster; use redis://HOST[:PORT]",
+    ),
+    (
+        (),
+        ("SELECT is not allowed in cluster mode",),
+        ConfigError,
+        (
+            "{where} is a node of a Redis Cluster, which has database 0 alone; "
+            "use redis+cluster://HOST[:PORT],…"
+        ),
+    ),
+    (
         (errors.TimeoutError,),
         (),
         BackendUnavailable,
@@ -831,10 +882,10 @@ def connect(
     *,
     ttl: float | None = None,
     warn: Callable[[str], None] | None = None,
-    note: Callable[[str], None] | None = None,  # noqa: ARG001 - nothing for -v alone
+    note: Callable[[str], None] | None = None,
 ) -> RedisBackend:
     """Check *uri*; the first call connects, with timeouts that fit leases of *ttl*."""
-    return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None))
+    return RedisBackend(parse(uri), ttl or DEFAULT_TTL, warn or (lambda _line: None), note)
 
 
 # What redis-py raises besides its own errors when a "server" answers what Redis never
@@ -848,13 +899,6 @@ _REPLY_ERRORS: Final = (
     KeyError,
     RecursionError,
 )
-
-
-class _NotDurable(errors.ConnectionError):
-    """The node answered, but a failover could lose what it grants now.
-
-    docs/design.md A5.
-    """
 
 
 class _SentinelView(NamedTuple):
@@ -916,10 +960,17 @@ def _field(reply: Any, name: str) -> str:  # noqa: ANN401 - a raw reply
 class RedisBackend:
     """One connection to a Redis server (or to the primary that Sentinel names)."""
 
-    def __init__(self, settings: Settings, ttl: float, warn: Callable[[str], None]) -> None:
-        """Remember *settings*; *warn* gets one-line warnings (an eviction policy)."""
+    def __init__(
+        self,
+        settings: Settings,
+        ttl: float,
+        warn: Callable[[str], None],
+        note: Callable[[str], None] | None = None,
+    ) -> None:
+        """Remember *settings*; *warn* gets one-line warnings (an eviction policy), *note* -v's."""
         self.settings = settings
         self.warn = warn
+        self.note = note or (lambda _line: None)
         self._client: redis.Redis | None = None
         self.ttl = ttl
         self._sentinel: Sentinel | None = None
@@ -929,22 +980,51 @@ class RedisBackend:
         self._checked = False  # for an eviction policy that could drop our keys
         self._interrupted = False  # set by `interrupt`: every wait ends
         self._sleeping: Any = None  # the connection a waiter sleeps in BLPOP on, if any
+        # A Redis Cluster's nodes, by the slots they serve: from a cluster URI, or once a
+        # plain one turns out to name a node of a cluster (`_detect_cluster`).
+        self._router = Router(settings.cluster, self._node) if settings.cluster else None
+        # Whether HELLO said if the server is a cluster's (the URI says so for these)
+        self._mode_known = bool(settings.sentinels or settings.cluster)
 
     @property
     def timeout(self) -> float:
         """How long any one call (connect included) may take."""
         return timeout_for(self.ttl)
 
+    def _options(self) -> dict[str, Any]:
+        """Return redis-py's options for every connection: timeouts that fit the ttl."""
+        return {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            "decode_responses": True,
+            "driver_info": None,  # no CLIENT SETINFO round trips on connect
+            # HELLO on connect, whose answer names the connection (_identity) and says
+            # whether the server is a node of a cluster (_detect_cluster)
+            "protocol": 3,
+        }
+
+    def _node(self, address: tuple[str, int]) -> redis.Redis:
+        """Return a client of the cluster node at *address*, logging in as the URI says."""
+        kwargs = {
+            key: value
+            for key, value in self.settings.kwargs.items()
+            if key not in {"host", "port", "db"}
+        }
+        host, port = address
+        return redis.Redis(
+            host=host, port=port, **kwargs, **self._options(), retry=Retry(NoBackoff(), 0)
+        )
+
     def client(self) -> redis.Redis:
-        """Return the client, made on first use, with timeouts that fit the backend's ttl."""
+        """Return the client, made on first use, with timeouts that fit the backend's ttl.
+
+        On a cluster: the client of the first node the URI names (CONFIG GET, CLIENT LIST
+        and the like go to the lock's node: `node_client`).
+        """
+        if self._router is not None:
+            return self._router.client(self._router.known[0])
         if self._client is None:
-            options: dict[str, Any] = {
-                "socket_timeout": self.timeout,
-                "socket_connect_timeout": self.timeout,
-                "decode_responses": True,
-                "driver_info": None,  # no CLIENT SETINFO round trips on connect
-                "protocol": 3,  # HELLO on connect, whose answer names the connection (_identity)
-            }
+            options = self._options()
             # No hidden retries: a retried BLPOP could outlive the lease (docs/design.md P8);
             # lockrun's own loops decide when to ask again.
             no_retries = Retry(NoBackoff(), 0)
@@ -966,6 +1046,12 @@ class RedisBackend:
                 self._client = redis.Redis(**settings.kwargs, **options, retry=no_retries)
         return self._client
 
+    def node_client(self, prefix: str) -> redis.Redis:
+        """Return the client of the node that holds the lock of *prefix* (on a cluster)."""
+        if self._router is not None:
+            return self._router.client(self._router.node(slot_of(prefix)))
+        return self.client()
+
     def call(
         self, script: str, claim: Claim, *args: str | int, identify: bool | None = None
     ) -> Any:  # noqa: ANN401 - Lua's reply
@@ -976,16 +1062,28 @@ class RedisBackend:
 
         Behind Sentinel, every write goes to the primary the sentinels name, and a grant
         or a renewal counts only once a replica has it (`_on_the_primary`). A release
-        sent to a demoted primary would leave the lease to run out on the new one.
+        sent to a demoted primary would leave the lease to run out on the new one. On a
+        cluster, every call goes to the node that serves the lock's slot, and a grant or
+        a renewal counts only once a replica has it too (`_on_the_node`).
         """
         keys = _keys(claim.prefix)
         argv = [claim.prefix, claim.token, claim.slots, claim.ttl_ms, *args]
+        durable = script in {"acquire", "renew"}
         try:
             if self._sentinel is not None and script != "status":
-                durable = script in {"acquire", "renew"}
                 reply = self._on_the_primary(script, keys, argv, durable=durable, identify=identify)
             else:
-                reply = self._on_a_pooled_connection(script, keys, argv, identify=identify)
+                reply = None
+                if self._router is None:
+                    try:
+                        reply = self._on_a_pooled_connection(script, keys, argv, identify=identify)
+                    except errors.MovedError as moved:  # a node of a cluster that HELLO hid
+                        if not self._detect_cluster(None, moved):
+                            raise
+                if self._router is not None:
+                    reply = self._on_the_node(
+                        script, keys, argv, durable=durable, identify=identify
+                    )
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
         if not _well_formed(script, reply):  # not our script's answer: not Redis, or tampered
@@ -1000,6 +1098,8 @@ class RedisBackend:
         pool = self.client().connection_pool
         connection = pool.get_connection()
         try:
+            if self._detect_cluster(connection):
+                return None  # the caller asks again, the cluster's way
             if identify is not None:
                 argv = [*argv, self._identity(connection) if identify else ""]
             return _run(connection, script, keys, argv)[0]
@@ -1008,6 +1108,65 @@ class RedisBackend:
             raise
         finally:
             pool.release(connection)
+
+    def _detect_cluster(self, connection: Any, moved: Exception | None = None) -> bool:  # noqa: ANN401 - redis-py's Connection
+        """Switch to the cluster's ways if a plain URI's server is a node of a Redis Cluster.
+
+        Return whether it switched.
+
+        Its answer to HELLO, on every connect, says so (no round trip of its own); a
+        MOVED, where something hid it. A cluster has database 0 alone, and redirects
+        name TCP addresses: a unix: URI, or another database, is refused (78).
+        """
+        if self._router is not None or (moved is None and self._mode_known):
+            return False
+        if moved is None:
+            said = getattr(connection, "handshake_metadata", None)
+            mode = said.get("mode", said.get(b"mode")) if isinstance(said, dict) else None
+            self._mode_known = True  # asked once: the HELLO of later connections agrees
+            if mode not in {"cluster", b"cluster"}:
+                return False
+        where, kwargs = self.settings.where, self.settings.kwargs
+        if "unix_socket_path" in kwargs or kwargs.get("db"):
+            what = "a unix socket" if "unix_socket_path" in kwargs else f"database {kwargs['db']}"
+            msg = (
+                f"{where} is a node of a Redis Cluster, which lockrun cannot reach through "
+                f"{what}; use redis+cluster://HOST[:PORT],… (database 0)"
+            )
+            raise ConfigError(msg)
+        host, port = address = (str(kwargs["host"]), int(kwargs["port"]))
+        self._router = Router([address], self._node)
+        scheme = "rediss+cluster" if kwargs.get("ssl") else "redis+cluster"
+        shown = f"[{host}]" if ":" in host else host
+        self.note(f"{where} is a node of a Redis Cluster: using it as {scheme}://{shown}:{port}")
+        return True
+
+    def _on_the_node(
+        self, script: str, keys: list[str], argv: list[Any], *, durable: bool, identify: bool | None
+    ) -> Any:  # noqa: ANN401 - Lua's reply
+        """Run *script* on the cluster node that serves the lock's slot (`Router.run`).
+
+        A grant or a renewal counts only once a replica has it (`check_durable`): a
+        cluster promotes a replica when its primary fails, and replication is
+        asynchronous.
+        """
+        assert self._router is not None  # noqa: S101 - only on a cluster
+        checks = (("ROLE",), ("CLUSTER", "MYID")) if durable else ()
+        wait_ms = max(1, int(self.timeout * 500))
+
+        def attempt(connection: Any, asking: bool) -> Any:  # noqa: ANN401 - a reply
+            said = argv
+            if identify is not None:
+                said = [*argv, self._identity(connection) if identify else ""]
+            replies = _run(connection, script, keys, said, *checks, asking=asking)
+            if durable and _granted(replies[0]):
+                role, myself = replies[1:]
+                check_durable(
+                    connection, f"{connection.host}:{connection.port}", role, myself, wait_ms
+                )
+            return replies[0]
+
+        return self._router.run(slot_of(argv[0]), attempt, budget=self.timeout * 2)
 
     @staticmethod
     def _identity(connection: Any) -> str:  # noqa: ANN401 - redis-py's Connection
@@ -1046,13 +1205,7 @@ class RedisBackend:
                 if identify is not None:
                     argv = [*argv, self._identity(connection) if identify else ""]
                 reply, role = _run(connection, script, keys, argv, ("ROLE",))
-                # a renewal answered with a taker's record extended the lease too
-                granted = (
-                    reply == 1
-                    or isinstance(reply, str)
-                    or (isinstance(reply, list) and reply[:1] == [1])
-                )
-                self._check_durable(connection, view, role, written=durable and granted)
+                self._check_durable(connection, view, role, written=durable and _granted(reply))
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
                 raise
@@ -1079,12 +1232,12 @@ class RedisBackend:
             raise role
         if not role or role[0] != "master":
             msg = f"{where} is not a primary (it says {role[:1]})"
-            raise _NotDurable(msg)
+            raise NotDurable(msg)
         if not written:
             return
         if view.failing_over:
             msg = f"a failover of {self.settings.service!r} is under way"
-            raise _NotDurable(msg)
+            raise NotDurable(msg)
         if role[2]:  # it has replicas: wait until one has what we wrote
             wait_ms = max(1, int(self.timeout * 500))
             connection.send_command("WAIT", 1, wait_ms)
@@ -1093,13 +1246,13 @@ class RedisBackend:
                     f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
                     "a failover now could forget it"
                 )
-                raise _NotDurable(msg)
+                raise NotDurable(msg)
         elif view.replicas:
             msg = (
                 f"{where} has no replica in sync, but the sentinels see {view.replicas} up; "
                 "a failover could promote one without the lease"
             )
-            raise _NotDurable(msg)
+            raise NotDurable(msg)
 
     def _sentinel_view(self) -> _SentinelView:
         """Return the primary that most of the URI's sentinels name now, and what they know.
@@ -1172,7 +1325,6 @@ class RedisBackend:
 
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
-        client = self.client()
         claim = Claim.of(request)
         record = json.dumps(request.holder.to_dict())
         mode = "take" if request.take_over else "wait"
@@ -1182,7 +1334,7 @@ class RedisBackend:
         try:
             while True:
                 try:
-                    self.prepare(client)
+                    self.prepare(self.node_client(claim.prefix))
                     sent = now()  # the lease runs from here (ZADD now + ttl on the server)
                     # A waiter names its connection, for releasers to see whether it lives.
                     granted, number, extra, taken, text, *woken = self.call(
@@ -1290,7 +1442,7 @@ class RedisBackend:
 
     def _sentinels_answer(self, cause: BaseException | None) -> bool:
         """Return whether *cause* came behind Sentinel while a majority of them answer."""
-        if isinstance(cause, _NotDurable):
+        if isinstance(cause, NotDurable | Unsettled):
             return True
         if self._sentinel is None:
             return False
@@ -1301,10 +1453,13 @@ class RedisBackend:
         return True
 
     def sleep(self, key: str, seconds: float) -> None:
-        """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block."""
-        assert self._client is not None  # noqa: S101 - acquire() made it
-        pool = self._client.connection_pool
+        """BLPOP *key* for up to *seconds*, on a read timeout just longer than the block.
+
+        On a cluster, a redirect ends the sleep (the wake list is only a hint): the
+        waiter asks again, where the slot is now.
+        """
         try:
+            pool = self.node_client(key).connection_pool
             connection = pool.get_connection()  # may connect again, and fail
         except _REPLY_ERRORS as err:
             raise self.failure(err) from err
@@ -1316,6 +1471,9 @@ class RedisBackend:
                 _aim(connection, self._named)
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
+        except errors.ResponseError as err:
+            if not self._cluster_news(err, key, connection.host, seconds):
+                raise self.failure(err) from err
         except _REPLY_ERRORS as err:
             connection.disconnect()  # type: ignore[no-untyped-call]
             raise self.failure(err) from err
@@ -1325,6 +1483,26 @@ class RedisBackend:
         finally:
             self._sleeping = None
             pool.release(connection)
+
+    def _cluster_news(self, err: Exception, key: str, host: str, seconds: float) -> bool:
+        """Return whether a BLPOP's error *err* is a cluster's news, to ask again after.
+
+        MOVED, ASK, TRYAGAIN (a migration), UNBLOCKED (a failover made the primary a
+        replica): the wake list is only a hint, and the next ask goes where the slot is
+        served now. CLUSTERDOWN raises: an outage that a waiter rides out.
+        """
+        if self._router is None:
+            return False
+        if isinstance(err, errors.ClusterDownError):
+            unsettled = Unsettled(f"the cluster cannot serve this lock now: {err}")
+            raise self.failure(unsettled) from err
+        if isinstance(err, errors.MovedError):
+            self._router.moved(slot_of(key), (err.host or host, err.port))
+        elif isinstance(err, errors.AskError | errors.TryAgainError):
+            time.sleep(min(seconds, 0.1))  # mid-migration: not in a tight loop
+        return isinstance(err, errors.AskError | errors.TryAgainError) or str(err).startswith(
+            "UNBLOCKED"
+        )
 
     def leave(self, claim: Claim, hold_ms: int = 0, *, own: Any = None) -> None:  # noqa: ANN401 - redis-py's Connection
         """Give up a slot or a place in the queue; best effort, as both lapse by themselves.
@@ -1345,10 +1523,10 @@ class RedisBackend:
 
         Client-side caching's tracking (RESP3), OPTIN: only the key read right after
         CLIENT CACHING yes is tracked, once; each renewal on the connection reads it again.
-        Return the connection (None behind Sentinel, or when the server refuses: the
-        renewals' cadence remains) and whether the key holds something already.
+        Return the connection (None behind Sentinel, on a cluster, or when the server
+        refuses: the renewals' cadence remains) and whether the key holds something already.
         """
-        if self._sentinel is not None:
+        if self._sentinel is not None or self._router is not None or not self._mode_known:
             return None, False
         try:
             pool = self.client().connection_pool
@@ -1430,7 +1608,7 @@ class RedisBackend:
                 ids: list[EncodableT] = [client for client in pairs.values() if client]
                 if not ids:
                     return
-                listed = self.client().client_list(client_id=ids)
+                listed = self.node_client(claim.prefix).client_list(client_id=ids)
                 alive = {str(entry["id"]) for entry in listed}
                 gone = [
                     item
@@ -1450,23 +1628,38 @@ class RedisBackend:
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""
-        client = self.client()
         if name is not None:
             prefixes = [key_prefix(namespace, name)]
         else:
             pattern = f"{PREFIX}:{{{_escape(namespace)}/*}}:info"
             try:
-                prefixes = sorted(
-                    key.removesuffix(":info") for key in client.scan_iter(match=pattern, count=1000)
-                )
+                found = {
+                    key.removesuffix(":info")
+                    for client in self._every_primary()
+                    for key in client.scan_iter(match=pattern, count=1000)
+                }
             except _REPLY_ERRORS as err:
                 raise self.failure(err) from err
+            prefixes = sorted(found)
         states = []
         for prefix in prefixes:
             state = self.state(namespace, name, prefix)
             if state is not None:
                 states.append(state)
         return states
+
+    def _every_primary(self) -> list[redis.Redis]:
+        """Return a client of the server, or of every primary of a cluster (for SCAN)."""
+        if self._router is None and not self._mode_known:
+            pool = self.client().connection_pool
+            connection = pool.get_connection()  # its HELLO says whether it is a cluster's
+            try:
+                self._detect_cluster(connection)
+            finally:
+                pool.release(connection)
+        if self._router is None:
+            return [self.client()]
+        return [self._router.client(address) for address in self._router.primaries()]
 
     def state(self, namespace: str, name: str | None, prefix: str) -> LockState | None:
         """Read one lock's keys in one consistent snapshot; None if nobody holds or waits.
@@ -1529,6 +1722,8 @@ class RedisBackend:
             self._client.close()
             self._client.connection_pool.disconnect()
             self._client = None
+        if self._router is not None:
+            self._router.close()
 
 
 class Claim(NamedTuple):
@@ -1593,8 +1788,8 @@ class RedisLease:
 
         The first call takes the connection and arms it (one round trip). None for a
         reader or a slot of N > 1, behind Sentinel, whose primary connection is shared and
-        re-aimed, nor where the server refuses tracking: renewals every ttl/3 still see a
-        take-over.
+        re-aimed, on a cluster, whose slot may move to another node, nor where the server
+        refuses tracking: renewals every ttl/3 still see a take-over.
         """
         with self._using:
             if self._bell is None and self._tracking and not self.released:

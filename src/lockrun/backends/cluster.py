@@ -1,0 +1,251 @@
+"""Redis Cluster: the node that serves a lock's hash slot, found and followed by redirects.
+
+All keys of a lock share one hash tag (docs/backends.md "Redis"), so one node serves the
+whole lock and lockrun needs no map of the cluster: it asks a node it knows and follows
+the answer. MOVED: the slot is served elsewhere from now on (a resharding ended, or a
+failover). ASK: the slot is migrating and the target has the keys (ASKING, then the
+command there, once). TRYAGAIN: the lock's keys are split between the two nodes of a
+migration, asked again after a pause. CLUSTERDOWN: the cluster cannot serve the slot now
+(a failover under way). A node that does not answer is passed over for the next one known.
+
+A first command sent to a node that does not serve the slot costs one more round trip;
+a map of the whole cluster (CLUSTER SLOTS, and redis-py's client with it, which also asks
+for COMMAND's 50 kB on start-up) would cost one on every start.
+
+A cluster primary replicates asynchronously, as a Sentinel-managed one does: what it
+grants counts only once a replica has it (`check_durable`, docs/design.md A5).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from redis import exceptions as errors
+from redis.crc import key_slot
+
+from lockrun.timing import now
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import redis
+
+Address = tuple[str, int]
+
+_HOPS: Final = 6  # redirects and unanswered nodes followed within one call
+_PAUSE: Final = 0.02  # s before asking again after TRYAGAIN (a migration moves the keys)
+
+
+class Unsettled(errors.ConnectionError):
+    """The cluster answered, but cannot serve the lock's slot right now.
+
+    A failover or a migration under way: no outage, a waiter waits on (docs/design.md A5).
+    """
+
+
+class NotDurable(errors.ConnectionError):
+    """The node answered, but a failover could lose what it grants now (docs/design.md A5)."""
+
+
+def slot_of(prefix: str) -> int:
+    """Return the hash slot of the lock whose keys start with *prefix* (its hash tag's)."""
+    return int(key_slot(prefix.encode()))
+
+
+class Router:
+    """Which node serves which slot, as far as the cluster's redirects told us.
+
+    *seeds* are the URI's nodes; *make* returns a client (with its pool) for an address.
+    Thread-safe: a lease's renewals and the main thread may share it.
+    """
+
+    def __init__(self, seeds: Sequence[Address], make: Callable[[Address], redis.Redis]) -> None:
+        """Know *seeds*; make a client per node with *make*, on first use."""
+        self.known: list[Address] = list(dict.fromkeys(seeds))
+        self._make = make
+        self._clients: dict[Address, redis.Redis] = {}
+        self._serving: dict[int, Address] = {}
+        self._lock = threading.Lock()
+
+    def node(self, slot: int) -> Address:
+        """Return the node that serves *slot*, as far as we know (a seed, else)."""
+        with self._lock:
+            return self._serving.get(slot, self.known[0])
+
+    def client(self, address: Address) -> redis.Redis:
+        """Return the client of the node at *address*, made on first use."""
+        with self._lock:
+            if address not in self._clients:
+                self._clients[address] = self._make(address)
+            return self._clients[address]
+
+    def moved(self, slot: int, address: Address) -> None:
+        """Note that *address* serves *slot* (a MOVED reply, or a node that took it over)."""
+        with self._lock:
+            self._serving[slot] = address
+            if address not in self.known:
+                self.known.append(address)
+
+    def after(self, address: Address) -> Address:
+        """Return the known node after *address*: the next to ask when it does not answer."""
+        with self._lock:
+            if address not in self.known:
+                return self.known[0]
+            return self.known[(self.known.index(address) + 1) % len(self.known)]
+
+    def run(self, slot: int, attempt: Callable[[Any, bool], Any], *, budget: float) -> Any:  # noqa: ANN401 - a reply
+        """Run *attempt(connection, asking)* on the node that serves *slot*; return its reply.
+
+        Follows MOVED and ASK, waits out TRYAGAIN within *budget* seconds, and asks the
+        next node known when one does not answer: it answers MOVED if another serves the
+        slot. Raise `Unsettled` when a node answered but none could serve the slot (yet),
+        or the last connection error when none answered at all.
+        """
+        deadline = now() + budget
+        address, asking, answered = self.node(slot), False, False
+        last: Exception | None = None
+        hops = tries = 0
+        while tries == 0 or (hops < _HOPS and now() < deadline):
+            tries += 1
+            pool = self.client(address).connection_pool
+            try:
+                connection = pool.get_connection()
+            except (errors.ConnectionError, errors.TimeoutError, OSError) as err:
+                last, address, asking = err, self.after(address), False
+                hops += 1
+                continue
+            try:
+                return attempt(connection, asking)
+            except (NotDurable, Unsettled):
+                raise
+            except (errors.AskError, errors.TryAgainError, errors.ClusterDownError) as err:
+                address, asking = self._redirect(slot, address, err)
+                answered, last = True, err
+                if isinstance(err, errors.TryAgainError):
+                    time.sleep(max(0.0, min(_PAUSE, deadline - now())))
+                else:
+                    hops += 1
+            except errors.ConnectionError as err:  # refused or reset: ask the next node
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                last, address, asking = err, self.after(address), False
+                hops += 1
+            except BaseException:
+                connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may still be on its way: never reuse it
+                raise
+            finally:
+                pool.release(connection)
+        if answered:
+            msg = f"no node of the cluster could serve this lock within {budget:g}s ({last})"
+            raise Unsettled(msg)
+        assert last is not None  # noqa: S101 - the loop ran at least once
+        raise last
+
+    def _redirect(self, slot: int, address: Address, err: Exception) -> tuple[Address, bool]:
+        """Return where to ask next after the cluster's *err* for *slot*, and whether ASKING.
+
+        MOVED: the slot is served there from now on. ASK: ask there, once. TRYAGAIN: ask
+        the node that serves the slot again. CLUSTERDOWN: raise `Unsettled`.
+        """
+        if isinstance(err, errors.AskError):  # MovedError is one too
+            redirected = (err.host or address[0], int(err.port))  # "": the node we asked
+            if isinstance(err, errors.MovedError):
+                self.moved(slot, redirected)
+                return redirected, False
+            return redirected, True
+        if isinstance(err, errors.ClusterDownError):
+            msg = f"the cluster cannot serve this lock now: {err}"
+            raise Unsettled(msg) from err
+        return self.node(slot), False
+
+    def primaries(self) -> list[Address]:
+        """Return every primary the cluster names (CLUSTER SLOTS, asked of a node that answers)."""
+        last: Exception | None = None
+        for address in list(self.known):
+            try:
+                reply = self.client(address).execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+            except (errors.ConnectionError, errors.TimeoutError) as err:
+                last = err
+                continue
+            return primaries_in(reply, address)
+        assert last is not None  # noqa: S101 - there is a seed
+        raise last
+
+    def close(self) -> None:
+        """Drop every node's connections."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+            client.connection_pool.disconnect()
+
+
+def check_durable(
+    connection: Any,  # noqa: ANN401 - redis-py's Connection
+    where: str,
+    role: Any,  # noqa: ANN401 - ROLE's reply, or the error it got
+    myself: Any,  # noqa: ANN401 - CLUSTER MYID's reply, or the error it got
+    wait_ms: int,
+) -> None:
+    """Raise `NotDurable` unless a failover of the node *where* keeps what was just written.
+
+    A replica that has it (WAIT 1) will: the cluster promotes one of the primary's
+    replicas. Without a replica in sync, the primary is trusted alone only if the cluster
+    marks every replica of it failed (or it has none): any other could be promoted
+    without the write.
+    """
+    for reply in (role, myself):
+        if isinstance(reply, Exception):  # refused (an ACL): say so
+            raise reply
+    if not role or role[0] != "master":
+        msg = f"{where} is not a primary (it says {role[:1]})"
+        raise NotDurable(msg)
+    if role[2]:  # it has replicas: wait until one has what we wrote
+        connection.send_command("WAIT", 1, wait_ms)
+        if connection.read_response() == 0:
+            msg = (
+                f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
+                "a failover now could forget it"
+            )
+            raise NotDurable(msg)
+        return
+    connection.send_command("CLUSTER", "REPLICAS", _text(myself))
+    live = live_replicas(connection.read_response())
+    if live:
+        msg = (
+            f"{where} has no replica in sync, but the cluster lists {live} not failed; "
+            "a failover could promote one without the lease"
+        )
+        raise NotDurable(msg)
+
+
+def primaries_in(reply: Any, asked: Address) -> list[Address]:  # noqa: ANN401 - a raw reply
+    """Return the primaries a CLUSTER SLOTS *reply* of the node at *asked* names.
+
+    Each entry is START, END, then the primary's HOST, PORT, ID…; a host of "" is the node
+    asked. An entry lockrun cannot read is left out (another node's answer may name it).
+    """
+    found: list[Address] = []
+    for entry in reply if isinstance(reply, list) else []:
+        primary = entry[2] if isinstance(entry, list) and len(entry) > 2 else None  # noqa: PLR2004 - start, end, primary
+        if not (isinstance(primary, list) and len(primary) >= 2):  # noqa: PLR2004 - host, port
+            continue
+        port = _text(primary[1])
+        if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
+            found.append((_text(primary[0]) or asked[0], int(port)))
+    return list(dict.fromkeys(found))
+
+
+def live_replicas(reply: Any) -> int:  # noqa: ANN401 - a raw reply
+    """Return how many replicas of a CLUSTER REPLICAS *reply* the cluster has not failed.
+
+    Each a CLUSTER NODES line, ID ADDRESS FLAGS …: one lockrun cannot read counts as live.
+    """
+    lines = reply if isinstance(reply, list) else [reply]
+    flags = [_text(line).split(" ")[2:3] for line in lines]
+    return sum(not each or "fail" not in each[0].split(",") for each in flags)
+
+
+def _text(value: Any) -> str:  # noqa: ANN401 - a raw reply's element
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -209,9 +209,9 @@ def test_the_system_python_runs_the_pyz_alone(
     assert [line for line in after.splitlines() if re.search(r"\b(lockrun|click)\b", line)] == []
     source = run("lockrun", env={**host, "_LOCKRUN_COMPLETE": "bash_source"})
     assert source.stdout == (ROOT / "completions" / "lockrun.bash").read_text()
-    tab = {"_LOCKRUN_COMPLETE": "bash_complete", "COMP_WORDS": "lockrun --ur", "COMP_CWORD": "1"}
-    completed = run("lockrun", env={**host, **tab, "COMP_LINE": "lockrun --ur"})
-    assert (completed.stdout, completed.returncode) == ("plain,--uri\n", 0), completed.stderr
+    tab = {"_LOCKRUN_COMPLETE": "bash_complete", "COMP_WORDS": "lockrun --uri-f", "COMP_CWORD": "1"}
+    completed = run("lockrun", env={**host, **tab, "COMP_LINE": "lockrun --uri-f"})
+    assert (completed.stdout, completed.returncode) == ("plain,--uri-file\n", 0), completed.stderr
 
 
 def test_the_pyz_takes_redis_and_mysql_locks(

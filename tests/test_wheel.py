@@ -102,15 +102,15 @@ def test_the_wheel_puts_the_man_page_and_completions_where_they_are_looked_for(
     env["XDG_DATA_DIRS"] = f"{venv}/share:/usr/share"
     setup = f"source {BASH_COMPLETION}; echo ready-$?"
     press_tab(
-        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --ur", "lockrun --uri ", env=env
+        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file ", env=env
     )
     installed("zsh")
     fpath = f"fpath=({venv}/share/zsh/site-functions $fpath)"
     setup = f"{fpath}; autoload -Uz compinit && compinit -u -D; echo ready-$?"
-    press_tab(["zsh", "-f", "-i"], setup, "lockrun --ur", "lockrun --uri", env=env)
+    press_tab(["zsh", "-f", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file", env=env)
     installed("fish")  # fish reads $XDG_DATA_DIRS/fish/vendor_completions.d by itself
-    offered = run("fish", "-c", "complete -C 'lockrun --ur'", env=env).stdout
-    assert offered.split("\t")[0] == "--uri"
+    offered = run("fish", "-c", "complete -C 'lockrun --uri-f'", env=env).stdout
+    assert offered.split("\t")[0] == "--uri-file"
 
 
 def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> None:
@@ -142,5 +142,5 @@ def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> 
         unavailable("bash-completion is not installed")
     setup = f"source {BASH_COMPLETION}; echo ready-$?"
     press_tab(
-        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --ur", "lockrun --uri ", env=env
+        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file ", env=env
     )

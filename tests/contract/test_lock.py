@@ -66,7 +66,6 @@ def queued_alive(uri: str, name: str, waiters: list[subprocess.Popen[str]]) -> b
     return queue_length(uri, name) == len(waiters)
 
 
-@on_valkey_too
 def test_second_holder_is_refused(uri: str, name: str, held: Callable[..., Held]) -> None:
     """A second lockrun on a held name exits 75 at once and names the holder."""
     holder = held("--uri", uri, "-n", name)

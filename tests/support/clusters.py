@@ -1,13 +1,13 @@
 """A Redis Cluster of our own: three primaries, a replica each, on free loopback ports.
 
 `Cluster` starts six ``redis-server --cluster-enabled yes`` (tests/support/servers.py's
-`RedisServer`, which saves nothing), joins them with ``redis-cli --cluster create
---cluster-replicas 1``, and waits until every node says the cluster is ok and every
-replica is in sync: about two seconds. It can move a slot to another primary the way
-``redis-cli --cluster reshard`` does (`reshard`: SETSLOT IMPORTING and MIGRATING, MIGRATE,
-SETSLOT NODE), fail a primary over to its replica (`failover`: CLUSTER FAILOVER), and kill
-one. A node is declared failed after `NODE_TIMEOUT` ms of silence, so that a killed
-primary's replica takes over within seconds.
+`RedisServer`, which saves nothing; or another program, such as Valkey's), joins them with
+``redis-cli --cluster create --cluster-replicas 1``, and waits until every node says the
+cluster is ok and every replica is in sync: about two seconds. It can move a slot to another
+primary the way ``redis-cli --cluster reshard`` does (`reshard`: SETSLOT IMPORTING and
+MIGRATING, MIGRATE, SETSLOT NODE), fail a primary over to its replica (`failover`: CLUSTER
+FAILOVER), and kill one. A node is declared failed after `NODE_TIMEOUT` ms of silence, so
+that a killed primary's replica takes over within seconds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 from redis.crc import key_slot
 
 from tests.support.cli import wait_for
-from tests.support.servers import RedisServer, free_port, installed
+from tests.support.servers import REDIS_SERVER, RedisServer, free_port, installed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,8 +56,8 @@ def slot_of(key: str) -> int:
 class Cluster:
     """Three primaries and three replicas on loopback; `close` stops them all."""
 
-    def __init__(self, *, tls: Path | None = None) -> None:
-        """Start the six nodes, join them, wait until all is well.
+    def __init__(self, *, tls: Path | None = None, program: str = REDIS_SERVER) -> None:
+        """Start the six nodes (each a *program*), join them, wait until all is well.
 
         With *tls*, a directory of `make_certificates`: clients, replicas and the cluster
         bus speak TLS only (the port is the TLS port; the unix socket stays plain).
@@ -85,6 +85,7 @@ class Cluster:
                     *("--repl-diskless-sync-delay", "0", "--protected-mode", "no"),
                     *(("--port", "0", "--tls-port", str(port), *secure) if tls else ()),
                     port=port,
+                    program=program,
                 )
             addresses = [f"{LOOPBACK}:{port}" for port in self.servers]
             create = ("redis-cli", *cli, "--cluster", "create", *addresses)

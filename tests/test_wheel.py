@@ -102,7 +102,11 @@ def test_the_wheel_puts_the_man_page_and_completions_where_they_are_looked_for(
     env["XDG_DATA_DIRS"] = f"{venv}/share:/usr/share"
     setup = f"source {BASH_COMPLETION}; echo ready-$?"
     press_tab(
-        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file ", env=env
+        ["bash", "--norc", "--noprofile", "-i"],
+        setup,
+        "lockrun --uri-f",
+        "lockrun --uri-file ",
+        env=env,
     )
     installed("zsh")
     fpath = f"fpath=({venv}/share/zsh/site-functions $fpath)"
@@ -142,5 +146,9 @@ def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> 
         unavailable("bash-completion is not installed")
     setup = f"source {BASH_COMPLETION}; echo ready-$?"
     press_tab(
-        ["bash", "--norc", "--noprofile", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file ", env=env
+        ["bash", "--norc", "--noprofile", "-i"],
+        setup,
+        "lockrun --uri-f",
+        "lockrun --uri-file ",
+        env=env,
     )

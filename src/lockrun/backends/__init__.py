@@ -43,6 +43,9 @@ class Holder(NamedTuple):
     shared: bool = False  # a shared (reader) holder or waiter; exclusive otherwise
     # Unix time a slot whose command has ended stays taken (--hold-at-least); None: running
     until: float | None = None
+    # A lease kept by the service with no process (acquire --no-keeper): pid and host are
+    # those of the acquire, long gone; `expires` is when it ends unless renewed.
+    detached: bool = False
 
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
@@ -76,12 +79,19 @@ class Holder(NamedTuple):
             expires=_stamp(data.get("expires")),
             shared=data.get("shared") is True,
             until=_stamp(data.get("until")),
+            detached=data.get("detached") is True,
         )
 
     def to_dict(self) -> dict[str, object]:
-        """Return a JSON-ready dict."""
+        """Return a JSON-ready dict; ``detached`` only where it is true.
+
+        The backends store this dict as the holder's record: one of a process (every
+        record) stays as it was before detached leases existed.
+        """
         record: dict[str, object] = self._asdict()
         record["argv"] = list(self.argv)
+        if not self.detached:
+            del record["detached"]
         return record
 
 
@@ -233,6 +243,9 @@ class Request(NamedTuple):
     shared: bool = False
     take_over: bool = False
     hold: float = 0.0  # --hold-at-least: a backend that could not keep the window refuses now
+    # acquire --no-keeper: the id of a lease the service keeps with no process of ours, chosen
+    # by the caller (a backend that keeps none is never asked); "": a lease that ends with us
+    lease_id: str = ""
 
 
 class LockState(NamedTuple):

@@ -265,7 +265,10 @@ class LockState(NamedTuple):
             "name": self.name,
             "where": self.where,
             "slots": self.slots,
-            "holders": [holder.to_dict() for holder in self.holders],
+            # every holder says whether it is detached: JSON for machines keeps one shape
+            "holders": [
+                holder.to_dict() | {"detached": holder.detached} for holder in self.holders
+            ],
             "waiters": [waiter.to_dict() for waiter in self.waiters],
         }
 

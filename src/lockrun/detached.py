@@ -149,8 +149,8 @@ class Kept(Protocol):
     def renew(self) -> None:
         """Extend it by its ttl; `LeaseLost` if gone, `TakenOver` (released) if a taker waits."""
 
-    def release(self) -> str | None:
-        """Release it; `LeaseLost` if gone. Return the record of a taker that waited."""
+    def release(self) -> tuple[str | None, float]:
+        """Release it; `LeaseLost` if gone. Return a waiting taker's record, and the window."""
 
 
 class Keeps(Protocol):
@@ -373,13 +373,12 @@ def release(text: str, uri: str) -> str:
     """
     token, kept, backend = _find(text, uri)
     try:
-        taker = _ask(token, backend, kept.release)
+        taker, window = _ask(token, backend, kept.release)
     finally:
         backend.close()
-    window = format_duration(token.hold_ms / 1000)
-    said = f"released {token.name}" + (
-        f" (its --hold-at-least {window} stays)" * bool(token.hold_ms)
-    )
+    said = f"released {token.name}"
+    if window > 0:
+        said += f" (taken {format_duration(window)} more: --hold-at-least)"
     return said if taker is None else f"{said}; a take-over waited, and runs next"
 
 

@@ -9,6 +9,7 @@ not lockrun's (docs/semantics.md "Holding a lock across steps").
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -169,7 +170,10 @@ def test_readers_slots_and_a_window_are_kept_too(redis_uri: str, name: str) -> N
     readers = [kept(redis_uri, name, shared=True) for _ in range(2)]
     holders = lock_state(redis_uri, name)["holders"]
     assert [(each["shared"], each["detached"]) for each in holders] == [(True, True)] * 2
-    assert busy(redis_uri, name)  # a writer waits for every reader
+    writer = Lock(name, uri=redis_uri)  # waits for every reader, kept by no process
+    with pytest.raises(LockBusy, match=r"\(shared\) since .*, a lease with no process until"):
+        writer.acquire()
+    writer.close()
     for token in readers:
         release(token, redis_uri)
     slots = [kept(redis_uri, f"{name}-n", slots=2) for _ in range(2)]
@@ -179,7 +183,8 @@ def test_readers_slots_and_a_window_are_kept_too(redis_uri: str, name: str) -> N
         release(token, redis_uri)
     token = kept(redis_uri, name, hold_at_least=20.0)
     granted = lock_state(redis_uri, name)["holders"][0]["since"]
-    assert release(token, redis_uri).startswith(f"released {name} (its --hold-at-least 20s")
+    said = release(token, redis_uri)
+    assert re.fullmatch(rf"released {name} \(taken [0-9.]+s more: --hold-at-least\)", said)
     (window,) = lock_state(redis_uri, name)["holders"]
     assert window["detached"] is False  # a window, as a run leaves: counted from the grant
     assert window["until"] == pytest.approx(granted + 20, abs=0.01)

@@ -1766,12 +1766,13 @@ class KeptLease(NamedTuple):
         if reply != 1:
             raise LeaseLost(_KEPT_GONE)
 
-    def release(self) -> str | None:
+    def release(self) -> tuple[str | None, float]:
         """Release, leaving the --hold-at-least window; `LeaseLost` if it was gone already.
 
         Proved held by a renewal first, as the release script is silent about a lease
         that lapsed: then 0 means held until the release. Return the record of a taker that
-        waited (it runs next, and no window is left), else None.
+        waited (it runs next, and no window is left), else None, and the seconds of window
+        left.
         """
         reply = self.backend.call("renew", self.claim)
         if reply != 1 and not isinstance(reply, str):
@@ -1780,7 +1781,7 @@ class KeptLease(NamedTuple):
         hold_ms = self._window() if self.hold_ms and taker is None else 0
         woken = self.backend.call("release", self.claim, hold_ms)
         self.backend.pass_over_the_dead(self.claim, woken)
-        return taker
+        return taker, hold_ms / 1000
 
     def _window(self) -> int:
         """Return the ms of the --hold-at-least window left, from the grant in owners.

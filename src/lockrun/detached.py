@@ -41,7 +41,7 @@ from lockrun.uri import SCHEMES
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends import Backend, Lease
+    from lockrun.backends import Lease
     from lockrun.runner import Options
     from lockrun.uri import LockURI
 
@@ -166,6 +166,9 @@ class Keeps(Protocol):
     def kept(self, request: Request, hold: float) -> Kept:
         """Return the lease *request*'s ``lease_id`` names (its holder is no one's)."""
 
+    def interrupt(self) -> None:
+        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`."""
+
     def close(self) -> None:
         """Drop the connections."""
 
@@ -221,7 +224,8 @@ def acquire(
     with _Interrupts(verbose, name) as interrupts:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         try:
-            interrupts.watch(backend)
+            keeps = cast("Keeps", backend)  # check_leased: a backend whose locks are leases
+            interrupts.watch(keeps)
             report = (
                 WaitReport(request, uri, log=log, live=live)
                 if options.verbose and options.wait != 0
@@ -236,7 +240,7 @@ def acquire(
                 f"acquired {name} slot {lease.slot} of {options.slots} "
                 f"after {format_duration(now() - started)}{fence}"
             )
-            token = _token(cast("Keeps", backend), request, options)  # check_leased: it keeps
+            token = _token(keeps, request, options)
             _hand_over(lease, token, deliver, interrupts)
         finally:
             backend.close()
@@ -288,26 +292,26 @@ class _Interrupts:
         self.verbose = verbose
         self.name = name
         self.signo = 0
-        self.backend: Backend | None = None
+        self.backend: Keeps | None = None
         self.closing = False
         # nohup's HUP stays ignored; USR1 and USR2 are noted and dropped, as while a run waits
-        self.watched = {each for each in FORWARDED if signal.getsignal(each) is not signal.SIG_IGN}
+        ignored = {each for each in FORWARDED if signal.getsignal(each) is signal.SIG_IGN}
+        self.watched = FORWARDED - ignored
         self.saved: set[int | signal.Signals] = set()
-        self.thread: threading.Thread | None = None
+        self.thread = threading.Thread(target=self._listen, name="lockrun-signals", daemon=True)
 
     def __enter__(self) -> Self:
-        if self.watched:
-            self.saved = signal.pthread_sigmask(signal.SIG_BLOCK, self.watched)
-            self.thread = threading.Thread(target=self._listen, name="lockrun-signals", daemon=True)
+        self.saved = signal.pthread_sigmask(signal.SIG_BLOCK, self.watched)
+        if self.watched:  # pragma: no branch - all six ignored: nothing to wait for
             self.thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
-        if self.thread is not None:
-            self.closing = True
-            signal.pthread_kill(self.thread.ident or 0, min(self.watched))  # ends its sigwait
+        self.closing = True
+        if self.thread.ident is not None:  # pragma: no branch - it started (__enter__)
+            signal.pthread_kill(self.thread.ident, min(self.watched))  # ends its sigwait
             self.thread.join()
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.saved)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.saved)
 
     def _listen(self) -> None:
         while True:
@@ -323,16 +327,15 @@ class _Interrupts:
             self.signo = self.signo or signo
             self._interrupt()
 
-    def watch(self, backend: Backend) -> None:
+    def watch(self, backend: Keeps) -> None:
         """Interrupt *backend*'s wait on a signal, at once if one came already."""
         self.backend = backend
         if self.signo:
             self._interrupt()
 
     def _interrupt(self) -> None:
-        interrupt = getattr(self.backend, "interrupt", None)
-        if interrupt is not None:
-            interrupt()
+        if self.backend is not None:  # else `watch` will, once it has one
+            self.backend.interrupt()
 
     def wait(self, acquiring: Callable[[], Lease]) -> Lease:
         """Return what *acquiring* returns; a signal that ended it is `Interrupted` (128+N)."""

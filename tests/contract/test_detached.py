@@ -13,12 +13,15 @@ import re
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
 from lockrun import Lock, LockBusy
-from lockrun.detached import acquire, parse_token, release
+from lockrun.backends import open_backend, parse_uri
+from lockrun.detached import Keeps, _hand_over, _Interrupts, acquire, parse_token, release
+from lockrun.errors import Interrupted
+from lockrun.lock import acquire as acquire_slot
 from lockrun.runner import Options
 from tests.support.cli import LOCKRUN, lock_state, lockrun, one_line, queue_length, wait_for
 
@@ -167,7 +170,7 @@ def kept(uri: str, name: str, **options: object) -> str:
 
 def test_readers_slots_and_a_window_are_kept_too(redis_uri: str, name: str) -> None:
     """--shared, --slots and --hold-at-least with --no-keeper: as with a keeper or a run."""
-    readers = [kept(redis_uri, name, shared=True) for _ in range(2)]
+    readers = [kept(redis_uri, name, shared=True, verbose=True, wait=1.0) for _ in range(2)]
     holders = lock_state(redis_uri, name)["holders"]
     assert [(each["shared"], each["detached"]) for each in holders] == [(True, True)] * 2
     writer = Lock(name, uri=redis_uri)  # waits for every reader, kept by no process
@@ -202,12 +205,16 @@ def test_a_signal_while_waiting_or_an_unwritable_token_leaves_nothing(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "LOCKRUN_VERBOSE": "1"},
     )
     wait_for(lambda: queue_length(redis_uri, name) == 1, what="the acquire to queue")
+    waiter.send_signal(signal.SIGUSR1)  # noted and dropped (taken first: the lower number)
     waiter.send_signal(signal.SIGTERM)
     out, err = waiter.communicate(timeout=30)
     assert (waiter.returncode, out) == (143, "")
-    assert f"TERM while waiting for {name}; nothing is held" in one_line(err)
+    lines = err.splitlines()
+    assert f"lockrun: SIGUSR1 while waiting for {name}: no command to pass it to; dropped" in lines
+    assert lines[-1] == f"lockrun: SIGTERM while waiting for {name}; nothing is held"
     assert queue_length(redis_uri, name) == 0
     release(token, redis_uri)
     read, write = os.pipe()
@@ -223,4 +230,33 @@ def test_a_signal_while_waiting_or_an_unwritable_token_leaves_nothing(
     os.close(write)
     assert unwritten.returncode == 74
     assert "released the lock" in one_line(unwritten.stderr)
+    assert not busy(redis_uri, name)
+
+
+def test_a_signal_before_the_wait_or_after_the_grant_holds_nothing(
+    redis_uri: str, name: str
+) -> None:
+    """TERM before the backend could be told, or between the grant and the token: released."""
+    ours = parse_token(kept(redis_uri, name))  # so that a wait would block
+    request = ours.request()._replace(lease_id="0123456789abcdef0123")
+    with _Interrupts(lambda _line: None, name) as interrupts:
+        assert interrupts.thread.ident is not None
+        signal.pthread_kill(interrupts.thread.ident, signal.SIGTERM)  # at the thread alone
+        wait_for(lambda: interrupts.signo == signal.SIGTERM, what="the thread to take it")
+        backend = open_backend(parse_uri(redis_uri), ttl=30)
+        interrupts.watch(cast("Keeps", backend))  # the signal came first: ends the wait at once
+        with pytest.raises(Interrupted, match=f"TERM while waiting for {name}") as raised:
+            interrupts.wait(lambda: acquire_slot(backend, request, 60))
+        assert raised.value.status == 143
+        assert queue_length(redis_uri, name) == 0
+        release(str(ours), redis_uri)
+        lease = acquire_slot(backend, request, 0)  # granted; the TERM is still on record
+        delivered: list[str] = []
+        token = ours._replace(lease_id=request.lease_id)
+        with pytest.raises(
+            Interrupted, match=rf"TERM before the token of {name} was written; released it"
+        ):
+            _hand_over(lease, token, delivered.append, interrupts)
+        backend.close()
+    assert delivered == []
     assert not busy(redis_uri, name)

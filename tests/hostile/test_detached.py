@@ -20,7 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun import ExitCode, Lock, LockBusy
-from lockrun.backends.redis import key_prefix
+from lockrun.backends import parse_uri
+from lockrun.backends.redis import connect, key_prefix
 from lockrun.cli import SUBCOMMANDS, _exit_status
 from lockrun.detached import LeaseToken, acquire, parse_token, release, renew
 from lockrun.errors import ConfigError, LockrunError, UsageError
@@ -171,6 +172,22 @@ def respelled(uri: str) -> str:
         head, _, tail = parts.path.rpartition("/")
         return urlunsplit(parts._replace(path=f"{head}/./{tail}"))
     return urlunsplit(parts._replace(netloc=parts.netloc.upper()))
+
+
+def test_a_service_is_one_place_however_its_uri_is_spelled() -> None:
+    """Credentials, the default port and database, case and order do not move the place."""
+    spellings = [
+        ["redis://h", "redis://H:6379/0", "redis://u:pw@h?db=0", "rediss://:pw@h:6379"],
+        ["redis://h:6380", "redis://h:6380/0"],
+        ["redis://h/1", "redis://h?db=1"],
+        ["unix:///run/redis.sock", "unix:///run/./redis.sock?db=0&password=pw"],
+        ["redis+sentinel://a,b:26380/svc", "redis+sentinel://B:26380,A:26379/svc/0"],
+        ["redis+sentinel://a,b:26380/other"],
+    ]
+    places = [{connect(parse_uri(uri)).place() for uri in group} for group in spellings]
+    assert all(len(group) == 1 for group in places)
+    assert len(set().union(*places)) == len(spellings)
+    assert not any("pw" in place or "u:" in place for group in places for place in group)
 
 
 def test_a_token_cannot_name_a_lease_that_a_process_holds(

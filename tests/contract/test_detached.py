@@ -158,6 +158,17 @@ def test_a_take_over_waits_for_the_renewal_that_lets_go(
     assert job(redis_uri, "release", token=token).returncode == 76
     oracle.release(following)
     assert taker.wait(30) == 0
+    token = kept(redis_uri, name)  # and a release lets a waiting taker in: held until then
+    taker = spawn(
+        *("--uri", redis_uri, "-n", name, "--take-over", "-w", "60"),
+        *("--", *oracle.command("second")),
+    )
+    wait_for(lambda: queue_length(redis_uri, name) == 1, what="the second taker to queue")
+    asked = time.monotonic()
+    assert release(token, redis_uri) == f"released {name}; a take-over waited, and runs next"
+    assert oracle.wait_started("second").start > asked
+    oracle.release(oracle.started("second")[0])
+    assert taker.wait(30) == 0
 
 
 def kept(uri: str, name: str, **options: object) -> str:

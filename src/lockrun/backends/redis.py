@@ -1544,6 +1544,8 @@ class RedisBackend:
             return f"sentinel {hosts}/{self.settings.service}/{db}"
         if "unix_socket_path" in kwargs:
             return f"unix {os.path.normpath(kwargs['unix_socket_path'])}/{db}"
+        if "host" not in kwargs:  # pragma: no cover - a form this code does not know yet
+            return f"uri {self.settings.where}"  # as written, without its password
         return f"tcp {str(kwargs['host']).lower()}:{kwargs['port']}/{db}"
 
     def kept(self, request: Request, hold: float) -> KeptLease:

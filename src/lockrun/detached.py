@@ -390,10 +390,10 @@ def _find(text: str, uri_text: str) -> tuple[LeaseToken, Kept, Keeps]:
     token = parse_token(text)
     uri = parse_uri(uri_text)
     if not uri.kind.leased:
+        default = " (the default: no --uri, --uri-file or LOCKRUN_URI)" * (uri_text == "file:")
         msg = (
-            f"this token is of a lease a Redis server keeps, but the lock URI is {uri.redacted} "
-            "(--uri, --uri-file, LOCKRUN_URI; file: if none): give the one `acquire "
-            "--no-keeper` used"
+            f"this token's lease is kept by a Redis server, but the lock URI is "
+            f"{uri.redacted}{default}: give the Redis URI `acquire --no-keeper` used"
         )
         raise ConfigError(msg)
     backend: Keeps = open_backend(uri, ttl=token.ttl_ms / 1000)  # type: ignore[assignment]  # leased

@@ -44,7 +44,8 @@ class Holder(NamedTuple):
     # Unix time a slot whose command has ended stays taken (--hold-at-least); None: running
     until: float | None = None
     # A lease kept by the service with no process (acquire --no-keeper): pid and host are
-    # those of the acquire, long gone; `expires` is when it ends unless renewed.
+    # those of the acquire, long gone; `expires` is when it ends unless renewed. Never
+    # read from a record (`from_dict`), which anyone who may write it could forge.
     detached: bool = False
 
     @classmethod
@@ -79,8 +80,7 @@ class Holder(NamedTuple):
             expires=_stamp(data.get("expires")),
             shared=data.get("shared") is True,
             until=_stamp(data.get("until")),
-            detached=data.get("detached") is True,
-        )
+        )  # never `detached`: the backend knows that from its own keys, not from a record
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict; ``detached`` only where it is true.

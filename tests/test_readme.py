@@ -10,7 +10,7 @@ import json
 import re
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
@@ -294,6 +294,97 @@ def test_the_yaml_examples_are_well_formed_blocks() -> None:
     blocks = [block.text for block in _blocks() if block.language == "yaml"]
     assert len(blocks) >= 3
     assert [problem for text in blocks for problem in _yaml_problems(text)] == []
+
+
+# Where a CI or Kubernetes YAML document keeps what it runs: shell lines, or an argv.
+SHELL_KEYS = frozenset({"run", "script", "before_script", "after_script"})
+ARGV_KEYS = frozenset({"command", "args"})
+
+
+def _yaml_documents() -> list[dict[str, object]]:
+    """Return every YAML example, parsed (PyYAML, of the dev extra)."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed; the block check runs")
+    documents = [yaml.safe_load(block.text) for block in _blocks() if block.language == "yaml"]
+    assert all(isinstance(document, dict) for document in documents)
+    return documents
+
+
+def _runs(node: object) -> Iterator[list[str]]:
+    """Yield the argv of each lockrun a YAML document runs, from its shell lines and argvs."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _runs(item)
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in SHELL_KEYS:
+            lines = [value] if isinstance(value, str) else value
+            for line in (text for each in lines for text in str(each).splitlines()):
+                words = list(shlex.shlex(line, posix=True, punctuation_chars=True))
+                yield from _lockruns(words)
+        elif key in ARGV_KEYS and isinstance(value, list) and value[:1] == ["lockrun"]:
+            yield [str(word) for word in value[1:]]
+        else:
+            yield from _runs(value)
+
+
+def _lockruns(words: list[str]) -> Iterator[list[str]]:
+    """Yield the words after each `lockrun` of a shell line, up to a shell operator."""
+    for index, word in enumerate(words):
+        if LOCKRUN.fullmatch(word):
+            rest = words[index + 1 :]
+            ends = [at for at, each in enumerate(rest) if each in SHELL_WORDS or each[0] in "|&;"]
+            yield rest[: min(ends, default=len(rest))]
+
+
+def _check_command_line(words: list[str]) -> None:
+    """Parse *words* as lockrun's CLI does; its UsageError if they are no valid command line."""
+    from lockrun import cli
+
+    command, prog, args = cli.run_command, "lockrun", words
+    if words[:1] and words[0] in cli.SUBCOMMANDS:
+        command, prog, args = cli.SUBCOMMANDS[words[0]][0], f"lockrun {words[0]}", words[1:]
+    with command.make_context(prog, list(args)) as context:
+        if command is cli.acquire_command and context.params["no_keeper"]:
+            cli._check_no_keeper(context.params["owner"], context.params["max_time"])
+
+
+def test_the_yaml_examples_run_valid_lockrun_command_lines() -> None:
+    """Each lockrun that a CI, Kubernetes or Compose example runs parses as the CLI would."""
+    runs = [argv for document in _yaml_documents() for argv in _runs(document)]
+    assert len(runs) >= 10
+    assert {argv[0] for argv in runs} >= {"acquire", "release", "renew"}
+    for argv in runs:
+        _check_command_line(argv)
+
+
+def test_the_cross_job_examples_pass_the_token_and_always_release() -> None:
+    """The token leaves `lock` as a job output or a dotenv report; `unlock` always runs."""
+    documents: list[Any] = _yaml_documents()
+    github = [each for each in documents if "lock" in each.get("jobs", {})]
+    gitlab = [each for each in documents if "stages" in each and "lock" in each]
+    assert (len(github), len(gitlab)) == (1, 1)
+    jobs = github[0]["jobs"]
+    (step,) = [step for step in jobs["lock"]["steps"] if "lockrun acquire" in step.get("run", "")]
+    words = shlex.split(step["run"])
+    assert words[words.index("--env-file") + 1] == "$GITHUB_OUTPUT"
+    output = words[words.index("--var") + 1]
+    assert jobs["lock"]["outputs"] == {output: f"${{{{ steps.{step['id']}.outputs.{output} }}}}"}
+    for name, job in jobs.items():
+        if f"needs.lock.outputs.{output}" in json.dumps(job):
+            needs = job["needs"]
+            assert "lock" in ([needs] if isinstance(needs, str) else needs), name
+    assert "always()" in jobs["unlock"]["if"]
+    assert set(jobs["unlock"]["needs"]) == set(jobs) - {"unlock"}
+    assert jobs["unlock"]["steps"][-1]["run"] == "lockrun release"
+    lab = gitlab[0]
+    (line,) = [line for line in lab["lock"]["script"] if "lockrun acquire" in line]
+    words = shlex.split(line)
+    assert words[words.index("--env-file") + 1] == lab["lock"]["artifacts"]["reports"]["dotenv"]
+    assert "--var" not in words  # GitLab's dotenv makes LOCKRUN_TOKEN, which release reads
+    assert lab["unlock"]["when"] == "always"
+    assert lab["unlock"]["script"] == ["lockrun release"]
+    assert lab["stages"][-1] == lab["unlock"]["stage"]
 
 
 def test_the_kubernetes_grace_outlasts_kill_after() -> None:

@@ -9,11 +9,12 @@ import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias, TypeVar, cast
 
 import click
 
 from lockrun import __version__
+from lockrun.backends import parse_uri
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import (
     ExitCode,
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from click.shell_completion import CompletionItem, ShellComplete
 
     from lockrun.backends import Holder, LockState
+
+    # How acquire holds: given the token's delivery, the live line and our private fds.
+    _Holding: TypeAlias = Callable[
+        [Callable[[str], None], Callable[[str], None] | None, tuple[int, ...]], int
+    ]
 
 _Command = TypeVar("_Command", bound="Callable[..., object]")
 _CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -231,11 +237,12 @@ def _complete_command(
     return _offer(dict.fromkeys(sorted(found)))
 
 
-def _uri_option(what: str) -> Callable[[_Command], _Command]:
+def _uri_option(what: str, *, lazy: bool = False) -> Callable[[_Command], _Command]:
     """Return ``-u/--uri`` and ``--uri-file``, which every command takes; *what* explains --uri.
 
     The command gets one ``uri``: the first of --uri, --uri-file, LOCKRUN_URI,
     LOCKRUN_URI_FILE and systemd's credential that is given (`lockrun.urifile.choose_uri`).
+    With *lazy*, a function that returns it: `release` of a keeper's token reads none.
     """
 
     def options(command: _Command) -> _Command:
@@ -243,7 +250,8 @@ def _uri_option(what: str) -> Callable[[_Command], _Command]:
         def chosen(
             *args: object, uri: str | None, uri_file: str | None, **kwargs: object
         ) -> object:
-            return command(*args, uri=choose_uri(uri, uri_file, os.environ), **kwargs)
+            choose = functools.partial(choose_uri, uri, uri_file, os.environ)
+            return command(*args, uri=choose if lazy else choose(), **kwargs)
 
         uri_file = click.option(
             "--uri-file",
@@ -548,6 +556,13 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
 @_wait_option
 @_ttl_option
 @click.option(
+    "--no-keeper",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Leave the lock to the service, with no process (Redis): held until released, or "
+    "--ttl after the last renew; needs --ttl.",
+)
+@click.option(
     "--max-time",
     type=Duration(),
     default=None,
@@ -598,6 +613,7 @@ def acquire_command(
     slots: int,
     wait: float | None,
     ttl: float,
+    no_keeper: bool,
     max_time: float | None,
     owner: str | None,
     conflict_exit_code: int,
@@ -615,7 +631,8 @@ def acquire_command(
     """Take NAME's lock and keep it in a keeper process until `lockrun release`.
 
     Prints a token for `lockrun release` and `lockrun renew`. The keeper also releases
-    when its owner exits, after --max-time, and on TERM.
+    when its owner exits, after --max-time, and on TERM. With --no-keeper, the service
+    keeps it: until `lockrun release`, or --ttl after the acquire or the last renew.
     """
     from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
 
@@ -640,18 +657,18 @@ def acquire_command(
         hold_at_least=hold_at_least or 0.0,
         take_over=take_over,
     )
-    who = os.getppid() if owner is None else keeper.parse_owner(owner)
+    holding = _holding(options, owner, no_keeper=no_keeper)  # checked before --env-file is made
     private = () if env_file is None else (keeper.open_env_file(env_file),)
 
-    def deliver(grant: keeper.Grant) -> None:
+    def deliver(token: str) -> None:
         if private:
-            keeper.append_line(private[0], f"{var}={grant.token}", f"--env-file {env_file}")
+            keeper.append_line(private[0], f"{var}={token}", f"--env-file {env_file}")
         else:
-            _print(f"export {var}={grant.token}" if export else str(grant.token))
+            _print(f"export {var}={token}" if export else token)
 
     live = _LIVE.show if verbose and _on_terminal() else None
     try:
-        return keeper.acquire(options, who, deliver, log=say, live=live, private=private)
+        return holding(deliver, live, private)
     except LockBusy as err:
         if not quiet:
             say(str(err))
@@ -660,6 +677,40 @@ def acquire_command(
         for fd in private:
             with contextlib.suppress(OSError):  # closed in the keeper already
                 os.close(fd)
+
+
+def _holding(options: Options, owner: str | None, *, no_keeper: bool) -> _Holding:
+    """Check what only a keeper, or only --no-keeper, takes; return how acquire holds."""
+    from lockrun import detached, keeper  # noqa: PLC0415 - off the run command's start-up
+
+    if no_keeper:
+        _check_no_keeper(owner, options.max_time)
+        detached.check_leased(parse_uri(options.uri))
+        return lambda deliver, live, _private: detached.acquire(
+            options, deliver, log=say, live=live
+        )
+    who = os.getppid() if owner is None else keeper.parse_owner(owner)
+    return lambda deliver, live, private: keeper.acquire(
+        options, who, lambda grant: deliver(str(grant.token)), log=say, live=live, private=private
+    )
+
+
+def _check_no_keeper(owner: str | None, max_time: float | None) -> None:
+    """Refuse what needs a keeper, and a --ttl left to its default, with --no-keeper."""
+    if owner is not None or max_time is not None:
+        what = "--owner" if owner is not None else "--max-time"
+        msg = (
+            f"{what} is kept by a keeper; with --no-keeper nothing of ours runs, and the lock "
+            "ends with `lockrun release`, or --ttl after the acquire or the last renew"
+        )
+        raise click.UsageError(msg)
+    context = click.get_current_context()
+    if context.get_parameter_source("ttl") is click.core.ParameterSource.DEFAULT:
+        msg = (
+            "--no-keeper holds the lock for --ttl after the acquire and after each renew, "
+            "also when every job that knows the token is gone: give --ttl (e.g. --ttl 30m)"
+        )
+        raise click.UsageError(msg)
 
 
 _token_argument: Final = click.argument("token", required=False, metavar="[TOKEN]")
@@ -678,19 +729,36 @@ def _token(token: str | None) -> str:
     return token
 
 
+def _by_token(token: str | None, verb: str, uri: Callable[[], str]) -> str:
+    """Ask the keeper of the token, or the service that keeps its lease, to *verb* it."""
+    from lockrun import detached, keeper  # noqa: PLC0415 - off the run command's start-up
+
+    text = _token(token)
+    if not detached.is_lease_token(text):
+        return keeper.ask(text, verb)
+    chosen = uri()
+    _keep_secret(chosen)
+    return detached.release(text, chosen) if verb == "release" else detached.renew(text, chosen)
+
+
+_LEASE_SERVICE: Final = (
+    "Lock service of a --no-keeper token, as for acquire (a keeper's needs none)."
+)
+
+
 @click.command(
     context_settings=_CONTEXT,
     epilog="Exit status: 0 released; 64 usage or malformed token; 69 the keeper did not "
-    "answer; 76 nothing held (released already, owner exited, lost); 77 not yours; "
-    "79 taken over; 124 --max-time expired.",
+    "answer, or the service is unavailable; 76 nothing held (released already, owner "
+    "exited, lost; a --no-keeper lease expired); 77 not yours; 78 the lock URI is not the "
+    "one a --no-keeper token needs; 79 taken over; 124 --max-time expired.",
 )
+@_uri_option(_LEASE_SERVICE, lazy=True)
 @_token_verbose
 @_token_argument
-def release_command(verbose: bool, token: str | None) -> int:
+def release_command(verbose: bool, token: str | None, uri: Callable[[], str]) -> int:
     """Release the lock that `lockrun acquire` printed TOKEN for (default: $LOCKRUN_TOKEN)."""
-    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
-
-    said = keeper.ask(_token(token), "release")
+    said = _by_token(token, "release", uri)
     if verbose:
         say(said)
     return 0
@@ -698,17 +766,17 @@ def release_command(verbose: bool, token: str | None) -> int:
 
 @click.command(
     context_settings=_CONTEXT,
-    epilog="Exit status: 0 held; 64 usage or malformed token; 69 the keeper did not answer; "
-    "76 not held (released, owner exited, lost); 77 not yours; 79 taken over; "
-    "124 --max-time expired.",
+    epilog="Exit status: 0 held; 64 usage or malformed token; 69 the keeper did not answer, "
+    "or the service is unavailable; 76 not held (released, owner exited, lost; a "
+    "--no-keeper lease expired); 77 not yours; 78 the lock URI is not the one a --no-keeper "
+    "token needs; 79 taken over (a --no-keeper lease is released); 124 --max-time expired.",
 )
+@_uri_option(_LEASE_SERVICE, lazy=True)
 @_token_verbose
 @_token_argument
-def renew_command(verbose: bool, token: str | None) -> int:
-    """Confirm TOKEN's lock is held, and count its --max-time again from now."""
-    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
-
-    said = keeper.ask(_token(token), "renew")
+def renew_command(verbose: bool, token: str | None, uri: Callable[[], str]) -> int:
+    """Confirm TOKEN's lock is held, and count its --max-time (or --no-keeper's --ttl) again."""
+    said = _by_token(token, "renew", uri)
     if verbose:
         say(said)
     return 0
@@ -736,9 +804,15 @@ def _print(text: str) -> None:
 
 
 def _role(role: str, person: Holder) -> str:
-    """Say what *person* does: ``holding``, ``waiting``, ``sharing``, ``held until 12:03:04``."""
+    """Say what *person* does: ``holding``, ``waiting``, ``sharing``, ``held until 12:03:04``.
+
+    A lease with no process (acquire --no-keeper): ``no process, until 12:03:04``.
+    """
     if person.until is not None:
         return f"held until {clock_time(person.until)}"
+    if person.detached:
+        until = "" if person.expires is None else f", until {clock_time(person.expires)}"
+        return f"{'sharing, ' * person.shared}no process{until}"
     if person.shared:
         return "sharing" if role == "holding" else "waiting (shared)"
     return role

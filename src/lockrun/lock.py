@@ -85,6 +85,9 @@ def describe(holder: Holder) -> str:
         return f"{text}{ran}, until {clock_time(holder.until)} (--hold-at-least)"
     if holder.since is not None:
         text += f" since {clock_time(holder.since)}"
+    if holder.detached:  # that pid is the acquire's, gone: the service keeps the lease
+        until = "" if holder.expires is None else f" until {clock_time(holder.expires)}"
+        text += f", a lease with no process{until} unless renewed (acquire --no-keeper)"
     return text
 
 

@@ -36,6 +36,7 @@ def holders_text(holders: Sequence[Holder]) -> str:
             if holder.until is not None
             else ("" if holder.since is None else f" since {clock_time(holder.since)}")
         )
+        + (" (no process)" if holder.detached else "")
         for holder in holders[:SHOWN_HOLDERS]
     ]
     more = len(holders) - len(named)

@@ -35,6 +35,7 @@ from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.bounds import MAX_FENCE
+from lockrun.detached import parse_token as parse_lease_token
 from lockrun.keeper import (
     check_variable,
     parse_owner,
@@ -66,11 +67,17 @@ def one_input(data: bytes) -> None:
 
 
 def _keeper(text: str, data: bytes) -> None:
-    """Parse *text* as a token, an --owner and a --var, and *data* as what a door reads."""
+    """Parse *text* as tokens, an --owner and a --var, and *data* as what a door reads."""
     with contextlib.suppress(UsageError):
         token = parse_token(text)
         assert str(token) == text
         assert all(c.isalnum() or c in "._-" for c in text)  # shell-safe: nothing to quote
+    for candidate in (text, f"lrl1.{text}"):  # acquire --no-keeper's: one spelling a lease
+        with contextlib.suppress(UsageError):
+            lease = parse_lease_token(candidate)
+            assert str(lease) == candidate
+            assert candidate.isascii()
+            assert all(c.isalnum() or c in "._-" for c in candidate)
     with contextlib.suppress(UsageError):
         owner = parse_owner(text)
         assert owner is None or owner >= 1

@@ -43,6 +43,10 @@ class Holder(NamedTuple):
     shared: bool = False  # a shared (reader) holder or waiter; exclusive otherwise
     # Unix time a slot whose command has ended stays taken (--hold-at-least); None: running
     until: float | None = None
+    # A lease kept by the service with no process (acquire --no-keeper): pid and host are
+    # those of the acquire, long gone; `expires` is when it ends unless renewed. Never
+    # read from a record (`from_dict`), which anyone who may write it could forge.
+    detached: bool = False
 
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
@@ -76,12 +80,18 @@ class Holder(NamedTuple):
             expires=_stamp(data.get("expires")),
             shared=data.get("shared") is True,
             until=_stamp(data.get("until")),
-        )
+        )  # never `detached`: the backend knows that from its own keys, not from a record
 
     def to_dict(self) -> dict[str, object]:
-        """Return a JSON-ready dict."""
+        """Return a JSON-ready dict; ``detached`` only where it is true.
+
+        The backends store this dict as the holder's record: one of a process (every
+        record) stays as it was before detached leases existed.
+        """
         record: dict[str, object] = self._asdict()
         record["argv"] = list(self.argv)
+        if not self.detached:
+            del record["detached"]
         return record
 
 
@@ -233,6 +243,9 @@ class Request(NamedTuple):
     shared: bool = False
     take_over: bool = False
     hold: float = 0.0  # --hold-at-least: a backend that could not keep the window refuses now
+    # acquire --no-keeper: the id of a lease the service keeps with no process of ours, chosen
+    # by the caller (a backend that keeps none is never asked); "": a lease that ends with us
+    lease_id: str = ""
 
 
 class LockState(NamedTuple):
@@ -252,7 +265,10 @@ class LockState(NamedTuple):
             "name": self.name,
             "where": self.where,
             "slots": self.slots,
-            "holders": [holder.to_dict() for holder in self.holders],
+            # every holder says whether it is detached: JSON for machines keeps one shape
+            "holders": [
+                holder.to_dict() | {"detached": holder.detached} for holder in self.holders
+            ],
             "waiters": [waiter.to_dict() for waiter in self.waiters],
         }
 

@@ -730,6 +730,10 @@ _OWNER: Final = re.compile(
     re.ASCII,
 )
 SHARED: Final = "s:"  # the start of a reader's token (--shared)
+# Next (after any "s:"): a lease kept with no process (acquire --no-keeper). Only such a
+# token can be renewed or released by another process (`KeptLease`): a run's or a keeper's
+# lease cannot be named by a token of `lockrun release`.
+DETACHED: Final = "d:"
 _GAVE_WAY: Final = 2  # the acquire script's code for "granted during a take-over: given back"
 
 
@@ -1683,7 +1687,7 @@ class RedisBackend:
             except ValueError:
                 holder = Holder("?", 0, "?", ())
             # The token says the mode, the owners entry a window; never the record's word.
-            holder = holder._replace(shared=token.startswith(SHARED), until=None)
+            holder = holder._replace(shared=token.startswith(SHARED), until=None, detached=False)
             owner = _OWNER.fullmatch(owners.get(token, ""))
             if expires_ms is None or owner is None:
                 return holder
@@ -1697,6 +1701,7 @@ class RedisBackend:
                 since=int(owner["granted"]) / 1000,
                 expires=expires,
                 until=window,
+                detached=window is None and token.removeprefix(SHARED).startswith(DETACHED),
             )
 
         held = tuple(
@@ -1712,6 +1717,37 @@ class RedisBackend:
                 return None
             name = unquote(prefix.partition("/")[2].removesuffix("}"))
         return LockState(namespace, name, prefix, slots, held, waiting)
+
+    @property
+    def where(self) -> str:
+        """The URI, with no password: for messages."""
+        return self.settings.where
+
+    def place(self) -> str:
+        """Name the server (or Sentinel service) and database we reach, with no credentials.
+
+        Alike for every spelling of one URI: the default port and database written or not,
+        the host in any case, the sentinels in any order (`lockrun.detached`'s tokens).
+        """
+        kwargs, db = self.settings.kwargs, self.settings.kwargs.get("db", 0)
+        if self.settings.sentinels:
+            hosts = ",".join(
+                sorted(f"{host.lower()}:{port}" for host, port in self.settings.sentinels)
+            )
+            return f"sentinel {hosts}/{self.settings.service}/{db}"
+        if "unix_socket_path" in kwargs:
+            return f"unix {os.path.normpath(kwargs['unix_socket_path'])}/{db}"
+        if "host" not in kwargs:  # pragma: no cover - a form this code does not know yet
+            return f"uri {self.settings.where}"  # as written, without its password
+        return f"tcp {str(kwargs['host']).lower()}:{kwargs['port']}/{db}"
+
+    def kept(self, request: Request, hold: float) -> KeptLease:
+        """Return the lease that *request*'s ``lease_id`` names, kept with no process.
+
+        *request* is the one `acquire` was given, as its token tells it (no holder); *hold*
+        its --hold-at-least.
+        """
+        return KeptLease(self, Claim.of(request), math.ceil(hold * 1000))
 
     def close(self) -> None:
         """Drop the connections."""
@@ -1736,8 +1772,11 @@ class Claim(NamedTuple):
 
     @classmethod
     def of(cls, request: Request) -> Claim:
-        """Return a new acquisition for *request*; a reader's token says so ("s:")."""
-        token = secrets.token_hex(10)
+        """Return a new acquisition for *request*; a reader's token says so ("s:").
+
+        So does a lease kept with no process ("d:"), whose id the caller chose.
+        """
+        token = f"{DETACHED}{request.lease_id}" if request.lease_id else secrets.token_hex(10)
         return cls(
             key_prefix(request.namespace, request.name),
             f"{SHARED}{token}" if request.shared else token,
@@ -1897,6 +1936,67 @@ class RedisLease:
         self._bell = self._quit = None
         hold_ms = math.ceil(hold * 1000) if hold > 0 else 0
         self.backend.leave(self.claim, hold_ms, own=own)
+
+
+class KeptLease(NamedTuple):
+    """A lease kept with no process (acquire --no-keeper), as any later process finds it.
+
+    Its renewals and its release are the scripts a holder's would be: only the token
+    is another process's.
+    """
+
+    backend: RedisBackend
+    claim: Claim
+    hold_ms: int  # --hold-at-least, counted from the grant on the server's clock
+
+    def renew(self) -> None:
+        """Extend the lease by its ttl; `LeaseLost` if it is gone.
+
+        A take-over that waits is told here, as a holder's renewal is told: the lease is
+        released at once, for the taker, and `TakenOver` says who it is.
+        """
+        reply = self.backend.call("renew", self.claim)
+        if isinstance(reply, str):  # the taker's record
+            self.backend.leave(self.claim)  # best effort: otherwise it lapses within a ttl
+            msg = f"{_taken_over_by(reply)}; released it"
+            raise TakenOver(msg)
+        if reply != 1:
+            raise LeaseLost(_KEPT_GONE)
+
+    def release(self) -> tuple[str | None, float]:
+        """Release, leaving the --hold-at-least window; `LeaseLost` if it was gone already.
+
+        Proved held by a renewal first, as the release script is silent about a lease
+        that lapsed: then 0 means held until the release. Return the record of a taker that
+        waited (it runs next, and no window is left), else None, and the seconds of window
+        left.
+        """
+        reply = self.backend.call("renew", self.claim)
+        if reply != 1 and not isinstance(reply, str):
+            raise LeaseLost(_KEPT_GONE)
+        taker = reply if isinstance(reply, str) else None
+        hold_ms = self._window() if self.hold_ms and taker is None else 0
+        woken = self.backend.call("release", self.claim, hold_ms)
+        self.backend.pass_over_the_dead(self.claim, woken)
+        return taker, hold_ms / 1000
+
+    def _window(self) -> int:
+        """Return the ms of the --hold-at-least window left, from the grant in owners.
+
+        An entry that is none of ours (another client wrote it) leaves the whole window
+        from now: longer than asked, never shorter.
+        """
+        reply = self.backend.call("status", Claim(self.claim.prefix, "", 1, 1))
+        server_ms = int(reply[0])
+        owner = _OWNER.fullmatch(_pairs(reply[4]).get(self.claim.token, ""))
+        granted = int(owner["granted"]) if owner else server_ms
+        return max(0, min(granted + self.hold_ms - server_ms, self.hold_ms))
+
+
+_KEPT_GONE: Final = (
+    "no lease for this token: it expired (nobody renewed it within its --ttl), was "
+    "released, or Redis lost it (FLUSHALL, eviction, a restart or failover)"
+)
 
 
 def _taken_over_by(record: str) -> str:

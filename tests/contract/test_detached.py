@@ -23,7 +23,15 @@ from lockrun.detached import Keeps, _hand_over, _Interrupts, acquire, parse_toke
 from lockrun.errors import Interrupted
 from lockrun.lock import acquire as acquire_slot
 from lockrun.runner import Options
-from tests.support.cli import LOCKRUN, lock_state, lockrun, one_line, queue_length, wait_for
+from tests.support.cli import (
+    LOCKRUN,
+    lock_state,
+    lockrun,
+    one_line,
+    queue_length,
+    taken,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,18 +49,6 @@ def job(uri: str, *args: str, token: str | None = None) -> subprocess.CompletedP
     if token is not None:
         env["LOCKRUN_TOKEN"] = token
     return lockrun(*args, env=env)
-
-
-def busy(uri: str, name: str) -> bool:
-    """Whether *name* is taken now: a Lock of ours finds it busy."""
-    lock = Lock(name, uri=uri)
-    try:
-        with lock:
-            return False
-    except LockBusy:
-        return True
-    finally:
-        lock.close()
 
 
 def test_jobs_hold_one_lock_until_the_last_one_releases(
@@ -146,7 +142,7 @@ def test_a_take_over_waits_for_the_renewal_that_lets_go(
         *("--", *oracle.command("taker")),
     )
     wait_for(lambda: queue_length(redis_uri, name) == 1, what="the taker to queue")
-    assert busy(redis_uri, name)
+    assert taken(redis_uri, name)
     assert oracle.started("taker") == []
     asked = time.monotonic()
     renewed = job(redis_uri, "renew", token=token)
@@ -202,7 +198,7 @@ def test_readers_slots_and_a_window_are_kept_too(redis_uri: str, name: str) -> N
     (window,) = lock_state(redis_uri, name)["holders"]
     assert window["detached"] is False  # a window, as a run leaves: counted from the grant
     assert window["until"] == pytest.approx(granted + 20, abs=0.01)
-    assert busy(redis_uri, name)
+    assert taken(redis_uri, name)
     assert parse_token(token).hold_ms == 20000
 
 
@@ -241,7 +237,7 @@ def test_a_signal_while_waiting_or_an_unwritable_token_leaves_nothing(
     os.close(write)
     assert unwritten.returncode == 74
     assert "released the lock" in one_line(unwritten.stderr)
-    assert not busy(redis_uri, name)
+    assert not taken(redis_uri, name)
 
 
 def test_a_signal_before_the_wait_or_after_the_grant_holds_nothing(
@@ -270,4 +266,4 @@ def test_a_signal_before_the_wait_or_after_the_grant_holds_nothing(
             _hand_over(lease, token, delivered.append, interrupts)
         backend.close()
     assert delivered == []
-    assert not busy(redis_uri, name)
+    assert not taken(redis_uri, name)

@@ -19,7 +19,7 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockrun import ExitCode, Lock, LockBusy
+from lockrun import ExitCode, Lock
 from lockrun.backends import parse_uri
 from lockrun.backends.redis import connect, key_prefix
 from lockrun.cli import SUBCOMMANDS, _exit_status
@@ -27,7 +27,7 @@ from lockrun.detached import LeaseToken, acquire, parse_token, release, renew
 from lockrun.errors import ConfigError, LockrunError, UsageError
 from lockrun.names import MAX_NAME_BYTES
 from lockrun.runner import Options
-from tests.support.cli import lockrun, one_line
+from tests.support.cli import lockrun, one_line, taken
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -50,18 +50,6 @@ def kept(uri: str, name: str, *, hold: float = 0.0) -> str:
     options = Options(name, uri, ttl=TTL, hold_at_least=hold)
     assert acquire(options, tokens.append, log=lambda _line: None) == 0
     return tokens[0]
-
-
-def busy(uri: str, name: str) -> bool:
-    """Whether *name* is taken now: a Lock of ours finds it busy."""
-    lock = Lock(name, uri=uri)
-    try:
-        with lock:
-            return False
-    except LockBusy:
-        return True
-    finally:
-        lock.close()
 
 
 def outcome(asking: Callable[[str, str], str], token: str, uri: str) -> int:
@@ -158,11 +146,11 @@ def test_a_token_of_no_lease_another_lock_or_another_service(redis_uri: str, nam
         release(elsewhere, redis_uri)
     with pytest.raises(ConfigError, match=r"kept by a Redis server, .* is file: \(the default"):
         release(str(token), "file:")
-    assert busy(redis_uri, name)
+    assert taken(redis_uri, name)
     spelled = respelled(redis_uri)
     assert renew(str(token), spelled).startswith(f"{name} is held")
     assert release(str(token), spelled) == f"released {name}"
-    assert not busy(redis_uri, name)
+    assert not taken(redis_uri, name)
 
 
 def respelled(uri: str) -> str:
@@ -201,7 +189,7 @@ def test_a_token_cannot_name_a_lease_that_a_process_holds(
         forged = str(parse_token(ours)._replace(lease_id=str(held), name=name))
         for asking in (renew, release):
             assert outcome(asking, forged, redis_uri) == ExitCode.LOST
-        assert busy(redis_uri, name)
+        assert taken(redis_uri, name)
     lock.close()
     release(ours, redis_uri)
 
@@ -266,12 +254,12 @@ def test_renew_and_release_racing_the_expiry(
     if renewed == 0:  # asked before the end, and a whole ttl from then
         assert before < ends
         assert (co_tenant.zscore(holders, lease) or 0) >= before + TTL * 1000
-        assert busy(redis_uri, name)
+        assert taken(redis_uri, name)
     else:  # found gone, as it was by the time the answer came
         assert renewed == ExitCode.LOST
         assert after >= ends
     assert outcome(release, token, redis_uri) == renewed
-    assert not busy(redis_uri, name)
+    assert not taken(redis_uri, name)
 
 
 def run_cli(*args: str) -> int:
@@ -299,4 +287,4 @@ def test_no_keeper_refuses_what_needs_a_process(
     result = lockrun("acquire", "--no-keeper", "--ttl", "1m", "--uri", "abstract:", name)
     assert (result.returncode, result.stdout) == (64, "")
     assert "drop --no-keeper, and a keeper holds it" in one_line(result.stderr)
-    assert not busy(redis_uri, name)
+    assert not taken(redis_uri, name)

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun import Lock, LockBusy, UsageError
+from lockrun import UsageError
 from lockrun.keeper import PID_MAX, parse_owner, parse_token, watch_owner
 from lockrun.runner import Options
-from tests.support.cli import lockrun, one_line, wait_for
+from tests.support.cli import lockrun, one_line, taken, wait_for
 from tests.support.users import Runner, needs_root
 
 if TYPE_CHECKING:
@@ -42,18 +42,6 @@ def kept(file_uri: str, name: str, owner: subprocess.Popen[bytes]) -> str:
     result = lockrun("acquire", "--uri", file_uri, "--owner", str(owner.pid), name)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
-
-
-def held(file_uri: str, name: str) -> bool:
-    """Whether the keeper still holds *name*: a Lock of ours finds it busy."""
-    lock = Lock(name, uri=file_uri)
-    try:
-        with lock:
-            return False
-    except LockBusy:
-        return True
-    finally:
-        lock.close()
 
 
 # Mallory at the door: the real secret, wrong ones, junk, a flood of idle connections.
@@ -103,13 +91,13 @@ def test_another_user_at_the_door_is_refused_and_cannot_block_it(
     assert attacker.stdout.readline().strip() == "crowd"
     renewed = lockrun("renew", kept, timeout=15)  # while mallory's 200 connections stay open
     assert (renewed.returncode, renewed.stderr) == (0, "")
-    assert held(file_uri, name)
+    assert taken(file_uri, name)
     refused = mallory.lockrun("release", kept)
     assert refused.returncode == 77
     assert "not yours" in one_line(refused.stderr)
     attacker.kill()
     attacker.communicate()
-    assert held(file_uri, name)
+    assert taken(file_uri, name)
     assert lockrun("release", kept).returncode == 0
 
 
@@ -123,7 +111,7 @@ def test_a_wrong_secret_is_not_yours_and_the_lock_stays(
         result = lockrun("release", guess)
         assert result.returncode == 77
         assert "secret is wrong" in one_line(result.stderr)
-    assert held(file_uri, name)
+    assert taken(file_uri, name)
     assert lockrun("release", kept).returncode == 0
 
 
@@ -214,7 +202,7 @@ def test_an_owner_that_is_no_process_is_a_usage_error(file_uri: str, name: str) 
         result = lockrun("acquire", "--uri", file_uri, f"--owner={text}", name)
         assert (result.returncode, result.stdout) == (64, "")
         one_line(result.stderr)
-    assert not held(file_uri, name)
+    assert not taken(file_uri, name)
 
 
 @needs_root
@@ -239,7 +227,7 @@ def test_an_env_file_another_user_planted_is_refused(
     assert (result.returncode, result.stdout) == (78, "")
     assert "--env-file" in one_line(result.stderr)
     assert precious.read_text() == PRECIOUS
-    assert not held(file_uri, name)
+    assert not taken(file_uri, name)
 
 
 def test_the_env_file_gets_one_line_appended(

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lockrun.lock import DEFAULT_NAMESPACE
+from lockrun.errors import LockBusy
+from lockrun.lock import DEFAULT_NAMESPACE, Lock
 from lockrun.runner import states_for_status
 
 if TYPE_CHECKING:
@@ -249,3 +250,15 @@ def statuses_read(uri: str, name: str) -> None:
         if "--json" in args:
             json.loads(shown.stdout)
         assert "\x1b" not in shown.stdout
+
+
+def taken(uri: str, name: str) -> bool:
+    """Whether *name* is taken now: a `Lock` of ours finds it busy (no lockrun's word)."""
+    lock = Lock(name, uri=uri)
+    try:
+        with lock:
+            return False
+    except LockBusy:
+        return True
+    finally:
+        lock.close()

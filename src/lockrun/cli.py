@@ -327,7 +327,7 @@ _take_over_option: Final = click.option(
     "--take-over",
     is_flag=True,
     allow_from_autoenv=False,
-    help="Ask the current holders to stop (they exit 79), then run; needs a --wait.",
+    help="Ask the current holders to stop (they exit 79), then take the lock; needs a --wait.",
 )
 _quiet_option: Final = click.option(
     "-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy."

@@ -111,6 +111,23 @@ def test_runs_take_turns_with_rising_fences_on_every_primary(
         assert holder_pids(uri, lock) == []
 
 
+def test_a_lease_with_no_process_is_renewed_and_released_through_any_seed_order(
+    redis_cluster: Cluster, name: str
+) -> None:
+    """A --no-keeper lease on a cluster: busy while kept, renewed and released by its token."""
+    uri = redis_cluster.uri
+    scheme, _, rest = uri.partition("//")
+    reordered = f"{scheme}//{','.join(reversed(rest.split(',')))}"  # another job's spelling
+    acquired = lockrun("acquire", "--uri", uri, "--no-keeper", "--ttl", "30", name)
+    assert acquired.returncode == 0, acquired.stderr
+    token = acquired.stdout.strip()
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == ExitCode.BUSY
+    assert lockrun("renew", "--uri", reordered, token).returncode == 0
+    assert lockrun("release", "--uri", reordered, token).returncode == 0
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+    assert lockrun("release", "--uri", uri, token).returncode == ExitCode.LOST
+
+
 def test_waiters_go_in_arrival_order_and_a_semaphore_counts_its_slots(
     redis_cluster: Cluster,
     name: str,

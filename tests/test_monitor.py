@@ -7,6 +7,7 @@ file read by Prometheus's own parser, and the exit statuses, never lockrun's wor
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -339,6 +340,28 @@ def test_a_hook_that_outlives_its_time_is_stopped_with_its_group(
     assert 0.3 + HOOK_GRACE <= took < 0.3 + HOOK_GRACE + 5
     hook_pids = [int(pid) for pid in pids.read_text().split()]
     wait_for(lambda: all(map(gone, hook_pids)), timeout=5, what="the hook's processes to end")
+
+
+def test_a_hook_that_leaves_its_group_is_still_stopped_in_time(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """A hook that moved itself to another process group is KILLed too: lockrun ends."""
+    pid_file = tmp_path / "pid"
+    escape = (  # into lockrun's own group, out of the one lockrun signals
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "os.setpgid(0, os.getpgid(os.getppid())); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    began = time.monotonic()
+    result = lockrun(
+        "--uri", file_uri, "-n", name, "--hook-max-time", "0.3",
+        "--on-exit", f"exec {sys.executable} -c {shlex.quote(escape)}", "--", "true",
+        timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0
+    assert time.monotonic() - began < 0.3 + HOOK_GRACE + 5
+    assert "--on-exit hook still ran after 0.30s (--hook-max-time): stopped it" in result.stderr
+    wait_for(lambda: gone(int(pid_file.read_text())), timeout=5, what="the hook to end")
 
 
 def test_a_signal_to_lockrun_during_a_hook_goes_to_the_hook(

@@ -689,7 +689,7 @@ def _holding(options: Options, owner: str | None, *, no_keeper: bool) -> _Holdin
         return lambda deliver, live, _private: detached.acquire(
             options, deliver, log=say, live=live
         )
-    who = os.getppid() if owner is None else keeper.parse_owner(owner)
+    who = keeper.default_owner() if owner is None else keeper.parse_owner(owner)
     return lambda deliver, live, private: keeper.acquire(
         options, who, lambda grant: deliver(str(grant.token)), log=say, live=live, private=private
     )

@@ -121,6 +121,41 @@ def parse_token(text: object) -> Token:
     return Token(int(match[1]), match[2], match[3])
 
 
+def default_owner() -> int:
+    """Return the process `acquire` belongs to: its parent, unless that is a subshell.
+
+    A subshell is a forked copy of its own parent, the same program with the same command
+    line: bash forks one for ``$(lockrun acquire … 2>/dev/null)``, dash and zsh for a
+    pipeline or a function's ``$(…)``. It exits as soon as `acquire` does, so the owner is
+    the shell it was forked from.
+    """
+    owner = os.getppid()
+    while owner > 1 and (parent := _parent(owner)) > 1:
+        image = _image(owner)
+        if image is None or image != _image(parent):
+            break
+        owner = parent
+    return owner
+
+
+def _parent(pid: int) -> int:
+    """Return the parent of *pid* (0 if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return int(stat_file.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _image(pid: int) -> tuple[str, bytes] | None:
+    """Return what *pid* runs: its executable and command line (None if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return os.readlink(f"/proc/{pid}/exe"), cmdline.read()
+    except OSError:
+        return None
+
+
 def parse_owner(text: str) -> int | None:
     """Return the owner pid of ``--owner TEXT`` (None for ``none``), checked to be a pid."""
     if text == "none":
@@ -180,14 +215,7 @@ def ask(text: object, verb: str) -> str:
         msg = f"this token is of a keeper of another user (uid {token.uid}): not yours"
         raise NotYours(msg)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as door:
-        door.settimeout(ANSWER)
-        try:
-            door.connect(token.door)
-        except (ConnectionRefusedError, FileNotFoundError):
-            raise LeaseLost(_GONE) from None
-        except OSError as err:
-            msg = f"cannot reach the keeper: {err.strerror or err}"
-            raise BackendUnavailable(msg) from None
+        _knock(door, token)
         _, uid, _ = _PEERCRED.unpack(
             door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
@@ -212,6 +240,30 @@ def ask(text: object, verb: str) -> str:
     if error is not None:
         raise error(message)
     return message
+
+
+def _knock(door: socket.socket, token: Token) -> None:
+    """Connect *door* to *token*'s keeper within `ANSWER` seconds; raise its status if not."""
+    deadline = now() + ANSWER
+    door.settimeout(ANSWER)
+    while True:
+        try:
+            door.connect(token.door)
+        except BlockingIOError:
+            # A full backlog (a crowd at the door, maybe another user's) answers EAGAIN at
+            # once, not after the timeout: ask again until the deadline.
+            if now() >= deadline:
+                msg = f"the keeper did not answer within {format_duration(ANSWER)}"
+                raise BackendUnavailable(msg) from None
+            time.sleep(0.01)
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise LeaseLost(_GONE) from None
+        except OSError as err:
+            msg = f"cannot reach the keeper: {err.strerror or err}"
+            raise BackendUnavailable(msg) from None
+        else:
+            door.settimeout(max(0.1, deadline - now()))
+            return
 
 
 # -- acquire: the parent ----------------------------------------------------------------------
@@ -348,6 +400,8 @@ def _relay(
     for signo in _INTERRUPTS:
         if signal.getsignal(signo) is not signal.SIG_IGN:  # nohup's HUP stays ignored
             signal.signal(signo, forward)
+    for signo in FORWARDED - _INTERRUPTS:  # USR1, USR2: dropped while waiting, as by a run
+        signal.signal(signo, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, saved)
     with link:
         grant = _read_grant(link.recv(MAX_REPLY))
@@ -381,16 +435,15 @@ def _read_grant(message: bytes) -> Grant | None:
 
 
 def _child_status(child: int, name: str) -> int:
-    """Reap the keeper that ended and return its status (128+N for a signal N)."""
+    """Reap the keeper that ended and return its status; `Interrupted` if a signal killed it."""
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     if code < 0:
         what = signal.Signals(-code).name
         msg = f"{name}: the keeper was killed by {what}; nothing is held"
         raise Interrupted(msg, signo=-code)
-    if code == 0:  # a keeper that ends without handing the token over says why
-        msg = f"{name}: the keeper ended before it handed the token over"
-        raise LockrunError(msg)
+    # Ended without handing a token over, and said why on stderr: busy (-E, which may be 0),
+    # or any other status of a run that never held the lock.
     return code
 
 

@@ -194,6 +194,11 @@ def update(
             waited = format_duration(wait)
             log(f"metrics file {path} not updated: its directory stayed locked for {waited}")
             return
+        if (kind := _foreign(fd, base)) is not None:
+            # A device (/dev/null, to turn metrics off), a FIFO, a socket, a directory:
+            # renaming over it would replace it, and root may rename anything.
+            log(f"metrics file {path} not updated: it is {kind}, not a file of metrics")
+            return
         data = _read(fd, base)
         if len(data) > MAX_BYTES:
             log(f"metrics file {path}: over {MAX_BYTES >> 20} MiB, not lockrun's; starting over")
@@ -224,6 +229,19 @@ def _lock(fd: int, wait: float) -> bool:
             pause = min(pause * 2, 0.05)
         else:
             return True
+
+
+def _foreign(directory: int, base: str) -> str | None:
+    """Name what *base* is if it is neither a regular file nor a symlink (None: it is, or none)."""
+    try:
+        mode = os.stat(base, dir_fd=directory, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):  # a planted link is replaced, never followed
+        return None
+    kinds = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+    kinds |= {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def _read(directory: int, base: str) -> bytes:

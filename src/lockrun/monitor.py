@@ -290,17 +290,23 @@ def _reap(pid: int, max_time: float, forward: frozenset[int]) -> int | None:
             return None if stopping else os.waitstatus_to_exitcode(status)
         if now() >= deadline:
             if stopping:
-                _signal_group(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                _signal_hook(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # our child, killed itself: whatever group it moved to
                 return None
-            _signal_group(pid, signal.SIGTERM)
-            _signal_group(pid, signal.SIGCONT)  # a stopped hook must run to take it
+            _signal_hook(pid, signal.SIGTERM)
+            _signal_hook(pid, signal.SIGCONT)  # a stopped hook must run to take it
             deadline, stopping = now() + HOOK_GRACE, True
         info = signal.sigtimedwait(_WATCHED, max(0.0, deadline - now()))
         if info is not None and genuine(info) and info.si_signo in forward:
-            _signal_group(pid, info.si_signo)
+            _signal_hook(pid, info.si_signo)
 
 
-def _signal_group(group: int, signo: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
-        os.killpg(group, signo)
+def _signal_hook(pid: int, signo: int) -> None:
+    """Send *signo* to the hook's process group, and to the hook itself if it left it.
+
+    A hook may move itself to another group (setpgid): the group's signal would miss it,
+    and the wait for it would have no end.
+    """
+    for send, target in ((os.killpg, pid), (os.kill, pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
+            send(target, signo)

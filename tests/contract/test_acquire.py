@@ -11,6 +11,7 @@ import itertools
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from lockrun.uri import SCHEMES
 from tests.support.cli import (
     LOCKRUN,
     TEST_TTL,
+    finish,
     gone,
     lock_state,
     lockrun,
@@ -269,7 +271,7 @@ section() {{
 }}
 section
 lockrun --uri {uri} -n {name} -- true
-TOKEN=$(lockrun acquire --uri {uri} {name})
+TOKEN=$(lockrun acquire --uri {uri} {name} 2>/dev/null)  # bash forks a subshell for this
 touch {ready}
 sleep 600
 """
@@ -291,7 +293,9 @@ def test_a_shell_section_holds_the_lock_and_a_killed_script_frees_it(
     wait_for(lambda: ready.exists() or process.poll() is not None, what="the script")
     assert process.poll() is None, errors.read_text()
     assert token.read_text().startswith("lr1.")
-    assert not free(file_uri, name)  # the plain `TOKEN=$(lockrun acquire …)`, owned by the shell
+    # `TOKEN=$(lockrun acquire … 2>/dev/null)`: owned by the script's shell, not by the
+    # subshell bash forks for the redirection, which exits with the acquire.
+    assert not free(file_uri, name)
     killed = time.monotonic()
     os.killpg(process.pid, signal.SIGKILL)  # the script's group, as timeout(1) or a CI cancel
     process.wait(30)
@@ -300,3 +304,61 @@ def test_a_shell_section_holds_the_lock_and_a_killed_script_frees_it(
         f"{shell} killed to the next holder's grant",
         seconds=time_to_free(file_uri, name, SLACK) - killed,
     )
+
+
+def test_a_busy_acquire_exits_with_the_conflict_exit_code_even_0(
+    file_uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """-E 0 on a busy lock: status 0, the busy line, no token, and nothing held of its own."""
+    acquire(file_uri, name, owner.pid)
+    busy = lockrun("acquire", "--uri", file_uri, "--owner", str(owner.pid), "-E", "0", name)
+    assert (busy.returncode, busy.stdout) == (0, "")
+    assert f"{name} busy" in one_line(busy.stderr)
+    assert len(lock_state(file_uri, name)["holders"]) == 1
+
+
+def test_usr1_to_a_waiting_acquire_is_dropped_and_it_waits_on(
+    file_uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """USR1 and USR2 while waiting are dropped, as for a run: the acquire keeps its place."""
+    token = acquire(file_uri, name, owner.pid)
+    waiting = start(
+        "acquire", "--uri", file_uri, "--owner", str(owner.pid), "-w", "60", name,
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    wait_for(lambda: queue_length(file_uri, name) == 1, what="the acquire to queue")
+    waiting.send_signal(signal.SIGUSR1)
+    waiting.send_signal(signal.SIGUSR2)
+    assert lockrun("release", token).returncode == 0
+    out, err = waiting.communicate(timeout=30)
+    assert (waiting.returncode, err) == (0, ""), err
+    assert lockrun("release", out.strip()).returncode == 0
+
+
+def test_a_crowd_at_the_door_only_delays_the_owners_release(
+    file_uri: str, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """A full backlog (the keeper stopped, a crowd queued) delays release; it never fails it."""
+    token = acquire(file_uri, name, owner.pid)
+    keeper = keeper_pid(file_uri, name)
+    door = b"\0lockrun-keeper/" + token.split(".")[2].encode()
+    crowd = []
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        while True:  # fill the backlog: a connect that would wait is refused at once (EAGAIN)
+            knock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            knock.setblocking(False)  # noqa: FBT003 - the socket API
+            crowd.append(knock)
+            try:
+                knock.connect(door)
+            except BlockingIOError:
+                break
+        release = start("release", token)
+        time.sleep(0.5)  # the release knocks meanwhile, and must not give up
+        assert release.poll() is None
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+        for knock in crowd:
+            knock.close()
+    assert finish(release) == 0
+    assert free(file_uri, name)

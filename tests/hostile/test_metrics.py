@@ -101,29 +101,36 @@ def test_a_previous_file_keeps_only_lockruns_counts(
     assert found["lockrun_last_exit_status/"] == 3
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "missing-directory"])
-def test_what_is_not_a_file_neither_hangs_nor_changes_the_status(
+NOT_FILES = {
+    "fifo": "it is a FIFO",
+    "directory": "it is a directory",
+    "device": "it is a character device",
+    "missing-directory": "No such file or directory",
+}
+
+
+@pytest.mark.parametrize("kind", NOT_FILES)
+def test_what_is_not_a_file_is_left_as_it_is_and_changes_no_status(
     tmp_path: Path, name: str, kind: str
 ) -> None:
-    """A FIFO is replaced, never opened to block; a directory or no directory: one line."""
+    """A FIFO, a directory, a device (/dev/null): left alone, never blocked on; one line."""
     path = tmp_path / "m.prom"
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "directory":
         path.mkdir()
+    elif kind == "device":  # as --metrics-file /dev/null would be, to turn metrics off
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     else:
         path = tmp_path / "missing" / "m.prom"
+    before = path.lstat().st_mode if path.exists() else None
     result = lockrun("--uri", f"file://{tmp_path}/locks", "-n", name, "--metrics-file", str(path),
                      "--", "sh", "-c", "exit 3", timeout=30)  # fmt: skip
     assert result.returncode == 3
-    if kind == "fifo":
-        assert result.stderr == ""
-        assert stat.S_ISREG(path.lstat().st_mode)
-        assert counts(path, name)["lockrun_runs_total/failed"] == 1
-    else:
-        line = one_line(result.stderr)
-        assert line.startswith(f"lockrun: {name}: metrics file {path} not updated: "), line
-        assert ("Is a directory" if kind == "directory" else "No such file or directory") in line
+    line = one_line(result.stderr)
+    assert line.startswith(f"lockrun: {name}: metrics file {path} not updated: "), line
+    assert NOT_FILES[kind] in line
+    assert (path.lstat().st_mode if path.exists() else None) == before
     assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".")] == []
 
 

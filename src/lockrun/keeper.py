@@ -125,9 +125,9 @@ def default_owner() -> int:
     """Return the process `acquire` belongs to: its parent, unless that is a subshell.
 
     A subshell is a forked copy of its own parent, the same program with the same command
-    line: bash forks one for ``$(lockrun acquire … 2>/dev/null)``, dash and zsh for a
-    pipeline or a function's ``$(…)``. It exits as soon as `acquire` does, so the owner is
-    the shell it was forked from.
+    line and environment: bash forks one for ``$(lockrun acquire … 2>/dev/null)``, dash
+    and zsh for a pipeline or a function's ``$(…)``. It exits as soon as `acquire` does,
+    so the owner is the shell it was forked from.
     """
     owner = os.getppid()
     while owner > 1 and (parent := _parent(owner)) > 1:
@@ -147,11 +147,19 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def _image(pid: int) -> tuple[str, bytes] | None:
-    """Return what *pid* runs: its executable and command line (None if unreadable)."""
+def _image(pid: int) -> tuple[str, bytes, bytes] | None:
+    """Return what *pid* runs: its executable, command line and environment at its start.
+
+    A fork keeps all three; a shell started by a shell of the same command line (``bash``
+    typed in ``bash``) was given an environment of its own (bash's SHLVL, at least).
+    None if any cannot be read.
+    """
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return os.readlink(f"/proc/{pid}/exe"), cmdline.read()
+        with (
+            open(f"/proc/{pid}/cmdline", "rb") as cmdline,
+            open(f"/proc/{pid}/environ", "rb") as environ,
+        ):
+            return os.readlink(f"/proc/{pid}/exe"), cmdline.read(), environ.read()
     except OSError:
         return None
 

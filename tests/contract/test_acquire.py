@@ -362,3 +362,23 @@ def test_a_crowd_at_the_door_only_delays_the_owners_release(
             knock.close()
     assert finish(release) == 0
     assert free(file_uri, name)
+
+
+def test_a_shell_started_by_a_shell_of_the_same_command_line_owns_its_lock(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """Not a subshell: `bash -c S` run by `bash -c S` owns the lock, freed when it exits."""
+    done = tmp_path / "done"
+    script = (
+        f'if [ -n "$INNER" ]; then lockrun acquire --uri {file_uri} {name} >/dev/null; exit; fi; '
+        f'INNER=1 bash -c "$BASH_EXECUTION_STRING"; touch {done}; sleep 600'
+    )
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    outer = subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True)
+    try:
+        wait_for(lambda: done.exists() or outer.poll() is not None, what="the inner shell")
+        assert outer.poll() is None
+        wait_for(lambda: free(file_uri, name), timeout=SLACK, what="the inner shell's lock")
+    finally:
+        os.killpg(outer.pid, signal.SIGKILL)
+        outer.wait()

@@ -45,7 +45,7 @@ from lockrun.lock import Lease as Held
 from lockrun.names import check_name
 from lockrun.progress import WaitReport
 from lockrun.runner import _INTERRUPTS, _acquire, _interruptible, _release, check_options
-from lockrun.supervise import FORWARDED, _hung_up
+from lockrun.supervise import FORWARDED, _hung_up, _readable
 from lockrun.timing import clock_time, format_duration, now
 
 if TYPE_CHECKING:
@@ -345,7 +345,7 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
     except OSError as err:  # pragma: no cover - ENOSYS: Linux before 5.3
         msg = f"--owner {owner}: cannot watch it: {err.strerror}"
         raise ConfigError(msg) from None
-    if _readable(pidfd):
+    if _readable([pidfd]):  # it exited already
         os.close(pidfd)
         msg = f"--owner {owner}: that process has exited"
         raise UsageError(msg)
@@ -603,12 +603,6 @@ def _close_inherited(keep: set[int]) -> None:  # pragma: no cover - runs in the 
             with contextlib.suppress(OSError):
                 if os.get_inheritable(fd):
                     os.close(fd)
-
-
-def _readable(fd: int) -> bool:
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    return bool(poll.poll(0))
 
 
 class _Signals:  # pragma: no cover - runs in the keeper

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun import Lock, LockBusy
+from lockrun import Lock
 from lockrun.uri import SCHEMES
 from tests.support.cli import (
     LOCKRUN,
@@ -32,6 +32,7 @@ from tests.support.cli import (
     one_line,
     queue_length,
     start,
+    taken,
     unmeasured,
     wait_for,
 )
@@ -68,18 +69,6 @@ def keeper_pid(uri: str, name: str) -> int:
     """Return the pid `lockrun status` names as the holder of *name*."""
     (holder,) = lock_state(uri, name)["holders"]
     return int(holder["pid"])
-
-
-def taken(uri: str, name: str) -> bool:
-    """Whether *name* is held by someone now, asked in this process (no start-up to wait)."""
-    lock = Lock(name, uri=uri, ttl=float(TEST_TTL))
-    try:
-        with lock:
-            return False
-    except LockBusy:
-        return True
-    finally:
-        lock.close()
 
 
 def free(uri: str, name: str) -> bool:

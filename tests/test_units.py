@@ -288,7 +288,7 @@ class _RefusingLease:
     """A lease of 0.3 s whose every renewal the server refuses (ConfigError)."""
 
     ttl = 0.3
-    slot, fence, fds, sessions, bells = 0, None, (), (), ()
+    slot, fence, fds, sessions, bells, orphan = 0, None, (), (), (), None
 
     def __init__(self) -> None:
         self.confirmed = now()
@@ -297,8 +297,8 @@ class _RefusingLease:
         msg = "no such database on this server"
         raise ConfigError(msg)
 
-    def release(self, hold: float = 0.0) -> None:
-        pass
+    def release(self, hold: float = 0.0) -> bool:  # noqa: ARG002 - the protocol's
+        return True
 
 
 def test_the_api_renewer_takes_a_refused_renewal_for_a_doubt() -> None:

@@ -10,9 +10,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, cast
 
-from lockrun.backends import Backend, Holder, Lease, LockState, Request, open_backend, parse_uri
+from lockrun.backends import (
+    Backend,
+    Holder,
+    Lease,
+    Leased,
+    LockState,
+    Request,
+    open_backend,
+    parse_uri,
+)
 from lockrun.bounds import (
     MAX_KILL_AFTER,
     MAX_WAIT,
@@ -125,8 +134,10 @@ def run(
                 account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
             # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
-            # must take the command's group down with us (docs/semantics.md G2).
-            guardian = Guardian() if options.close or not uri.kind.inherits_fds else None
+            # must take the command's group down with us (docs/semantics.md G2), and free a
+            # lease that would outlive us (G5).
+            abandon = cast("Leased", backend).abandon if uri.kind.leased else None
+            guardian = Guardian(abandon) if options.close or not uri.kind.inherits_fds else None
             try:
                 report = (
                     WaitReport(request, uri, log=log, live=live)
@@ -197,7 +208,7 @@ def _hold_and_run(
                 min(options.kill_after, options.lost_kill_after),
             )
             if guardian is not None:
-                guardian.keep(lease.fds)
+                guardian.keep(lease.fds, lease.orphan, hold - (now() - held_since))
             return supervise(
                 argv,
                 lease,
@@ -223,6 +234,8 @@ def _hold_and_run(
     finally:
         if account is not None:
             account.released()
+        if guardian is not None:
+            guardian.forget()  # ours to release now; were we to die meanwhile, it lapses
         _release(lease, request, held_since, hold, verbose)
 
 
@@ -254,7 +267,12 @@ def _release(
     """Release *lease*, leaving it taken until *hold* seconds after *held_since*."""
     took = now() - held_since
     hold -= took
-    lease.release(hold=max(0.0, hold))
+    if not lease.release(hold=max(0.0, hold)):
+        verbose(
+            f"could not tell the server to release {request.name} after "
+            f'{format_duration(took)}; it frees by itself (docs/semantics.md "A killed holder")'
+        )
+        return
     if hold > 0:
         verbose(f"left {request.name} taken for {format_duration(hold)} more (--hold-at-least)")
     verbose(f"released {request.name} after {format_duration(took)}")

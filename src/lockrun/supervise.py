@@ -10,6 +10,7 @@ watched for the server hanging up, which frees it at once, between two refreshes
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import select
@@ -96,11 +97,22 @@ class Guardian:
     debugger) or starved cannot renew, and its lease runs out on the server while the
     command works on. Unless lockrun confirms the lease again in time, the guardian sends
     TERM when lockrun itself would have, and KILL before the lease ends; it then tells
-    lockrun so (`acted`).
+    lockrun so (`acted`). When lockrun dies first, it frees a lease that would otherwise
+    run out only after a ttl (`orphan`), once the group is dead.
+
+    Both can die at once (`killall -9 lockrun`, `pkill -9 -f 'lockrun .*nightly'`: the
+    guardian is a fork with lockrun's name and command line), and neither could act. The
+    kernel then does (`switch`): the command inherits the read end of a pipe whose write
+    end only lockrun and the guardian hold, armed to raise SIGKILL for the command's whole
+    group when the last writer closes, in any order and by any cause of death.
     """
 
-    def __init__(self) -> None:
-        """Fork the guardian and make it the leader of a new process group."""
+    def __init__(self, abandon: Callable[[bytes, float], None] | None = None) -> None:
+        """Fork the guardian and make it the leader of a new process group.
+
+        *abandon(orphan, hold)* is how the guardian frees a lease that lockrun left behind
+        dying (the backend's `abandon`; None where the lease ends with its holder anyway).
+        """
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
         # Datagrams with boundaries: a message is never half of one.
@@ -110,26 +122,42 @@ class Guardian:
         # fill a socket, and block the renewals that keep the lease); the guardian reads
         # the latest whenever it wakes.
         self._deadlines = _Deadlines()
+        self.switch, self._armed = os.pipe2(os.O_CLOEXEC)  # read end: the command's
         # A handler that raises (lock._interruptible) must not run inside fork's at-fork
         # callbacks, where Python would print and drop the exception: hold the signals.
         saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             self.pid = os.fork()
             if self.pid == 0:  # pragma: no cover - the forked guardian; coverage can't follow
-                _guard(theirs, ours, self._deadlines)
+                os.close(self.switch)
+                _guard(theirs, ours, self._deadlines, abandon)
             theirs.close()
             self._socket = ours
             self._acted = False
             os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+        _arm(self.switch, self.pid)
 
-    def keep(self, fds: Sequence[int]) -> None:
-        """Hand the guardian copies of *fds* to hold until it stands down."""
+    def keep(self, fds: Sequence[int], orphan: bytes | None = None, hold: float = 0.0) -> None:
+        """Hand the guardian copies of *fds* to hold until it stands down.
+
+        *orphan* names the lease for the backend's `abandon` should lockrun die, and *hold*
+        (seconds from now) how long its --hold-at-least window keeps it taken then.
+        """
         import socket  # noqa: PLC0415 - loaded by __init__ already
 
         if fds:
             socket.send_fds(self._socket, [b"f"], list(fds))
+        if orphan is not None:
+            until = struct.pack("=d", now() + hold)
+            self._socket.sendall(b"o" + until + orphan)
+
+    def forget(self) -> None:
+        """Tell the guardian that lockrun releases the lease itself (before it does so)."""
+        with contextlib.suppress(OSError):  # gone: it cannot abandon it either
+            self._socket.sendall(b"r")
+            os.kill(self.pid, signal.SIGCONT)  # one that was stopped must hear it in order
 
     def expect(self, term_at: float, kill_at: float, late: float) -> None:
         """Have the guardian TERM the group at *term_at* and KILL it at *kill_at* (`now`).
@@ -145,6 +173,21 @@ class Guardian:
             with contextlib.suppress(OSError):  # full, or gone with a SIGKILLed group
                 self._socket.send(b"d", socket.MSG_DONTWAIT)
 
+    def started(self) -> None:
+        """Close our copy of the switch's read end: only the command's processes hold it now."""
+        if self.switch >= 0:
+            os.close(self.switch)
+            self.switch = -1
+
+    def left_behind(self, timeout: float = 0.0) -> bool:
+        """Return whether a process of the command still holds the switch, within *timeout*.
+
+        A pipe's write end polls as an error once no reader is left (pipe(7)).
+        """
+        poller = select.poll()
+        poller.register(self._armed, 0)  # errors are always reported
+        return not poller.poll(max(0, math.ceil(timeout * 1000)))
+
     def acted(self) -> bool:
         """Return whether the guardian stopped the command because the lease ran out."""
         with contextlib.suppress(OSError):
@@ -156,11 +199,17 @@ class Guardian:
         return self._acted
 
     def stand_down(self) -> None:
-        """Tell the guardian the command is done, and reap it."""
+        """Tell the guardian the command is done, disarm the switch, and reap the guardian.
+
+        The group is empty by now (`clear`), so disarming it signals no one; the guardian
+        is reaped after that, so its pid, the group's id, cannot be reused before.
+        """
         with contextlib.suppress(OSError):  # it died with a SIGKILLed group
             self._socket.sendall(b"x")
             os.kill(self.pid, signal.SIGCONT)  # one that was stopped must run to hear it
         self._socket.close()
+        self.started()
+        os.close(self._armed)
         os.waitpid(self.pid, 0)
 
 
@@ -202,59 +251,116 @@ class _Deadlines:
             time.sleep(0)  # pragma: no cover - a write under way
 
 
+def _arm(switch: int, group: int) -> None:
+    """Have the kernel SIGKILL process *group* once no writer of *switch*'s pipe is left.
+
+    The last close of a pipe's write end raises the read end's SIGIO (pipe(7), fcntl(2)
+    O_ASYNC), sent to the owner F_SETOWN names (a negative number: a process group) as the
+    signal F_SETSIG chooses; the kernel checks that lockrun's user may signal each member.
+    The read end is the command's (`pass_fds`), so it lives while the command does, with
+    the owner and signal set on it; data written to the pipe would raise it too, and no
+    one ever writes.
+    """
+    fcntl.fcntl(switch, fcntl.F_SETOWN, -group)
+    fcntl.fcntl(switch, fcntl.F_SETSIG, signal.SIGKILL)
+    fcntl.fcntl(switch, fcntl.F_SETFL, fcntl.fcntl(switch, fcntl.F_GETFL) | os.O_ASYNC)
+
+
 def _guard(  # pragma: no cover
-    ours: socket.socket, theirs: socket.socket, deadlines: _Deadlines
+    ours: socket.socket,
+    theirs: socket.socket,
+    deadlines: _Deadlines,
+    abandon: Callable[[bytes, float], None] | None,
 ) -> NoReturn:
     """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
 
-    Also stop the group when a deadline of `Guardian.expect` passes unconfirmed.
+    Also stop the group when a deadline of `Guardian.expect` passes unconfirmed, and free
+    the lease lockrun left (`Guardian.keep`'s *orphan*) once the group it guarded is dead.
     """
-    import socket  # noqa: PLC0415 - already loaded by Guardian
-
     try:
         theirs.close()
         os.setpgid(0, 0)
         for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signo, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-        kept = []
-        term_at = kill_at = math.inf
-        late = 0.0
-        seen = 0  # the sequence number of the deadlines taken
-        stopping = False
-        while True:
-            sequence, term, kill, late = deadlines.read()
-            if sequence != seen:  # new ones: once stopping, only an earlier KILL counts
-                seen = sequence
-                kill_at = min(kill_at, kill) if stopping else kill
-                term_at = term_at if stopping else term
-            due = min(kill_at, math.inf if stopping else term_at)
-            wait = None if due == math.inf else max(0.0, due - now())
-            if not select.select([ours], [], [], wait)[0]:
-                current = now()
-                if deadlines.read()[0] != seen:
-                    continue  # moved while we slept: look again
-                if not stopping and current >= term_at:
-                    stopping = _tell(ours)
-                    os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
-                    os.killpg(0, signal.SIGCONT)  # a stopped command must run to take it
-                    kill_at = max(kill_at, current + late) if current >= kill_at else kill_at
-                    continue
-                if current >= kill_at:
-                    stopping = _tell(ours)
-                    _kill_the_others()
-                    kill_at = math.inf
-                continue
-            message, fds, _, _ = socket.recv_fds(ours, 64, 16)
-            kept += fds
-            if not message:  # EOF: lockrun is gone; the group goes, then we and the lock do
-                _kill_the_others()
-                break
-            if message[:1] == b"x":
-                break
-            # b"d": the deadlines came earlier; b"f": descriptors to keep (taken above)
+        clock = _GuardClock(deadlines)
+        heard = _Heard()
+        while not heard.done:
+            if select.select([ours], [], [], clock.wait())[0]:
+                heard.read(ours)
+            else:
+                clock.act(ours)
+        if heard.orphaned and abandon is not None and heard.orphan is not None:
+            with contextlib.suppress(Exception):  # best effort: it lapses anyway
+                abandon(heard.orphan, max(0.0, heard.hold_until - now()))
     finally:
         os._exit(0)
+
+
+class _GuardClock:  # pragma: no cover - runs in the guardian
+    """The guardian's deadlines (`Guardian.expect`): TERM, then KILL, unless moved on."""
+
+    def __init__(self, deadlines: _Deadlines) -> None:
+        self.deadlines = deadlines
+        self.term_at = self.kill_at = math.inf
+        self.late = 0.0
+        self.seen = 0  # the sequence number of the deadlines taken
+        self.stopping = False
+
+    def wait(self) -> float | None:
+        """Take the latest deadlines; return how long to sleep (None: until lockrun speaks)."""
+        sequence, term, kill, self.late = self.deadlines.read()
+        if sequence != self.seen:  # new ones: once stopping, only an earlier KILL counts
+            self.seen = sequence
+            self.kill_at = min(self.kill_at, kill) if self.stopping else kill
+            self.term_at = self.term_at if self.stopping else term
+        due = min(self.kill_at, math.inf if self.stopping else self.term_at)
+        return None if due == math.inf else max(0.0, due - now())
+
+    def act(self, lockrun: socket.socket) -> None:
+        """Send what is due, telling *lockrun* (unless the deadlines moved while we slept)."""
+        current = now()
+        if self.deadlines.read()[0] != self.seen:
+            return
+        if not self.stopping and current >= self.term_at:
+            self.stopping = _tell(lockrun)
+            os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
+            os.killpg(0, signal.SIGCONT)  # a stopped command must run to take it
+            if current >= self.kill_at:
+                self.kill_at = max(self.kill_at, current + self.late)
+        elif current >= self.kill_at:
+            self.stopping = _tell(lockrun)
+            _kill_the_others()
+            self.kill_at = math.inf
+
+
+class _Heard:  # pragma: no cover - runs in the guardian
+    """What lockrun told the guardian: descriptors to hold, the lease to free, the end."""
+
+    def __init__(self) -> None:
+        self.kept: list[int] = []
+        self.orphan: bytes | None = None  # the lease to free should lockrun die
+        self.hold_until = 0.0  # until when its --hold-at-least window keeps it taken
+        self.done = self.orphaned = False
+
+    def read(self, lockrun: socket.socket) -> None:
+        """Take one message; at EOF (lockrun is gone), take the group down first."""
+        import socket  # noqa: PLC0415 - already loaded by Guardian
+
+        message, fds, _, _ = socket.recv_fds(lockrun, 65536, 16)
+        self.kept += fds
+        kind = message[:1]
+        if not message:  # lockrun is gone: the group goes, then we and the lock do
+            _kill_the_others()
+            self.done = self.orphaned = True
+        elif kind == b"x":
+            self.done = True
+        elif kind == b"o":  # a lease to free should lockrun die
+            (self.hold_until,) = struct.unpack_from("=d", message, 1)
+            self.orphan = message[9:]
+        elif kind == b"r":  # lockrun releases it itself
+            self.orphan = None
+        # b"d": the deadlines came earlier; b"f": descriptors to keep (taken above)
 
 
 def _tell(lockrun: socket.socket) -> bool:  # pragma: no cover - runs in the guardian
@@ -264,26 +370,27 @@ def _tell(lockrun: socket.socket) -> bool:  # pragma: no cover - runs in the gua
     return True
 
 
-def _kill_the_others() -> None:  # pragma: no cover - runs in the guardian
-    """SIGKILL every other process of our group; return once none of them is alive.
+def _kill_the_others(group: int = 0, spare: int = 0) -> None:
+    """SIGKILL every process of *group* but *spare*; return once none of them is alive.
 
-    Not killpg, which would take us along: the kernel might end us before a command that
-    is slow to die, and our copies of the lock's descriptors with us, freeing the lock
-    while the command still ran. A process killed while it forks may leave a child: look
-    again until the group is empty.
+    By default the guardian's own group, sparing itself. Not killpg, which would take us
+    along: the kernel might end us before a command that is slow to die, and our copies
+    of the lock's descriptors with us, freeing the lock while the command still ran. A
+    process killed while it forks may leave a child: look again until the group is empty.
     """
-    me = os.getpid()
+    me = spare or os.getpid()
+    group = group or me
     pause = 0.001
     try:
-        while others := [pid for pid in _members(me) if pid != me]:
+        while others := [pid for pid in _members(group) if pid != me]:
             for pid in others:
                 # One we may not signal (sudo's) keeps the lock held until it ends by itself.
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)  # one stuck in the kernel (D state) is not spun on
-    except OSError:  # no /proc to read: kill what we can, ourselves included, at least
-        os.killpg(0, signal.SIGKILL)
+    except OSError:  # no /proc to read: kill what we can, the guardian included, at least
+        os.killpg(group, signal.SIGKILL)
 
 
 def _members(group: int) -> list[int]:
@@ -335,7 +442,11 @@ def supervise(
         # Watching before the command starts: nothing can fail between its start and run().
         with _Hangups(lease.sessions, lease.bells):
             watch.confirm_before_start()  # the last thing before the spawn
+            if guardian is not None:
+                pass_fds = (*pass_fds, guardian.switch)
             watch.start(_spawn(argv, env, pass_fds, group=watch.group))
+            if guardian is not None:
+                guardian.started()
             with _terminal_for(watch.group) as terminal:
                 watch.terminal = terminal
                 return watch.run()
@@ -535,7 +646,8 @@ class _Watch:
     def confirm_before_start(self) -> None:
         """Renew a lease that a stall since the grant has left due, before anything runs.
 
-        Raises `BackendUnavailable` (nothing ran) if it is gone or cannot be confirmed.
+        Nothing ran either way: `LeaseLost` (76) if the server says it is gone, as for any
+        lost lock, and `BackendUnavailable` (69) if the server cannot be asked.
         """
         if self.lease.ttl is None or now() < self.next_refresh:
             self._expect()
@@ -545,7 +657,7 @@ class _Watch:
             self.lease.refresh()
         except (LeaseLost, BackendUnavailable) as err:
             msg = f"the lease could not be confirmed before the command started: {err}; nothing ran"
-            raise BackendUnavailable(msg) from err
+            raise type(err)(msg) from err
         self._confirm(sent)
 
     def start(self, pid: int) -> None:
@@ -778,7 +890,33 @@ class _Watch:
         if self.failure is not None:
             self._signal_group(signal.SIGKILL)  # stragglers of a stopped group
             raise self.failure
+        self._stop_stragglers()
         return status
+
+    def _stop_stragglers(self) -> None:
+        """Stop what the command left running in its group before the lock is released.
+
+        docs/semantics.md G2: only a descriptor of the lock keeps it (`file:`); in the
+        guardian's group anything left would run on without it, and the kernel's switch
+        would kill it once lockrun is gone anyway. TERM first, KILL after --kill-after.
+        """
+        guardian = self.guardian
+        # The switch first: one system call, where /proc is a read of every process.
+        if guardian is None or not guardian.left_behind() or not self._stragglers():
+            return
+        self.log("the command left processes running in its group; stopping them")
+        self._signal_group(signal.SIGTERM)  # the guardian ignores it
+        self._signal_group(signal.SIGCONT)
+        deadline, pause = now() + self.limits.kill_after, 0.001
+        while self._stragglers() and now() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        _kill_the_others(self.group, spare=guardian.pid)
+
+    def _stragglers(self) -> list[int]:
+        """Return the live processes of the command's group, the guardian left out."""
+        spare = 0 if self.guardian is None else self.guardian.pid
+        return [pid for pid in _members(self.group) if pid != spare]
 
     def _stop_now(self) -> None:
         """Stop the command after an error of ours: TERM, grace, KILL, reap."""

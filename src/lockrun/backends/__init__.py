@@ -314,12 +314,28 @@ class Lease(Protocol):
         for a take-over since the grant (the slot is still ours until `release`).
         """
 
-    def release(self, hold: float = 0.0) -> None:
+    @property
+    def orphan(self) -> bytes | None:
+        """What another process needs to free this lease should we die (`Leased.abandon`).
+
+        None where the slot ends with us anyway (a descriptor, a session).
+        """
+
+    def release(self, hold: float = 0.0) -> bool:
         """Give the slot back; idempotent and silent about a slot already lost.
 
         With *hold* > 0 the slot stays taken for *hold* more seconds with nothing of ours
-        left running (--hold-at-least): later acquirers find it busy until then.
+        left running (--hold-at-least): later acquirers find it busy until then. Return
+        whether the service heard it; if not, the slot frees by itself (a lease runs out,
+        the server ends a session it lost).
         """
+
+
+class Leased(Protocol):
+    """A backend whose leases outlive their holder on the server (`Scheme.leased`)."""
+
+    def abandon(self, orphan: bytes, hold: float) -> None:
+        """Free the lease *orphan* (`Lease.orphan`) of a dead holder, keeping *hold* s of it."""
 
 
 class Backend(Protocol):

@@ -349,6 +349,7 @@ class AbstractLease:
 
     ttl: float | None = None  # the slot lives exactly as long as the listening socket
     sessions: tuple[int, ...] = ()
+    orphan: bytes | None = None  # the name ends with its last socket
 
     def __init__(
         self,
@@ -393,7 +394,7 @@ class AbstractLease:
         for _, pid in _markers(self._base, "x") if self._base else ():
             raise TakenOver(_taken_by(describe_pid(pid)))
 
-    def release(self, hold: float = 0.0) -> None:
+    def release(self, hold: float = 0.0) -> bool:
         """Hand the slot to the oldest waiter, or free the name.
 
         With *hold*, a keeper process holds it until the window ends (--hold-at-least).
@@ -412,6 +413,7 @@ class AbstractLease:
         for conn in self._kept:
             conn.close()
         self._kept = []
+        return True
 
     def _window_name(self, hold: float) -> str:
         """Name the window's marker: the run's grant time and pid, and the window's end.
@@ -747,7 +749,7 @@ def _agree(base: str, request: Request) -> float | None:
 
 
 def _check(
-    base: str, request: Request, give_back: Callable[[], None], kinds: str = "hrx"
+    base: str, request: Request, give_back: Callable[[], object], kinds: str = "hrx"
 ) -> list[str]:
     """Look, as a new holder of *base*, at its other holders and at take-over requests.
 

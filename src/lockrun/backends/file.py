@@ -223,6 +223,7 @@ class FileLease:
 
     ttl: float | None = None  # the slot lives as long as some process has the fd
     sessions: tuple[int, ...] = ()
+    orphan: bytes | None = None  # the lock ends with its last descriptor
 
     def __init__(
         self,
@@ -290,7 +291,7 @@ class FileLease:
         if self._fd is not None and (taker := self._backend.taker(self._base, self._fd)):
             raise TakenOver(_taken_by(taker))
 
-    def release(self, hold: float = 0.0) -> None:
+    def release(self, hold: float = 0.0) -> bool:
         """Clear the holder record and unlock; the file and its fence counter stay.
 
         With *hold*, leave the record with the window's end instead (--hold-at-least).
@@ -310,6 +311,7 @@ class FileLease:
         if self._bell is not None:
             os.close(self._bell)
             self._bell = None
+        return True
 
 
 def _taken_by(taker: Holder) -> str:

@@ -492,7 +492,7 @@ class _Lease(SessionLease[Session]):
         self.hold = 0.0  # --hold-at-least: seconds the slot stays taken after release
         self.refused: ConfigError | None = None  # a window that could not be written
 
-    def release(self, hold: float = 0.0) -> None:
+    def release(self, hold: float = 0.0) -> bool:
         """Give the slot back, leaving a window of *hold* seconds if that is asked.
 
         A window that could not be written is a `ConfigError` (78), raised once the slot
@@ -500,13 +500,14 @@ class _Lease(SessionLease[Session]):
         """
         if not self.released:
             self.hold = hold
-        super().release(hold)
+        heard = super().release(hold)
         bells, self.bells = self.bells, ()
         for bell in bells:
             os.close(bell)
         refused, self.refused = self.refused, None
         if refused is not None:
             raise refused
+        return heard
 
 
 class PostgresBackend(SessionLockBackend[Session]):

@@ -1508,11 +1508,12 @@ class RedisBackend:
             "UNBLOCKED"
         )
 
-    def leave(self, claim: Claim, hold_ms: int = 0, *, own: Any = None) -> None:  # noqa: ANN401 - redis-py's Connection
+    def leave(self, claim: Claim, hold_ms: int = 0, *, own: Any = None) -> bool:  # noqa: ANN401 - redis-py's Connection
         """Give up a slot or a place in the queue; best effort, as both lapse by themselves.
 
         *hold_ms*: keep a held slot taken that long (--hold-at-least). *own*: a lease's own
         connection (`track`), used for the release if it can be, then given to the pool.
+        Return whether the server answered the release.
         """
         woken: list[str] | None = None
         if own is not None:
@@ -1521,6 +1522,15 @@ class RedisBackend:
             if woken is None:  # D3: a release is idempotent, asked again if in doubt
                 woken = self.call("release", claim, hold_ms)
             self.pass_over_the_dead(claim, woken)
+        return woken is not None
+
+    def abandon(self, orphan: bytes, hold: float) -> None:
+        """Free the lease of a lockrun that died (`RedisLease.orphan`), in its guardian.
+
+        Without this a killed holder's slot stayed taken for the rest of its ttl (G5).
+        """
+        prefix, token, slots, ttl_ms = json.loads(orphan)
+        self.leave(Claim(prefix, token, slots, ttl_ms), math.ceil(hold * 1000) if hold > 0 else 0)
 
     def track(self, claim: Claim) -> tuple[Any, bool]:
         """Take a connection out of the pool on which Redis pushes writes to *claim*'s stop key.
@@ -1915,15 +1925,21 @@ class RedisLease:
             )
             raise LeaseLost(msg)
 
-    def release(self, hold: float = 0.0) -> None:
+    @property
+    def orphan(self) -> bytes:
+        """What the guardian needs to free this lease should lockrun die (`abandon`)."""
+        return json.dumps(list(self.claim)).encode()
+
+    def release(self, hold: float = 0.0) -> bool:
         """Give the slot back and wake the next waiter; silent if the lease was lost.
 
         With *hold*, keep it taken until the server's clock is *hold* seconds on
-        (--hold-at-least): nothing of ours keeps running for that.
+        (--hold-at-least): nothing of ours keeps running for that. Return whether the
+        server answered.
         """
         with self._using:
             if self.released:
-                return
+                return True
             self.released = True
             own, self._own = self._own, None
             if self._quit is not None:
@@ -1935,7 +1951,7 @@ class RedisLease:
                 os.close(fd)
         self._bell = self._quit = None
         hold_ms = math.ceil(hold * 1000) if hold > 0 else 0
-        self.backend.leave(self.claim, hold_ms, own=own)
+        return self.backend.leave(self.claim, hold_ms, own=own)
 
 
 class KeptLease(NamedTuple):

@@ -508,6 +508,7 @@ class SessionLease(Generic[S]):
         self.confirmed = now()  # the grant's time, set by SessionLockBackend._attempt
         self.fds: tuple[int, ...] = (session.fileno(),)  # the guardian keeps the session
         self.sessions = self.fds  # the server frees the slot the moment it hangs up
+        self.orphan: bytes | None = None  # the slot ends with the session
         self.bells: tuple[int, ...] = ()  # take-over bells (backends.Lease)
         # A take-over that the last check found asked for, set by the backend's `holds`.
         self.taken: TakenOver | None = None
@@ -539,16 +540,16 @@ class SessionLease(Generic[S]):
         if self.taken is not None:
             raise self.taken
 
-    def release(self, hold: float = 0.0) -> None:
+    def release(self, hold: float = 0.0) -> bool:
         """Give the slot back (the next waiter gets it at once) and end the session.
 
         With *hold* > 0 the slot stays taken that many more seconds (`hold_over`).
         """
         if self.released:
-            return
+            return True
         self.released = True
         if not self.busy.acquire(blocking=False) and not self.backend.cut(self):  # a refresh hangs
-            return
+            return False
         try:
             if hold > 0:
                 self.backend.hold_over(self, hold)
@@ -556,11 +557,13 @@ class SessionLease(Generic[S]):
                 self.backend.give_back(self)
         except self.backend.errors:
             self.session.abandon()  # the server frees what a lost session held
+            return False
         except BaseException:
             self.session.close()
             raise
         else:
             self.backend.keep(self.session)  # free of locks: the next acquisition's
+            return True
         finally:
             self.busy.release()
 

@@ -1,0 +1,137 @@
+"""Every lockrun process of a run killed, in any order: the command never outlives the lock.
+
+docs/semantics.md G2 and "A killed holder". `killall -9 lockrun` or
+`pkill -9 -f 'lockrun .*nightly'` kills lockrun and its guardian together (the guardian is a
+fork with the same name and command line), and neither can then stop the command. The
+kernel does: the command holds the read end of a pipe that only they can write, armed to
+SIGKILL the command's group when the last writer goes. Each test kills real processes with
+real signals and judges by the commands' own logs (tests/support/harness.py `COMMAND`,
+stamped by the kernel's clock), never by lockrun's word: the next holder's command must
+start after the first one's last sign of life.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import pytest
+
+from tests.support.cli import finish, wait_for
+from tests.support.harness import CALM, Harness, command, read_run, wait_for_death
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# A hang guard only: how long a dead group may take to be seen dead on a loaded machine.
+DEATH: Final = 30.0
+CALM_TTL: Final = float(CALM[1])
+MARK: Final = "--kill-after=9"  # the holder's alone: the pattern an operator would write
+ORDERS: Final = ("at-once-by-name", "guardian-then-lockrun", "lockrun-then-guardian")
+
+
+def _group(pid: int) -> int:
+    """Return the process group of *pid* (/proc/PID/stat, field 5)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[2])
+
+
+def _kill(order: str, name: str, lockrun: int, guardian: int) -> None:
+    """SIGKILL lockrun and its guardian in *order*; return once both are gone."""
+    if order == "at-once-by-name":  # as an operator would: both match the pattern
+        subprocess.run(["pkill", "-9", "-f", f"lockrun --uri .* -n {name} {MARK}"], check=True)
+        return
+    first, second = (guardian, lockrun) if order == "guardian-then-lockrun" else (lockrun, guardian)
+    os.kill(first, signal.SIGKILL)
+    os.kill(second, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_killing_lockrun_and_its_guardian_takes_the_command_along(
+    shared_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any], order: str
+) -> None:
+    """Whatever order lockrun and its guardian die in, the next command starts after ours.
+
+    The command runs one shell below lockrun, so the kill must take the group, not a pid.
+    `file:` runs with --close here: without it the command holds the lock itself, and no
+    guardian exists to kill (tests/backends/test_file.py covers that case).
+    """
+    harness = shared_harness
+    close = ("--close",) if harness.kind.inherits_fds else ()
+    options = ("--uri", harness.uri, "-n", name, *close)
+    first_argv, first_log, first_go = command(tmp_path, "first")
+    below = ["sh", "-c", '"$@" & wait', "sh", *first_argv]  # the command is a grandchild
+    holder = spawn(
+        "--uri",
+        harness.uri,
+        "-n",
+        name,
+        MARK,
+        *close,
+        *CALM,
+        "--",
+        *below,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: first_log.exists() or holder.poll() is not None, what="the first command")
+        first_pid = read_run(first_log).pid
+        guardian = _group(first_pid)
+        assert guardian != first_pid, "the command runs in its guardian's group"
+        second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
+        second_go.touch()
+        waiter = spawn(*options, *CALM, "-w", "forever", "--", *second_argv)
+        if not harness.kind.local:  # a local waiter that queues late proves the same
+            wait_for(lambda: harness.waits(name, waiter.pid), what="the waiter to queue")
+        pidfd = os.pidfd_open(first_pid)
+        try:
+            _kill(order, name, holder.pid, guardian)
+            died = wait_for_death(pidfd, time.time() + DEATH)
+        finally:
+            os.close(pidfd)
+        assert died is not None, f"{order}: the command outlived every lockrun process"
+        assert finish(waiter, timeout=CALM_TTL + DEATH) == 0
+    finally:
+        first_go.touch()  # whatever failed, no loop is left running
+    first, second = read_run(first_log), read_run(second_log)
+    assert second.verdict == "alone"
+    assert second.begun > first.last  # [begun, last] intervals do not overlap
+    assert second.fence > first.fence
+
+
+def test_a_killed_holders_lease_is_freed_by_its_guardian_before_it_runs_out(
+    shared_server_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """A holder SIGKILLed alone: its guardian kills the group, then frees a lease at once.
+
+    On Redis the lease stayed taken for the rest of its ttl (30 s here); the next holder
+    now starts before the server's own expiry of the dead holder's lease, and after the
+    first command's last sign of life. Sessions end with the guardian, as before.
+    """
+    harness = shared_server_harness
+    ttl = 30.0
+    options = ("--uri", harness.uri, "-n", name)
+    first_argv, first_log, first_go = command(tmp_path, "first")
+    holder = spawn(*options, "--ttl", f"{ttl:g}", "--", *first_argv, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: first_log.exists() or holder.poll() is not None, what="the first command")
+        second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
+        second_go.touch()
+        waiter = spawn(*options, *CALM, "-w", "forever", "--", *second_argv)
+        wait_for(lambda: harness.waits(name, waiter.pid), what="the waiter to queue")
+        expires = harness.expiry(name, ttl)  # a lease ends no earlier than this
+        holder.send_signal(signal.SIGKILL)
+        assert finish(waiter, timeout=ttl + DEATH) == 0
+    finally:
+        first_go.touch()
+    first, second = read_run(first_log), read_run(second_log)
+    assert second.verdict == "alone"
+    assert second.begun > first.last
+    if expires is not None:  # a lease: freed by the guardian, not by its running out
+        assert second.begun < expires

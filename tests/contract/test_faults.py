@@ -426,3 +426,28 @@ def test_partition_stops_the_command_before_the_server_frees_the_lock(
         assert taken > expiry - harness.early_share * ttl, report
     line = check_lost(status, err, name)
     assert "lease could not be confirmed" in line
+
+
+def test_a_lease_lost_before_the_command_starts_is_76_and_nothing_runs(
+    shared_server_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """The server takes the lock away during a stall between the grant and the spawn.
+
+    strace delays each pipe2(2), the last of which the supervisor makes just before its
+    check of a lease that the stall has left due. A lock lost is 76 wherever it is lost
+    (docs/semantics.md "Exit status"); it said 69, as if the server could not be reached.
+    """
+    harness = shared_server_harness
+    assert harness.can_end_session
+    stall = ["strace", "-f", "-qq", "-o", "/dev/null", "--seccomp-bpf"]
+    stall += ["-e", "trace=pipe2", "-e", "inject=pipe2:delay_enter=2500000"]
+    ran = tmp_path / "ran"
+    argv = ("--uri", harness.uri, *LEASE, "-n", name, "-v", "--", "touch", str(ran))
+    holder = spawn(*argv, under=stall)
+    assert holder.stderr is not None
+    acquired = holder.stderr.readline()  # -v: acquire() is over, the spawn is next
+    assert acquired.startswith(f"lockrun: acquired {name} "), acquired
+    harness.end_session(name)
+    _, err = holder.communicate(timeout=30)
+    check_lost(holder.returncode, err.splitlines()[-1], name, "nothing ran")  # -v's last
+    assert not ran.exists()

@@ -135,3 +135,58 @@ def test_a_killed_holders_lease_is_freed_by_its_guardian_before_it_runs_out(
     assert second.begun > first.last
     if expires is not None:  # a lease: freed by the guardian, not by its running out
         assert second.begun < expires
+
+
+def test_what_the_command_leaves_in_its_group_never_runs_beside_the_next_holder(
+    shared_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """A command that ends leaving a child behind: the child never overlaps the next holder.
+
+    With a guardian the child is stopped before the release, and the lock passes on only
+    then; `file:` keeps the lock in the child's inherited descriptor until it ends (busy
+    meanwhile), as flock(1) does. It ran on beside the next holder on the server backends.
+    """
+    harness = shared_harness
+    options = ("--uri", harness.uri, "-n", name)
+    first_argv, first_log, first_go = command(tmp_path, "first")
+    leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.01; done; exit 0'
+    try:
+        # stderr not piped: the child left behind would hold the pipe open.
+        holder = spawn(
+            *options, *CALM, "--", "sh", "-c", leave, "sh", *first_argv, stderr=subprocess.DEVNULL
+        )
+        assert holder.wait(60) == 0
+        if harness.kind.inherits_fds:  # the child holds the lock itself, until it ends
+            assert finish(spawn(*options, "-w", "0", "--", "true")) == 75
+            first_go.touch()
+        second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
+        second_go.touch()
+        assert finish(spawn(*options, *CALM, "-w", "forever", "--", *second_argv), 60) == 0
+    finally:
+        first_go.touch()
+    first, second = read_run(first_log), read_run(second_log)
+    assert second.verdict == "alone"
+    assert second.begun > first.last
+
+
+def test_a_release_that_never_reached_the_server_is_not_called_released(
+    server_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """The command ends during a partition: -v says the release was not heard, and why.
+
+    It said "released NAME after Xs" although the server still held the lock.
+    """
+    harness = server_harness
+    assert harness.proxied is not None
+    go = tmp_path / "go"
+    wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    holder = spawn("--uri", harness.proxied, "-n", name, "-v", *CALM, "--", "sh", "-c", wait)
+    assert holder.stderr is not None
+    acquired = holder.stderr.readline()  # -v: once the run holds the lock, all set up
+    assert acquired.startswith(f"lockrun: acquired {name} "), acquired
+    harness.partition()
+    go.touch()
+    _, err = holder.communicate(timeout=60)
+    assert holder.returncode == 0, err
+    assert f"released {name} after" not in err
+    assert f"could not tell the server to release {name}" in err

@@ -208,7 +208,7 @@ def _hold_and_run(
                 min(options.kill_after, options.lost_kill_after),
             )
             if guardian is not None:
-                guardian.keep(lease.fds, lease.orphan, hold - (now() - held_since))
+                guardian.keep(lease.fds, lease.orphan)
             return supervise(
                 argv,
                 lease,

@@ -107,11 +107,12 @@ class Guardian:
     group when the last writer closes, in any order and by any cause of death.
     """
 
-    def __init__(self, abandon: Callable[[bytes, float], None] | None = None) -> None:
+    def __init__(self, abandon: Callable[[bytes], None] | None = None) -> None:
         """Fork the guardian and make it the leader of a new process group.
 
-        *abandon(orphan, hold)* is how the guardian frees a lease that lockrun left behind
-        dying (the backend's `abandon`; None where the lease ends with its holder anyway).
+        *abandon(orphan)* is how the guardian frees a lease that lockrun left behind dying
+        (the backend's `abandon`; None where the lease ends with its holder anyway). As for
+        any killed run, no --hold-at-least window is left (docs/semantics.md).
         """
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
@@ -139,19 +140,17 @@ class Guardian:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
         _arm(self.switch, self.pid)
 
-    def keep(self, fds: Sequence[int], orphan: bytes | None = None, hold: float = 0.0) -> None:
+    def keep(self, fds: Sequence[int], orphan: bytes | None = None) -> None:
         """Hand the guardian copies of *fds* to hold until it stands down.
 
-        *orphan* names the lease for the backend's `abandon` should lockrun die, and *hold*
-        (seconds from now) how long its --hold-at-least window keeps it taken then.
+        *orphan* names the lease for the backend's `abandon` should lockrun die.
         """
         import socket  # noqa: PLC0415 - loaded by __init__ already
 
         if fds:
             socket.send_fds(self._socket, [b"f"], list(fds))
         if orphan is not None:
-            until = struct.pack("=d", now() + hold)
-            self._socket.sendall(b"o" + until + orphan)
+            self._socket.sendall(b"o" + orphan)
 
     def forget(self) -> None:
         """Tell the guardian that lockrun releases the lease itself (before it does so)."""
@@ -270,7 +269,7 @@ def _guard(  # pragma: no cover
     ours: socket.socket,
     theirs: socket.socket,
     deadlines: _Deadlines,
-    abandon: Callable[[bytes, float], None] | None,
+    abandon: Callable[[bytes], None] | None,
 ) -> NoReturn:
     """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
 
@@ -292,7 +291,7 @@ def _guard(  # pragma: no cover
                 clock.act(ours)
         if heard.orphaned and abandon is not None and heard.orphan is not None:
             with contextlib.suppress(Exception):  # best effort: it lapses anyway
-                abandon(heard.orphan, max(0.0, heard.hold_until - now()))
+                abandon(heard.orphan)
     finally:
         os._exit(0)
 
@@ -340,7 +339,6 @@ class _Heard:  # pragma: no cover - runs in the guardian
     def __init__(self) -> None:
         self.kept: list[int] = []
         self.orphan: bytes | None = None  # the lease to free should lockrun die
-        self.hold_until = 0.0  # until when its --hold-at-least window keeps it taken
         self.done = self.orphaned = False
 
     def read(self, lockrun: socket.socket) -> None:
@@ -356,8 +354,7 @@ class _Heard:  # pragma: no cover - runs in the guardian
         elif kind == b"x":
             self.done = True
         elif kind == b"o":  # a lease to free should lockrun die
-            (self.hold_until,) = struct.unpack_from("=d", message, 1)
-            self.orphan = message[9:]
+            self.orphan = message[1:]
         elif kind == b"r":  # lockrun releases it itself
             self.orphan = None
         # b"d": the deadlines came earlier; b"f": descriptors to keep (taken above)

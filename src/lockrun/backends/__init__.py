@@ -334,8 +334,8 @@ class Lease(Protocol):
 class Leased(Protocol):
     """A backend whose leases outlive their holder on the server (`Scheme.leased`)."""
 
-    def abandon(self, orphan: bytes, hold: float) -> None:
-        """Free the lease *orphan* (`Lease.orphan`) of a dead holder, keeping *hold* s of it."""
+    def abandon(self, orphan: bytes) -> None:
+        """Free the lease *orphan* (`Lease.orphan`) of a holder that died, leaving no window."""
 
 
 class Backend(Protocol):

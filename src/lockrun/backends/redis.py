@@ -1524,13 +1524,13 @@ class RedisBackend:
             self.pass_over_the_dead(claim, woken)
         return woken is not None
 
-    def abandon(self, orphan: bytes, hold: float) -> None:
+    def abandon(self, orphan: bytes) -> None:
         """Free the lease of a lockrun that died (`RedisLease.orphan`), in its guardian.
 
         Without this a killed holder's slot stayed taken for the rest of its ttl (G5).
         """
         prefix, token, slots, ttl_ms = json.loads(orphan)
-        self.leave(Claim(prefix, token, slots, ttl_ms), math.ceil(hold * 1000) if hold > 0 else 0)
+        self.leave(Claim(prefix, token, slots, ttl_ms))
 
     def track(self, claim: Claim) -> tuple[Any, bool]:
         """Take a connection out of the pool on which Redis pushes writes to *claim*'s stop key.

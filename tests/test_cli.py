@@ -76,6 +76,8 @@ def test_the_commands_own_status_passes_through(file_uri: str, name: str, status
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
         (["--wait", "30m1h", "--", "true"], "'30m1h': units must come largest first, each once"),
         (["--ttl", "500ms", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 0.5s"),
+        (["--ttl", "1d400ms", "--", "true"], "at most 1d00h, not 86400.4s"),  # not "not 1d00h"
+        (["--hold-at-least", "366d1s", "--", "true"], "at most 366d00h, not 31622401s"),
         (["--ttl=1.5.5s", "--", "true"], "invalid duration '1.5.5s': use seconds (90, 1.5) or"),
         (["--slots", "0", "--", "true"], "0 is not in the range 1<=x<=1000"),
         (["--slots", "-1", "--", "true"], "-1 is not in the range 1<=x<=1000"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockrun import cli, progress
+from lockrun import bounds, cli, progress
 from lockrun import lock as lock_module
 from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri
 from lockrun.errors import ConfigError, LeaseLost, UsageError
@@ -371,3 +372,40 @@ def test_a_subcommand_word_after_options_is_never_a_program(
     program = [*options, "--", subcommand, *rest]
     if "--" not in options:  # else the first `--` already ended the options
         assert cli.dispatch(program) == (cli.run_command, "lockrun", program)
+
+
+# -- a bound's message shows the value, not the bound again (#29 8f) ------------------------
+
+_BOUNDS = [  # (low, high, above) of each DURATION bound: lockrun.bounds and runner's checks
+    (bounds.MIN_TTL, bounds.MAX_TTL, False),
+    (0.0, bounds.MAX_WAIT, False),
+    (0.0, bounds.MAX_WAIT, True),
+    (0.0, bounds.MAX_KILL_AFTER, False),
+]
+_MESSAGE = re.compile(r"x must be (?:at least|more than) (\S+) and at most (\S+), not (\S+)")
+
+
+@given(
+    st.sampled_from(_BOUNDS),
+    st.sampled_from([0, 1]),
+    st.floats(min_value=-3600.0, max_value=3600.0),
+    st.floats(min_value=0.0, max_value=1e12),
+)
+def test_a_value_out_of_bounds_never_reads_as_the_bound(
+    limits: tuple[float, float, bool], near: int, offset: float, anywhere: float
+) -> None:
+    """A bound's message shows a value out of bounds in other words than the bound's."""
+    low, high, above = limits
+    seconds = max(0.0, limits[near] + offset) if offset else anywhere  # near a bound, mostly
+    message = ""
+    try:
+        bounds.check_seconds(seconds, "x", low=low, high=high, above=above)
+    except UsageError as err:
+        message = str(err)
+    if low < seconds <= high or (seconds == low and not above):
+        assert message == ""
+        return
+    match = _MESSAGE.fullmatch(message)
+    assert match is not None, message
+    shown_low, shown_high, shown = match.groups()
+    assert shown not in {shown_low, shown_high} or seconds in {low, high}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import AsyncLock, ExitCode, Lock, LockBusy, UsageError
+from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri
 from tests.support.cli import lock_state, lockrun
 
@@ -56,6 +57,8 @@ def test_async_lock_holds_and_excludes(uri: str, name: str) -> None:
             with pytest.raises(LockBusy):
                 async with AsyncLock(name, uri=uri):
                     pass
+        with pytest.raises(LeaseLost, match="released"):  # the block is over: held no more
+            lease.check()
         again = AsyncLock(name, uri=uri)
         async with again as lease:
             assert lease.slot == 0

@@ -306,6 +306,24 @@ def test_release_is_idempotent(uri: str, name: str) -> None:
         assert lease.slot == 0
 
 
+def test_api_check_after_release_says_the_lease_holds_nothing(uri: str, name: str) -> None:
+    """lease.check() passes while held and raises LeaseLost once released (docs/api.md)."""
+    lock = Lock(name, uri=uri, slots=2)
+    with lock as lease:
+        lease.check()
+    with pytest.raises(LeaseLost, match=f"^{name}: released"):
+        lease.check()
+    lease = lock.acquire()
+    lease.check()
+    lock.release()
+    with pytest.raises(LeaseLost, match="released"):
+        lease.check()
+    with Lock(name, uri=uri, slots=2) as other:  # another holder's lease is not the old one's
+        other.check()
+        with pytest.raises(LeaseLost):
+            lease.check()
+
+
 def test_command_that_cannot_start_releases_the_lock(uri: str, name: str) -> None:
     """A missing command exits 127 and leaves the lock free."""
     result = lockrun("--uri", uri, "-n", name, "--", "/nonexistent/command")

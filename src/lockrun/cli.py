@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias, TypeVar, cast
 import click
 
 from lockrun import __version__
-from lockrun.backends import parse_uri
+from lockrun.backends import flockwait, parse_uri
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import (
     ExitCode,
@@ -850,6 +850,7 @@ def _table(states: Sequence[LockState]) -> str:
 def main(args: Sequence[str] | None = None) -> NoReturn:
     """Run the CLI and exit with the status of docs/semantics.md "Exit status"."""
     _occupy_closed_standard_fds()
+    flockwait.claim_signals()  # our process: a timed flock(2) may use ITIMER_REAL (A1)
     if instruction := os.environ.get(COMPLETE_VAR):  # the completion scripts call us back
         _exit(_complete(instruction))
     args = list(sys.argv[1:] if args is None else args)

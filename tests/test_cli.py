@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
 import pytest
 
-from lockrun import ConfigError, ExitCode, cli
+from lockrun import ConfigError, ExitCode, Lock, LockBusy, cli
 from lockrun.backends import Holder, Request, parse_uri
 from lockrun.backends import file as file_backend
 from lockrun.backends.directories import Default
@@ -75,6 +76,8 @@ def test_the_commands_own_status_passes_through(file_uri: str, name: str, status
         (["--kill-after", "", "--", "true"], "invalid duration ''"),
         (["--wait", "30m1h", "--", "true"], "'30m1h': units must come largest first, each once"),
         (["--ttl", "500ms", "--", "true"], "--ttl must be at least 1s and at most 1d00h, not 0.5s"),
+        (["--ttl", "1d400ms", "--", "true"], "at most 1d00h, not 86400.4s"),  # not "not 1d00h"
+        (["--hold-at-least", "366d1s", "--", "true"], "at most 366d00h, not 31622401s"),
         (["--ttl=1.5.5s", "--", "true"], "invalid duration '1.5.5s': use seconds (90, 1.5) or"),
         (["--slots", "0", "--", "true"], "0 is not in the range 1<=x<=1000"),
         (["--slots", "-1", "--", "true"], "-1 is not in the range 1<=x<=1000"),
@@ -682,3 +685,128 @@ def test_a_line_said_while_the_live_line_shows_goes_above_it(
     )
     cli.say("after")
     assert capsys.readouterr().err == "lockrun: after\n"
+
+
+# -- a subcommand word after options (#29 7b) -----------------------------------------------
+# `lockrun -u URI status NAME` ran a program called status (127); with --no-keeper the
+# natural `lockrun -u URI release TOKEN` left the lock held. docs/semantics.md "Options".
+
+# A keeper's token of the right shape that no keeper holds: release and renew answer 76.
+NO_KEEPER_HOLDS = "lr1.0.0123456789abcdef.XPmN-ZGWL8hxiaXKJHof1Yr1"
+ALL_COMMANDS = (cli.run_command, *(command for command, _ in cli.SUBCOMMANDS.values()))
+
+
+def _value_options() -> list[str]:
+    """Every option of any command that takes a value, by its long spelling."""
+    spelled = {
+        max(param.opts, key=len)
+        for command in ALL_COMMANDS
+        for param in command.params
+        if isinstance(param, click.Option) and not param.is_flag and not param.count
+    }
+    return sorted(spelled)
+
+
+def _value_of(option: str, file_uri: str, name: str, tmp_path: Path) -> str:
+    """Return a valid value of *option*, harmless for every command that takes it."""
+    uri_file = tmp_path / "uri"
+    uri_file.write_text(file_uri)
+    uri_file.chmod(0o600)
+    values = {
+        "--name": name,
+        "--uri": file_uri,
+        "--uri-file": str(uri_file),
+        "--slots": "1",
+        "--wait": "0",
+        "--ttl": "30",
+        "--max-time": "1h",
+        "--kill-after": "1s",
+        "--lost-kill-after": "1s",
+        "--conflict-exit-code": "75",
+        "--hold-at-least": "1s",
+        "--namespace": "default",
+        "--on-busy": "true",
+        "--on-exit": "true",
+        "--hook-max-time": "5s",
+        "--metrics-file": str(tmp_path / "lockrun.prom"),
+        "--owner": str(os.getpid()),
+        "--env-file": str(tmp_path / "env"),
+        "--var": "SECOND_TOKEN",
+    }
+    return values[option]  # a KeyError: a new option needs a value here
+
+
+@pytest.mark.parametrize("option", _value_options())
+@pytest.mark.parametrize("subcommand", list(cli.SUBCOMMANDS))
+def test_options_before_a_subcommand_are_its_own_or_refused(
+    option: str,
+    subcommand: str,
+    file_uri: str,
+    name: str,
+    tmp_path: Path,
+    held: Callable[..., Held],
+) -> None:
+    """OPTION VALUE SUBCOMMAND is SUBCOMMAND OPTION VALUE, or exits 64: no program runs."""
+    value = _value_of(option, file_uri, name, tmp_path)
+    rest = {"status": [name], "acquire": [name], "release": [NO_KEEPER_HOLDS]}
+    rest["renew"] = rest["release"]
+    if subcommand == "acquire":  # busy: it must not leave a keeper behind
+        held("--uri", file_uri, "-n", name)
+    env = os.environ | {"LOCKRUN_URI": file_uri}
+    before = lockrun(option, value, subcommand, *rest[subcommand], env=env)
+    after = lockrun(subcommand, option, value, *rest[subcommand], env=env)
+    for result in (before, after):
+        assert result.returncode not in {ExitCode.SOFTWARE, 126, 127}, result.stderr
+        assert "Traceback" not in result.stderr
+    assert (before.returncode, before.stdout) == (after.returncode, after.stdout), before.stderr
+    if before.returncode == ExitCode.USAGE and after.stderr != before.stderr:
+        line = one_line(before.stderr)  # not the subcommand's: said so, with the way out
+        assert f"-- {subcommand}" in line, line
+
+
+def test_a_subcommand_after_options_it_does_not_take_is_a_usage_error(file_uri: str) -> None:
+    """`lockrun -n job status` exits 64 with one line naming `--`; `-- status` runs the program."""
+    refused = lockrun("--uri", file_uri, "-n", "job", "-q", "status")
+    assert refused.returncode == ExitCode.USAGE
+    line = one_line(refused.stderr)
+    assert "-n" in line
+    assert "lockrun status" in line
+    assert "-- status" in line
+    ran = lockrun("--uri", file_uri, "-n", "job", "--", "status", "--version")
+    assert ran.returncode == 127  # the program: none of that name here
+    assert "status: command not found" in one_line(ran.stderr)
+
+
+def test_the_status_subcommand_takes_the_options_before_it(
+    file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """`lockrun -u URI --namespace NS status NAME` shows NAME's holder, as `status -u …` does."""
+    holder = held("--uri", file_uri, "-n", name)
+    result = lockrun("-u", file_uri, "--namespace=default", "-q", "status", "--check", name)
+    assert result.returncode == ExitCode.BUSY
+    assert result.stdout == ""
+    shown = lockrun("-u", file_uri, "status", "--json", name)
+    assert shown.returncode == 0
+    assert json.loads(shown.stdout)[0]["holders"][0]["pid"] == holder.process.pid
+
+
+def test_options_before_release_end_a_no_keeper_lease(
+    redis_uri: str, name: str, tmp_path: Path
+) -> None:
+    """`lockrun -u URI acquire --no-keeper`, `--uri-file F renew` and `-u URI release` work."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCKRUN_")}
+    taken = lockrun("-u", redis_uri, "--ttl", "30", "acquire", "--no-keeper", name, env=env)
+    assert taken.returncode == 0, taken.stderr
+    token = taken.stdout.strip()
+    uri_file = tmp_path / "uri"
+    uri_file.write_text(redis_uri)
+    uri_file.chmod(0o600)
+    renewed = lockrun("--uri-file", str(uri_file), "renew", token, env=env)
+    assert renewed.returncode == 0, renewed.stderr
+    with pytest.raises(LockBusy):  # the lease is on the server
+        Lock(name, uri=redis_uri).acquire()
+    released = lockrun("-u", redis_uri, "-v", "release", token, env=env)
+    assert released.returncode == 0, released.stderr
+    assert one_line(released.stderr).startswith(f"lockrun: released {name}")
+    with Lock(name, uri=redis_uri) as lease:  # the oracle: free on the server
+        assert lease.slot == 0

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import TYPE_CHECKING
 
+import click
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from lockrun import bounds, cli, progress
 from lockrun import lock as lock_module
-from lockrun import progress
 from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri
 from lockrun.errors import ConfigError, LeaseLost, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
@@ -316,3 +320,92 @@ def test_the_api_renewer_takes_a_refused_renewal_for_a_doubt() -> None:
     assert "no such database" in str(held.lost)
     with pytest.raises(LeaseLost, match="no such database"):
         held.check()
+
+
+# -- which command a command line is for (#29 7b) ---------------------------------------------
+
+_COMMANDS = (cli.run_command, *(command for command, _ in cli.SUBCOMMANDS.values()))
+_SPELLINGS = sorted({spelling for command in _COMMANDS for spelling in cli._grammar(command)})
+
+
+def test_every_spelling_takes_a_value_in_every_command_or_in_none() -> None:
+    """`-w` takes a value wherever it is an option: the words after options read one way."""
+    for spelling in _SPELLINGS:
+        takes = {cli._grammar(command).get(spelling) for command in _COMMANDS} - {None}
+        assert len(takes) == 1, spelling
+
+
+@st.composite
+def _option_words(draw: st.DrawFn) -> list[str]:
+    """One option as a command line may spell it, with its value if it takes one."""
+    spelling = draw(st.sampled_from(_SPELLINGS))
+    takes = any(cli._grammar(command).get(spelling) for command in _COMMANDS)
+    if not takes:
+        return [spelling]
+    value = draw(st.sampled_from([*cli.SUBCOMMANDS, "--", "-", "5", "x y", "-q"]))
+    if spelling.startswith("--"):
+        return draw(st.sampled_from([[f"{spelling}={value}"], [spelling, value]]))
+    return draw(st.sampled_from([[f"{spelling}{value}"], [spelling, value]]))
+
+
+@given(
+    st.lists(_option_words(), max_size=4).map(lambda words: [w for each in words for w in each]),
+    st.sampled_from(list(cli.SUBCOMMANDS)),
+    st.lists(st.sampled_from([*cli.SUBCOMMANDS, "--", "-v", "NAME", "x"]), max_size=3),
+)
+def test_a_subcommand_word_after_options_is_never_a_program(
+    options: list[str], subcommand: str, rest: list[str]
+) -> None:
+    """OPTIONS SUBCOMMAND …: the subcommand, OPTIONS moved behind it, or 64; after --, a program."""
+    refused = None
+    try:
+        command, prog, args = cli.dispatch([*options, subcommand, *rest])
+    except click.UsageError as err:
+        refused = err.format_message()
+    if refused is None:
+        assert (command, prog) == (cli.SUBCOMMANDS[subcommand][0], f"lockrun {subcommand}")
+        assert args == [*options, *rest]
+    else:
+        assert f"-- {subcommand} …" in refused
+        taken = cli._grammar(cli.SUBCOMMANDS[subcommand][0])
+        assert any(word.partition("=")[0] not in taken for word in options if word[:1] == "-")
+    program = [*options, "--", subcommand, *rest]
+    if "--" not in options:  # else the first `--` already ended the options
+        assert cli.dispatch(program) == (cli.run_command, "lockrun", program)
+
+
+# -- a bound's message shows the value, not the bound again (#29 8f) ------------------------
+
+_BOUNDS = [  # (low, high, above) of each DURATION bound: lockrun.bounds and runner's checks
+    (bounds.MIN_TTL, bounds.MAX_TTL, False),
+    (0.0, bounds.MAX_WAIT, False),
+    (0.0, bounds.MAX_WAIT, True),
+    (0.0, bounds.MAX_KILL_AFTER, False),
+]
+_MESSAGE = re.compile(r"x must be (?:at least|more than) (\S+) and at most (\S+), not (\S+)")
+
+
+@given(
+    st.sampled_from(_BOUNDS),
+    st.sampled_from([0, 1]),
+    st.floats(min_value=-3600.0, max_value=3600.0),
+    st.floats(min_value=0.0, max_value=1e12),
+)
+def test_a_value_out_of_bounds_never_reads_as_the_bound(
+    limits: tuple[float, float, bool], near: int, offset: float, anywhere: float
+) -> None:
+    """A bound's message shows a value out of bounds in other words than the bound's."""
+    low, high, above = limits
+    seconds = max(0.0, limits[near] + offset) if offset else anywhere  # near a bound, mostly
+    message = ""
+    try:
+        bounds.check_seconds(seconds, "x", low=low, high=high, above=above)
+    except UsageError as err:
+        message = str(err)
+    if low < seconds <= high or (seconds == low and not above):
+        assert message == ""
+        return
+    match = _MESSAGE.fullmatch(message)
+    assert match is not None, message
+    shown_low, shown_high, shown = match.groups()
+    assert shown not in {shown_low, shown_high} or seconds in {low, high}

@@ -43,7 +43,7 @@ def check_seconds(
         relation = "more than" if above else "at least"
         msg = (
             f"{what} must be {relation} {format_duration(low)} and at most "
-            f"{format_duration(high)}, not {_shown(seconds)}"
+            f"{format_duration(high)}, not {_shown(seconds, low, high)}"
         )
         raise UsageError(msg)
     return seconds
@@ -99,7 +99,14 @@ def check_flag(value: object, what: str) -> bool:
     return value
 
 
-def _shown(seconds: float) -> str:
+def _shown(seconds: float, *bounds: float) -> str:
+    """Render *seconds* for people, exactly where that would read as one of the *bounds*.
+
+    format_duration rounds: "at most 1d00h, not 1d00h" said nothing (#29); 86400.4s does.
+    """
     if not math.isfinite(seconds) or seconds < 0:
         return str(seconds)
-    return format_duration(seconds) if seconds >= 1 else f"{seconds:g}s"  # 0.001s, not 0s
+    shown = format_duration(seconds) if seconds >= 1 else f"{seconds:g}s"  # 0.001s, not 0s
+    if seconds not in bounds and shown in {format_duration(bound) for bound in bounds}:
+        return f"{seconds!r}".removesuffix(".0") + "s"  # the shortest text that is this float
+    return shown

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias, TypeVar, cast
 import click
 
 from lockrun import __version__
-from lockrun.backends import parse_uri
+from lockrun.backends import flockwait, parse_uri
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import (
     ExitCode,
@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     ]
 
 _Command = TypeVar("_Command", bound="Callable[..., object]")
-_CONTEXT: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+_HELP: Final = ("-h", "--help")
+_CONTEXT: Final = {"help_option_names": list(_HELP), "max_content_width": 100}
 
 
 # What a terminal would act on, or what would forge a line or a row: C0 and C1 controls
@@ -849,13 +850,84 @@ def _table(states: Sequence[LockState]) -> str:
 def main(args: Sequence[str] | None = None) -> NoReturn:
     """Run the CLI and exit with the status of docs/semantics.md "Exit status"."""
     _occupy_closed_standard_fds()
+    flockwait.claim_signals()  # our process: a timed flock(2) may use ITIMER_REAL (A1)
     if instruction := os.environ.get(COMPLETE_VAR):  # the completion scripts call us back
         _exit(_complete(instruction))
     args = list(sys.argv[1:] if args is None else args)
-    command, prog = run_command, "lockrun"
-    if args[:1] and args[0] in SUBCOMMANDS:  # `lockrun -- status` runs a command called status
-        command, prog, args = SUBCOMMANDS[args[0]][0], f"lockrun {args[0]}", args[1:]
+    try:
+        command, prog, args = dispatch(args)
+    except click.UsageError as err:
+        say(err.format_message())
+        _exit(ExitCode.USAGE)
     _exit(_exit_status(command, prog, args))
+
+
+def dispatch(args: list[str]) -> tuple[click.Command, str, list[str]]:
+    """Return the command *args* are for, its name for messages, and its arguments.
+
+    A subcommand word is that subcommand, also after options (as in git or docker: #29),
+    which move behind it when it takes them all; else a usage error. `lockrun … -- status`
+    runs a program called status (docs/semantics.md "Options").
+    """
+    word, given = _first_word(args)
+    if word is None or args[word] not in SUBCOMMANDS:
+        return run_command, "lockrun", args
+    subcommand = args[word]
+    command = SUBCOMMANDS[subcommand][0]
+    taken = _grammar(command)
+    for option in given:
+        if option not in taken:
+            msg = (
+                f"'{subcommand}' is a subcommand and takes no {option}: put the subcommand "
+                f"first (lockrun {subcommand} [OPTIONS] …), or write 'lockrun [OPTIONS] -- "
+                f"{subcommand} …' to run a program called {subcommand}"
+            )
+            raise click.UsageError(msg)
+    return command, f"lockrun {subcommand}", args[:word] + args[word + 1 :]
+
+
+def _grammar(command: click.Command) -> dict[str, bool]:
+    """Map each spelling of *command*'s options (``-u``, ``--uri``) to whether it takes a value."""
+    spellings: dict[str, bool] = dict.fromkeys(_HELP, False)
+    for param in command.params:
+        if isinstance(param, click.Option):
+            takes = not param.is_flag and not param.count
+            spellings.update(dict.fromkeys([*param.opts, *param.secondary_opts], takes))
+    return spellings
+
+
+def _first_word(args: list[str]) -> tuple[int | None, list[str]]:
+    """Return where the first word that is no option nor an option's value is, and the options.
+
+    As click reads options: ``--uri=X``, ``--uri X``, ``-uX``, ``-u X``, ``-qv``; a value is
+    taken by the spelling of any command that knows it. None after ``--``, or with no word.
+    """
+    values = {
+        spelling
+        for command in (run_command, *(each for each, _ in SUBCOMMANDS.values()))
+        for spelling, takes in _grammar(command).items()
+        if takes
+    }
+    given: list[str] = []
+    at = 0
+    while at < len(args):
+        arg = args[at]
+        if arg == "--":
+            return None, given
+        if not arg.startswith("-") or arg == "-":
+            return at, given
+        at += 1
+        if arg.startswith("--"):
+            option = arg.partition("=")[0]
+            given.append(option)
+            at += option == arg and option in values
+            continue
+        for letter, short in enumerate(f"-{each}" for each in arg[1:]):
+            given.append(short)
+            if short in values:  # the rest of the word is its value, else the next word is
+                at += letter == len(arg) - 2
+                break
+    return None, given
 
 
 def _occupy_closed_standard_fds() -> None:
@@ -952,18 +1024,25 @@ def _shells() -> dict[str, type[ShellComplete]]:
 def _completions(
     completer: ShellComplete, args: list[str], incomplete: str
 ) -> list[CompletionItem]:
-    if args[:1] and args[0] in SUBCOMMANDS:
-        subcommand = SUBCOMMANDS[args[0]][0]
-        return type(completer)(subcommand, {}, f"lockrun {args[0]}", COMPLETE_VAR).get_completions(
-            args[1:], incomplete
-        )
+    try:
+        command, prog, args = dispatch(args)
+    except click.UsageError:  # a subcommand after options it does not take: nothing fits
+        return []
+    if command is not run_command:
+        return type(completer)(command, {}, prog, COMPLETE_VAR).get_completions(args, incomplete)
     context = run_command.make_context("lockrun", list(args), resilient_parsing=True)
     if context.params.get("command"):  # past the command word, every word is the command's
         return _offer({incomplete: None}, "file")
     items = completer.get_completions(args, incomplete)
-    if not args:
+    word, given = _first_word([*args, "word"])
+    if word == len(args) and not incomplete.startswith("-"):
+        # Where the command word goes: a subcommand that takes the options given fits too.
         items[:0] = _offer(
-            {word: what for word, (_, what) in SUBCOMMANDS.items() if word.startswith(incomplete)}
+            {
+                word: what
+                for word, (subcommand, what) in SUBCOMMANDS.items()
+                if word.startswith(incomplete) and set(given) <= _grammar(subcommand).keys()
+            }
         )
     return items
 

@@ -129,14 +129,18 @@ class Lease:
         self._owner: list[tuple[str, str, str]] | None = None  # its thread's, for `Lock`
 
     def check(self) -> None:
-        """Raise `LeaseLost` if the lease is gone, or unconfirmed for a ttl; else return.
+        """Raise `LeaseLost` if the lease is gone, released, or unconfirmed for a ttl; else return.
 
         Raise `TakenOver` if another acquirer asked for a take-over: the slot is still ours
         until `release`, which the taker waits for.
 
         Cheap enough for every step of a loop: it asks no server, it reads what the
-        renewals (every ttl/3) found, and a local lock's bell. A local lock is never lost.
+        renewals (every ttl/3) found, and a local lock's bell. A local lock is never lost,
+        but once released it holds nothing either (docs/api.md).
         """
+        if self.released and self.lost is None:
+            msg = f"{self._key[2]}: released; this lease holds the lock no more"
+            raise LeaseLost(msg)
         if self.taken is None and self.lost is None and _rung(self._lease.bells):
             # A renewal now: what it finds is kept, a lost lease too. A bell that is the
             # session's own socket (PostgreSQL's) also rings when the server hangs up.
@@ -145,7 +149,7 @@ class Lease:
             raise self.lost
         if self.taken is not None:
             raise self.taken
-        if self.ttl is not None and not self.released and now() - self.confirmed >= self.ttl:
+        if self.ttl is not None and now() - self.confirmed >= self.ttl:
             msg = f"the lease was not confirmed for {format_duration(self.ttl)}"
             raise LeaseLost(msg)
 

@@ -7,13 +7,16 @@ task that counts how often the loop got to run.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from typing import TYPE_CHECKING
 
 import pytest
 
 from lockrun import AsyncLock, ExitCode, Lock, LockBusy, UsageError
+from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri
+from tests.contract.test_lock import PATIENCE, HolderThread
 from tests.support.cli import lock_state, lockrun
 
 if TYPE_CHECKING:
@@ -56,6 +59,8 @@ def test_async_lock_holds_and_excludes(uri: str, name: str) -> None:
             with pytest.raises(LockBusy):
                 async with AsyncLock(name, uri=uri):
                     pass
+        with pytest.raises(LeaseLost, match="released"):  # the block is over: held no more
+            lease.check()
         again = AsyncLock(name, uri=uri)
         async with again as lease:
             assert lease.slot == 0
@@ -137,3 +142,28 @@ def test_a_cancelled_wait_leaves_nothing_behind(uri: str, name: str) -> None:
         assert time.monotonic() < deadline, lock_state(uri, name)
         time.sleep(0.05)
     assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_an_async_timed_wait_leaves_the_applications_timer_alone(uri: str, name: str) -> None:
+    """AsyncLock(wait=…): the loop's SIGALRM handler runs when the application's timer fires."""
+    holder = HolderThread(uri, name)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGALRM, holder.go.set)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            async with AsyncLock(name, uri=uri, wait=PATIENCE) as lease:  # hang guard: busy
+                assert lease.slot == 0
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            loop.remove_signal_handler(signal.SIGALRM)
+
+    previous = signal.getsignal(signal.SIGALRM)
+    before = signal.getitimer(signal.ITIMER_REAL)
+    try:
+        run(main)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, *before)
+        holder.finish()

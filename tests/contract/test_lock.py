@@ -7,6 +7,7 @@ docs/design.md's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import pty
@@ -46,7 +47,7 @@ from tests.support.harness import on_valkey_too
 from tests.support.net import HOST, ME, server_locks, timed_lockrun
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
     from tests.support.harness import Harness
@@ -306,6 +307,24 @@ def test_release_is_idempotent(uri: str, name: str) -> None:
         assert lease.slot == 0
 
 
+def test_api_check_after_release_says_the_lease_holds_nothing(uri: str, name: str) -> None:
+    """lease.check() passes while held and raises LeaseLost once released (docs/api.md)."""
+    lock = Lock(name, uri=uri, slots=2)
+    with lock as lease:
+        lease.check()
+    with pytest.raises(LeaseLost, match=f"^{name}: released"):
+        lease.check()
+    lease = lock.acquire()
+    lease.check()
+    lock.release()
+    with pytest.raises(LeaseLost, match="released"):
+        lease.check()
+    with Lock(name, uri=uri, slots=2) as other:  # another holder's lease is not the old one's
+        other.check()
+        with pytest.raises(LeaseLost):
+            lease.check()
+
+
 def test_command_that_cannot_start_releases_the_lock(uri: str, name: str) -> None:
     """A missing command exits 127 and leaves the lock free."""
     result = lockrun("--uri", uri, "-n", name, "--", "/nonexistent/command")
@@ -458,6 +477,150 @@ def test_one_shot_try_behind_a_queue_is_busy(
     for holder in holders:
         holder.finish()
     assert finish(waiter) == 0
+
+
+class HolderThread:
+    """A holder of *name* in a thread of this process until `go` is set: a busy lock."""
+
+    def __init__(self, uri: str, name: str) -> None:
+        """Take the lock in a thread; return once it is held."""
+        self.go = threading.Event()
+        self.held = threading.Event()
+        self.thread = threading.Thread(target=self._hold, args=(uri, name), daemon=True)
+        self.thread.start()
+        assert self.held.wait(PATIENCE)
+
+    def _hold(self, uri: str, name: str) -> None:
+        with Lock(name, uri=uri):
+            self.held.set()
+            self.go.wait(PATIENCE * 2)  # longer than any wait of a test
+
+    def finish(self) -> None:
+        """Release, and wait for the thread."""
+        self.go.set()
+        self.thread.join(PATIENCE * 2)
+
+
+@contextlib.contextmanager
+def application_timer(seconds: float, handler: Callable[[], None]) -> Iterator[list[float]]:
+    """Arm ITIMER_REAL with a SIGALRM handler of the application's; yield when it ran.
+
+    What was there before (pytest-timeout's, say) is put back afterwards.
+    """
+    ran: list[float] = []
+
+    def on_alarm(_signo: int, _frame: object) -> None:
+        ran.append(time.monotonic())
+        handler()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    before = signal.getitimer(signal.ITIMER_REAL)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield ran
+        assert signal.getsignal(signal.SIGALRM) is on_alarm  # still the application's
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, *before)
+
+
+def test_api_timed_wait_leaves_the_applications_timer_alone(uri: str, name: str) -> None:
+    """While Lock(wait=…) waits, the application's ITIMER_REAL fires on time and its handler runs.
+
+    The handler frees the lock: the wait ends with the grant only if the timer fired.
+    """
+    holder = HolderThread(uri, name)
+    armed = time.monotonic()
+    try:
+        with application_timer(0.2, holder.go.set) as ran:
+            with Lock(name, uri=uri, wait=PATIENCE) as lease:  # hang guard: LockBusy
+                assert lease.slot == 0
+            assert len(ran) == 1
+            assert ran[0] >= armed + 0.2
+    finally:
+        holder.finish()
+
+
+def test_api_timed_wait_times_out_and_leaves_the_timer_armed(uri: str, name: str) -> None:
+    """Lock(wait=0.3) on a busy lock raises LockBusy; the application's timer still counts down."""
+    holder = HolderThread(uri, name)
+    try:
+        with application_timer(3600, lambda: None) as ran:
+            with pytest.raises(LockBusy, match=r"gave up after 0\.30s"):
+                Lock(name, uri=uri, wait=0.3).acquire()
+            left, _ = signal.getitimer(signal.ITIMER_REAL)
+            assert 0 < left <= 3600
+            assert ran == []
+    finally:
+        holder.finish()
+
+
+def test_api_timed_wait_off_the_main_thread_leaves_the_timer_alone(uri: str, name: str) -> None:
+    """A worker's timed wait: the main thread's timer fires, and its handler frees the lock."""
+    holder = HolderThread(uri, name)
+    outcome: list[int | None] = []
+
+    def worker() -> None:
+        with Lock(name, uri=uri, wait=PATIENCE) as lease:
+            outcome.append(lease.slot)
+
+    try:
+        with application_timer(0.2, holder.go.set) as ran:
+            waiter = threading.Thread(target=worker)
+            waiter.start()
+            waiter.join(PATIENCE * 2)  # the handler runs here, in the main thread
+            assert outcome == [0]
+            assert len(ran) == 1
+    finally:
+        holder.finish()
+
+
+def _signal_state() -> tuple[object, ...]:
+    """Return what a library must leave alone: every signal's handler, the mask, the timers."""
+    handlers = {signo: signal.getsignal(signo) for signo in signal.valid_signals()}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    timers = [signal.getitimer(which)[1] for which in (signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)]
+    return handlers, mask, timers
+
+
+def test_api_leaves_the_processes_signals_and_timers_alone(uri: str, name: str) -> None:
+    """A wait, a grant, check(), a renewal, a release with a window: no handler, mask or timer."""
+    holder = HolderThread(uri, name)
+    try:
+        with application_timer(3600, lambda: None) as ran:
+            before = _signal_state()
+            with pytest.raises(LockBusy):
+                Lock(name, uri=uri, wait=0.3).acquire()
+            holder.finish()
+            with Lock(name, uri=uri, wait=PATIENCE, hold_at_least=0.1) as lease:
+                lease.check()
+                lease.renew()
+            assert _signal_state() == before
+            left, _ = signal.getitimer(signal.ITIMER_REAL)
+            assert 0 < left <= 3600
+            assert ran == []
+    finally:
+        holder.finish()
+
+
+def test_api_timed_wait_is_woken_by_a_flock_let_go_without_a_close(
+    file_uri: str, name: str
+) -> None:
+    """file:: a flock let go by LOCK_UN, its file still open, lets a timed wait in."""
+    with Lock(name, uri=file_uri):  # makes the directory and NAME.lock
+        pass
+    path = file_uri.removeprefix("file://") + f"/{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        timer = threading.Timer(0.2, fcntl.flock, (fd, fcntl.LOCK_UN))
+        timer.start()
+        with Lock(name, uri=file_uri, wait=PATIENCE) as lease:
+            assert lease.slot == 0
+        timer.join()
+    finally:
+        os.close(fd)
 
 
 def test_timed_waits_work_outside_the_main_thread(uri: str, name: str) -> None:

@@ -36,6 +36,7 @@ from lockrun.backends import (
     LockState,
     Request,
     describe_pid,
+    flockwait,
     next_fence,
     read_json,
     slots_mismatch,
@@ -139,16 +140,14 @@ def wait_flock(fd: int, deadline: float | None, mode: int = fcntl.LOCK_EX) -> bo
     timeout = deadline - now()
     if timeout <= 0:
         return False
+    if not flockwait.signals_claimed():  # the Python API: SIGALRM is the application's (#29)
+        return flockwait.wait_flock(fd, deadline, mode)
     # A timed flock: an interval timer whose handler raises interrupts the blocking call
     # (PEP 475 retries EINTR only when the handler returns) [docs/design.md A1, verified].
     try:
         previous = signal.signal(signal.SIGALRM, _raise_expired)
-    except ValueError:  # not the main thread: no signals here, so look twice a second
-        while not try_flock(fd, mode):
-            if now() >= deadline:
-                return False
-            time.sleep(min(0.5, max(0.0, deadline - now())))
-        return True
+    except ValueError:  # not the main thread: no signals here
+        return flockwait.wait_flock(fd, deadline, mode)
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:

@@ -114,22 +114,6 @@ def test_a_window_a_lockrun_could_have_left_is_busy_and_shown(
 # -- file: forged and planted take-over requests ------------------------------------------
 
 
-@contextlib.contextmanager
-def requested_by(runner: Runner, stop_file: Path) -> Iterator[None]:
-    """Have *runner* hold LOCK_SH on *stop_file* (made if missing) during the block."""
-    holder = runner.popen(["flock", "-s", str(stop_file), "sleep", "60"])
-    inode = None
-    try:
-        wait_for(stop_file.exists, what="the stop file")
-        inode = f":{os.stat(stop_file).st_ino} "
-        locks = Path("/proc/locks")
-        wait_for(lambda: inode in locks.read_text(), what="the request's flock")
-        yield
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 def file_lease(locks: Path, name: str) -> file_backend.FileLease:
     """Take *name* in *locks* through the backend, as root; fail if busy."""
     backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
@@ -138,60 +122,96 @@ def file_lease(locks: Path, name: str) -> file_backend.FileLease:
     return lease
 
 
+def heard(lease: file_backend.FileLease) -> bool:
+    """Whether *lease* hears a take-over request now."""
+    try:
+        lease.refresh()
+    except TakenOver:
+        return True
+    return False
+
+
 @needs_root
-def test_a_stop_request_of_a_user_who_may_not_take_the_lock_stops_nobody(
+def test_a_user_who_may_only_read_the_lock_file_cannot_ask_for_it(
     mallory: Runner, locks: Path, name: str
 ) -> None:
-    """Root's lock file is 0644: mallory's flock on NAME.stop stops nobody, turns nobody away."""
+    """Root's lock file is 0644: mallory's --take-over cannot open it to ask (78); root holds on."""
     lease = file_lease(locks, name)
     (locks / f"{name}.lock").chmod(0o644)
-    with requested_by(mallory, locks / f"{name}.stop"):
-        lease.refresh()  # no TakenOver
-        lease.release()
-        result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
-        assert (result.returncode, result.stderr) == (0, "")
+    taker = mallory.lockrun("--uri", f"file://{locks}", "-n", name, "--take-over", "-w", "5",
+                            "--", "true")  # fmt: skip
+    assert taker.returncode == 78, taker.stderr
+    assert "Permission denied" in one_line(taker.stderr)
+    assert not heard(lease)
+    lease.release()
 
 
 @needs_root
-def test_a_stop_request_of_a_user_who_may_take_the_lock_is_heard(
-    mallory: Runner, locks: Path, name: str
+@pytest.mark.parametrize("access", ["others", "group"])
+def test_a_take_over_by_a_user_who_may_write_the_lock_file_is_heard(
+    mallory: Runner, locks: Path, name: str, access: str
 ) -> None:
-    """A lock file mallory may write (0666): she may take the lock, so she may take it over."""
+    """A lock file mallory may write (0666, or 0664 in her group): she may take it over."""
     lease = file_lease(locks, name)
-    (locks / f"{name}.lock").chmod(0o666)
-    with requested_by(mallory, locks / f"{name}.stop"):
+    lock_file = locks / f"{name}.lock"
+    if access == "group":
+        os.chown(lock_file, 0, mallory.user.gid)
+        lock_file.chmod(0o664)
+    else:
+        lock_file.chmod(0o666)
+    uri = f"file://{locks}"
+    taker = mallory.popen(
+        [mallory.python_path, "-m", "lockrun", "--uri", uri, "-n", name, "--take-over",
+         "-w", "30", "--", "true"], stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: heard(lease), what="mallory's request")
         with pytest.raises(TakenOver, match=f"taken over by {mallory.user.name}@"):
             lease.refresh()
         lease.release()
-        result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
-        assert result.returncode == 79
-        assert f"taken over by {mallory.user.name}@" in one_line(result.stderr)
+        _, err = taker.communicate(timeout=30)
+        assert (taker.returncode, err) == (0, "")
+    finally:
+        if taker.poll() is None:
+            taker.kill()
+            taker.communicate()
 
 
 @needs_root
-@pytest.mark.parametrize("planted", ["symlink", "fifo"])
-def test_a_planted_stop_file_is_refused_by_a_taker_and_ignored_by_holders(
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "file"])
+def test_a_planted_stop_file_is_nothing_to_takers_and_holders(
     mallory: Runner, locks: Path, shared: Path, name: str, planted: str, held: Callable[..., Held]
 ) -> None:
-    """NAME.stop as a link to root's file or a FIFO: the taker exits 78, the holder runs on."""
+    """NAME.stop as a link to root's file, a FIFO or mallory's flocked file: never read.
+
+    Requests live in NAME.lock itself; a real take-over still works beside the plant.
+    """
     precious = shared / "precious"
     precious.write_text(PRECIOUS)
     stop = locks / f"{name}.stop"
-    plant = (
-        ["ln", "-s", str(precious), str(stop)]
-        if planted == "symlink"
-        else ["mkfifo", "-m", "666", str(stop)]
-    )
+    plant = {
+        "symlink": ["ln", "-s", str(precious), str(stop)],
+        "fifo": ["mkfifo", "-m", "666", str(stop)],
+        "file": ["sh", "-c", f"umask 0; : > {stop}"],
+    }[planted]
     assert mallory.run(plant).returncode == 0
-    holder = held("--uri", f"file://{locks}", "-n", name)
-    taker = lockrun("--uri", f"file://{locks}", "-n", name, "--take-over", "-w", "5", "--", "true")
-    assert taker.returncode == 78, taker.stderr
-    assert f"{stop}" in one_line(taker.stderr)
-    assert holder.process.poll() is None
-    assert holder.finish() == 0
+    flocking = None
+    if planted == "file":
+        flocking = mallory.popen(["flock", "-s", str(stop), "sleep", "60"])
+        inode = f":{os.stat(stop).st_ino} "
+        wait_for(lambda: inode in Path("/proc/locks").read_text(), what="mallory's flock")
+    try:
+        assert lockrun("--uri", f"file://{locks}", "-n", name, "--", "true").returncode == 0
+        holder = held("--uri", f"file://{locks}", "-n", name)
+        taker = lockrun("--uri", f"file://{locks}", "-n", name, "--take-over", "-w", "30",
+                        "--", "true")  # fmt: skip
+        assert (taker.returncode, taker.stderr) == (0, "")
+        assert holder.process.wait(timeout=30) == 79
+    finally:
+        if flocking is not None:
+            flocking.kill()
+            flocking.wait()
     assert precious.read_text() == PRECIOUS
-    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
-    assert (result.returncode, result.stderr) == (0, "")
 
 
 @needs_root

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 
-from lockrun.backends import directories
+from lockrun.backends import Holder, Request, directories
+from lockrun.backends import file as file_backend
 from lockrun.backends.abstract import _base as abstract_base
 from tests.support.cli import Held, holder_pids, lockrun, one_line, wait_for, waiter_pids
 from tests.support.users import Runner, needs_root
@@ -473,3 +474,101 @@ def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 78
         assert "in use with 7 slots by mallory@h pid 1" in one_line(result.stderr)
+
+
+# -- file: take-over requests proven by an act, not by who a process is later ---------------
+
+# A set-uid-root program that blocks until its stdin closes: what passwd, su or chfn do
+# while they wait for a password, with root's file-system uid all along.
+BLOCKER_C = """
+#include <unistd.h>
+int main(void) { char c; while (read(0, &c, 1) > 0) {} return 0; }
+"""
+
+# Mallory opens what she may read of the lock (NAME.lock, NAME.stop if there is one) without
+# O_CLOEXEC, locks all she can through those read-only descriptors (flock LOCK_SH on
+# NAME.stop; POSIX and OFD read locks over all of NAME.lock), then execs argv 3: a set-uid-root
+# program inherits the descriptors and their locks, and its file-system uid is 0.
+READ_ONLY_REQUEST = """
+import fcntl, os, struct, sys
+directory, name, program = sys.argv[1:4]
+def everything(kind):
+    return struct.pack("hhqqi4x", kind, 0, 0, 0, 0)
+lock = os.open(f"{directory}/{name}.lock", os.O_RDONLY)
+os.set_inheritable(lock, True)
+for command in (fcntl.F_SETLK, fcntl.F_OFD_SETLK):
+    fcntl.fcntl(lock, command, everything(fcntl.F_RDLCK))
+    try:
+        fcntl.fcntl(lock, command, everything(fcntl.F_WRLCK))
+    except OSError:
+        pass  # EBADF: a write lock needs a descriptor open for writing
+if os.path.exists(f"{directory}/{name}.stop"):
+    stop = os.open(f"{directory}/{name}.stop", os.O_RDONLY)
+    os.set_inheritable(stop, True)
+    fcntl.flock(stop, fcntl.LOCK_SH)
+print("ready", flush=True)
+os.execv(program, [program])
+"""
+
+
+@pytest.fixture(scope="module")
+def setuid_blocker() -> Iterator[Path]:
+    """Return a set-uid-root program, built now, that blocks until its stdin closes."""
+    if shutil.which("cc") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("cc is missing: the set-uid tests build a program with it")
+        pytest.skip("no cc to build a set-uid-root program with")
+    directory = Path(tempfile.mkdtemp(prefix="lockrun-setuid-", dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        source, program = directory / "blocker.c", directory / "blocker"
+        source.write_text(BLOCKER_C)
+        subprocess.run(["cc", "-o", str(program), str(source)], check=True, capture_output=True)
+        program.chmod(0o4755)  # root's, set-uid
+        yield program
+    finally:
+        shutil.rmtree(directory)
+
+
+@contextlib.contextmanager
+def read_only_request(
+    mallory: Runner, locks: Path, name: str, program: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """Have mallory lock what she may read of *name*, then exec the set-uid *program*."""
+    code = READ_ONLY_REQUEST
+    process = mallory.python(code, str(locks), name, str(program), stdin=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "ready"
+        # The exec is done once the process runs the program, as root: its /proc is root's.
+        wait_for(lambda: os.stat(f"/proc/{process.pid}").st_uid == 0, what="the set-uid exec")
+        yield process
+    finally:
+        process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize("stop", ["none", "left-by-root", "planted"])
+def test_a_reader_who_execs_a_setuid_program_stops_no_one(
+    mallory: Runner, locks: Path, name: str, setuid_blocker: Path, stop: str
+) -> None:
+    """Read-only locks on NAME.lock and NAME.stop, then a set-uid exec: root's jobs run on.
+
+    NAME.stop, if any, is one a root take-over left (0644) or mallory planted (0666). A
+    grant looks for requests at once, and so does a refresh, which a rung bell brings.
+    """
+    uri = f"file://{locks}"
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0  # root's 0644 file
+    stop_file = locks / f"{name}.stop"
+    if stop == "left-by-root":
+        stop_file.touch(mode=0o644)
+    elif stop == "planted":
+        assert mallory.run(["sh", "-c", f"umask 0; : > {stop_file}"]).returncode == 0
+    with read_only_request(mallory, locks, name, setuid_blocker):
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+        backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
+        lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["root"])), 0)
+        assert lease is not None
+        lease.refresh()  # no TakenOver
+        lease.release()

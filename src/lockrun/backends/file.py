@@ -14,8 +14,9 @@ the file it locked: one ``pread`` and one ``pwrite`` (docs/design.md A1).
 The modes (docs/design.md A1): --shared is flock(2)'s LOCK_SH on NAME.lock, with every
 lockrun waiter queued on NAME.gate so a later reader cannot pass a waiting writer; a
 --hold-at-least window is the record left in NAME.lock with an ``until``; a --take-over
-request is a LOCK_SH on NAME.stop, and the holders' bell an inotify watch on their lock file,
-which the taker touches.
+request is a write lock on one byte of NAME.lock far past its end, which only a descriptor
+open for writing can take, and the holders' bell an inotify watch on their lock file, which
+the taker touches.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -35,6 +37,7 @@ from lockrun.backends import (
     Holder,
     LockState,
     Request,
+    _user,
     describe_pid,
     next_fence,
     read_json,
@@ -65,6 +68,14 @@ _UNTIL: Final = b'"until": '  # a --hold-at-least window's end, in a record left
 # never written by lockrun (a forged record, a clock stepped back by a year): no window.
 _LONGEST_WINDOW: Final = MAX_WAIT + 86400.0
 _WINDOW_NAP: Final = 1.0  # a window's wait looks at the wall clock again this often
+# A --take-over request: an OFD write lock (fcntl(2), F_OFD_SETLK) on byte _REQUESTS + (uid <<
+# _PID_BITS) + pid of the lock file, far past anything written there. A write lock needs a
+# descriptor open for writing, so only a process that could open the lock file for writing,
+# and so take the lock, can ask; one that may only read it, whatever it execs later (a
+# set-uid program), cannot (docs/security.md). flock(2) locks never meet these.
+_REQUESTS: Final = 1 << 62
+_PID_BITS: Final = 22  # PID_MAX_LIMIT: pids stay below 2**22; uids fit in the 40 bits above
+_FLOCK: Final = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 
 def connect(
@@ -264,7 +275,7 @@ class FileLease:
         if not self._armed and self._fd is not None:
             self._armed = True
             self._bell = _watch(self._fd)
-            if self._bell is not None and self._backend.taker(self._base, self._fd) is not None:
+            if self._bell is not None and _taker(self._fd) is not None:
                 with contextlib.suppress(OSError):
                     os.utime(self._fd)
         return () if self._bell is None else (self._bell,)
@@ -287,7 +298,7 @@ class FileLease:
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
-        if self._fd is not None and (taker := self._backend.taker(self._base, self._fd)):
+        if self._fd is not None and (taker := _taker(self._fd)):
             raise TakenOver(_taken_by(taker))
 
     def release(self, hold: float = 0.0) -> None:
@@ -492,7 +503,7 @@ class FileBackend:
             if not _wait_out(_window(content, base), deadline):
                 os.close(held.fd)
                 return None
-            if (taker := self.taker(base, held.fd)) is not None:
+            if (taker := _taker(held.fd)) is not None:
                 raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
             if request.shared:  # no record, no fence: others share the file
                 return FileLease(0, None, held, None, self, base)
@@ -531,10 +542,10 @@ class FileBackend:
             gate = self._open(f"{base}.gate").fd
             line.callback(os.close, gate)
         if request.take_over:
-            stop = self._ask_to_stop(base, deadline)
-            if stop is None:
-                return False
-            line.callback(os.close, stop)
+            _ask_to_stop(held.fd)
+            line.callback(_unask, held.fd)  # before we look for requests of others
+            with contextlib.suppress(OSError):  # the bell; refreshes would see it anyway
+                os.utime(held.fd)
         if request.shared:  # a mark for status: a POSIX lock, which no flock(2) sees (P17)
             with contextlib.suppress(OSError):
                 fcntl.lockf(gate, fcntl.LOCK_SH | fcntl.LOCK_NB, 1)
@@ -550,49 +561,6 @@ class FileBackend:
             return os.pread(held.fd, MAX_RECORD + 1, 0)
         except OSError as err:  # EIO
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
-
-    def _ask_to_stop(self, base: str, deadline: float | None) -> int | None:
-        """Register a take-over request until the descriptor returned is closed; ring holders.
-
-        The request is a LOCK_SH on NAME.stop (so it ends with us, SIGKILL included), the
-        ring a touch of the lock file, which its holders watch (docs/design.md A1). None
-        if *deadline* passed first (a holder's probe holds NAME.stop only for a moment).
-        """
-        stop = self._open(f"{base}.stop").fd
-        with _closed_on_error(stop):
-            if not wait_flock(stop, deadline, fcntl.LOCK_SH):
-                os.close(stop)
-                return None
-        with contextlib.suppress(OSError):  # not ours to touch: refreshes will see it
-            os.utime(_slot_file(base, 0), dir_fd=self._dir, follow_symlinks=False)
-        return stop
-
-    def taker(self, base: str, lock_fd: int) -> Holder | None:
-        """Return who asks for the lock *base* with --take-over now, if anyone may.
-
-        A request is a LOCK_SH on NAME.stop by a process that could open the lock file
-        (*lock_fd*'s) for writing, that is, take the lock; the kernel says who holds it, no
-        record does. Anything else in NAME.stop (a planted symlink, a FIFO, a flock of a user
-        who may not take the lock) is no request (docs/security.md).
-        """
-        try:
-            directory = self._fd if self._fd is not None else self._directory(make=False)
-            fd = os.open(f"{base}.stop", os.O_RDONLY | _OPEN, dir_fd=directory)
-        except (OSError, ConfigError, BackendUnavailable):
-            return None  # no request was ever made: the usual case, one failed open(2)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or try_flock(fd):
-                return None  # nobody holds it (our probe goes with the close)
-            lock = os.fstat(lock_fd)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        for pid in _proc_locks().get((info.st_dev, info.st_ino), _NO_LOCKS).readers:
-            if _may_write(pid, lock):
-                return describe_pid(pid)
-        return None  # probes of other holders, or requests of users who may not take it
 
     def _check_agreement(self, base: str, request: Request, first: int = 0) -> bool:
         """Raise `ConfigError` (78) if a live holder of this name uses another --slots.
@@ -957,26 +925,44 @@ def _wait_out(until: float | None, deadline: float | None) -> bool:
     return True
 
 
-def _may_write(pid: int, info: os.stat_result) -> bool:
-    """Whether process *pid* could open the file *info* is of for writing (so take the lock).
+def _request_lock(kind: int, start: int, length: int = 1) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
 
-    From its file-system uid and groups in /proc/PID/status and the file's mode bits (ACLs
-    aside). False if we cannot tell: a process gone, or hidden from us (hidepid).
+
+def _ask_to_stop(fd: int) -> None:
+    """Ask the holders of the lock file open for writing as *fd* to give way (docs/design.md A1).
+
+    The request lasts until `_unask`, or until the last descriptor of this open file is
+    closed: it ends with the taker, SIGKILL included. The byte says who asks (the only
+    record of it), and only a writer of the lock file can lock it.
+    """
+    uid = os.geteuid() & 0xFFFF_FFFF
+    start = _REQUESTS + (uid << _PID_BITS) + os.getpid() % (1 << _PID_BITS)
+    with contextlib.suppress(OSError):  # EAGAIN: the same uid and pid (another pid namespace)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_WRLCK, start))
+
+
+def _unask(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_UNLCK, _REQUESTS, 0))
+
+
+def _taker(fd: int) -> Holder | None:
+    """Return who asks the holders of the lock file open as *fd* to give way, if anyone does.
+
+    Only write locks count: a read lock needs no more than read access to the file. The
+    name, user and pid are what the taker's byte says, and only a process that could open
+    the lock file for writing could write it; no process is looked up (docs/security.md).
     """
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-        uid = int(fields["Uid"].split()[3])  # real, effective, saved, file system
-        groups = {int(fields["Gid"].split()[3]), *map(int, fields.get("Groups", "").split())}
-    except (OSError, KeyError, IndexError, ValueError):
-        return False
-    if uid == 0:
-        return True
-    if uid == info.st_uid:
-        return bool(info.st_mode & stat.S_IWUSR)
-    if info.st_gid in groups:
-        return bool(info.st_mode & stat.S_IWGRP)
-    return bool(info.st_mode & stat.S_IWOTH)
+        found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request_lock(fcntl.F_RDLCK, _REQUESTS, 0))
+    except OSError:  # EINVAL: no OFD locks here (Linux < 3.15, another system)
+        return None
+    kind, _, start, length, _ = struct.unpack(_FLOCK, found)
+    if kind != fcntl.F_WRLCK or start < _REQUESTS or length != 1:
+        return None  # none; or a lock of someone else's over the file, not a request
+    uid, pid = divmod(start - _REQUESTS, 1 << _PID_BITS)
+    return Holder(os.uname().nodename, pid, _user(uid), ())
 
 
 class _Locks(NamedTuple):

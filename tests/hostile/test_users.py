@@ -464,16 +464,84 @@ def test_records_spoofed_by_a_holder_in_a_shared_directory_change_nothing(
             assert "\x1b" not in status.stdout
 
 
-def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
-    mallory: Runner, locks: Path, name: str
+def forged(name: str, **fields: object) -> bytes:
+    """Return a lock file a lockrun of root's could have left: a counter line and a record."""
+    record = {"name": name, "namespace": "default", "slots": 1, "host": "h", "pid": 1}
+    record |= {"user": "root", "argv": ["backup"], "since": time.time()} | fields
+    return b"1\n" + json.dumps(record).encode() + b"\n"
+
+
+@pytest.mark.parametrize("made", ["mallory-0644", "mallory-0666", "root-0666"])
+def test_a_window_another_user_could_have_written_holds_nothing(
+    mallory: Runner, locks: Path, name: str, made: str
 ) -> None:
-    """A holder that says --slots 7 for this very name is one: 78, as for any such holder."""
-    record = {"name": name, "namespace": "default", "slots": 7}
-    record |= {"host": "h", "pid": 1, "user": "mallory", "argv": ["x"]}
-    with flocked_by(mallory, locks / f"{name}.lock", json.dumps(record).encode()):
+    """A --hold-at-least window for a day, 'root@h pid 1', in a file mallory made or may write.
+
+    Root's run is not refused (it was for up to 366 days), -v says why, naming the file's
+    real owner; status shows no holder. Root's own window in that file then holds as usual.
+    """
+    lock_file = locks / f"{name}.lock"
+    content = forged(name, until=time.time() + 86400).decode()
+    owner, mode = made.split("-")
+    if owner == "mallory":
+        made_it = mallory.run(["sh", "-c", f"cat > {lock_file}; chmod {mode} {lock_file}"],
+                              input=content)  # fmt: skip
+        assert made_it.returncode == 0
+    else:
+        lock_file.write_text("")
+        lock_file.chmod(0o666)  # root's, and anyone's to write
+        assert mallory.run(["sh", "-c", f"cat > {lock_file}"], input=content).returncode == 0
+    uri = f"file://{locks}"
+    result = lockrun("-v", "--uri", uri, "-n", name, "-w", "0", "--", "true")
+    assert result.returncode == 0, result.stderr
+    who = "user lockrun-mallory" if owner == "mallory" else "every user"
+    ignored = [line for line in result.stderr.splitlines() if "not believed" in line]
+    assert len(ignored) == 1, result.stderr
+    assert who in ignored[0]
+    assert "root@h" not in result.stderr
+    status = lockrun("status", "--uri", uri, "--json", name)
+    assert json.loads(status.stdout)[0]["holders"] == []
+    window = lockrun("--uri", uri, "-n", name, "--hold-at-least", "1h", "--", "true")
+    assert window.returncode == 0, window.stderr
+    again = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+    assert again.returncode == 0, again.stderr  # nor do others believe it, root included
+
+
+@pytest.mark.parametrize("slots", [1, 7])
+def test_a_busy_line_names_the_holder_the_kernel_sees_not_the_record(
+    mallory: Runner, locks: Path, name: str, slots: int
+) -> None:
+    """Mallory holds her NAME.lock, whose record says root@h pid 1 (with N slots): 75.
+
+    The line and status name mallory's process, never root@h pid 1; a record of 7 slots
+    she wrote is no --slots mismatch (78) either: it is not believed.
+    """
+    with flocked_by(mallory, locks / f"{name}.lock", forged(name, slots=slots)):
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 75, result.stderr
+        line = one_line(result.stderr)
+        assert f"held by {mallory.user.name}@" in line, line
+        assert "root@h" not in line
+        status = lockrun("status", "--uri", f"file://{locks}", "--json", name)
+        (holder,) = json.loads(status.stdout)[0]["holders"]
+        assert holder["user"] == mallory.user.name
+
+
+def test_records_of_our_own_file_are_believed(locks: Path, name: str) -> None:
+    """Root's 0644 file with a live holder's record of 7 slots: the --slots mismatch, 78."""
+    lock_file = locks / f"{name}.lock"
+    lock_file.write_bytes(forged(name, slots=7))
+    lock_file.chmod(0o644)
+    holder = subprocess.Popen(["flock", str(lock_file), "sleep", "60"])
+    inode = f":{os.stat(lock_file).st_ino} "
+    try:
+        wait_for(lambda: inode in Path("/proc/locks").read_text(), what="the flock")
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 78
-        assert "in use with 7 slots by mallory@h pid 1" in one_line(result.stderr)
+        assert "in use with 7 slots by root@h pid 1" in one_line(result.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 # -- file: take-over requests proven by an act, not by who a process is later ---------------

@@ -43,7 +43,12 @@ from lockrun.backends import (
     read_json,
     slots_mismatch,
 )
-from lockrun.backends.directories import default_directory, failure, open_directory
+from lockrun.backends.directories import (
+    default_directory,
+    describe_uid,
+    failure,
+    open_directory,
+)
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, TakenOver
 from lockrun.names import escape, unescape
@@ -83,7 +88,7 @@ def connect(
     *,
     ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
     warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
-    note: Callable[[str], None] | None = None,  # noqa: ARG001 - or to note
+    note: Callable[[str], None] | None = None,
 ) -> FileBackend:
     """Check the lock directory of a ``file:`` URI; it is opened (and made) on first use."""
     if uri.netloc not in {"", "localhost"}:
@@ -99,9 +104,9 @@ def connect(
                 "file:///var/lock/myapp (this one would depend on the current directory)"
             )
             raise ConfigError(msg)
-        return FileBackend(uri.path, private=False, make_below="/")
+        return FileBackend(uri.path, private=False, make_below="/", note=note)
     default = default_directory()
-    return FileBackend(default.path, private=True, make_below=default.parent)
+    return FileBackend(default.path, private=True, make_below=default.parent, note=note)
 
 
 def _base(namespace: str, name: str) -> str:
@@ -348,14 +353,24 @@ class _Held(NamedTuple):
 class FileBackend:
     """Locks as flock(2)ed files in one directory."""
 
-    def __init__(self, directory: str, *, private: bool, make_below: str) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        private: bool,
+        make_below: str,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
         """Use *directory*, making what is missing below *make_below* on first use.
 
-        *private*: the default directory, which must be ours and is kept 0700.
+        *private*: the default directory, which must be ours and is kept 0700. *note* gets
+        what `-v` shows: records not believed.
         """
         self.directory = directory
         self.private = private
         self.make_below = make_below
+        self._note = note
+        self._noted: set[str] = set()  # lock files whose records were noted as not believed
         self._fd: int | None = None
         self._identity = (0, 0)  # the directory's (st_dev, st_ino) while _fd is open
         self._writable = False  # _fd passed _check_writable
@@ -500,7 +515,7 @@ class FileBackend:
                     os.close(held.fd)
                     return None
             content = self._content(held, request)
-            if not _wait_out(_window(content, base), deadline):
+            if not _wait_out(_window(self._believed(held, content), base), deadline):
                 os.close(held.fd)
                 return None
             if (taker := _taker(held.fd)) is not None:
@@ -533,7 +548,9 @@ class FileBackend:
             line.callback(os.close, gate)
             if try_flock(gate) and try_flock(held.fd, mode):
                 return True  # no writer holds it, none waits: in beside the other readers
-        self._agree(base, request, held.identity, self._content(held, request))
+        self._agree(
+            base, request, held.identity, self._believed(held, self._content(held, request))
+        )
         self._record_parts(request)  # now, not after the wait
         if deadline is not None and deadline <= now() and not request.shared:
             return False  # a one-shot writer: busy
@@ -554,6 +571,26 @@ class FileBackend:
         if request.shared and deadline is not None:
             gate_deadline = max(deadline, now() + GATE_GRACE)
         return wait_flock(gate, gate_deadline) and wait_flock(held.fd, deadline, mode)
+
+    def _believed(self, held: _Held, content: bytes) -> bytes:
+        """Return what of *content*, read from *held*, may be believed; note what may not.
+
+        A record that another user could have written (docs/security.md) is dropped: only
+        the counter line stays, which no decision but the fence's rests on.
+        """
+        try:
+            stranger = _stranger(os.fstat(held.fd))
+        except OSError:
+            stranger = "nobody knows who"
+        if stranger is None or not _split(content)[1].strip():
+            return content
+        if self._note is not None and held.path not in self._noted:
+            self._noted.add(held.path)
+            self._note(
+                f"the record in lock file {held.path} is not believed: {stranger} could have "
+                "written it (a --hold-at-least window there holds nothing)"
+            )
+        return _counter_line(content)
 
     def _content(self, held: _Held, request: Request) -> bytes:
         """Return what the slot file *held* holds: a counter line and a record, if any."""
@@ -795,7 +832,10 @@ class FileBackend:
         )
 
     def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
-        """Return the identity and the content of a lock file, if it is a regular file."""
+        """Return the identity and the content of a lock file, if it is a regular file.
+
+        Without its record if another user could have written it (`_stranger`).
+        """
         try:
             fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)
         except OSError:
@@ -804,11 +844,14 @@ class FileBackend:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):  # _open reports what is wrong with it
                 return None, b""
-            return (info.st_dev, info.st_ino), os.pread(fd, MAX_RECORD + 1, 0)
+            content = os.pread(fd, MAX_RECORD + 1, 0)
         except OSError:  # EIO, or a file that is no longer what it was
             return None, b""
         finally:
             os.close(fd)
+        if _stranger(info) is not None:  # its record is not believed; its counter is
+            content = _counter_line(content)
+        return (info.st_dev, info.st_ino), content
 
     def close(self) -> None:
         """Close the directory."""
@@ -834,6 +877,12 @@ def _split(content: bytes) -> tuple[bytes, bytes]:
     if newline and first.isdigit():
         return first, rest
     return b"", content  # written by an older lockrun, or by someone else
+
+
+def _counter_line(content: bytes) -> bytes:
+    """Return the fence counter line of a slot file alone (b"" if it has none)."""
+    counter = _split(content)[0]
+    return counter + b"\n" if counter else b""
 
 
 def _overwrite(fd: int, data: bytes) -> None:
@@ -889,6 +938,20 @@ def _once(waiters: list[Holder], seen: set[int]) -> tuple[Holder, ...]:
 
 def _described(pid: int, *, shared: bool, slot: int | None = None) -> Holder:
     return describe_pid(pid)._replace(shared=shared, slot=slot)
+
+
+def _stranger(info: os.stat_result) -> str | None:
+    """Name who other than us and root could have written the file *info* is of; None: nobody.
+
+    Its owner if that is another user, or every user if anyone may write it. Members of a
+    group that may write it are users the directory's owner chose to share locks with
+    (docs/security.md).
+    """
+    if info.st_uid not in {0, os.geteuid()}:
+        return describe_uid(info.st_uid)
+    if info.st_mode & stat.S_IWOTH:
+        return "every user"
+    return None
 
 
 def _window(content: bytes, base: str) -> float | None:

@@ -640,3 +640,40 @@ def test_a_reader_who_execs_a_setuid_program_stops_no_one(
         assert lease is not None
         lease.refresh()  # no TakenOver
         lease.release()
+
+
+# Mallory read-locks all of NAME.lock (a reader may) until her stdin closes.
+READ_LOCK_ALL = """
+import fcntl, os, struct, sys
+lock = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.fcntl(lock, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, 0, 0, 0, 0))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reader_who_blocks_take_over_requests_is_reported_not_obeyed(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Mallory's read lock over all of NAME.lock leaves no byte to ask with: the taker says so.
+
+    It waits as any waiter then (75 here, the holder runs on), as a flock on NAME.stop
+    could make it wait before; nobody is stopped.
+    """
+    uri = f"file://{locks}"
+    holder = held("--uri", uri, "-n", name)
+    blocking = mallory.python(READ_LOCK_ALL, str(locks / f"{name}.lock"), stdin=subprocess.PIPE)
+    try:
+        assert blocking.stdout is not None
+        assert blocking.stdout.readline().strip() == "ready"
+        taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "1", "--", "true")
+        assert taker.returncode == 75, taker.stderr
+        first, busy = taker.stderr.splitlines()
+        assert first.startswith("lockrun: ")
+        assert "cannot ask" in first
+        assert "busy" in busy
+        assert holder.process.poll() is None
+    finally:
+        blocking.kill()
+        blocking.communicate()
+    assert holder.finish() == 0

@@ -87,7 +87,7 @@ def connect(
     uri: LockURI,
     *,
     ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
-    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
+    warn: Callable[[str], None] | None = None,
     note: Callable[[str], None] | None = None,
 ) -> FileBackend:
     """Check the lock directory of a ``file:`` URI; it is opened (and made) on first use."""
@@ -104,9 +104,9 @@ def connect(
                 "file:///var/lock/myapp (this one would depend on the current directory)"
             )
             raise ConfigError(msg)
-        return FileBackend(uri.path, private=False, make_below="/", note=note)
+        return FileBackend(uri.path, private=False, make_below="/", warn=warn, note=note)
     default = default_directory()
-    return FileBackend(default.path, private=True, make_below=default.parent, note=note)
+    return FileBackend(default.path, private=True, make_below=default.parent, warn=warn, note=note)
 
 
 def _base(namespace: str, name: str) -> str:
@@ -359,17 +359,19 @@ class FileBackend:
         *,
         private: bool,
         make_below: str,
+        warn: Callable[[str], None] | None = None,
         note: Callable[[str], None] | None = None,
     ) -> None:
         """Use *directory*, making what is missing below *make_below* on first use.
 
-        *private*: the default directory, which must be ours and is kept 0700. *note* gets
-        what `-v` shows: records not believed.
+        *private*: the default directory, which must be ours and is kept 0700. *warn* gets
+        a take-over that could not be asked for, *note* what `-v` shows: records not
+        believed.
         """
         self.directory = directory
         self.private = private
         self.make_below = make_below
-        self._note = note
+        self._warn, self._note = warn, note
         self._noted: set[str] = set()  # lock files whose records were noted as not believed
         self._fd: int | None = None
         self._identity = (0, 0)  # the directory's (st_dev, st_ino) while _fd is open
@@ -559,7 +561,12 @@ class FileBackend:
             gate = self._open(f"{base}.gate").fd
             line.callback(os.close, gate)
         if request.take_over:
-            _ask_to_stop(held.fd)
+            if not _ask_to_stop(held.fd) and self._warn is not None:
+                self._warn(
+                    f"{request.name}: --take-over: cannot ask the holders of {held.path} to "
+                    "give way: another process holds a lock over the bytes a request takes "
+                    "(a reader of the file may); waiting as any waiter"
+                )
             line.callback(_unask, held.fd)  # before we look for requests of others
             with contextlib.suppress(OSError):  # the bell; refreshes would see it anyway
                 os.utime(held.fd)
@@ -992,17 +999,21 @@ def _request_lock(kind: int, start: int, length: int = 1) -> bytes:
     return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
 
 
-def _ask_to_stop(fd: int) -> None:
+def _ask_to_stop(fd: int) -> bool:
     """Ask the holders of the lock file open for writing as *fd* to give way (docs/design.md A1).
 
     The request lasts until `_unask`, or until the last descriptor of this open file is
     closed: it ends with the taker, SIGKILL included. The byte says who asks (the only
-    record of it), and only a writer of the lock file can lock it.
+    record of it), and only a writer of the lock file can lock it. False if a lock of
+    another process's covers the byte: a reader's read lock may (docs/security.md).
     """
     uid = os.geteuid() & 0xFFFF_FFFF
     start = _REQUESTS + (uid << _PID_BITS) + os.getpid() % (1 << _PID_BITS)
-    with contextlib.suppress(OSError):  # EAGAIN: the same uid and pid (another pid namespace)
+    try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_WRLCK, start))
+    except OSError:  # EAGAIN; EINVAL where there are no OFD locks
+        return False
+    return True
 
 
 def _unask(fd: int) -> None:

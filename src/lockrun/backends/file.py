@@ -246,10 +246,8 @@ class FileLease:
         fence: int | None,
         held: _Held,
         wake: socket.socket | None,
-        backend: FileBackend,
-        base: str,
     ) -> None:
-        """Wrap the slot file *held*, locked, as slot *slot* of *base* with *fence*.
+        """Wrap the slot file *held*, locked, as slot *slot* with *fence*.
 
         *fence* is None for a shared lease, which has none (docs/semantics.md).
         """
@@ -260,7 +258,6 @@ class FileLease:
         self._counter = held.counter  # the bytes that stay: the counter line
         self._record = held.record  # the holder's line after it, kept for a window's marker
         self._wake = wake
-        self._backend, self._base = backend, base
         self._bell: int | None = None
         self._armed = False
 
@@ -523,7 +520,7 @@ class FileBackend:
             if (taker := _taker(held.fd)) is not None:
                 raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
             if request.shared:  # no record, no fence: others share the file
-                return FileLease(0, None, held, None, self, base)
+                return FileLease(0, None, held, None)
             return self._grant(base, request, 0, held, None, semaphore=semaphore, content=content)
 
     def _wait_in_line(
@@ -588,7 +585,7 @@ class FileBackend:
         try:
             stranger = _stranger(os.fstat(held.fd))
         except OSError:
-            stranger = "nobody knows who"
+            stranger = "a user lockrun cannot tell"
         if stranger is None or not _split(content)[1].strip():
             return content
         if self._note is not None and held.path not in self._noted:
@@ -707,9 +704,7 @@ class FileBackend:
                 os.ftruncate(held.fd, len(data))
         except OSError as err:  # ENOSPC, EIO: we could not record the fence
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
-        return FileLease(
-            slot, fence, held._replace(counter=len(line), record=data), wake, self, base
-        )
+        return FileLease(slot, fence, held._replace(counter=len(line), record=data), wake)
 
     def _semaphore_fence(self, base: str, counter: bytes | None) -> int:
         """Draw a semaphore's fence (as its head) and keep it in NAME.fence.

@@ -652,6 +652,41 @@ sys.stdin.read()
 """
 
 
+FORGED_REQUEST = """
+import fcntl, os, struct, sys
+lock = os.open(sys.argv[1], os.O_RDWR)
+claim = (1 << 62) + 1  # uid 0, pid 1
+fcntl.fcntl(lock, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, claim, 1, 0))
+os.utime(lock)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_request_in_a_lock_file_another_user_owns_names_them_not_its_claim(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Mallory made NAME.lock (hers: she may delete it anyway) and asks as 'root pid 1'.
+
+    Her request is one (she may write the lock), but the line never names the claim alone.
+    """
+    lock_file = locks / f"{name}.lock"
+    assert mallory.run(["sh", "-c", f"umask 022; : > {lock_file}"]).returncode == 0
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    asking = mallory.python(FORGED_REQUEST, str(lock_file), stdin=subprocess.PIPE)
+    try:
+        assert asking.stdout is not None
+        assert asking.stdout.readline().strip() == "ready"
+        assert holder.process.wait(timeout=30) == 79
+    finally:
+        asking.kill()
+        asking.communicate()
+    assert holder.process.stderr is not None
+    line = one_line(holder.process.stderr.read())
+    assert f"taken over by a writer of {lock_file} (user {mallory.user.name} may be one; " in line
+    assert "the request says root@" in line
+
+
 def test_a_reader_who_blocks_take_over_requests_is_reported_not_obeyed(
     mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
 ) -> None:

@@ -277,7 +277,7 @@ class FileLease:
         if not self._armed and self._fd is not None:
             self._armed = True
             self._bell = _watch(self._fd)
-            if self._bell is not None and _taker(self._fd) is not None:
+            if self._bell is not None and _taker(self._fd, self.path) is not None:
                 with contextlib.suppress(OSError):
                     os.utime(self._fd)
         return () if self._bell is None else (self._bell,)
@@ -300,7 +300,7 @@ class FileLease:
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
-        if self._fd is not None and (taker := _taker(self._fd)):
+        if self._fd is not None and (taker := _taker(self._fd, self.path)):
             raise TakenOver(_taken_by(taker))
 
     def release(self, hold: float = 0.0) -> None:
@@ -325,8 +325,8 @@ class FileLease:
             self._bell = None
 
 
-def _taken_by(taker: Holder) -> str:
-    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
+def _taken_by(taker: str) -> str:
+    return f"taken over by {taker}"
 
 
 def _window_marker(data: bytes, until: float) -> bytes:
@@ -517,7 +517,7 @@ class FileBackend:
             if not _wait_out(_window(self._believed(held, content), base), deadline):
                 os.close(held.fd)
                 return None
-            if (taker := _taker(held.fd)) is not None:
+            if (taker := _taker(held.fd, held.path)) is not None:
                 raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
             if request.shared:  # no record, no fence: others share the file
                 return FileLease(0, None, held, None)
@@ -1016,22 +1016,27 @@ def _unask(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_UNLCK, _REQUESTS, 0))
 
 
-def _taker(fd: int) -> Holder | None:
-    """Return who asks the holders of the lock file open as *fd* to give way, if anyone does.
+def _taker(fd: int, path: str) -> str | None:
+    """Say who asks the holders of the lock file *path*, open as *fd*, to give way; or None.
 
     Only write locks count: a read lock needs no more than read access to the file. The
-    name, user and pid are what the taker's byte says, and only a process that could open
-    the lock file for writing could write it; no process is looked up (docs/security.md).
+    user and pid are what the taker's byte says, and only a process that could open the
+    lock file for writing could write it; no process is looked up (docs/security.md). In a
+    file that another user could write, that is their claim, and the line says whose.
     """
     try:
         found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request_lock(fcntl.F_RDLCK, _REQUESTS, 0))
+        stranger = _stranger(os.fstat(fd))
     except OSError:  # EINVAL: no OFD locks here (Linux < 3.15, another system)
         return None
     kind, _, start, length, _ = struct.unpack(_FLOCK, found)
     if kind != fcntl.F_WRLCK or start < _REQUESTS or length != 1:
         return None  # none; or a lock of someone else's over the file, not a request
     uid, pid = divmod(start - _REQUESTS, 1 << _PID_BITS)
-    return Holder(os.uname().nodename, pid, _user(uid), ())
+    said = f"{_user(uid)}@{os.uname().nodename} pid {pid}"
+    if stranger is None:
+        return said
+    return f"a writer of {path} ({stranger} may be one; the request says {said})"
 
 
 class _Locks(NamedTuple):

@@ -395,3 +395,21 @@ def test_without_inotify_a_lease_has_no_bell(
     lease = take(kept, name)
     assert lease.bells == ()
     lease.release()
+
+
+def test_records_and_requests_count_from_us_root_and_our_groups_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whose lock file is believed: ours, root's, one of our groups'; never one open to all."""
+
+    def info(uid: int, gid: int, mode: int) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, uid, gid, 0, 0, 0, 0))
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getegid", lambda: 1000)
+    monkeypatch.setattr(os, "getgroups", lambda: [50])
+    assert file_backend._stranger(info(1000, 1000, 0o100644)) is None
+    assert file_backend._stranger(info(0, 0, 0o100644)) is None
+    assert file_backend._stranger(info(54321, 50, 0o100664)) is None  # a fellow member's
+    assert file_backend._stranger(info(54321, 54321, 0o100644)) == "uid 54321"
+    assert file_backend._stranger(info(1000, 1000, 0o100666)) == "every user"

@@ -134,38 +134,69 @@ def test_a_user_who_may_only_read_the_lock_file_cannot_ask_for_it(
 
 
 @needs_root
-@pytest.mark.parametrize("access", ["others", "group"])
-def test_a_take_over_by_a_user_who_may_write_the_lock_file_is_heard(
-    mallory: Runner, locks: Path, name: str, access: str
+def test_a_take_over_by_a_member_of_the_group_that_may_write_the_lock_file_is_heard(
+    mallory: Runner, locks: Path, name: str
 ) -> None:
-    """A lock file mallory may write (0666, or 0664 in her group): she may take it over."""
+    """Root's lock file, 0664 in mallory's group: she may take it over, and is named."""
     lease = file_lease(locks, name)
     lock_file = locks / f"{name}.lock"
-    if access == "group":
-        os.chown(lock_file, 0, mallory.user.gid)
-        lock_file.chmod(0o664)
-    else:
-        lock_file.chmod(0o666)
-    uri = f"file://{locks}"
+    os.chown(lock_file, 0, mallory.user.gid)
+    lock_file.chmod(0o664)
     taker = mallory.popen(
-        [mallory.python_path, "-m", "lockrun", "--uri", uri, "-n", name, "--take-over",
-         "-w", "30", "--", "true"], stderr=subprocess.PIPE,
+        [mallory.python_path, "-m", "lockrun", "--uri", f"file://{locks}", "-n", name,
+         "--take-over", "-w", "30", "--", "true"], stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         wait_for(lambda: heard(lease), what="mallory's request")
         with pytest.raises(TakenOver) as taken:
             lease.refresh()
         said = f"{mallory.user.name}@{os.uname().nodename} pid {taker.pid}"
-        if access == "group":  # root's file, which only root and her group may write
-            assert str(taken.value) == f"taken over by {said}"
-        else:  # anyone may write it, so the request's word is only a claim
-            assert str(taken.value) == (
-                f"taken over by a writer of {lock_file} (every user may be one; "
-                f"the request says {said})"
-            )
+        assert str(taken.value) == f"taken over by {said}"
         lease.release()
         _, err = taker.communicate(timeout=30)
         assert (taker.returncode, err) == (0, "")
+    finally:
+        if taker.poll() is None:
+            taker.kill()
+            taker.communicate()
+
+
+@needs_root
+@pytest.mark.parametrize("made", ["root-0666", "mallory-0644", "mallory-0666"])
+def test_a_request_in_a_lock_file_another_user_could_write_stops_no_one(
+    mallory: Runner, locks: Path, name: str, made: str
+) -> None:
+    """Root's file open to all, or one mallory planted: her real request is not heard.
+
+    She may take such a lock, not stop root's job: who else could write the file is who
+    else could make a request there (docs/security.md).
+    """
+    lock_file = locks / f"{name}.lock"
+    owner, mode = made.split("-")
+    if owner == "mallory":
+        assert (
+            mallory.run(["sh", "-c", f": > {lock_file}; chmod {mode} {lock_file}"]).returncode == 0
+        )
+    lease = file_lease(locks, name)
+    if owner == "root":
+        lock_file.chmod(0o666)
+    taker = mallory.popen(
+        [mallory.python_path, "-m", "lockrun", "--uri", f"file://{locks}", "-n", name,
+         "--take-over", "-w", "30", "--", "true"], stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        inode = f":{os.stat(lock_file).st_ino} "
+        wait_for(
+            lambda: any(
+                inode in line and "OFDLCK" in line and "WRITE" in line
+                for line in Path("/proc/locks").read_text().splitlines()
+            ),
+            what="mallory's request",
+        )
+        assert not heard(lease)
+        lease.release()
+        _, err = taker.communicate(timeout=30)
+        assert (taker.returncode, err) == (0, "")  # she may take the lock, once it is free
     finally:
         if taker.poll() is None:
             taker.kill()

@@ -277,7 +277,7 @@ class FileLease:
         if not self._armed and self._fd is not None:
             self._armed = True
             self._bell = _watch(self._fd)
-            if self._bell is not None and _taker(self._fd, self.path) is not None:
+            if self._bell is not None and _taker(self._fd) is not None:
                 with contextlib.suppress(OSError):
                     os.utime(self._fd)
         return () if self._bell is None else (self._bell,)
@@ -300,7 +300,7 @@ class FileLease:
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
-        if self._fd is not None and (taker := _taker(self._fd, self.path)):
+        if self._fd is not None and (taker := _taker(self._fd)):
             raise TakenOver(_taken_by(taker))
 
     def release(self, hold: float = 0.0) -> None:
@@ -517,7 +517,7 @@ class FileBackend:
             if not _wait_out(_window(self._believed(held, content), base), deadline):
                 os.close(held.fd)
                 return None
-            if (taker := _taker(held.fd, held.path)) is not None:
+            if (taker := _taker(held.fd)) is not None:
                 raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
             if request.shared:  # no record, no fence: others share the file
                 return FileLease(0, None, held, None)
@@ -943,17 +943,19 @@ def _described(pid: int, *, shared: bool, slot: int | None = None) -> Holder:
 
 
 def _stranger(info: os.stat_result) -> str | None:
-    """Name who other than us and root could have written the file *info* is of; None: nobody.
+    """Name who other than us, root and our groups could have written the file *info* is of.
 
-    Its owner if that is another user, or every user if anyone may write it. Members of a
-    group that may write it are users the directory's owner chose to share locks with
-    (docs/security.md).
+    None if nobody else could: the file is ours or root's, or belongs to one of our groups
+    (only its members can give a file that group), and not every user may write it. A
+    group we are in is one whose members we share locks with (docs/security.md).
     """
-    if info.st_uid not in {0, os.geteuid()}:
+    if info.st_uid not in {0, os.geteuid()} and info.st_gid not in _our_groups():
         return describe_uid(info.st_uid)
-    if info.st_mode & stat.S_IWOTH:
-        return "every user"
-    return None
+    return "every user" if info.st_mode & stat.S_IWOTH else None
+
+
+def _our_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
 
 
 def _window(content: bytes, base: str) -> float | None:
@@ -1016,27 +1018,25 @@ def _unask(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_UNLCK, _REQUESTS, 0))
 
 
-def _taker(fd: int, path: str) -> str | None:
-    """Say who asks the holders of the lock file *path*, open as *fd*, to give way; or None.
+def _taker(fd: int) -> str | None:
+    """Say who asks the holders of the lock file open as *fd* to give way; None: nobody does.
 
-    Only write locks count: a read lock needs no more than read access to the file. The
-    user and pid are what the taker's byte says, and only a process that could open the
-    lock file for writing could write it; no process is looked up (docs/security.md). In a
-    file that another user could write, that is their claim, and the line says whose.
+    Only write locks count: a read lock needs no more than read access to the file. And
+    only in a file that no user but us, root and our groups could write (`_stranger`): who
+    else may write it may take the lock, not stop us. The user and pid are what the
+    taker's byte says; no process is looked up (docs/security.md).
     """
     try:
         found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request_lock(fcntl.F_RDLCK, _REQUESTS, 0))
-        stranger = _stranger(os.fstat(fd))
+        if _stranger(os.fstat(fd)) is not None:
+            return None
     except OSError:  # EINVAL: no OFD locks here (Linux < 3.15, another system)
         return None
     kind, _, start, length, _ = struct.unpack(_FLOCK, found)
     if kind != fcntl.F_WRLCK or start < _REQUESTS or length != 1:
         return None  # none; or a lock of someone else's over the file, not a request
     uid, pid = divmod(start - _REQUESTS, 1 << _PID_BITS)
-    said = f"{_user(uid)}@{os.uname().nodename} pid {pid}"
-    if stranger is None:
-        return said
-    return f"a writer of {path} ({stranger} may be one; the request says {said})"
+    return f"{_user(uid)}@{os.uname().nodename} pid {pid}"
 
 
 class _Locks(NamedTuple):

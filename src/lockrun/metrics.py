@@ -3,10 +3,12 @@
 node_exporter's textfile collector reads every ``*.prom`` file of a directory at each scrape
 (https://github.com/prometheus/node_exporter#textfile-collector), so the file is never
 written in place: a new one is written beside it, synced, and renamed over it. Counters carry
-over from run to run, so an update reads the file back first; concurrent lockruns serialise
-that read-modify-write with a flock(2) on the directory itself, which leaves no file behind.
-What is read back may have been written by anyone who may write the directory: it is parsed
-as untrusted text, and only lockrun's own series survive (docs/semantics.md "Metrics").
+over from run to run, so an update reads the file back first; concurrent lockruns of a user
+serialise that read-modify-write with a flock(2) on a file in the user's own lock directory,
+which no other user can open: any lock another user can take (a flock on the metrics
+directory needs only read access) could hold every run up (docs/security.md). What is read
+back may have been written by anyone who may write the directory: it is parsed as untrusted
+text, and only lockrun's own series survive (docs/semantics.md "Metrics").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import stat
 import time
 from typing import TYPE_CHECKING, Final
 
-from lockrun.backends.directories import open_directory
+from lockrun.backends.directories import default_directory, open_directory
 from lockrun.errors import LockrunError, UsageError
 from lockrun.names import check_name
 from lockrun.timing import format_duration, now
@@ -53,17 +55,23 @@ METRICS: Final = {
 # How a run that got the lock ended: LOCKRUN_OUTCOME (docs/semantics.md "Monitoring").
 RAN: Final = ("ok", "failed", "killed", "timed-out", "lost", "taken-over", "not-run", "error")
 MAX_BYTES: Final = 4 << 20  # a file beyond this is no file lockrun wrote: it starts over
-LOCK_WAIT: Final = 5.0  # seconds an update waits for the directory's flock before giving up
+LOCK_WAIT: Final = 5.0  # seconds an update waits for another update of ours before giving up
 _MAX_VALUE: Final = 2.0**53  # every integer below is exact in a double
 _MAX_STATUS: Final = 255
 _READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_SERIAL: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _READABLE: Final = 0o644  # by node_exporter, which runs as a user of its own
 
 # A sample line as lockrun writes it: no timestamp, a plain decimal value.
 _SAMPLE: Final = re.compile(r"(lockrun_[a-z_]+)\{(.*)\} (\d{1,20}(?:\.\d{1,9})?)")
 _LABEL: Final = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)",?')
 _ESCAPES: Final = {"\\": "\\\\", '"': '\\"', "\n": "\\n"}
+# What the text format would carry raw (it escapes only backslash, quote and line feed) and a
+# reader or a terminal would act on: C0 controls but the line feed, DEL, C1 controls (NEL),
+# Unicode line separators. A CR forges a line for readers that split on it, an ESC drives
+# the terminal of whoever cats the file; a lock so named is not recorded (docs/semantics.md).
+_RAW: Final = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 _UNESCAPES: Final = {escaped: plain for plain, escaped in _ESCAPES.items()}
 
 
@@ -125,11 +133,12 @@ def _plausible(metric: str, outcome: str, value: float) -> bool:
 
 
 def _is_name(text: str) -> bool:
+    """Whether *text* is a lock name that a label may carry: no character `_RAW` matches."""
     try:
         check_name(text)
     except UsageError:
         return False
-    return True
+    return _RAW.search(text) is None
 
 
 def render(locks: Locks) -> str:
@@ -174,14 +183,16 @@ def update(
     change: Callable[[Locks], None],
     *,
     log: Callable[[str], None],
-    wait: float = LOCK_WAIT,
+    wait: float | None = None,
 ) -> None:
     """Apply *change* to the locks recorded in the file *path*, and replace the file.
 
     Never raises for what it meets on disk: that is one line to *log*, and lockrun's
     status stands. The directory is opened as a lock directory is (no symlink that another
     user could have planted on the way), and the file's name in it is only ever renamed
-    over, so nothing outside the directory is written or truncated.
+    over, so nothing outside the directory is written or truncated. *wait* (`LOCK_WAIT` if
+    None) bounds the wait for another update of this user's; nothing of another user's is
+    ever waited for.
     """
     directory, base = os.path.split(path)
     try:
@@ -189,10 +200,12 @@ def update(
     except LockrunError as err:
         log(f"metrics file {path} not updated: {err}")
         return
+    serial = None
     try:
-        if not _lock(fd, wait):
-            waited = format_duration(wait)
-            log(f"metrics file {path} not updated: its directory stayed locked for {waited}")
+        serial = _serial(fd, base)
+        if serial is not None and not _lock(serial, LOCK_WAIT if wait is None else wait):
+            waited = format_duration(LOCK_WAIT if wait is None else wait)
+            log(f"metrics file {path} not updated: another update kept it for {waited}")
             return
         if (kind := _foreign(fd, base)) is not None:
             # A device (/dev/null, to turn metrics off), a FIFO, a socket, a directory:
@@ -205,11 +218,44 @@ def update(
             data = b""
         locks = parse(data)
         change(locks)
+        if not all(map(_is_name, (label for lock in locks for label in lock))):
+            log(
+                f"metrics file {path} not updated: the lock's name or namespace holds a "
+                "control character (a CR, an ESC…), which would be written raw"
+            )
+            return
         _replace(fd, base, render(locks))
     except OSError as err:
         log(f"metrics file {path} not updated: {err.strerror or err}")
     finally:
-        os.close(fd)  # and with it the flock
+        os.close(fd)
+        if serial is not None:
+            os.close(serial)  # and with it the flock
+
+
+def _serial(directory: int, base: str) -> int | None:
+    """Open the file whose flock serialises this user's updates of *base* in *directory*.
+
+    It lives in the user's own lock directory (docs/security.md: one no other user can
+    make or open), named by the metrics directory's identity and *base*. None if that
+    directory cannot be had (a home of someone else's): the update then goes unserialised,
+    and two updates of ours at the same instant may lose one count.
+    """
+    import hashlib  # noqa: PLC0415 - only runs with --metrics-file pay for OpenSSL's load
+
+    info = os.fstat(directory)
+    digest = hashlib.sha256(f"{info.st_dev}:{info.st_ino}/{base}".encode(errors="surrogateescape"))
+    default = default_directory()
+    try:
+        private = open_directory(default.path, make_below=default.parent, private=True)
+    except LockrunError:
+        return None
+    try:
+        return os.open(f"metrics-{digest.hexdigest()[:40]}.lock", _SERIAL, 0o600, dir_fd=private)
+    except OSError:
+        return None
+    finally:
+        os.close(private)
 
 
 def _lock(fd: int, wait: float) -> bool:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -34,7 +35,6 @@ from tests.support.cli import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from pathlib import Path
     from subprocess import Popen
 
 
@@ -342,18 +342,31 @@ def test_a_holder_hears_a_taker_at_once_through_its_bell(
     )  # a Python start-up, not 10 s
 
 
-def test_a_taker_holds_a_shared_flock_on_the_stop_file_while_it_waits(
+def request_locks(path: Path) -> list[str]:
+    """Return the OFD write locks /proc/locks lists on the file *path*: take-over requests."""
+    inode = f":{os.stat(path).st_ino} "
+    return [
+        line
+        for line in Path("/proc/locks").read_text().splitlines()
+        if inode in line and "OFDLCK" in line and "WRITE" in line
+    ]
+
+
+def test_a_takers_request_is_a_write_lock_on_the_lock_file_while_it_waits(
     tmp_path: Path, name: str, spawn: Callable[..., Popen[str]]
 ) -> None:
-    """NAME.stop carries the request: LOCK_SH while the taker waits, nothing once it gave up."""
+    """One byte far past the end of NAME.lock, locked while the taker waits, free after."""
     uri = f"file://{tmp_path}/locks"
-    flock_holder, go = flocked(tmp_path, tmp_path / "locks" / f"{name}.lock", "-x")
+    lock_file = tmp_path / "locks" / f"{name}.lock"
+    flock_holder, go = flocked(tmp_path, lock_file, "-x")
     taker = spawn("--uri", uri, "-n", name, "--take-over", "-w", "1.5", "--", "true")
-    stop = tmp_path / "locks" / f"{name}.stop"
-    wait_for(stop.exists, what="the request")
-    wait_for(lambda: is_locked(stop), what="the request's flock")
+    wait_for(lambda: request_locks(lock_file), what="the request")
+    (request,) = request_locks(lock_file)
+    start, end = map(int, request.split()[-2:])
+    assert start == end >= 2**62  # no flock(1) user, nor any record, ever meets it
     assert finish(taker) == 75  # flock(1) hears nobody: the taker gives up
-    assert not is_locked(stop)
+    assert request_locks(lock_file) == []
+    assert not (tmp_path / "locks" / f"{name}.stop").exists()
     go.touch()
     assert flock_holder.wait(10) == 0
 
@@ -382,3 +395,21 @@ def test_without_inotify_a_lease_has_no_bell(
     lease = take(kept, name)
     assert lease.bells == ()
     lease.release()
+
+
+def test_records_and_requests_count_from_us_root_and_our_groups_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whose lock file is believed: ours, root's, one of our groups'; never one open to all."""
+
+    def info(uid: int, gid: int, mode: int) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, uid, gid, 0, 0, 0, 0))
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getegid", lambda: 1000)
+    monkeypatch.setattr(os, "getgroups", lambda: [50])
+    assert file_backend._stranger(info(1000, 1000, 0o100644)) is None
+    assert file_backend._stranger(info(0, 0, 0o100644)) is None
+    assert file_backend._stranger(info(54321, 50, 0o100664)) is None  # a fellow member's
+    assert file_backend._stranger(info(54321, 54321, 0o100644)) == "uid 54321"
+    assert file_backend._stranger(info(1000, 1000, 0o100666)) == "every user"

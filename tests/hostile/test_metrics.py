@@ -202,43 +202,56 @@ def test_what_we_may_not_write_or_read_is_one_line(
 
 
 HOLD_FLOCK = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
-fcntl.flock(fd, fcntl.LOCK_EX)
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX if sys.argv[2] == "-x" else fcntl.LOCK_SH)
 print("held", flush=True)
-time.sleep(60)
+sys.stdin.read()
 """
-UPDATE = """
-import sys
+# lockrun, with any wait of the metrics update for a lock made endless: a run that waited on
+# a lock another user holds would never end while that user holds it.
+PATIENT_LOCKRUN = """
+import runpy, sys
 from lockrun import metrics
-lines = []
-metrics.update(sys.argv[1], lambda locks: None, log=lines.append, wait=0.3)
-print(lines)
+metrics.LOCK_WAIT = 1e9
+sys.argv[0] = "lockrun"
+runpy.run_module("lockrun", run_name="__main__", alter_sys=True)
 """
 
 
 @needs_root
-def test_another_user_holding_the_directorys_flock_delays_an_update_boundedly(
-    mallory: Runner, shared: Path
+@pytest.mark.parametrize("mode", ["-s", "-x"])
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_another_users_flock_on_the_metrics_path_never_delays_a_run(
+    mallory: Runner, name: str, tmp_path: Path, what: str, mode: str
 ) -> None:
-    """Mallory flocks the shared directory for good: the update gives up in time, one line."""
-    holding = mallory.python(HOLD_FLOCK, str(shared))
+    """Mallory flocks root's world-readable metrics directory or file: the run never waits.
+
+    Oracle: the run, whose metrics update would wait for ever on a lock it waits for,
+    ends while mallory still holds hers, and the file counts the run.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="lockrun-metrics-", dir="/tmp"))
+    directory.chmod(0o755)  # root's, readable by all, as node_exporter's directory is
+    path = directory / "m.prom"
+    path.write_text("")
+    path.chmod(0o644)
+    holding = mallory.python(HOLD_FLOCK, str(directory if what == "directory" else path), mode,
+                             stdin=subprocess.PIPE)  # fmt: skip
     try:
         assert holding.stdout is not None
         assert holding.stdout.readline() == "held\n"
-        path = shared / "m.prom"
         result = subprocess.run(
-            [sys.executable, "-c", UPDATE, str(path)],
-            capture_output=True, text=True, timeout=30, check=False,
+            [sys.executable, "-c", PATIENT_LOCKRUN, "--uri", f"file://{tmp_path}/locks",
+             "-n", name, "--metrics-file", str(path), "--", "sh", "-c", "exit 3"],
+            capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == repr(
-            [f"metrics file {path} not updated: its directory stayed locked for 0.30s"]
-        )
-        assert not path.exists()
+        assert holding.poll() is None  # she held it all along
+        assert (result.returncode, result.stderr) == (3, "")
+        assert counts(path, name)["lockrun_runs_total/failed"] == 1
     finally:
         holding.kill()
         holding.communicate()
+        shutil.rmtree(directory)
 
 
 # -- hostile names -----------------------------------------------------------------------------
@@ -267,10 +280,57 @@ def test_hostile_names_come_back_whole_from_the_file_and_the_hook(
     assert told["LOCKRUN_NAME"] == hostile
 
 
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        'x"} 1\rlockrun_skipped_total{namespace="default",name="victim"} 99\r#',
+        "bell\x07 and \x1b[2J\x1b]0;title\x07",
+        "next\x85line",
+        "line\u2028separator",
+        "del\x7f",
+    ],
+    ids=["cr", "esc", "nel", "u2028", "del"],
+)
+def test_names_with_control_characters_are_never_written_raw(
+    tmp_path: Path, name: str, hostile: str
+) -> None:
+    """A name a terminal or a line splitter would act on: one line, the file keeps its bytes.
+
+    The text format escapes only backslash, quote and line feed, so such a label would be
+    written raw: a CR forges a line for readers that split on it, an ESC drives the terminal
+    of whoever cats the file. The run's status stands; other locks' series stay.
+    """
+    path = tmp_path / "m.prom"
+    uri = f"file://{tmp_path}/locks"
+    assert (
+        lockrun("--uri", uri, "-n", name, "--metrics-file", str(path), "--", "true").returncode == 0
+    )
+    before = path.read_bytes()
+    for namespace, lock in (("default", hostile), (hostile, name)):
+        result = lockrun("--uri", uri, "--namespace", namespace, "-n", lock,
+                         "--metrics-file", str(path), "--", "sh", "-c", "exit 3")  # fmt: skip
+        assert result.returncode == 3
+        line = one_line(result.stderr)
+        assert f"metrics file {path} not updated: " in line
+        assert "control character" in line
+        assert "\x1b" not in line
+        assert "\r" not in line
+        assert path.read_bytes() == before
+    planted = (
+        before
+        + metrics.render({("default", hostile): {("lockrun_skipped_total", ""): 5.0}}).encode()
+    )
+    assert metrics.parse(planted) == metrics.parse(before)  # read back: dropped
+
+
 # -- properties: the reader and the escaping ---------------------------------------------------
 
+# Names a label may carry: no controls but the line feed, no line separators (those are
+# refused: test_names_with_control_characters_are_never_written_raw).
 lock_names = st.text(
-    st.characters(exclude_categories=["Cs"], exclude_characters="\0"), min_size=1
+    st.characters(exclude_categories=["Cs", "Cc"], exclude_characters="\u2028\u2029")
+    | st.just("\n"),
+    min_size=1,
 ).filter(lambda text: len(text.encode()) <= MAX_NAME_BYTES)
 values = st.one_of(
     st.integers(0, 2**53).map(float),

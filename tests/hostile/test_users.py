@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 
-from lockrun.backends import directories
+from lockrun.backends import Holder, Request, directories
+from lockrun.backends import file as file_backend
 from lockrun.backends.abstract import _base as abstract_base
 from tests.support.cli import Held, holder_pids, lockrun, one_line, wait_for, waiter_pids
 from tests.support.users import Runner, needs_root
@@ -463,13 +464,252 @@ def test_records_spoofed_by_a_holder_in_a_shared_directory_change_nothing(
             assert "\x1b" not in status.stdout
 
 
-def test_a_well_formed_spoofed_record_of_another_n_is_a_mismatch(
-    mallory: Runner, locks: Path, name: str
+def forged(name: str, **fields: object) -> bytes:
+    """Return a lock file a lockrun of root's could have left: a counter line and a record."""
+    record = {"name": name, "namespace": "default", "slots": 1, "host": "h", "pid": 1}
+    record |= {"user": "root", "argv": ["backup"], "since": time.time()} | fields
+    return b"1\n" + json.dumps(record).encode() + b"\n"
+
+
+@pytest.mark.parametrize("made", ["mallory-0644", "mallory-0666", "root-0666"])
+def test_a_window_another_user_could_have_written_holds_nothing(
+    mallory: Runner, locks: Path, name: str, made: str
 ) -> None:
-    """A holder that says --slots 7 for this very name is one: 78, as for any such holder."""
-    record = {"name": name, "namespace": "default", "slots": 7}
-    record |= {"host": "h", "pid": 1, "user": "mallory", "argv": ["x"]}
-    with flocked_by(mallory, locks / f"{name}.lock", json.dumps(record).encode()):
+    """A --hold-at-least window for a day, 'root@h pid 1', in a file mallory made or may write.
+
+    Root's run is not refused (it was for up to 366 days), -v says why, naming the file's
+    real owner; status shows no holder. Root's own window in that file then holds as usual.
+    """
+    lock_file = locks / f"{name}.lock"
+    content = forged(name, until=time.time() + 86400).decode()
+    owner, mode = made.split("-")
+    if owner == "mallory":
+        made_it = mallory.run(["sh", "-c", f"cat > {lock_file}; chmod {mode} {lock_file}"],
+                              input=content)  # fmt: skip
+        assert made_it.returncode == 0
+    else:
+        lock_file.write_text("")
+        lock_file.chmod(0o666)  # root's, and anyone's to write
+        assert mallory.run(["sh", "-c", f"cat > {lock_file}"], input=content).returncode == 0
+    uri = f"file://{locks}"
+    result = lockrun("-v", "--uri", uri, "-n", name, "-w", "0", "--", "true")
+    assert result.returncode == 0, result.stderr
+    who = "user lockrun-mallory" if owner == "mallory" else "every user"
+    ignored = [line for line in result.stderr.splitlines() if "not believed" in line]
+    assert len(ignored) == 1, result.stderr
+    assert who in ignored[0]
+    assert "root@h" not in result.stderr
+    status = lockrun("status", "--uri", uri, "--json", name)
+    assert json.loads(status.stdout)[0]["holders"] == []
+    window = lockrun("--uri", uri, "-n", name, "--hold-at-least", "1h", "--", "true")
+    assert window.returncode == 0, window.stderr
+    again = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+    assert again.returncode == 0, again.stderr  # nor do others believe it, root included
+
+
+@pytest.mark.parametrize("slots", [1, 7])
+def test_a_busy_line_names_the_holder_the_kernel_sees_not_the_record(
+    mallory: Runner, locks: Path, name: str, slots: int
+) -> None:
+    """Mallory holds her NAME.lock, whose record says root@h pid 1 (with N slots): 75.
+
+    The line and status name mallory's process, never root@h pid 1; a record of 7 slots
+    she wrote is no --slots mismatch (78) either: it is not believed.
+    """
+    with flocked_by(mallory, locks / f"{name}.lock", forged(name, slots=slots)):
+        result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert result.returncode == 75, result.stderr
+        line = one_line(result.stderr)
+        assert f"held by {mallory.user.name}@" in line, line
+        assert "root@h" not in line
+        status = lockrun("status", "--uri", f"file://{locks}", "--json", name)
+        (holder,) = json.loads(status.stdout)[0]["holders"]
+        assert holder["user"] == mallory.user.name
+
+
+def test_records_of_our_own_file_are_believed(locks: Path, name: str) -> None:
+    """Root's 0644 file with a live holder's record of 7 slots: the --slots mismatch, 78."""
+    lock_file = locks / f"{name}.lock"
+    lock_file.write_bytes(forged(name, slots=7))
+    lock_file.chmod(0o644)
+    holder = subprocess.Popen(["flock", str(lock_file), "sleep", "60"])
+    inode = f":{os.stat(lock_file).st_ino} "
+    try:
+        wait_for(lambda: inode in Path("/proc/locks").read_text(), what="the flock")
         result = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
         assert result.returncode == 78
-        assert "in use with 7 slots by mallory@h pid 1" in one_line(result.stderr)
+        assert "in use with 7 slots by root@h pid 1" in one_line(result.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# -- file: take-over requests proven by an act, not by who a process is later ---------------
+
+# A set-uid-root program that blocks until its stdin closes: what passwd, su or chfn do
+# while they wait for a password, with root's file-system uid all along.
+BLOCKER_C = """
+#include <unistd.h>
+int main(void) { char c; while (read(0, &c, 1) > 0) {} return 0; }
+"""
+
+# Mallory opens what she may read of the lock (NAME.lock, NAME.stop if there is one) without
+# O_CLOEXEC, locks all she can through those read-only descriptors (flock LOCK_SH on
+# NAME.stop; POSIX and OFD read locks over all of NAME.lock), then execs argv 3: a set-uid-root
+# program inherits the descriptors and their locks, and its file-system uid is 0.
+READ_ONLY_REQUEST = """
+import fcntl, os, struct, sys
+directory, name, program = sys.argv[1:4]
+def everything(kind):
+    return struct.pack("hhqqi4x", kind, 0, 0, 0, 0)
+lock = os.open(f"{directory}/{name}.lock", os.O_RDONLY)
+os.set_inheritable(lock, True)
+for command in (fcntl.F_SETLK, fcntl.F_OFD_SETLK):
+    fcntl.fcntl(lock, command, everything(fcntl.F_RDLCK))
+    try:
+        fcntl.fcntl(lock, command, everything(fcntl.F_WRLCK))
+    except OSError:
+        pass  # EBADF: a write lock needs a descriptor open for writing
+if os.path.exists(f"{directory}/{name}.stop"):
+    stop = os.open(f"{directory}/{name}.stop", os.O_RDONLY)
+    os.set_inheritable(stop, True)
+    fcntl.flock(stop, fcntl.LOCK_SH)
+print("ready", flush=True)
+os.execv(program, [program])
+"""
+
+
+@pytest.fixture(scope="module")
+def setuid_blocker() -> Iterator[Path]:
+    """Return a set-uid-root program, built now, that blocks until its stdin closes."""
+    if shutil.which("cc") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("cc is missing: the set-uid tests build a program with it")
+        pytest.skip("no cc to build a set-uid-root program with")
+    directory = Path(tempfile.mkdtemp(prefix="lockrun-setuid-", dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        source, program = directory / "blocker.c", directory / "blocker"
+        source.write_text(BLOCKER_C)
+        subprocess.run(["cc", "-o", str(program), str(source)], check=True, capture_output=True)
+        program.chmod(0o4755)  # root's, set-uid
+        yield program
+    finally:
+        shutil.rmtree(directory)
+
+
+@contextlib.contextmanager
+def read_only_request(
+    mallory: Runner, locks: Path, name: str, program: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """Have mallory lock what she may read of *name*, then exec the set-uid *program*."""
+    code = READ_ONLY_REQUEST
+    process = mallory.python(code, str(locks), name, str(program), stdin=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "ready"
+        # The exec is done once the process runs the program, as root: its /proc is root's.
+        wait_for(lambda: os.stat(f"/proc/{process.pid}").st_uid == 0, what="the set-uid exec")
+        yield process
+    finally:
+        process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize("stop", ["none", "left-by-root", "planted"])
+def test_a_reader_who_execs_a_setuid_program_stops_no_one(
+    mallory: Runner, locks: Path, name: str, setuid_blocker: Path, stop: str
+) -> None:
+    """Read-only locks on NAME.lock and NAME.stop, then a set-uid exec: root's jobs run on.
+
+    NAME.stop, if any, is one a root take-over left (0644) or mallory planted (0666). A
+    grant looks for requests at once, and so does a refresh, which a rung bell brings.
+    """
+    uri = f"file://{locks}"
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0  # root's 0644 file
+    stop_file = locks / f"{name}.stop"
+    if stop == "left-by-root":
+        stop_file.touch(mode=0o644)
+    elif stop == "planted":
+        assert mallory.run(["sh", "-c", f"umask 0; : > {stop_file}"]).returncode == 0
+    with read_only_request(mallory, locks, name, setuid_blocker):
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+        assert (result.returncode, result.stderr) == (0, "")
+        backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
+        lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["root"])), 0)
+        assert lease is not None
+        lease.refresh()  # no TakenOver
+        lease.release()
+
+
+# Mallory read-locks all of NAME.lock (a reader may) until her stdin closes.
+READ_LOCK_ALL = """
+import fcntl, os, struct, sys
+lock = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.fcntl(lock, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, 0, 0, 0, 0))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+FORGED_REQUEST = """
+import fcntl, os, struct, sys
+lock = os.open(sys.argv[1], os.O_RDWR)
+claim = (1 << 62) + 1  # uid 0, pid 1
+fcntl.fcntl(lock, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, claim, 1, 0))
+os.utime(lock)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_request_in_a_lock_file_another_user_owns_stops_no_one(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Mallory made NAME.lock, so may write it, and asks as 'root pid 1': root's job runs on.
+
+    No request counts in a file another user could write, root's own taker's neither: it
+    waits as any waiter (75 here).
+    """
+    lock_file = locks / f"{name}.lock"
+    assert mallory.run(["sh", "-c", f"umask 022; : > {lock_file}"]).returncode == 0
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    asking = mallory.python(FORGED_REQUEST, str(lock_file), stdin=subprocess.PIPE)
+    try:
+        assert asking.stdout is not None
+        assert asking.stdout.readline().strip() == "ready"
+        taker = lockrun("--uri", f"file://{locks}", "-n", name, "--take-over", "-w", "1",
+                        "--", "true")  # fmt: skip
+        assert taker.returncode == 75, taker.stderr
+        assert holder.process.poll() is None
+    finally:
+        asking.kill()
+        asking.communicate()
+    assert holder.finish() == 0
+
+
+def test_a_reader_who_blocks_take_over_requests_is_reported_not_obeyed(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Mallory's read lock over all of NAME.lock leaves no byte to ask with: the taker says so.
+
+    It waits as any waiter then (75 here, the holder runs on), as a flock on NAME.stop
+    could make it wait before; nobody is stopped.
+    """
+    uri = f"file://{locks}"
+    holder = held("--uri", uri, "-n", name)
+    blocking = mallory.python(READ_LOCK_ALL, str(locks / f"{name}.lock"), stdin=subprocess.PIPE)
+    try:
+        assert blocking.stdout is not None
+        assert blocking.stdout.readline().strip() == "ready"
+        taker = lockrun("--uri", uri, "-n", name, "--take-over", "-w", "1", "--", "true")
+        assert taker.returncode == 75, taker.stderr
+        first, busy = taker.stderr.splitlines()
+        assert first.startswith("lockrun: ")
+        assert "cannot ask" in first
+        assert "busy" in busy
+        assert holder.process.poll() is None
+    finally:
+        blocking.kill()
+        blocking.communicate()
+    assert holder.finish() == 0

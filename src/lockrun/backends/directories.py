@@ -188,7 +188,7 @@ def _refuse_untrusted_link(
         return
     who = link.st_uid if link.st_uid not in trusted else directory.st_uid
     msg = (
-        f"{what} path: {where} is a symlink that {_user(who)} could have planted "
+        f"{what} path: {where} is a symlink that {describe_uid(who)} could have planted "
         "or could change; refusing to follow it (name the real directory)"
     )
     raise ConfigError(msg)
@@ -200,8 +200,8 @@ def _make_private(path: str, fd: int) -> None:
     if info.st_uid != os.geteuid():
         os.close(fd)
         msg = (
-            f"lock directory {path} belongs to {_user(info.st_uid)}, not to us "
-            f"({_user(os.geteuid())}); another user made it first: remove it, or give "
+            f"lock directory {path} belongs to {describe_uid(info.st_uid)}, not to us "
+            f"({describe_uid(os.geteuid())}); another user made it first: remove it, or give "
             "--uri file:///DIR"
         )
         raise ConfigError(msg)
@@ -209,7 +209,8 @@ def _make_private(path: str, fd: int) -> None:
         os.fchmod(fd, _PRIVATE)
 
 
-def _user(uid: int) -> str:
+def describe_uid(uid: int) -> str:
+    """Name *uid* for a message: ``user NAME``, or ``uid N`` if it has no name."""
     try:
         return f"user {pwd.getpwuid(uid).pw_name}"
     except KeyError:

@@ -14,8 +14,9 @@ the file it locked: one ``pread`` and one ``pwrite`` (docs/design.md A1).
 The modes (docs/design.md A1): --shared is flock(2)'s LOCK_SH on NAME.lock, with every
 lockrun waiter queued on NAME.gate so a later reader cannot pass a waiting writer; a
 --hold-at-least window is the record left in NAME.lock with an ``until``; a --take-over
-request is a LOCK_SH on NAME.stop, and the holders' bell an inotify watch on their lock file,
-which the taker touches.
+request is a write lock on one byte of NAME.lock far past its end, which only a descriptor
+open for writing can take, and the holders' bell an inotify watch on their lock file, which
+the taker touches.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import signal
 import stat
+import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -35,13 +37,19 @@ from lockrun.backends import (
     Holder,
     LockState,
     Request,
+    _user,
     describe_pid,
     flockwait,
     next_fence,
     read_json,
     slots_mismatch,
 )
-from lockrun.backends.directories import default_directory, failure, open_directory
+from lockrun.backends.directories import (
+    default_directory,
+    describe_uid,
+    failure,
+    open_directory,
+)
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, TakenOver
 from lockrun.names import escape, unescape
@@ -66,14 +74,22 @@ _UNTIL: Final = b'"until": '  # a --hold-at-least window's end, in a record left
 # never written by lockrun (a forged record, a clock stepped back by a year): no window.
 _LONGEST_WINDOW: Final = MAX_WAIT + 86400.0
 _WINDOW_NAP: Final = 1.0  # a window's wait looks at the wall clock again this often
+# A --take-over request: an OFD write lock (fcntl(2), F_OFD_SETLK) on byte _REQUESTS + (uid <<
+# _PID_BITS) + pid of the lock file, far past anything written there. A write lock needs a
+# descriptor open for writing, so only a process that could open the lock file for writing,
+# and so take the lock, can ask; one that may only read it, whatever it execs later (a
+# set-uid program), cannot (docs/security.md). flock(2) locks never meet these.
+_REQUESTS: Final = 1 << 62
+_PID_BITS: Final = 22  # PID_MAX_LIMIT: pids stay below 2**22; uids fit in the 40 bits above
+_FLOCK: Final = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 
 def connect(
     uri: LockURI,
     *,
     ttl: float | None = None,  # noqa: ARG001 - local locks are no leases
-    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - and have nothing to warn of
-    note: Callable[[str], None] | None = None,  # noqa: ARG001 - or to note
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> FileBackend:
     """Check the lock directory of a ``file:`` URI; it is opened (and made) on first use."""
     if uri.netloc not in {"", "localhost"}:
@@ -89,9 +105,9 @@ def connect(
                 "file:///var/lock/myapp (this one would depend on the current directory)"
             )
             raise ConfigError(msg)
-        return FileBackend(uri.path, private=False, make_below="/")
+        return FileBackend(uri.path, private=False, make_below="/", warn=warn, note=note)
     default = default_directory()
-    return FileBackend(default.path, private=True, make_below=default.parent)
+    return FileBackend(default.path, private=True, make_below=default.parent, warn=warn, note=note)
 
 
 def _base(namespace: str, name: str) -> str:
@@ -230,10 +246,8 @@ class FileLease:
         fence: int | None,
         held: _Held,
         wake: socket.socket | None,
-        backend: FileBackend,
-        base: str,
     ) -> None:
-        """Wrap the slot file *held*, locked, as slot *slot* of *base* with *fence*.
+        """Wrap the slot file *held*, locked, as slot *slot* with *fence*.
 
         *fence* is None for a shared lease, which has none (docs/semantics.md).
         """
@@ -244,7 +258,6 @@ class FileLease:
         self._counter = held.counter  # the bytes that stay: the counter line
         self._record = held.record  # the holder's line after it, kept for a window's marker
         self._wake = wake
-        self._backend, self._base = backend, base
         self._bell: int | None = None
         self._armed = False
 
@@ -264,7 +277,7 @@ class FileLease:
         if not self._armed and self._fd is not None:
             self._armed = True
             self._bell = _watch(self._fd)
-            if self._bell is not None and self._backend.taker(self._base, self._fd) is not None:
+            if self._bell is not None and _taker(self._fd) is not None:
                 with contextlib.suppress(OSError):
                     os.utime(self._fd)
         return () if self._bell is None else (self._bell,)
@@ -287,7 +300,7 @@ class FileLease:
         if info is None or (info.st_dev, info.st_ino) != self._identity:
             msg = f"lock file {self.path} was deleted or replaced; another process can lock it now"
             raise LeaseLost(msg)
-        if self._fd is not None and (taker := self._backend.taker(self._base, self._fd)):
+        if self._fd is not None and (taker := _taker(self._fd)):
             raise TakenOver(_taken_by(taker))
 
     def release(self, hold: float = 0.0) -> bool:
@@ -313,8 +326,8 @@ class FileLease:
         return True
 
 
-def _taken_by(taker: Holder) -> str:
-    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
+def _taken_by(taker: str) -> str:
+    return f"taken over by {taker}"
 
 
 def _window_marker(data: bytes, until: float) -> bytes:
@@ -338,14 +351,26 @@ class _Held(NamedTuple):
 class FileBackend:
     """Locks as flock(2)ed files in one directory."""
 
-    def __init__(self, directory: str, *, private: bool, make_below: str) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        private: bool,
+        make_below: str,
+        warn: Callable[[str], None] | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
         """Use *directory*, making what is missing below *make_below* on first use.
 
-        *private*: the default directory, which must be ours and is kept 0700.
+        *private*: the default directory, which must be ours and is kept 0700. *warn* gets
+        a take-over that could not be asked for, *note* what `-v` shows: records not
+        believed.
         """
         self.directory = directory
         self.private = private
         self.make_below = make_below
+        self._warn, self._note = warn, note
+        self._noted: set[str] = set()  # lock files whose records were noted as not believed
         self._fd: int | None = None
         self._identity = (0, 0)  # the directory's (st_dev, st_ino) while _fd is open
         self._writable = False  # _fd passed _check_writable
@@ -490,13 +515,13 @@ class FileBackend:
                     os.close(held.fd)
                     return None
             content = self._content(held, request)
-            if not _wait_out(_window(content, base), deadline):
+            if not _wait_out(_window(self._believed(held, content), base), deadline):
                 os.close(held.fd)
                 return None
-            if (taker := self.taker(base, held.fd)) is not None:
+            if (taker := _taker(held.fd)) is not None:
                 raise TakenOver(_taken_by(taker))  # a later acquirer asked: give way
             if request.shared:  # no record, no fence: others share the file
-                return FileLease(0, None, held, None, self, base)
+                return FileLease(0, None, held, None)
             return self._grant(base, request, 0, held, None, semaphore=semaphore, content=content)
 
     def _wait_in_line(
@@ -523,7 +548,9 @@ class FileBackend:
             line.callback(os.close, gate)
             if try_flock(gate) and try_flock(held.fd, mode):
                 return True  # no writer holds it, none waits: in beside the other readers
-        self._agree(base, request, held.identity, self._content(held, request))
+        self._agree(
+            base, request, held.identity, self._believed(held, self._content(held, request))
+        )
         self._record_parts(request)  # now, not after the wait
         if deadline is not None and deadline <= now() and not request.shared:
             return False  # a one-shot writer: busy
@@ -532,10 +559,15 @@ class FileBackend:
             gate = self._open(f"{base}.gate").fd
             line.callback(os.close, gate)
         if request.take_over:
-            stop = self._ask_to_stop(base, deadline)
-            if stop is None:
-                return False
-            line.callback(os.close, stop)
+            if not _ask_to_stop(held.fd) and self._warn is not None:
+                self._warn(
+                    f"{request.name}: --take-over: cannot ask the holders of {held.path} to "
+                    "give way: another process holds a lock over the bytes a request takes "
+                    "(a reader of the file may); waiting as any waiter"
+                )
+            line.callback(_unask, held.fd)  # before we look for requests of others
+            with contextlib.suppress(OSError):  # the bell; refreshes would see it anyway
+                os.utime(held.fd)
         if request.shared:  # a mark for status: a POSIX lock, which no flock(2) sees (P17)
             with contextlib.suppress(OSError):
                 fcntl.lockf(gate, fcntl.LOCK_SH | fcntl.LOCK_NB, 1)
@@ -545,55 +577,32 @@ class FileBackend:
             gate_deadline = max(deadline, now() + GATE_GRACE)
         return wait_flock(gate, gate_deadline) and wait_flock(held.fd, deadline, mode)
 
+    def _believed(self, held: _Held, content: bytes) -> bytes:
+        """Return what of *content*, read from *held*, may be believed; note what may not.
+
+        A record that another user could have written (docs/security.md) is dropped: only
+        the counter line stays, which no decision but the fence's rests on.
+        """
+        try:
+            stranger = _stranger(os.fstat(held.fd))
+        except OSError:
+            stranger = "a user lockrun cannot tell"
+        if stranger is None or not _split(content)[1].strip():
+            return content
+        if self._note is not None and held.path not in self._noted:
+            self._noted.add(held.path)
+            self._note(
+                f"the record in lock file {held.path} is not believed: {stranger} could have "
+                "written it (a --hold-at-least window there holds nothing)"
+            )
+        return _counter_line(content)
+
     def _content(self, held: _Held, request: Request) -> bytes:
         """Return what the slot file *held* holds: a counter line and a record, if any."""
         try:
             return os.pread(held.fd, MAX_RECORD + 1, 0)
         except OSError as err:  # EIO
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
-
-    def _ask_to_stop(self, base: str, deadline: float | None) -> int | None:
-        """Register a take-over request until the descriptor returned is closed; ring holders.
-
-        The request is a LOCK_SH on NAME.stop (so it ends with us, SIGKILL included), the
-        ring a touch of the lock file, which its holders watch (docs/design.md A1). None
-        if *deadline* passed first (a holder's probe holds NAME.stop only for a moment).
-        """
-        stop = self._open(f"{base}.stop").fd
-        with _closed_on_error(stop):
-            if not wait_flock(stop, deadline, fcntl.LOCK_SH):
-                os.close(stop)
-                return None
-        with contextlib.suppress(OSError):  # not ours to touch: refreshes will see it
-            os.utime(_slot_file(base, 0), dir_fd=self._dir, follow_symlinks=False)
-        return stop
-
-    def taker(self, base: str, lock_fd: int) -> Holder | None:
-        """Return who asks for the lock *base* with --take-over now, if anyone may.
-
-        A request is a LOCK_SH on NAME.stop by a process that could open the lock file
-        (*lock_fd*'s) for writing, that is, take the lock; the kernel says who holds it, no
-        record does. Anything else in NAME.stop (a planted symlink, a FIFO, a flock of a user
-        who may not take the lock) is no request (docs/security.md).
-        """
-        try:
-            directory = self._fd if self._fd is not None else self._directory(make=False)
-            fd = os.open(f"{base}.stop", os.O_RDONLY | _OPEN, dir_fd=directory)
-        except (OSError, ConfigError, BackendUnavailable):
-            return None  # no request was ever made: the usual case, one failed open(2)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or try_flock(fd):
-                return None  # nobody holds it (our probe goes with the close)
-            lock = os.fstat(lock_fd)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        for pid in _proc_locks().get((info.st_dev, info.st_ino), _NO_LOCKS).readers:
-            if _may_write(pid, lock):
-                return describe_pid(pid)
-        return None  # probes of other holders, or requests of users who may not take it
 
     def _check_agreement(self, base: str, request: Request, first: int = 0) -> bool:
         """Raise `ConfigError` (78) if a live holder of this name uses another --slots.
@@ -696,9 +705,7 @@ class FileBackend:
                 os.ftruncate(held.fd, len(data))
         except OSError as err:  # ENOSPC, EIO: we could not record the fence
             raise failure(f"lock files of {request.name} in {self.directory}", err) from err
-        return FileLease(
-            slot, fence, held._replace(counter=len(line), record=data), wake, self, base
-        )
+        return FileLease(slot, fence, held._replace(counter=len(line), record=data), wake)
 
     def _semaphore_fence(self, base: str, counter: bytes | None) -> int:
         """Draw a semaphore's fence (as its head) and keep it in NAME.fence.
@@ -828,7 +835,10 @@ class FileBackend:
         )
 
     def _peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
-        """Return the identity and the content of a lock file, if it is a regular file."""
+        """Return the identity and the content of a lock file, if it is a regular file.
+
+        Without its record if another user could have written it (`_stranger`).
+        """
         try:
             fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)
         except OSError:
@@ -837,11 +847,14 @@ class FileBackend:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):  # _open reports what is wrong with it
                 return None, b""
-            return (info.st_dev, info.st_ino), os.pread(fd, MAX_RECORD + 1, 0)
+            content = os.pread(fd, MAX_RECORD + 1, 0)
         except OSError:  # EIO, or a file that is no longer what it was
             return None, b""
         finally:
             os.close(fd)
+        if _stranger(info) is not None:  # its record is not believed; its counter is
+            content = _counter_line(content)
+        return (info.st_dev, info.st_ino), content
 
     def close(self) -> None:
         """Close the directory."""
@@ -867,6 +880,12 @@ def _split(content: bytes) -> tuple[bytes, bytes]:
     if newline and first.isdigit():
         return first, rest
     return b"", content  # written by an older lockrun, or by someone else
+
+
+def _counter_line(content: bytes) -> bytes:
+    """Return the fence counter line of a slot file alone (b"" if it has none)."""
+    counter = _split(content)[0]
+    return counter + b"\n" if counter else b""
 
 
 def _overwrite(fd: int, data: bytes) -> None:
@@ -924,6 +943,22 @@ def _described(pid: int, *, shared: bool, slot: int | None = None) -> Holder:
     return describe_pid(pid)._replace(shared=shared, slot=slot)
 
 
+def _stranger(info: os.stat_result) -> str | None:
+    """Name who other than us, root and our groups could have written the file *info* is of.
+
+    None if nobody else could: the file is ours or root's, or belongs to one of our groups
+    (only its members can give a file that group), and not every user may write it. A
+    group we are in is one whose members we share locks with (docs/security.md).
+    """
+    if info.st_uid not in {0, os.geteuid()} and info.st_gid not in _our_groups():
+        return describe_uid(info.st_uid)
+    return "every user" if info.st_mode & stat.S_IWOTH else None
+
+
+def _our_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
 def _window(content: bytes, base: str) -> float | None:
     """Return when the --hold-at-least window left in a slot file of *base* ends, if it is open.
 
@@ -958,26 +993,51 @@ def _wait_out(until: float | None, deadline: float | None) -> bool:
     return True
 
 
-def _may_write(pid: int, info: os.stat_result) -> bool:
-    """Whether process *pid* could open the file *info* is of for writing (so take the lock).
+def _request_lock(kind: int, start: int, length: int = 1) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
 
-    From its file-system uid and groups in /proc/PID/status and the file's mode bits (ACLs
-    aside). False if we cannot tell: a process gone, or hidden from us (hidepid).
+
+def _ask_to_stop(fd: int) -> bool:
+    """Ask the holders of the lock file open for writing as *fd* to give way (docs/design.md A1).
+
+    The request lasts until `_unask`, or until the last descriptor of this open file is
+    closed: it ends with the taker, SIGKILL included. The byte says who asks (the only
+    record of it), and only a writer of the lock file can lock it. False if a lock of
+    another process's covers the byte: a reader's read lock may (docs/security.md).
+    """
+    uid = os.geteuid() & 0xFFFF_FFFF
+    start = _REQUESTS + (uid << _PID_BITS) + os.getpid() % (1 << _PID_BITS)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_WRLCK, start))
+    except OSError:  # EAGAIN; EINVAL where there are no OFD locks
+        return False
+    return True
+
+
+def _unask(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _request_lock(fcntl.F_UNLCK, _REQUESTS, 0))
+
+
+def _taker(fd: int) -> str | None:
+    """Say who asks the holders of the lock file open as *fd* to give way; None: nobody does.
+
+    Only write locks count: a read lock needs no more than read access to the file. And
+    only in a file that no user but us, root and our groups could write (`_stranger`): who
+    else may write it may take the lock, not stop us. The user and pid are what the
+    taker's byte says; no process is looked up (docs/security.md).
     """
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-        uid = int(fields["Uid"].split()[3])  # real, effective, saved, file system
-        groups = {int(fields["Gid"].split()[3]), *map(int, fields.get("Groups", "").split())}
-    except (OSError, KeyError, IndexError, ValueError):
-        return False
-    if uid == 0:
-        return True
-    if uid == info.st_uid:
-        return bool(info.st_mode & stat.S_IWUSR)
-    if info.st_gid in groups:
-        return bool(info.st_mode & stat.S_IWGRP)
-    return bool(info.st_mode & stat.S_IWOTH)
+        found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request_lock(fcntl.F_RDLCK, _REQUESTS, 0))
+        if _stranger(os.fstat(fd)) is not None:
+            return None
+    except OSError:  # EINVAL: no OFD locks here (Linux < 3.15, another system)
+        return None
+    kind, _, start, length, _ = struct.unpack(_FLOCK, found)
+    if kind != fcntl.F_WRLCK or start < _REQUESTS or length != 1:
+        return None  # none; or a lock of someone else's over the file, not a request
+    uid, pid = divmod(start - _REQUESTS, 1 << _PID_BITS)
+    return f"{_user(uid)}@{os.uname().nodename} pid {pid}"
 
 
 class _Locks(NamedTuple):

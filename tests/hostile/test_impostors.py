@@ -3,19 +3,27 @@
 redis-py trusts the protocol: its parsers and handshake raise ValueError, TypeError,
 AttributeError or RecursionError on replies Redis never sends. Whatever such a server
 answers, lockrun says so in one line and exits 69, never 70 with a traceback.
+
+Nor may a reply hold lockrun: one that never ends (a huge length, then a trickle) is cut
+at the call's deadline or its size cap (docs/security.md "A hostile server"), and TERM
+while it trickles ends lockrun at once, with 143.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import socket
+import subprocess
 import threading
-from typing import TYPE_CHECKING, Final
+import time
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import pytest
 
-from tests.support.cli import lockrun, one_line
+from lockrun.backends.redis import _SHA1
+from tests.support.cli import LOCKRUN, lockrun, one_line
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -39,16 +47,53 @@ _PLAUSIBLE: Final = {
     b"CLIENT": b":1\r\n",
     b"SCRIPT": b"$40\r\n" + b"0" * 40 + b"\r\n",
 }
-_COMMAND: Final = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n")
+# A command's name, and the SHA-1 of the script an EVALSHA names.
+_COMMAND: Final = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n(?:\$40\r\n([0-9a-f]{40})\r\n)?")
+_SCRIPT_OF: Final = {sha.encode(): script for script, sha in _SHA1.items()}
+
+
+class Stream(NamedTuple):
+    """A reply that never ends: *head*, then *chunk* again and again, *pause* s apart."""
+
+    head: bytes
+    chunk: bytes
+    pause: float
+
+
+# Replies that never end, fast (memory) or slowly (time): each resets a per-recv timeout.
+STREAMS: Final = {
+    "huge-bulk": Stream(b"$999999999999\r\n", b"x" * 65536, 0),
+    "huge-bulk-trickle": Stream(b"$999999999999\r\n", b"x", 0.1),
+    "bulk-trickle": Stream(b"$1000000\r\n", b"x", 0.1),
+    "endless-line": Stream(b"+", b"a" * 65536, 0),
+    "a-byte-at-a-time": Stream(b"+", b"a", 0.3),
+    "huge-array": Stream(b"*999999999\r\n", b"~0\r\n" * 16384, 0),
+    "huge-map": Stream(b"%999999999\r\n", b"$2\r\nab\r\n" * 8192, 0),
+    "deep-trickle": Stream(b"", b"*1\r\n", 0.1),
+}
+# A grant, as the acquire script answers it: {1, slot 0, fence 1, 0, ""}.
+_GRANT: Final = b"*5\r\n:1\r\n:0\r\n:1\r\n:0\r\n$0\r\n\r\n"
 
 
 class Impostor:
-    """A TCP server on loopback that reads commands and answers each with one reply."""
+    """A TCP server on loopback that reads commands and answers each with one reply.
 
-    def __init__(self, mode: str, *, plausible: bool = False) -> None:
+    *scripts* maps our scripts (by name) to what an EVALSHA of each gets instead: a reply,
+    or a `Stream`. `streaming` is set once a stream has begun.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        plausible: bool = False,
+        scripts: dict[str, bytes | Stream] | None = None,
+    ) -> None:
         """Listen on a free port and serve in daemon threads."""
         self.mode = mode
         self.plausible = plausible
+        self.scripts = scripts or {}
+        self.streaming = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -63,7 +108,19 @@ class Impostor:
         with peer, contextlib.suppress(OSError):
             while data := peer.recv(65536):
                 # One reply per command in the packet (a pipeline sends several at once).
-                peer.sendall(b"".join(self._reply(name.upper()) for name in _COMMAND.findall(data)))
+                for name, sha in _COMMAND.findall(data):
+                    answer = self.scripts.get(_SCRIPT_OF.get(sha, ""), b"")
+                    if isinstance(answer, Stream):
+                        self._stream(peer, answer)
+                    peer.sendall(answer or self._reply(name.upper()))
+
+    def _stream(self, peer: socket.socket, stream: Stream) -> None:
+        """Send *stream* until the peer hangs up (OSError ends the connection's thread)."""
+        peer.sendall(stream.head)
+        self.streaming.set()
+        while True:
+            peer.sendall(stream.chunk)
+            time.sleep(stream.pause)
 
     def _reply(self, command: bytes) -> bytes:
         if self.plausible and command in _PLAUSIBLE:
@@ -116,3 +173,106 @@ def test_a_server_that_answers_our_scripts_with_nonsense_is_69_in_one_line(
     assert result.returncode == 69, result.stderr
     assert "Traceback" not in result.stderr
     assert where in one_line(result.stderr)
+
+
+_RSS_CAP: Final = 150 << 20  # bytes: an interpreter with redis-py, plus a reply at its cap
+
+
+class Watched(NamedTuple):
+    """How a lockrun run under watch ended, and the most memory it held meanwhile."""
+
+    status: int
+    stderr: str
+    peak_rss: int
+
+
+def watch(*args: str, term_when: threading.Event | None = None) -> Watched:
+    """Run lockrun ARGS, reading its RSS from /proc; TERM it once *term_when* is set.
+
+    A hang guard (not a budget): a run that outlives it, or outgrows `_RSS_CAP`, fails.
+    """
+    process = subprocess.Popen([*LOCKRUN, *args], stderr=subprocess.PIPE, text=True)
+    peak, guard = 0, time.monotonic() + 60
+    try:
+        while process.poll() is None:
+            with contextlib.suppress(OSError), open(f"/proc/{process.pid}/statm") as statm:
+                peak = max(peak, int(statm.read().split()[1]) * 4096)
+            assert peak < _RSS_CAP, f"lockrun grew to {peak >> 20} MiB on a reply that never ends"
+            assert time.monotonic() < guard, "lockrun hung on a reply that never ends"
+            if term_when is not None and term_when.is_set():
+                process.send_signal(signal.SIGTERM)
+                term_when = None
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        _, stderr = process.communicate()
+    return Watched(process.returncode, stderr, peak)
+
+
+def _release_args(impostor: Impostor, name: str) -> tuple[str, ...]:
+    """Take *name* with --no-keeper from the impostor (it grants); return release's args."""
+    uri = f"redis://127.0.0.1:{impostor.port}/0"
+    taken = lockrun("acquire", "--no-keeper", "--ttl", "1m", "--uri", uri, name)
+    assert taken.returncode == 0, taken.stderr
+    return ("release", "--uri", uri, taken.stdout.split()[-1])
+
+
+_CALLS: Final = {  # what lockrun is asked, and the script whose answer never ends
+    "run --wait 0": ("acquire", ("--wait", "0", "--", "true")),
+    "run --wait 5": ("acquire", ("--wait", "5", "--", "true")),
+    "status": ("status", ()),
+    "release": ("renew", ()),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_CALLS))
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+def test_a_reply_that_never_ends_is_cut_with_69(stream: str, call: str, name: str) -> None:
+    """Huge lengths, trickles, deep nesting: 69 in one line, with memory bounded."""
+    script, options = _CALLS[call]
+    impostor = Impostor("ok", plausible=True, scripts={"acquire": _GRANT})
+    try:
+        where = f"127.0.0.1:{impostor.port}"
+        uri = f"redis://{where}/0"
+        if call == "release":
+            args = _release_args(impostor, name)
+        elif call == "status":
+            args = ("status", "--uri", uri, name)
+        else:
+            args = ("--uri", uri, "-n", name, *options)
+        impostor.scripts[script] = STREAMS[stream]
+        ended = watch(*args)
+    finally:
+        impostor.close()
+    assert ended.status == 69, ended.stderr
+    assert where in one_line(ended.stderr)
+
+
+@pytest.mark.parametrize("wait", ["0", "5", "forever"])
+@pytest.mark.parametrize("stream", ["bulk-trickle", "a-byte-at-a-time", "deep-trickle"])
+def test_term_while_a_reply_trickles_ends_lockrun_with_143(
+    stream: str, wait: str, name: str
+) -> None:
+    """TERM mid-trickle: 143 and its one line, though the release meets the trickle too."""
+    impostor = Impostor(
+        "ok", plausible=True, scripts={"acquire": STREAMS[stream], "release": STREAMS[stream]}
+    )
+    try:
+        uri = f"redis://127.0.0.1:{impostor.port}/0"
+        ended = watch(
+            "--uri",
+            uri,
+            "-n",
+            name,
+            "--ttl",
+            "100",
+            "--wait",
+            wait,
+            "--",
+            "true",
+            term_when=impostor.streaming,
+        )
+    finally:
+        impostor.close()
+    assert ended.status == 143, ended.stderr
+    assert "SIGTERM while waiting" in one_line(ended.stderr)

@@ -43,6 +43,7 @@ from lockrun.backends import (
     timeout_for,
 )
 from lockrun.backends.cluster import NotDurable, Router, Unsettled, check_durable, slot_of
+from lockrun.backends.resp import bound
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
@@ -996,10 +997,15 @@ class RedisBackend:
         return timeout_for(self.ttl)
 
     def _options(self) -> dict[str, Any]:
-        """Return redis-py's options for every connection: timeouts that fit the ttl."""
+        """Return redis-py's options for every connection: timeouts that fit the ttl.
+
+        Each reply must come whole within the timeout and the size caps of `resp.bound`,
+        however the server trickles it.
+        """
         return {
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
+            "redis_connect_func": bound,
             "decode_responses": True,
             "driver_info": None,  # no CLIENT SETINFO round trips on connect
             # HELLO on connect, whose answer names the connection (_identity) and says

@@ -144,6 +144,7 @@ def _record(text: str, data: bytes) -> None:
         assert cluster.live_replicas(reply) >= 0
         for entry in (reply, [0, 1, reply], [0, 1, [text, raw]], [0, 1, [raw, text, raw]]):
             assert all(0 < port < 65536 for _, port in cluster.primaries_in([entry], ("h", 1)))
+            assert all(0 < port < 65536 for _, port in cluster.nodes_in([entry], ("h", 1)))
     assert 0 < next_fence(data) <= MAX_FENCE
 
 

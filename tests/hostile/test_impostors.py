@@ -79,7 +79,8 @@ class Impostor:
     """A TCP server on loopback that reads commands and answers each with one reply.
 
     *scripts* maps our scripts (by name) to what an EVALSHA of each gets instead: a reply,
-    or a `Stream`. `streaming` is set once a stream has begun.
+    or a `Stream`; `commands`, other commands (by name) to what they get instead.
+    `streaming` is set once a stream has begun.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class Impostor:
         self.mode = mode
         self.plausible = plausible
         self.scripts = scripts or {}
+        self.commands: dict[bytes, bytes] = {}
         self.streaming = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
@@ -112,7 +114,8 @@ class Impostor:
                     answer = self.scripts.get(_SCRIPT_OF.get(sha, ""), b"")
                     if isinstance(answer, Stream):
                         self._stream(peer, answer)
-                    peer.sendall(answer or self._reply(name.upper()))
+                    else:
+                        peer.sendall(answer or self._reply(name.upper()))
 
     def _stream(self, peer: socket.socket, stream: Stream) -> None:
         """Send *stream* until the peer hangs up (OSError ends the connection's thread)."""
@@ -123,6 +126,8 @@ class Impostor:
             time.sleep(stream.pause)
 
     def _reply(self, command: bytes) -> bytes:
+        if command in self.commands:
+            return self.commands[command]
         if self.plausible and command in _PLAUSIBLE:
             return _PLAUSIBLE[command]
         if command == b"HELLO" and self.mode != "ok":
@@ -276,3 +281,48 @@ def test_term_while_a_reply_trickles_ends_lockrun_with_143(
         impostor.close()
     assert ended.status == 143, ended.stderr
     assert "SIGTERM while waiting" in one_line(ended.stderr)
+
+
+class Recorder:
+    """A TCP listener on loopback that keeps whatever any connection sends it."""
+
+    def __init__(self) -> None:
+        """Listen on a free port and record in a daemon thread."""
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.heard = bytearray()
+        self.connections = 0
+        threading.Thread(target=self._record, daemon=True).start()
+
+    def _record(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = self.listener.accept()
+                self.connections += 1
+                with peer:
+                    peer.settimeout(5)
+                    with contextlib.suppress(OSError):
+                        while data := peer.recv(65536):
+                            self.heard += data
+
+
+@pytest.mark.parametrize("scheme", ["redis+cluster", "redis"])
+def test_a_redirect_to_a_node_the_cluster_does_not_list_is_refused(scheme: str, name: str) -> None:
+    """MOVED to an address CLUSTER SLOTS does not name: 69 in one line, no password sent."""
+    stranger = Recorder()
+    impostor = Impostor("ok", plausible=True)
+    moved = f"-MOVED 1234 127.0.0.1:{stranger.port}\r\n".encode()
+    itself = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % impostor.port
+    impostor.scripts.update(dict.fromkeys(_SHA1, moved))
+    impostor.commands[b"CLUSTER"] = itself
+    try:
+        uri = f"{scheme}://:s3cret-pw@127.0.0.1:{impostor.port}"
+        result = lockrun("--uri", uri, "-n", name, "--", "true")
+    finally:
+        impostor.close()
+        stranger.listener.close()
+    assert result.returncode == 69, result.stderr
+    line = one_line(result.stderr)
+    assert f"127.0.0.1:{stranger.port}, which the cluster does not list" in line
+    assert "s3cret-pw" not in result.stderr
+    assert stranger.connections == 0, bytes(stranger.heard)

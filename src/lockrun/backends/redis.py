@@ -1482,7 +1482,7 @@ class RedisBackend:
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
         except errors.ResponseError as err:
-            if not self._cluster_news(err, key, connection.host, seconds):
+            if not self._cluster_news(err, key, connection, seconds):
                 raise self.failure(err) from err
         except _REPLY_ERRORS as err:
             connection.disconnect()  # type: ignore[no-untyped-call]
@@ -1494,7 +1494,13 @@ class RedisBackend:
             self._sleeping = None
             pool.release(connection)
 
-    def _cluster_news(self, err: Exception, key: str, host: str, seconds: float) -> bool:
+    def _cluster_news(
+        self,
+        err: Exception,
+        key: str,
+        connection: Any,  # noqa: ANN401 - redis-py's Connection
+        seconds: float,
+    ) -> bool:
         """Return whether a BLPOP's error *err* is a cluster's news, to ask again after.
 
         MOVED, ASK, TRYAGAIN (a migration), UNBLOCKED (a failover made the primary a
@@ -1507,7 +1513,11 @@ class RedisBackend:
             unsettled = Unsettled(f"the cluster cannot serve this lock now: {err}")
             raise self.failure(unsettled) from err
         if isinstance(err, errors.MovedError):
-            self._router.moved(slot_of(key), (err.host or host, err.port))
+            address = (err.host or connection.host, int(err.port))
+            try:
+                self._router.moved(slot_of(key), address, connection)
+            except _REPLY_ERRORS as refused:
+                raise self.failure(refused) from refused
         elif isinstance(err, errors.AskError | errors.TryAgainError):
             time.sleep(min(seconds, 0.1))  # mid-migration: not in a tight loop
         return isinstance(err, errors.AskError | errors.TryAgainError) or str(err).startswith(

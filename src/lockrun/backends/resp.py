@@ -17,7 +17,6 @@ handshake (HELLO, AUTH) is read within the bounds too.
 
 from __future__ import annotations
 
-import socket
 from typing import TYPE_CHECKING, Any, Final
 
 from redis._parsers import _RESP3Parser
@@ -28,7 +27,7 @@ from redis.utils import SENTINEL
 from lockrun.timing import now
 
 if TYPE_CHECKING:
-    from collections.abc import Buffer
+    import socket
 
 # lockrun's largest replies are a lock's state (about 7 elements and 500 bytes a waiter)
 # and a SCAN page of 1000 keys: these leave room for some 30000 waiters.
@@ -84,12 +83,6 @@ class _Deadline:
             raise TooLarge(msg)
         return data
 
-    def recv_into(self, buffer: Buffer, size: int = 0) -> int:  # pragma: no cover - hiredis's
-        """Read into *buffer*, as `recv` does (redis-py's hiredis parser reads so)."""
-        data = self.recv(size or len(memoryview(buffer)))
-        memoryview(buffer)[: len(data)] = data
-        return len(data)
-
 
 class _Buffer(SocketBuffer):
     """redis-py's buffer, refusing a header that announces more than the caps allow."""
@@ -101,7 +94,8 @@ class _Buffer(SocketBuffer):
         if kind and kind[0] in _BULK | _AGGREGATE and number.isdigit():  # "-1": a null
             cap = MAX_BYTES if kind[0] in _BULK else MAX_ITEMS
             if int(number) > cap:
-                msg = f"Protocol error: a reply announces {int(number)} {'bytes' if cap == MAX_BYTES else 'elements'}"
+                unit = "bytes" if cap == MAX_BYTES else "elements"
+                msg = f"Protocol error: a reply announces {int(number)} {unit}"
                 raise TooLarge(msg)
         return line
 
@@ -111,14 +105,15 @@ class Parser(_RESP3Parser):
 
     def __init__(self, socket_read_size: int) -> None:
         """Make a parser that reads *socket_read_size* bytes at a time."""
-        super().__init__(socket_read_size)
+        super().__init__(socket_read_size)  # type: ignore[no-untyped-call]
         self._reading: _Deadline | None = None
         self._items = self._depth = 0
 
     def on_connect(self, connection: Any) -> None:  # noqa: ANN401 - redis-py's Connection
         """Read *connection*'s socket through `_Deadline` and `_Buffer`."""
-        super().on_connect(connection)
-        self._buffer.close()
+        super().on_connect(connection)  # type: ignore[no-untyped-call]
+        if self._buffer is not None:
+            self._buffer.close()
         self._reading = _Deadline(connection._sock)  # noqa: SLF001 - redis-py has no accessor
         self._buffer = _Buffer(
             self._reading,  # type: ignore[arg-type]  # reads, and sets its timeout
@@ -128,8 +123,8 @@ class Parser(_RESP3Parser):
 
     def read_response(
         self,
-        disable_decoding: bool = False,  # noqa: FBT001, FBT002 - redis-py's signature
-        push_request: bool = False,  # noqa: FBT001, FBT002
+        disable_decoding: bool = False,  # redis-py's signature
+        push_request: bool = False,
         timeout: Any = SENTINEL,  # noqa: ANN401 - redis-py's SENTINEL or seconds
     ) -> Any:  # noqa: ANN401 - a reply
         """Read one reply, whole within *timeout* (default: the socket's) and the caps."""
@@ -151,7 +146,7 @@ class Parser(_RESP3Parser):
         self._depth += 1
         try:
             if self._items > MAX_ITEMS or self._depth > MAX_DEPTH:
-                msg = f"Protocol error: a reply of more than {MAX_ITEMS} elements or {MAX_DEPTH} levels"
+                msg = f"Protocol error: a reply over {MAX_ITEMS} elements or {MAX_DEPTH} deep"
                 raise TooLarge(msg)
             return super()._read_response(*args, **kwargs)
         finally:

@@ -12,6 +12,7 @@ while it trickles ends lockrun at once, with 143.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import signal
 import socket
@@ -26,7 +27,7 @@ from lockrun.backends.redis import _SHA1
 from tests.support.cli import LOCKRUN, lockrun, one_line
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 _HELLO: Final = b"%1\r\n$5\r\nproto\r\n:3\r\n"  # RESP3 accepted, and nothing else said
 # What the impostor answers to everything after HELLO (and, for "ok", to HELLO too).
@@ -326,3 +327,56 @@ def test_a_redirect_to_a_node_the_cluster_does_not_list_is_refused(scheme: str, 
     assert f"127.0.0.1:{stranger.port}, which the cluster does not list" in line
     assert "s3cret-pw" not in result.stderr
     assert stranger.connections == 0, bytes(stranger.heard)
+
+
+def _mysql_packets() -> Iterator[bytes]:
+    """Send packets of 16 MiB - 1 bytes, each "to be continued": a reply without end."""
+    for number in itertools.count():
+        yield b"\xff\xff\xff" + bytes([number % 256]) + b"a" * 0xFFFFFF
+
+
+def _mysql_trickle() -> Iterator[bytes]:
+    """Send a greeting of 64 KiB, a byte at a time."""
+    yield b"\xff\xff\x00\x00"
+    while True:
+        yield b"a"
+        time.sleep(0.1)
+
+
+# A MySQL greeting that never ends, slowly (time) or in full packets (memory).
+MYSQL_STREAMS: Final = {"greeting-trickle": _mysql_trickle, "endless-packets": _mysql_packets}
+
+
+class Trickler:
+    """A TCP server on loopback that sends each connection *chunks*, whatever it says."""
+
+    def __init__(self, chunks: Callable[[], Iterator[bytes]]) -> None:
+        """Listen on a free port and send in daemon threads."""
+        self.chunks = chunks
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+
+    def _serve(self, peer: socket.socket) -> None:
+        with peer, contextlib.suppress(OSError):
+            for chunk in self.chunks():
+                peer.sendall(chunk)
+
+
+@pytest.mark.parametrize("stream", sorted(MYSQL_STREAMS))
+def test_a_mysql_greeting_that_never_ends_is_cut_with_69(stream: str, name: str) -> None:
+    """A greeting that trickles, or packets that never end: 69 in one line, memory bounded."""
+    server = Trickler(MYSQL_STREAMS[stream])
+    try:
+        where = f"127.0.0.1:{server.port}"
+        ended = watch("--uri", f"mysql://root:pw@{where}/lockrun", "-n", name, "--", "true")
+    finally:
+        server.listener.close()
+    assert ended.status == 69, ended.stderr
+    assert where in one_line(ended.stderr)

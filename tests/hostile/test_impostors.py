@@ -48,8 +48,8 @@ _PLAUSIBLE: Final = {
     b"CLIENT": b":1\r\n",
     b"SCRIPT": b"$40\r\n" + b"0" * 40 + b"\r\n",
 }
-# A command's name, and the SHA-1 of the script an EVALSHA names.
-_COMMAND: Final = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n(?:\$40\r\n([0-9a-f]{40})\r\n)?")
+# A command's name, and its next word: the SHA-1 of the script an EVALSHA names, say.
+_COMMAND: Final = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n(?:\$\d+\r\n([0-9A-Za-z_]+)\r\n)?")
 _SCRIPT_OF: Final = {sha.encode(): script for script, sha in _SHA1.items()}
 
 
@@ -80,7 +80,8 @@ class Impostor:
     """A TCP server on loopback that reads commands and answers each with one reply.
 
     *scripts* maps our scripts (by name) to what an EVALSHA of each gets instead: a reply,
-    or a `Stream`; `commands`, other commands (by name) to what they get instead.
+    or a `Stream`; `commands`, other commands (by name, or name and first argument, as
+    ``b"CLIENT LIST"``) to what they get instead.
     `streaming` is set once a stream has begun.
     """
 
@@ -95,7 +96,7 @@ class Impostor:
         self.mode = mode
         self.plausible = plausible
         self.scripts = scripts or {}
-        self.commands: dict[bytes, bytes] = {}
+        self.commands: dict[bytes, bytes | Stream] = {}
         self.streaming = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
@@ -111,8 +112,9 @@ class Impostor:
         with peer, contextlib.suppress(OSError):
             while data := peer.recv(65536):
                 # One reply per command in the packet (a pipeline sends several at once).
-                for name, sha in _COMMAND.findall(data):
-                    answer = self.scripts.get(_SCRIPT_OF.get(sha, ""), b"")
+                for name, word in _COMMAND.findall(data):
+                    answer = self.scripts.get(_SCRIPT_OF.get(word, ""), b"")
+                    answer = self.commands.get(b"%b %b" % (name.upper(), word.upper()), answer)
                     if isinstance(answer, Stream):
                         self._stream(peer, answer)
                     else:
@@ -127,8 +129,9 @@ class Impostor:
             time.sleep(stream.pause)
 
     def _reply(self, command: bytes) -> bytes:
-        if command in self.commands:
-            return self.commands[command]
+        answer = self.commands.get(command)
+        if isinstance(answer, bytes):
+            return answer
         if self.plausible and command in _PLAUSIBLE:
             return _PLAUSIBLE[command]
         if command == b"HELLO" and self.mode != "ok":
@@ -380,3 +383,23 @@ def test_a_mysql_greeting_that_never_ends_is_cut_with_69(stream: str, name: str)
         server.listener.close()
     assert ended.status == 69, ended.stderr
     assert where in one_line(ended.stderr)
+
+
+def test_term_while_lockrun_passes_over_dead_waiters_is_not_swallowed(name: str) -> None:
+    """TERM during the CLIENT LIST that follows a busy answer: 143, not 75.
+
+    The best-effort calls after an answer (passing over dead waiters, leaving the queue)
+    give up quietly when the server fails them, but never on an interrupt.
+    """
+    # Busy (code 0), with a waiter woken meanwhile, token "tok" on connection 77.
+    busy = b"*7\r\n:0\r\n:1\r\n:0\r\n:0\r\n$0\r\n\r\n$3\r\ntok\r\n$2\r\n77\r\n"
+    impostor = Impostor("ok", plausible=True, scripts={"acquire": busy})
+    impostor.commands[b"CLIENT LIST"] = STREAMS["a-byte-at-a-time"]
+    try:
+        uri = f"redis://127.0.0.1:{impostor.port}/0"
+        args = ("--uri", uri, "-n", name, "--ttl", "100", "--", "true")
+        ended = watch(*args, term_when=impostor.streaming)
+    finally:
+        impostor.close()
+    assert ended.status == 143, ended.stderr
+    assert "SIGTERM while waiting" in one_line(ended.stderr)

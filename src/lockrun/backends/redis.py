@@ -57,7 +57,7 @@ from lockrun.timing import now
 from lockrun.uri import Secrets, option_name, scrub, secrets_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
     from redis.typing import EncodableT
 
@@ -906,6 +906,21 @@ _REPLY_ERRORS: Final = (
 )
 
 
+@contextlib.contextmanager
+def _best_effort(*kinds: type[BaseException]) -> Iterator[None]:
+    """Give up a best-effort call quietly on *kinds* of failure, never on an interrupt.
+
+    `Interrupted` is a LockrunError too: TERM or INT while waiting must end the wait
+    (docs/semantics.md "Signals, the terminal, and time limits").
+    """
+    try:
+        yield
+    except Interrupted:
+        raise
+    except kinds:
+        pass
+
+
 class _SentinelView(NamedTuple):
     """What one sentinel (or a majority of them) says of the service right now."""
 
@@ -1533,7 +1548,7 @@ class RedisBackend:
         woken: list[str] | None = None
         if own is not None:
             woken = self._release_on(own, claim, hold_ms)
-        with contextlib.suppress(LockrunError):
+        with _best_effort(LockrunError):
             if woken is None:  # D3: a release is idempotent, asked again if in doubt
                 woken = self.call("release", claim, hold_ms)
             self.pass_over_the_dead(claim, woken)
@@ -1622,7 +1637,7 @@ class RedisBackend:
         """
         if not woken:  # the common case: nobody was woken
             return
-        with contextlib.suppress(LockrunError, *_REPLY_ERRORS):
+        with _best_effort(LockrunError, *_REPLY_ERRORS):
             for _ in range(_DROP_ROUNDS):
                 pairs = dict(zip(woken[::2], woken[1::2], strict=True))
                 ids: list[EncodableT] = [client for client in pairs.values() if client]

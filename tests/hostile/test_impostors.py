@@ -5,7 +5,7 @@ AttributeError or RecursionError on replies Redis never sends. Whatever such a s
 answers, lockrun says so in one line and exits 69, never 70 with a traceback.
 
 Nor may a reply hold lockrun: one that never ends (a huge length, then a trickle) is cut
-at the call's deadline or its size cap (docs/security.md "A hostile server"), and TERM
+at the call's deadline or its size cap (docs/semantics.md "What bounds a call"), and TERM
 while it trickles ends lockrun at once, with 143.
 """
 

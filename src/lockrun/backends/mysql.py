@@ -84,7 +84,7 @@ _TLS: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key"})
 # MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
 # The most one answer may bring: a whole packet of the protocol (16 MiB) and some; a
 # processlist of some 16000 sessions. More is no server lockrun should trust
-# (docs/security.md "A hostile server").
+# (docs/semantics.md "What bounds a call").
 MAX_ANSWER: Final = 17 << 20
 _FOREVER: Final = 31_536_000
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
@@ -366,7 +366,7 @@ class _Connection(pymysql.connections.Connection):
 
     PyMySQL's read timeout bounds each recv, which a server that trickles bytes resets, and
     it reads a reply of many packets whole: `arm` gives the next answer (or the handshake)
-    a deadline and `MAX_ANSWER` bytes (docs/security.md "A hostile server").
+    a deadline and `MAX_ANSWER` bytes (docs/semantics.md "What bounds a call").
 
     And minus 40 ms of loading the system's CA store for nothing: without TLS options
     PyMySQL still tries TLS ("preferred") but verifies nothing, so a bare context does the

@@ -4,7 +4,7 @@ redis-py reads a reply until it is whole, however long the server takes and howe
 it says: its socket timeout bounds each recv, which a trickle of bytes resets, and a length
 of ``$999999999999`` is believed. A server that is not Redis (or a link that is not the
 server's) could hold lockrun for ever, deaf to TERM's clean-up, and fill its memory
-(docs/security.md "A hostile server"). So every connection lockrun makes reads through
+(docs/semantics.md "What bounds a call"). So every connection lockrun makes reads through
 `Parser`: each reply must be whole within the call's timeout, counted from when lockrun
 starts to read it; and it may announce or bring at most `MAX_BYTES` bytes, `MAX_ITEMS`
 elements and `MAX_DEPTH` levels of nesting. Beyond, redis-py's TimeoutError or

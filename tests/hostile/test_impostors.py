@@ -403,3 +403,18 @@ def test_term_while_lockrun_passes_over_dead_waiters_is_not_swallowed(name: str)
         impostor.close()
     assert ended.status == 143, ended.stderr
     assert "SIGTERM while waiting" in one_line(ended.stderr)
+
+
+@pytest.mark.parametrize("stream", ["huge-array", "a-byte-at-a-time", "deep-trickle"])
+def test_a_sentinel_whose_answer_never_ends_is_69(stream: str, name: str) -> None:
+    """A sentinel that trickles (or floods) its primary's address: 69, memory bounded."""
+    impostor = Impostor("ok", plausible=True)
+    for asked in (b"MASTERS", b"GET-MASTER-ADDR-BY-NAME"):  # redis-py's question, and ours
+        impostor.commands[b"SENTINEL " + asked] = STREAMS[stream]
+    try:
+        where = f"127.0.0.1:{impostor.port}"
+        ended = watch("--uri", f"redis+sentinel://{where}/mymaster", "-n", name, "--", "true")
+    finally:
+        impostor.close()
+    assert ended.status == 69, ended.stderr
+    assert where in one_line(ended.stderr)

@@ -43,7 +43,7 @@ from lockrun.backends import (
     timeout_for,
 )
 from lockrun.backends.cluster import NotDurable, Router, Unsettled, check_durable, slot_of
-from lockrun.backends.resp import bound
+from lockrun.backends.resp import bound, within
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
@@ -1389,7 +1389,11 @@ class RedisBackend:
         except TakenOver:
             raise  # the script gave the slot back and left the queue
         except BaseException:
-            self.leave(claim)  # our place in the queue, or a slot granted meanwhile
+            # Our place in the queue, or a slot granted meanwhile: every reply of it within
+            # one timeout in all, so that TERM ends lockrun soon (docs/semantics.md "Signals
+            # while waiting"), however the server trickles.
+            with within(self.timeout):
+                self.leave(claim)
             raise
 
     def wait_in_line(self, claim: Claim, deadline: float | None, extra: int, taken: int) -> bool:

@@ -17,6 +17,8 @@ handshake (HELLO, AUTH) is read within the bounds too.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, Final
 
 from redis._parsers import _RESP3Parser
@@ -28,6 +30,7 @@ from lockrun.timing import now
 
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Iterator
 
 # lockrun's largest replies are a lock's state (about 7 elements and 500 bytes a waiter)
 # and a SCAN page of 1000 keys: these leave room for some 30000 waiters.
@@ -36,6 +39,24 @@ MAX_ITEMS: Final = 1 << 18  # an element is ~60 bytes in Python: 16 MiB at most
 MAX_DEPTH: Final = 16  # HELLO's and CLUSTER SLOTS's replies nest 3 deep
 _BULK: Final = frozenset(b"$=!")  # a header's first byte: a length of bytes follows
 _AGGREGATE: Final = frozenset(b"*~%>|")  # …: a number of elements (pairs for % and |)
+
+
+_CALL = threading.local()  # .end: when every reply of the block under way must be whole
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Make every reply this thread reads in the block whole within *seconds*, all in all.
+
+    For a clean-up of several calls (a release after TERM) that must end in one timeout.
+    """
+    outer: float | None = getattr(_CALL, "end", None)
+    end = now() + seconds
+    _CALL.end = end if outer is None else min(outer, end)
+    try:
+        yield
+    finally:
+        _CALL.end = outer
 
 
 class TooLarge(InvalidResponse):
@@ -130,7 +151,11 @@ class Parser(_RESP3Parser):
         """Read one reply, whole within *timeout* (default: the socket's) and the caps."""
         reading = self._reading
         if reading is not None and self._buffer is not None:
-            reading.arm(self._buffer.socket_timeout if timeout is SENTINEL else timeout)
+            seconds = self._buffer.socket_timeout if timeout is SENTINEL else timeout
+            end: float | None = getattr(_CALL, "end", None)
+            if end is not None:  # `within` a block's time
+                seconds = end - now() if seconds is None else min(seconds, end - now())
+            reading.arm(seconds)
         self._items = self._depth = 0
         try:
             return super().read_response(

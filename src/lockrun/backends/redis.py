@@ -1390,8 +1390,8 @@ class RedisBackend:
             raise  # the script gave the slot back and left the queue
         except BaseException:
             # Our place in the queue, or a slot granted meanwhile: every reply of it within
-            # one timeout in all, so that TERM ends lockrun soon (docs/semantics.md "Signals
-            # while waiting"), however the server trickles.
+            # one timeout in all, so that TERM ends lockrun soon however the server trickles
+            # (docs/semantics.md "Signals, the terminal, and time limits").
             with within(self.timeout):
                 self.leave(claim)
             raise

@@ -22,6 +22,7 @@ import pytest
 
 import lockrun
 from lockrun.errors import ExitCode
+from tests.hostile.test_impostors import STREAMS, Impostor
 from tests.support.cli import TEST_TTL, one_line
 from tests.support.servers import free_port, unavailable
 from tests.support.users import SYSTEM_PYTHON
@@ -220,6 +221,19 @@ def test_the_pyz_takes_redis_and_mysql_locks(
     """The bundled redis-py (its Lua scripts) and PyMySQL hold and report real locks."""
     busy_inside(host, redis_uri, name)
     busy_inside(host, mysql_uri, name)
+
+
+@pytest.mark.parametrize("stream", ["huge-array", "a-byte-at-a-time"])
+def test_the_pyz_cuts_a_reply_that_never_ends(host: dict[str, str], stream: str, name: str) -> None:
+    """The bundled redis-py reads through lockrun's bounds too: 69 in one line, no hang."""
+    impostor = Impostor("ok", plausible=True, scripts={"acquire": STREAMS[stream]})
+    try:
+        uri = f"redis://127.0.0.1:{impostor.port}/0"
+        result = run("lockrun", "-u", uri, "-n", name, "--", "true", env=host)
+    finally:
+        impostor.close()
+    assert result.returncode == ExitCode.UNAVAILABLE, result.stderr
+    assert f"127.0.0.1:{impostor.port}" in one_line(result.stderr)
 
 
 def test_postgres_without_psycopg_says_how_to_add_it(

@@ -22,6 +22,7 @@ from lockrun.errors import LeaseLost
 from lockrun.timing import now
 from tests.support.cli import finish, lockrun, one_line, start, wait_for
 from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
+from tests.support.proxy import Proxy
 from tests.support.sentinels import SentinelServer
 from tests.support.servers import RedisServer, free_port
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     from lockrun.backends import Backend, Lease
 
-# --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 0.15 s.
+# --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 1 s (the floor).
 SHORT_TTL = "3"
 # However slow a shared CI machine is, a 0.3 s timeout must not take this long.
 PATIENCE = 5.0
@@ -63,6 +64,34 @@ def test_a_server_silent_during_the_tls_handshake_exits_69_within_the_ttls_timeo
     line = one_line(result.stderr)
     assert f"no answer within {timeout_for(float(SHORT_TTL)):g}s" in line
     assert elapsed < PATIENCE
+
+
+# Each way: a round trip of 0.3 s, more than --ttl 4 gave an answer before the floor
+# (0.2 s), well within the floor (1 s) however loaded the machine.
+LAG = 0.15
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["free", "busy"])
+def test_a_slow_server_is_waited_for_however_short_the_ttl_and_the_wait(
+    tcp_server: RedisServer, busy: bool, name: str
+) -> None:
+    """--ttl 4 --wait 0.05 through a lagging link: the answers count (0 or 75), never 69.
+
+    Neither the ttl nor --wait cuts a connect or an answer below the floor
+    (backends.MIN_TIMEOUT): 69 means unreachable, not slow.
+    """
+    holder = Lock(name, uri=tcp_server.tcp_uri, wait=0)
+    with contextlib.closing(Proxy(("127.0.0.1", tcp_server.port))) as proxy:
+        proxy.delay(LAG)
+        held = holder.acquire() if busy else None
+        try:
+            result = lockrun("--uri", proxy.uri, "-n", name, "--ttl", "4", "-w", "0.05", "true")
+        finally:
+            if held is not None:
+                held.release()
+    assert result.returncode == (ExitCode.BUSY if busy else 0), result.stderr
+    if busy:
+        assert "busy" in one_line(result.stderr)
 
 
 def test_the_database_number_is_checked(tcp_server: RedisServer, name: str) -> None:

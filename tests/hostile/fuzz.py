@@ -14,12 +14,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 import tempfile
+from types import SimpleNamespace
 from typing import Final
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis._parsers import Encoder
+from redis.exceptions import RedisError
 
 from lockrun import ConfigError, UsageError, metrics
 from lockrun.backends import (
@@ -30,6 +34,7 @@ from lockrun.backends import (
     parse_uri,
     read_identity,
     read_json,
+    resp,
 )
 from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
@@ -64,6 +69,34 @@ def one_input(data: bytes) -> None:
     _uri_file(data)
     _keeper(text, data)
     _metrics(data)
+    _reply(data)
+
+
+# What redis-py's parser may raise on a reply no Redis sends: what the backend reports as
+# "not Redis's" (`redis._REPLY_ERRORS`).
+_REPLY_ERRORS = (RedisError, ValueError, TypeError, AttributeError, IndexError, KeyError)
+
+
+def _reply(data: bytes) -> None:
+    """Read *data*, then the end of the stream, as Redis replies through `resp.Parser`.
+
+    Each is a value or a refusal, within the caps; nothing is read past them.
+    """
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(data[:65536])  # what the socket pair holds without a reader
+        theirs.shutdown(socket.SHUT_WR)
+        connection = SimpleNamespace(
+            _sock=ours,
+            socket_timeout=1.0,
+            encoder=Encoder("utf-8", "strict", decode_responses=True),  # type: ignore[no-untyped-call]
+        )
+        parser = resp.Parser(65536)
+        parser.on_connect(connection)
+        with contextlib.suppress(*_REPLY_ERRORS):
+            while True:
+                parser.read_response()
+                assert parser._depth == 0
 
 
 def _keeper(text: str, data: bytes) -> None:
@@ -144,6 +177,7 @@ def _record(text: str, data: bytes) -> None:
         assert cluster.live_replicas(reply) >= 0
         for entry in (reply, [0, 1, reply], [0, 1, [text, raw]], [0, 1, [raw, text, raw]]):
             assert all(0 < port < 65536 for _, port in cluster.primaries_in([entry], ("h", 1)))
+            assert all(0 < port < 65536 for _, port in cluster.nodes_in([entry], ("h", 1)))
     assert 0 < next_fence(data) <= MAX_FENCE
 
 

@@ -12,6 +12,11 @@ A first command sent to a node that does not serve the slot costs one more round
 a map of the whole cluster (CLUSTER SLOTS, and redis-py's client with it, which also asks
 for COMMAND's 50 kB on start-up) would cost one on every start.
 
+A redirect is followed only to a node the cluster lists: the URI's nodes, and those that
+CLUSTER SLOTS names, asked of the node that redirected (itself a listed one) the first time
+a redirect names a node not known yet. Connecting sends the password: a MOVED to any other
+address (a forged reply, a tampered node) is refused, not followed (docs/security.md).
+
 A cluster primary replicates asynchronously, as a Sentinel-managed one does: what it
 grants counts only once a replica has it (`check_durable`, docs/design.md A5).
 """
@@ -49,6 +54,10 @@ class NotDurable(errors.ConnectionError):
     """The node answered, but a failover could lose what it grants now (docs/design.md A5)."""
 
 
+class Unlisted(errors.RedisError):
+    """A redirect named a node that the cluster does not list: not followed, no password sent."""
+
+
 def slot_of(prefix: str) -> int:
     """Return the hash slot of the lock whose keys start with *prefix* (its hash tag's)."""
     return int(key_slot(prefix.encode()))
@@ -81,12 +90,38 @@ class Router:
                 self._clients[address] = self._make(address)
             return self._clients[address]
 
-    def moved(self, slot: int, address: Address) -> None:
-        """Note that *address* serves *slot* (a MOVED reply, or a node that took it over)."""
+    def moved(self, slot: int, address: Address, connection: Any) -> None:  # noqa: ANN401 - redis-py's Connection
+        """Note that *address* serves *slot*, as a MOVED on *connection* said (`vouch`)."""
+        self.vouch(address, connection)
         with self._lock:
             self._serving[slot] = address
-            if address not in self.known:
-                self.known.append(address)
+
+    def vouch(self, address: Address, connection: Any) -> None:  # noqa: ANN401 - redis-py's Connection
+        """Raise `Unlisted` unless *address* is a node the cluster lists.
+
+        Known already, or named by CLUSTER SLOTS, asked on *connection*: that of the node
+        that redirected, which is a listed one. Every node it names is known from then on.
+        """
+        with self._lock:
+            if address in self.known:
+                return
+        asked = (str(connection.host), int(connection.port))
+        try:
+            connection.send_command("CLUSTER", "SLOTS")
+            listed = nodes_in(connection.read_response(), asked)
+        except BaseException:
+            connection.disconnect()  # a reply may still be on its way: never reuse it
+            raise
+        with self._lock:
+            self.known.extend(node for node in listed if node not in self.known)
+            if address in self.known:
+                return
+        host, port = address
+        msg = (
+            f"a node of the cluster redirected to {host}:{port}, which the cluster does not "
+            f"list (CLUSTER SLOTS of {asked[0]}:{asked[1]}): not followed"
+        )
+        raise Unlisted(msg)
 
     def after(self, address: Address) -> Address:
         """Return the known node after *address*: the next to ask when it does not answer."""
@@ -121,7 +156,7 @@ class Router:
             except (NotDurable, Unsettled):
                 raise
             except (errors.AskError, errors.TryAgainError, errors.ClusterDownError) as err:
-                address, asking = self._redirect(slot, address, err)
+                address, asking = self._redirect(slot, address, err, connection)
                 answered, last = True, err
                 if isinstance(err, errors.TryAgainError):
                     time.sleep(max(0.0, min(_PAUSE, deadline - now())))
@@ -142,17 +177,25 @@ class Router:
         assert last is not None  # noqa: S101 - the loop ran at least once
         raise last
 
-    def _redirect(self, slot: int, address: Address, err: Exception) -> tuple[Address, bool]:
+    def _redirect(
+        self,
+        slot: int,
+        address: Address,
+        err: Exception,
+        connection: Any,  # noqa: ANN401 - redis-py's Connection
+    ) -> tuple[Address, bool]:
         """Return where to ask next after the cluster's *err* for *slot*, and whether ASKING.
 
         MOVED: the slot is served there from now on. ASK: ask there, once. TRYAGAIN: ask
-        the node that serves the slot again. CLUSTERDOWN: raise `Unsettled`.
+        the node that serves the slot again. CLUSTERDOWN: raise `Unsettled`. A node the
+        cluster does not list: `Unlisted` (`vouch`, asked on *connection*).
         """
         if isinstance(err, errors.AskError):  # MovedError is one too
             redirected = (err.host or address[0], int(err.port))  # "": the node we asked
             if isinstance(err, errors.MovedError):
-                self.moved(slot, redirected)
+                self.moved(slot, redirected, connection)
                 return redirected, False
+            self.vouch(redirected, connection)
             return redirected, True
         if isinstance(err, errors.ClusterDownError):
             msg = f"the cluster cannot serve this lock now: {err}"
@@ -223,17 +266,24 @@ def check_durable(
 def primaries_in(reply: Any, asked: Address) -> list[Address]:  # noqa: ANN401 - a raw reply
     """Return the primaries a CLUSTER SLOTS *reply* of the node at *asked* names.
 
-    Each entry is START, END, then the primary's HOST, PORT, ID…; a host of "" is the node
-    asked. An entry lockrun cannot read is left out (another node's answer may name it).
+    Each entry is START, END, then the primary's HOST, PORT, ID…, then its replicas'; a
+    host of "" is the node asked. An entry lockrun cannot read is left out (another node's
+    answer may name it).
     """
+    return nodes_in(reply, asked, replicas=False)
+
+
+def nodes_in(reply: Any, asked: Address, *, replicas: bool = True) -> list[Address]:  # noqa: ANN401 - a raw reply
+    """Return the nodes a CLUSTER SLOTS *reply* of the node at *asked* names (`primaries_in`)."""
     found: list[Address] = []
     for entry in reply if isinstance(reply, list) else []:
-        primary = entry[2] if isinstance(entry, list) and len(entry) > 2 else None  # noqa: PLR2004 - start, end, primary
-        if not (isinstance(primary, list) and len(primary) >= 2):  # noqa: PLR2004 - host, port
-            continue
-        port = _text(primary[1])
-        if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
-            found.append((_text(primary[0]) or asked[0], int(port)))
+        nodes = entry[2:] if isinstance(entry, list) else []
+        for node in nodes if replicas else nodes[:1]:
+            if not (isinstance(node, list) and len(node) >= 2):  # noqa: PLR2004 - host, port
+                continue
+            port = _text(node[1])
+            if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
+                found.append((_text(node[0]) or asked[0], int(port)))
     return list(dict.fromkeys(found))
 
 

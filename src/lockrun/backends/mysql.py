@@ -24,6 +24,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import decimal
+import errno
 import functools
 import hashlib
 import json
@@ -39,6 +40,8 @@ import pymysql
 from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import (
+    MAX_TIMEOUT,
+    MIN_TIMEOUT,
     Holder,
     LockState,
     Request,
@@ -79,6 +82,10 @@ _FILES: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key", "read_default_file"}
 _TLS: Final = frozenset({"ssl_ca", "ssl_cert", "ssl_key"})
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
+# The most one answer may bring: a whole packet of the protocol (16 MiB) and some; a
+# processlist of some 16000 sessions. More is no server lockrun should trust
+# (docs/semantics.md "What bounds a call").
+MAX_ANSWER: Final = 17 << 20
 _FOREVER: Final = 31_536_000
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 FENCES: Final = "lockrun_fence"
@@ -326,11 +333,12 @@ def _check_tls(uri: LockURI, kwargs: Mapping[str, object]) -> None:
 def timeout_for(ttl: float) -> float:
     """Return the timeout of a connect, and of a statement, for leases of *ttl* seconds.
 
-    A tenth of the lease, at least a second: statements commit to disk, and a busy server
-    takes longer than Redis (whose timeout is a twentieth). A check on the holding session
-    waits a whole lease instead (`SessionLease.refresh`).
+    A tenth of the lease (statements commit to disk, and a busy server takes longer than
+    Redis, whose timeout is a twentieth), within the bounds every server backend shares
+    (`backends.MIN_TIMEOUT`). A check on the holding session waits a whole lease instead
+    (`SessionLease.refresh`).
     """
-    return min(5.0, max(1.0, ttl / 10))
+    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / 10))
 
 
 def lock_key(namespace: str, name: str) -> str:
@@ -354,11 +362,65 @@ def connect(
 
 
 class _Connection(pymysql.connections.Connection):
-    """PyMySQL's connection, minus 40 ms of loading the system's CA store for nothing.
+    """PyMySQL's connection, reading each answer within a deadline and a size cap.
 
-    Without TLS options PyMySQL still tries TLS ("preferred") but verifies nothing, so a
-    bare context does the same job (`python -m bench`, section i).
+    PyMySQL's read timeout bounds each recv, which a server that trickles bytes resets, and
+    it reads a reply of many packets whole: `arm` gives the next answer (or the handshake)
+    a deadline and `MAX_ANSWER` bytes (docs/semantics.md "What bounds a call").
+
+    And minus 40 ms of loading the system's CA store for nothing: without TLS options
+    PyMySQL still tries TLS ("preferred") but verifies nothing, so a bare context does the
+    same job (`python -m bench`, section i).
     """
+
+    deadline: float | None = None
+    left = MAX_ANSWER
+
+    def connect(self, sock: socket.socket | None = None) -> None:
+        """Connect, with the handshake whole within the connect timeout."""
+        self.arm(self.connect_timeout)
+        super().connect(sock)
+
+    def arm(self, seconds: float | None) -> None:
+        """Give what is read next *seconds* in all (None: no deadline), and the size cap."""
+        self.deadline = None if seconds is None else now() + seconds
+        self.left = MAX_ANSWER
+
+    def _read_bytes(self, num_bytes: int) -> bytes:
+        """Read *num_bytes*, one recv at a time, within the deadline and the cap."""
+        self.left -= num_bytes
+        if self.left < 0:
+            self._force_close()  # type: ignore[attr-defined]
+            raise pymysql.err.OperationalError(
+                CR.CR_SERVER_LOST, f"an answer of more than {MAX_ANSWER} bytes"
+            )
+        data = bytearray()
+        saved = self._sock.gettimeout()  # type: ignore[attr-defined]
+        try:
+            while len(data) < num_bytes:
+                if self.deadline is not None:
+                    left = self.deadline - now()
+                    if left <= 0:
+                        raise TimeoutError(errno.ETIMEDOUT, "timed out")  # noqa: TRY301 - as a recv's
+                    self._sock.settimeout(left if saved is None else min(left, saved))  # type: ignore[attr-defined]
+                chunk = self._rfile.read1(num_bytes - len(data))  # type: ignore[attr-defined]
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as err:
+            self._force_close()  # type: ignore[attr-defined]
+            msg = f"Lost connection to MySQL server during query ({err})"
+            raise pymysql.err.OperationalError(CR.CR_SERVER_LOST, msg) from err
+        except BaseException:
+            self._force_close()  # type: ignore[attr-defined]
+            raise
+        if self._sock is not None:  # type: ignore[attr-defined]
+            self._sock.settimeout(saved)  # type: ignore[attr-defined]
+        if len(data) < num_bytes:
+            self._force_close()  # type: ignore[attr-defined]
+            msg = "Lost connection to MySQL server during query"
+            raise pymysql.err.OperationalError(CR.CR_SERVER_LOST, msg)
+        return bytes(data)
 
     def _create_ssl_ctx(self, sslp: object) -> ssl.SSLContext:
         if sslp:
@@ -410,9 +472,10 @@ class Session:
         return sock
 
     def _limit(self, timeout: float | None) -> None:
-        # PyMySQL applies its read timeout per packet; set it per statement instead.
+        # PyMySQL applies its read timeout per recv; the statement's answer gets it in all.
         self.connection._read_timeout = timeout  # noqa: SLF001
         self.connection._write_timeout = self.timeout  # noqa: SLF001
+        self.connection.arm(timeout)
 
     def one(self, sql: str, args: object = None, *, timeout: float | None = 0) -> Any:  # noqa: ANN401 - a column's value
         """Run *sql* and return the first column of its first row (None if no row).

@@ -43,6 +43,8 @@ from psycopg import pq
 
 from lockrun.backends import (
     MAX_RECORD,
+    MAX_TIMEOUT,
+    MIN_TIMEOUT,
     Holder,
     Identity,
     LockState,
@@ -196,7 +198,7 @@ def _halves(key: int) -> tuple[int, int]:
 
 def timeout_for(ttl: float) -> float:
     """Return the timeout of a statement for leases of *ttl* seconds (as MySQL's: 1–5 s)."""
-    return min(5.0, max(1.0, ttl / 10))
+    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / 10))
 
 
 class Settings(NamedTuple):

@@ -43,6 +43,7 @@ from lockrun.backends import (
     timeout_for,
 )
 from lockrun.backends.cluster import NotDurable, Router, Unsettled, check_durable, slot_of
+from lockrun.backends.resp import bound, within
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import (
     BackendUnavailable,
@@ -56,7 +57,7 @@ from lockrun.timing import now
 from lockrun.uri import Secrets, option_name, scrub, secrets_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
     from redis.typing import EncodableT
 
@@ -905,6 +906,21 @@ _REPLY_ERRORS: Final = (
 )
 
 
+@contextlib.contextmanager
+def _best_effort(*kinds: type[BaseException]) -> Iterator[None]:
+    """Give up a best-effort call quietly on *kinds* of failure, never on an interrupt.
+
+    `Interrupted` is a LockrunError too: TERM or INT while waiting must end the wait
+    (docs/semantics.md "Signals, the terminal, and time limits").
+    """
+    try:
+        yield
+    except Interrupted:
+        raise
+    except kinds:
+        pass
+
+
 class _SentinelView(NamedTuple):
     """What one sentinel (or a majority of them) says of the service right now."""
 
@@ -996,10 +1012,15 @@ class RedisBackend:
         return timeout_for(self.ttl)
 
     def _options(self) -> dict[str, Any]:
-        """Return redis-py's options for every connection: timeouts that fit the ttl."""
+        """Return redis-py's options for every connection: timeouts that fit the ttl.
+
+        Each reply must come whole within the timeout and the size caps of `resp.bound`,
+        however the server trickles it.
+        """
         return {
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
+            "redis_connect_func": bound,
             "decode_responses": True,
             "driver_info": None,  # no CLIENT SETINFO round trips on connect
             # HELLO on connect, whose answer names the connection (_identity) and says
@@ -1368,7 +1389,11 @@ class RedisBackend:
         except TakenOver:
             raise  # the script gave the slot back and left the queue
         except BaseException:
-            self.leave(claim)  # our place in the queue, or a slot granted meanwhile
+            # Our place in the queue, or a slot granted meanwhile: every reply of it within
+            # one timeout in all, so that TERM ends lockrun soon however the server trickles
+            # (docs/semantics.md "Signals, the terminal, and time limits").
+            with within(self.timeout):
+                self.leave(claim)
             raise
 
     def wait_in_line(self, claim: Claim, deadline: float | None, extra: int, taken: int) -> bool:
@@ -1476,7 +1501,7 @@ class RedisBackend:
             connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
             connection.read_response(timeout=seconds + self.timeout)
         except errors.ResponseError as err:
-            if not self._cluster_news(err, key, connection.host, seconds):
+            if not self._cluster_news(err, key, connection, seconds):
                 raise self.failure(err) from err
         except _REPLY_ERRORS as err:
             connection.disconnect()  # type: ignore[no-untyped-call]
@@ -1488,7 +1513,13 @@ class RedisBackend:
             self._sleeping = None
             pool.release(connection)
 
-    def _cluster_news(self, err: Exception, key: str, host: str, seconds: float) -> bool:
+    def _cluster_news(
+        self,
+        err: Exception,
+        key: str,
+        connection: Any,  # noqa: ANN401 - redis-py's Connection
+        seconds: float,
+    ) -> bool:
         """Return whether a BLPOP's error *err* is a cluster's news, to ask again after.
 
         MOVED, ASK, TRYAGAIN (a migration), UNBLOCKED (a failover made the primary a
@@ -1501,7 +1532,11 @@ class RedisBackend:
             unsettled = Unsettled(f"the cluster cannot serve this lock now: {err}")
             raise self.failure(unsettled) from err
         if isinstance(err, errors.MovedError):
-            self._router.moved(slot_of(key), (err.host or host, err.port))
+            address = (err.host or connection.host, int(err.port))
+            try:
+                self._router.moved(slot_of(key), address, connection)
+            except _REPLY_ERRORS as refused:
+                raise self.failure(refused) from refused
         elif isinstance(err, errors.AskError | errors.TryAgainError):
             time.sleep(min(seconds, 0.1))  # mid-migration: not in a tight loop
         return isinstance(err, errors.AskError | errors.TryAgainError) or str(err).startswith(
@@ -1518,7 +1553,7 @@ class RedisBackend:
         woken: list[str] | None = None
         if own is not None:
             woken = self._release_on(own, claim, hold_ms)
-        with contextlib.suppress(LockrunError):
+        with _best_effort(LockrunError):
             if woken is None:  # D3: a release is idempotent, asked again if in doubt
                 woken = self.call("release", claim, hold_ms)
             self.pass_over_the_dead(claim, woken)
@@ -1616,7 +1651,7 @@ class RedisBackend:
         """
         if not woken:  # the common case: nobody was woken
             return
-        with contextlib.suppress(LockrunError, *_REPLY_ERRORS):
+        with _best_effort(LockrunError, *_REPLY_ERRORS):
             for _ in range(_DROP_ROUNDS):
                 pairs = dict(zip(woken[::2], woken[1::2], strict=True))
                 ids: list[EncodableT] = [client for client in pairs.values() if client]

@@ -64,7 +64,34 @@ _TOKEN: Final = re.compile(
 MAX_UID: Final = 2**32 - 2  # (uid_t) -1 is no user
 _DOOR: Final = b"\0lockrun-keeper/"  # + the keeper id: one abstract name per keeper
 _PID: Final = re.compile(r"[0-9]{1,10}", re.ASCII)
+# The shells that fork subshells for `$(…)`, by executable (busybox: its ash).
+_SHELL: Final = re.compile(r"(ba|da|z|k|mk|pdk|a|y|po)?sh[0-9.]*|ksh93|busybox", re.ASCII)
 _VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# Variables a shell (POSIX "Shell Variables", bash(1), zsh's zshparam(1) including its
+# lower-case tied arrays, ksh), the dynamic loader (ld.so(8)), libc, Python or lockrun
+# give a meaning, or keep read-only: `--var` may not name them (check_variable).
+_SPECIAL: Final = frozenset(
+    """_ ENV HOME IFS PATH CDPATH FCEDIT LANG LINENO MAIL MAILCHECK MAILPATH NLSPATH OLDPWD
+    OPTARG OPTERR OPTIND PPID PS0 PS1 PS2 PS3 PS4 PWD SHELL SHELLOPTS TERM TMOUT TMPDIR TZ
+    UID EUID GID EGID GROUPS HOST HOSTNAME HOSTTYPE MACHTYPE OSTYPE CPUTYPE VENDOR RANDOM
+    SECONDS SRANDOM EPOCHREALTIME EPOCHSECONDS PROMPT_COMMAND POSIXLY_CORRECT GLOBIGNORE
+    FIGNORE INPUTRC EXECIGNORE DIRSTACK FUNCNEST COLUMNS LINES FPATH MANPATH MODULE_PATH ZDOTDIR
+    PROMPT PROMPT2 PROMPT3 PROMPT4 RPROMPT RPS1 SPROMPT PSVAR NULLCMD READNULLCMD TIMEFMT
+    KEYTIMEOUT KEYBOARD_HACK WORDCHARS LISTMAX SAVEHIST TMPPREFIX WATCH TTY TTYIDLE ARGC
+    ARGV0 ERRNO TRY_BLOCK_ERROR TRY_BLOCK_INTERRUPT USERNAME LOGNAME USER SHLVL VISUAL
+    EDITOR PAGER GCONV_PATH GETCONF_DIR HOSTALIASES LOCALDOMAIN RES_OPTIONS TZDIR
+    SSL_CERT_FILE SSL_CERT_DIR REQUESTS_CA_BUNDLE CREDENTIALS_DIRECTORY NOTIFY_SOCKET
+    path cdpath fpath manpath mailpath module_path fignore psvar watch argv status
+    pipestatus prompt histchars signals options parameters commands functions
+    functions_source aliases galiases saliases builtins modules jobstates jobtexts jobdirs
+    dirstack history historywords userdirs usergroups nameddirs reswords widgets keymaps
+    funcstack functrace funcfiletrace funcsourcetrace zsh_eval_context zsh_scheduled_events
+    patchars termcap terminfo""".split()  # noqa: SIM905 - a table of words, not 140 quoted
+)
+_SPECIAL_PREFIXES: Final = (
+    "BASH", "ZSH", "KSH", "LD_", "LC_", "MALLOC_", "GLIBC_", "PYTHON", "LOCKRUN_", "HIST",
+    "COMP_", "READLINE", "SUDO_", "PG", "MYSQL", "SYSTEMD_", "dis_",
+)  # fmt: skip
 MAX_REQUEST: Final = 64  # "release " + a secret, with room; anything longer is junk
 MAX_REPLY: Final = 1024
 _REPLIES: Final = {
@@ -83,6 +110,7 @@ CLIENTS: Final = 8  # connections served at once; more are hung up on
 LINGER: Final = 3600.0  # how long a keeper whose lock ended waits to tell why
 PID_MAX: Final = 2**22  # the kernel's PID_MAX_LIMIT
 _PR_SET_PDEATHSIG: Final = 1  # prctl(2)
+_PF_KTHREAD: Final = 0x00200000  # include/linux/sched.h: a kernel thread
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -124,15 +152,21 @@ def parse_token(text: object) -> Token:
 def default_owner() -> int:
     """Return the process `acquire` belongs to: its parent, unless that is a subshell.
 
-    A subshell is a forked copy of its own parent, the same program with the same command
+    A subshell is a shell's forked copy of itself, the same program with the same command
     line and environment: bash forks one for ``$(lockrun acquire … 2>/dev/null)``, dash
     and zsh for a pipeline or a function's ``$(…)``. It exits as soon as `acquire` does,
-    so the owner is the shell it was forked from.
+    so the owner is the shell it was forked from. Only a shell's copy is skipped: a
+    worker forked by a Python master (multiprocessing, gunicorn) is a copy too, and owns
+    its lock, which must end with it.
     """
     owner = os.getppid()
     while owner > 1 and (parent := _parent(owner)) > 1:
         image = _image(owner)
-        if image is None or image != _image(parent):
+        if (
+            image is None
+            or image != _image(parent)
+            or not _SHELL.fullmatch(os.path.basename(image[0]))
+        ):
             break
         owner = parent
     return owner
@@ -175,9 +209,20 @@ def parse_owner(text: str) -> int | None:
 
 
 def check_variable(name: str) -> str:
-    """Return *name* if it is a shell variable name (``--var``)."""
+    """Return *name* if ``eval`` may set it (``--var``): a portable name with no other meaning.
+
+    `acquire --export` is eval'd by a shell, and the variable is exported to every later
+    step: a name that a shell, the loader, Python or lockrun itself reads (PATH, IFS,
+    LD_PRELOAD, zsh's tied ``path``, a read-only ``UID``) would change what runs next.
+    """
     if not _VARIABLE.fullmatch(name):
         msg = f"--var takes a shell variable name ([A-Za-z_][A-Za-z0-9_]*), not {name!r}"
+        raise UsageError(msg)
+    if name in _SPECIAL or (name.startswith(_SPECIAL_PREFIXES) and name != "LOCKRUN_TOKEN"):
+        msg = (
+            f"--var {name}: a shell, the loader or lockrun gives that variable a meaning; "
+            "name one of your own (such as DEPLOY_LOCK)"
+        )
         raise UsageError(msg)
     return name
 
@@ -302,9 +347,16 @@ def open_env_file(path: str) -> int:
     finally:
         os.close(directory)
     info = os.fstat(fd)
+    problem = None
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        problem = "not a regular file with one name"
+    elif info.st_uid not in {os.geteuid(), 0}:
+        # As --uri-file's rule (docs/security.md): a file another user made (in /tmp, say)
+        # is theirs to read, and to feed to whoever evaluates it next.
+        problem = f"owned by {_user(info.st_uid)}, not by you or root"
+    if problem is not None:
         os.close(fd)
-        msg = f"--env-file {path}: not a regular file with one name; refusing to write to it"
+        msg = f"--env-file {path}: {problem}; refusing to write to it"
         raise ConfigError(msg)
     return fd
 
@@ -326,16 +378,13 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
     """Return a pidfd of the *owner* process (None for none), checking the time bound.
 
     Opened now, in the process that the owner started: a pidfd names that process, never
-    a later one that reuses its pid.
+    a later one that reuses its pid. An owner that never exits bounds nothing: as
+    ``--owner none``, it needs --max-time.
     """
-    if owner is None or owner == 1:
+    if owner is None:
         if options.max_time is None:
-            who = "--owner none" if owner is None else "the owner, pid 1, never exits: it"
-            msg = (
-                f"{who} holds the lock until it is released; give --max-time too, so that "
-                "a lost token cannot hold it forever"
-            )
-            raise UsageError(msg)
+            who = "--owner none"
+            raise _unbounded(who)
         return None
     try:
         pidfd = os.pidfd_open(owner)
@@ -345,11 +394,45 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
     except OSError as err:  # pragma: no cover - ENOSYS: Linux before 5.3
         msg = f"--owner {owner}: cannot watch it: {err.strerror}"
         raise ConfigError(msg) from None
+    never = _never_exits(owner)  # read after the pidfd: still that process if it lives
     if _readable([pidfd]):  # it exited already
         os.close(pidfd)
         msg = f"--owner {owner}: that process has exited"
         raise UsageError(msg)
+    if never is not None and options.max_time is None:
+        os.close(pidfd)
+        raise _unbounded(f"the owner, pid {owner}, {never}: it")
     return pidfd
+
+
+def _unbounded(who: str) -> UsageError:
+    """Return the error of an acquire that only `release` would end: *who* holds it."""
+    return UsageError(
+        f"{who} holds the lock until it is released; give --max-time too, so that "
+        "a lost token cannot hold it forever"
+    )
+
+
+def _never_exits(pid: int) -> str | None:
+    """Say why *pid* never exits in practice (init, a kernel thread, a namespace's init).
+
+    proc(5): a kernel thread has PF_KTHREAD in its flags and kthreadd (pid 2) or no
+    parent; the last NSpid of a process is its pid in its own namespace, 1 for an init.
+    """
+    if pid == 1:
+        return "init, which never exits"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rpartition(b")")[2].split()
+        with open(f"/proc/{pid}/status", "rb") as status_file:
+            nspids = [line.split()[1:] for line in status_file if line.startswith(b"NSpid:")]
+    except OSError:
+        return None  # gone: pidfd_open says so
+    if int(fields[6]) & _PF_KTHREAD or int(fields[1]) in {0, 2}:
+        return "a kernel thread, which never exits"
+    if nspids and nspids[0][-1:] == [b"1"]:
+        return "the init of a pid namespace, which never exits before the namespace ends"
+    return None
 
 
 def acquire(

@@ -371,3 +371,41 @@ def test_a_shell_started_by_a_shell_of_the_same_command_line_owns_its_lock(
     finally:
         os.killpg(outer.pid, signal.SIGKILL)
         outer.wait()
+
+
+# A pre-fork master (multiprocessing, gunicorn) whose worker takes a lock and exits; the
+# master lives on, reading stdin, until the test closes it.
+FORKED_WORKER = """
+import multiprocessing, os, subprocess, sys
+def work():
+    lockrun = [sys.executable, "-m", "lockrun", *sys.argv[2:]]
+    return subprocess.run(lockrun, stdout=subprocess.DEVNULL, check=False).returncode
+if __name__ == "__main__":
+    if sys.argv[1] == "multiprocessing":
+        worker = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(work()))
+        worker.start()
+        worker.join()
+        status = worker.exitcode
+    else:
+        child = os.fork()
+        if child == 0:
+            os._exit(work())
+        status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    print(status, flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("fork", ["multiprocessing", "os.fork"])
+def test_a_forked_worker_owns_its_lock(fork: str, file_uri: str, name: str) -> None:
+    """A worker forked by a Python master is no subshell: its lock ends with it, not the master."""
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKED_WORKER, fork, "acquire", "--uri", file_uri, name],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=unmeasured(),
+    ) as master:  # fmt: skip
+        assert master.stdin is not None
+        assert master.stdout is not None
+        assert master.stdout.readline() == "0\n"  # the worker took the lock and exited
+        wait_for(lambda: free(file_uri, name), timeout=60, what="the worker's lock to end")
+        assert master.poll() is None
+        master.stdin.close()

@@ -111,6 +111,9 @@ LINGER: Final = 3600.0  # how long a keeper whose lock ended waits to tell why
 PID_MAX: Final = 2**22  # the kernel's PID_MAX_LIMIT
 _PR_SET_PDEATHSIG: Final = 1  # prctl(2)
 _PF_KTHREAD: Final = 0x00200000  # include/linux/sched.h: a kernel thread
+_PR_SET_NAME: Final = 15  # prctl(2)
+KEEPER_NAME: Final = b"lockrun-keeper"  # its comm, for ps(1) and so sections skip keepers
+RESCAN: Final = 1.0  # how often a keeper whose owner is gone looks for new section processes
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -172,13 +175,35 @@ def default_owner() -> int:
     return owner
 
 
-def _parent(pid: int) -> int:
-    """Return the parent of *pid* (0 if it cannot be read)."""
+class _Stat(NamedTuple):
+    """What proc(5)'s /proc/PID/stat says of a process that the section needs."""
+
+    name: bytes  # comm
+    state: bytes
+    parent: int
+    group: int
+    flags: int
+    start: int  # clock ticks after boot
+
+
+def _stat(pid: int) -> _Stat | None:
+    """Return /proc/*pid*/stat, None if it cannot be read (the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            return int(stat_file.read().rpartition(b")")[2].split()[1])
+            head, _, tail = stat_file.read().rpartition(b")")
+        fields = tail.split()
+        return _Stat(
+            head.partition(b"(")[2], fields[0], int(fields[1]), int(fields[2]),
+            int(fields[6]), int(fields[19]),
+        )  # fmt: skip
     except (OSError, ValueError, IndexError):
-        return 0
+        return None
+
+
+def _parent(pid: int) -> int:
+    """Return the parent of *pid* (0 if it cannot be read)."""
+    info = _stat(pid)
+    return 0 if info is None else info.parent
 
 
 def _image(pid: int) -> tuple[str, bytes, bytes] | None:
@@ -421,18 +446,92 @@ def _never_exits(pid: int) -> str | None:
     """
     if pid == 1:
         return "init, which never exits"
+    info = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            fields = stat_file.read().rpartition(b")")[2].split()
         with open(f"/proc/{pid}/status", "rb") as status_file:
             nspids = [line.split()[1:] for line in status_file if line.startswith(b"NSpid:")]
     except OSError:
         return None  # gone: pidfd_open says so
-    if int(fields[6]) & _PF_KTHREAD or int(fields[1]) in {0, 2}:
+    if info is None:
+        return None
+    if info.flags & _PF_KTHREAD or info.parent in {0, 2}:
         return "a kernel thread, which never exits"
     if nspids and nspids[0][-1:] == [b"1"]:
         return "the init of a pid namespace, which never exits before the namespace ends"
     return None
+
+
+class Section(NamedTuple):
+    """The processes a script runs under its lock, told apart once its shell is gone.
+
+    docs/semantics.md "Holding a lock across steps": as flock(1)'s inherited descriptor, the
+    lock lives while a process of the section lives. Those are the processes started at or
+    after the acquire that (a) are in the owner's process group, where a non-interactive
+    shell runs its foreground and ``&`` steps and subshells, and descend from the owner
+    (their parent is gone, or one of them, up to one of the owner's ancestors, which adopt
+    its orphans); or (b) are our user's and carry the token in their environment, as every
+    program the script ran after ``eval`` does, wherever its group. Other keepers are none.
+    """
+
+    group: int
+    since: int  # clock ticks after boot: when acquire started
+    ancestors: frozenset[tuple[int, int]]  # (pid, start) of the owner and its ancestors
+    token: bytes  # b"=" + the token, as an environment entry ends
+
+    @classmethod
+    def of(cls, owner: int) -> Section | None:
+        """Return the section of *owner* (None if it cannot be read), from acquire's process."""
+        me = _stat(os.getpid())
+        ancestors, pid = set(), owner
+        while pid > 0 and (info := _stat(pid)) is not None:
+            ancestors.add((pid, info.start))
+            pid = info.parent
+        try:
+            group = os.getpgid(owner)
+        except OSError:
+            return None
+        return None if me is None else cls(group, me.start, frozenset(ancestors), b"")
+
+    def members(self) -> dict[int, int]:
+        """Return the live processes of the section: pid and start."""
+        processes: dict[int, _Stat] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (info := _stat(int(entry))) is not None:
+                processes[int(entry)] = info
+        me = os.getpid()
+        return {
+            pid: info.start
+            for pid, info in processes.items()
+            if pid != me
+            and info.start >= self.since
+            and info.state not in {b"Z", b"X"}  # exited, not yet reaped
+            and info.name != KEEPER_NAME
+            and (
+                (info.group == self.group and self._adopted(info, processes))
+                or self._carries_token(pid)
+            )
+        }
+
+    def _adopted(self, info: _Stat, processes: dict[int, _Stat]) -> bool:
+        """Whether *info* descends from the owner: started since, up to an ancestor of it."""
+        for _ in range(len(processes)):
+            parent = processes.get(info.parent)
+            if parent is None:
+                return False
+            if parent.start < self.since:
+                return (info.parent, parent.start) in self.ancestors
+            info = parent
+        return False
+
+    def _carries_token(self, pid: int) -> bool:
+        """Whether *pid*, ours, has the token in its environment."""
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                return False
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                return any(entry.endswith(self.token) for entry in environ.read().split(b"\0"))
+        except OSError:
+            return False
 
 
 def acquire(
@@ -456,6 +555,7 @@ def acquire(
     name = check_name(options.name or "")
     check_name(options.namespace, "namespace")
     pidfd = watch_owner(owner, options)
+    section = None if owner is None else Section.of(owner)  # while the owner surely lives
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     # No handler of ours may run in the child before its own are set (_interruptible).
@@ -465,7 +565,7 @@ def acquire(
         ours.close()
         for fd in private:
             os.close(fd)
-        keeper = _Child(options, uri, _Parent(parent, theirs, saved), owner, pidfd)
+        keeper = _Child(options, uri, _Parent(parent, theirs, saved), owner, pidfd, section)
         return keeper.run(log=log, live=live)
     theirs.close()
     if pidfd is not None:
@@ -553,13 +653,20 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
     """The forked keeper: wait for the lock, hand the token over, detach and hold it."""
 
     def __init__(
-        self, options: Options, uri: LockURI, parent: _Parent, owner: int | None, pidfd: int | None
+        self,
+        options: Options,
+        uri: LockURI,
+        parent: _Parent,
+        owner: int | None,
+        pidfd: int | None,
+        section: Section | None,
     ) -> None:
         self.options = options
         self.uri = uri
         self.parent = parent
         self.owner = owner  # the pid, for the record
         self.pidfd = pidfd
+        self.section = section
 
     def run(self, *, log: Callable[[str], None], live: Callable[[str], None] | None) -> int:
         """Take the lock, then keep it until something ends the keeper; return its status."""
@@ -568,6 +675,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         verbose = log if options.verbose else _quiet
         os.setpgid(0, 0)  # our own group: a Ctrl-C reaches the parent, which passes it on once
         _die_with(self.parent.pid)
+        _prctl(_PR_SET_NAME, KEEPER_NAME)
         _close_inherited({self.parent.link.fileno(), *([self.pidfd] if self.pidfd else [])})
         owner = "none" if self.owner is None else str(self.owner)
         request = Request(
@@ -604,7 +712,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
                 f"after {format_duration(now() - started)}{fence}"
             )
             try:
-                keeper = _Keeper(options, request, lease, self.pidfd, verbose)
+                keeper = _Keeper(options, request, lease, self.pidfd, verbose, self.section)
             except BaseException:  # no door: nobody could release it
                 _release(lease, request, now(), 0.0, verbose)
                 raise
@@ -667,12 +775,16 @@ def _die_with(parent: int | None) -> None:  # pragma: no cover - runs in the kee
     While the keeper waits, a parent killed with SIGKILL must not leave it waiting, or
     holding a lock whose token nobody received.
     """
-    import ctypes  # noqa: PLC0415 - only keepers pay for it
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM, 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM)
     if parent is not None and os.getppid() != parent:  # it died before the prctl
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _prctl(option: int, argument: int | bytes) -> None:  # pragma: no cover - in the keeper
+    """Call prctl(2) with one argument (bytes: a C string)."""
+    import ctypes  # noqa: PLC0415 - only keepers pay for it
+
+    ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
 
 
 def _close_inherited(keep: set[int]) -> None:  # pragma: no cover - runs in the keeper
@@ -741,6 +853,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         lease: Lease,
         pidfd: int | None,
         verbose: Callable[[str], None],
+        section: Section | None,
     ) -> None:
         self.options = options
         self.request = request
@@ -762,6 +875,10 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         self.watched: dict[int, str] = {}  # fd: what it is
         self.epoll = select.epoll()
         self.token, self.door = _open_door()
+        token = f"={self.token}".encode()
+        self.section = None if section is None else section._replace(token=token)
+        self.steps: dict[int, int] = {}  # pidfd: pid, of the section once the owner is gone
+        self.rescan_at: float | None = None  # when to look for more of them
 
     def run(self) -> None:
         """Hold the lock and serve the door until something ends the keeper."""
@@ -793,6 +910,8 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
 
     def _timeout(self) -> float:
         timers = [client.deadline for client in self.clients.values()]
+        if self.rescan_at is not None:
+            timers.append(self.rescan_at)
         if self.held is not None:
             timers.append(self.renew_at)
             if self.deadline is not None:
@@ -810,7 +929,12 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         elif what == "signals":
             self.end_on_signals()
         elif what == "owner":
-            self.finish()  # the script is gone: nobody is left to ask why
+            self._unwatch("owner")
+            self._follow_section()  # the script's shell is gone: its steps may not be
+        elif what == "step":
+            self._unwatch_step(fd)
+            if not self.steps:
+                self._follow_section()
         elif what == "session" and _hung_up(self.lease.sessions):
             lost = "the session holding the lock ended (the server hung up); its locks are gone"
             self._lost(LeaseLost(lost))
@@ -818,8 +942,46 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._check(renew=False)  # check() renews if the bell is still readable
         return self.finished
 
+    def _follow_section(self) -> None:
+        """Hold while a process of the section lives (docs/semantics.md); else finish.
+
+        Watched through pidfds; looked for again when the last one ends (its children are
+        in /proc by then) and every `RESCAN` seconds.
+        """
+        if self.held is None or self.section is None:
+            self.finish()  # nothing to keep, or nobody left to ask why
+            return
+        known = set(self.steps.values())
+        for pid, start in self.section.members().items():
+            if pid in known:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:  # gone already
+                continue
+            info = _stat(pid)  # read after the pidfd: still that process if it lives
+            if info is None or info.start != start or _readable([pidfd]):
+                os.close(pidfd)
+                continue
+            self.steps[pidfd] = pid
+            self._watch(pidfd, "step", select.EPOLLIN)
+        if self.steps:
+            self.rescan_at = now() + RESCAN
+        else:
+            self.rescan_at = None
+            self.finish()
+
+    def _unwatch_step(self, fd: int) -> None:
+        del self.steps[fd]
+        del self.watched[fd]
+        with contextlib.suppress(OSError):
+            self.epoll.unregister(fd)
+        os.close(fd)
+
     def _tick(self) -> None:
         current = now()
+        if self.rescan_at is not None and current >= self.rescan_at and not self.finished:
+            self._follow_section()
         for fd, client in list(self.clients.items()):
             if current >= client.deadline:
                 self._hang_up(fd)
@@ -966,6 +1128,8 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._give_back(keep_window=True)
         for fd in list(self.clients):
             self._hang_up(fd)
+        for fd in list(self.steps):
+            self._unwatch_step(fd)
         self.door.close()
         self.epoll.close()
 

@@ -409,3 +409,99 @@ def test_a_forked_worker_owns_its_lock(fork: str, file_uri: str, name: str) -> N
         wait_for(lambda: free(file_uri, name), timeout=60, what="the worker's lock to end")
         assert master.poll() is None
         master.stdin.close()
+
+
+# A section whose shell is killed by pid while a step runs: the step must end before the next
+# holder starts. Each step writes when it starts, waits for the test's word, and writes when it
+# ends; the foreground one is a program (its environment carries the token), the background one
+# a subshell (a fork of the shell, which does not).
+SECTION_STEPS = {
+    "foreground": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "sh -c {step}\n"
+    "lockrun release\n",
+    "background": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "( {step_code} ) &\n"
+    "wait\n"
+    "lockrun release\n",
+    "released": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "( {step_code} ) &\n"
+    "lockrun release\n"
+    "wait\n",
+}
+SECTION_STEP = (
+    "date +%s%N > {started}; while [ ! -e {finish} ]; do sleep 0.02; done; date +%s%N > {ended}"
+)
+
+
+def run_section(
+    shell: str, step: str, uri: str, name: str, tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], dict[str, Path]]:
+    """Start a script with a section of *step*; return it and its stamp files once it runs."""
+    files = {what: tmp_path / what for what in ("started", "finish", "ended", "got")}
+    code = SECTION_STEP.format(**{what: shlex.quote(str(path)) for what, path in files.items()})
+    script = SECTION_STEPS[step].format(
+        uri=shlex.quote(uri), name=name, step=shlex.quote(code), step_code=code
+    )
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    # A session of its own, as cron, systemd and a terminal start a script.
+    process = subprocess.Popen([shell, "-c", script], env=env, start_new_session=True)
+    wait_for(files["started"].exists, what="the step to start")
+    return process, files
+
+
+def next_holder(uri: str, name: str, got: Path) -> subprocess.Popen[str]:
+    """Start a run that waits for *name* and stamps *got* once it holds it."""
+    return start(
+        "--uri", uri, "-n", name, "-w", "120", "--", "sh", "-c", f"date +%s%N > {got}"
+    )  # fmt: skip
+
+
+def stamp(path: Path) -> int:
+    """Return the nanoseconds written to *path*."""
+    return int(path.read_text())
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
+@pytest.mark.parametrize("step", ["foreground", "background"])
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_section_outlives_its_killed_shell_until_its_steps_end(
+    shell: str, step: str, signo: int, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """TERM or KILL to the script's shell by pid: the next holder starts after the step ends."""
+    section_killed(shell, step, signo, file_uri, name, tmp_path)
+
+
+@pytest.mark.parametrize("step", ["foreground", "background"])
+def test_a_section_on_a_server_outlives_its_killed_shell(
+    step: str, uri: str, name: str, tmp_path: Path
+) -> None:
+    """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
+    section_killed("bash", step, signal.SIGKILL, uri, name, tmp_path)
+
+
+def section_killed(shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path) -> None:
+    """Kill a section's shell by pid while its step runs; the step ends before the next holder."""
+    script, files = run_section(shell, step, uri, name, tmp_path)
+    script.send_signal(signo)
+    assert script.wait(30) == -signo
+    waiter = next_holder(uri, name, files["got"])
+    # Queued, or (were the lock free) already in: either way, only now may the step end.
+    wait_for(lambda: queue_length(uri, name) == 1 or files["got"].exists(), what="the waiter")
+    files["finish"].touch()
+    assert finish(waiter, timeout=60) == 0
+    wait_for(files["ended"].exists, what="the step to end")
+    assert stamp(files["ended"]) <= stamp(files["got"])
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
+def test_release_in_a_section_releases_at_once_while_a_step_runs(
+    shell: str, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """`lockrun release` is explicit: the next holder starts while the section's step runs."""
+    script, files = run_section(shell, "released", file_uri, name, tmp_path)
+    waiter = next_holder(file_uri, name, files["got"])
+    assert finish(waiter, timeout=60) == 0
+    assert not files["ended"].exists()  # the step still waits for our word
+    files["finish"].touch()
+    assert script.wait(30) == 0
+    assert stamp(files["got"]) <= stamp(files["ended"])

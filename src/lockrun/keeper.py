@@ -1009,6 +1009,32 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             return False
         return True
 
+    def _confirm(self) -> BackendUnavailable | None:
+        """Renew with a round trip to the service; return why it is unconfirmed (None: it is).
+
+        As `Held.renew`, but a doubt is told rather than kept: the renewals every ttl/3
+        decide, as before, when an unconfirmed lease is lost.
+        """
+        held = self.held
+        if held is None:
+            return None
+        sent = now()
+        try:
+            self.lease.refresh()  # bounded by the backend's timeouts, which fit the ttl
+        except TakenOver as err:  # still ours, and proved so
+            held.taken = err
+        except LeaseLost as err:
+            held.lost = err
+        except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
+            return BackendUnavailable(
+                f"{self.name}: the lock service did not confirm the lease now ({err}); the "
+                "keeper holds on and renews, and gives the lock up if that fails for a ttl"
+            )
+        else:
+            held.confirmed = sent
+            self.renew_at = sent + self.every
+        return None
+
     def _lost(self, why: LeaseLost | TakenOver | TimedOut) -> None:
         """Release what is left of the lock; stay a while to tell `release` *why*."""
         with contextlib.suppress(LockrunError):
@@ -1113,8 +1139,15 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             return err.exit_code, f"{self.name}: {err}"
 
     def _renew(self) -> tuple[int, str]:
-        """Prove the lock ours now and count --max-time from now, for `lockrun renew`."""
-        if self.ended is None and self._check(renew=True):
+        """Prove the lock ours now and count --max-time from now, for `lockrun renew`.
+
+        A renewal on the service, now (docs/semantics.md): 0 only once it answered; 69 if
+        it did not (unreachable, partitioned, slow), while the keeper holds on and renews.
+        """
+        doubt = self._confirm() if self.ended is None else None
+        if doubt is not None:
+            return doubt.exit_code, str(doubt)
+        if self.ended is None and self._check(renew=False):
             if self.options.max_time is None:
                 return 0, f"{self.name} is held"
             self.deadline = now() + self.options.max_time

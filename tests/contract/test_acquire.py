@@ -472,7 +472,7 @@ def test_a_section_outlives_its_killed_shell_until_its_steps_end(
 
 
 @pytest.mark.parametrize("step", ["foreground", "background"])
-def test_a_section_on_a_server_outlives_its_killed_shell(
+def test_a_section_on_every_backend_outlives_its_killed_shell(
     step: str, uri: str, name: str, tmp_path: Path
 ) -> None:
     """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
@@ -505,3 +505,20 @@ def test_release_in_a_section_releases_at_once_while_a_step_runs(
     files["finish"].touch()
     assert script.wait(30) == 0
     assert stamp(files["got"]) <= stamp(files["ended"])
+
+
+def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
+    server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """`lockrun renew` in a partition: never 0 (held) without the server; 69, or 76 (lost)."""
+    assert server_harness.proxied is not None
+    token = acquire(server_harness.proxied, name, owner.pid, "--ttl", "10")
+    renewed = lockrun("renew", token)
+    assert (renewed.returncode, renewed.stderr) == (0, "")
+    server_harness.partition()
+    cut = lockrun("renew", token)
+    line = one_line(cut.stderr)
+    if server_harness.backend == "redis":  # a lease: maybe still held on the server, unknown
+        assert (cut.returncode, "did not confirm the lease now" in line) == (69, True), line
+    else:  # a session that timed out is closed: its locks are gone with it
+        assert (cut.returncode, "session holding the lock ended" in line) == (76, True), line

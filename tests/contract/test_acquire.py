@@ -473,14 +473,18 @@ def test_a_section_outlives_its_killed_shell_until_its_steps_end(
 
 @pytest.mark.parametrize("step", ["foreground", "background"])
 def test_a_section_on_every_backend_outlives_its_killed_shell(
-    step: str, uri: str, name: str, tmp_path: Path
+    step: str, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
-    section_killed("bash", step, signal.SIGKILL, uri, name, tmp_path)
+    late = section_killed("bash", step, signal.SIGKILL, uri, name, tmp_path)
+    record("the step's end to the next holder's start", seconds=late)
 
 
-def section_killed(shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path) -> None:
-    """Kill a section's shell by pid while its step runs; the step ends before the next holder."""
+def section_killed(shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path) -> float:
+    """Kill a section's shell by pid while its step runs; the step ends before the next holder.
+
+    Return the seconds from the step's end to the next holder's start.
+    """
     script, files = run_section(shell, step, uri, name, tmp_path)
     script.send_signal(signo)
     assert script.wait(30) == -signo
@@ -491,6 +495,7 @@ def section_killed(shell: str, step: str, signo: int, uri: str, name: str, tmp_p
     assert finish(waiter, timeout=60) == 0
     wait_for(files["ended"].exists, what="the step to end")
     assert stamp(files["ended"]) <= stamp(files["got"])
+    return (stamp(files["got"]) - stamp(files["ended"])) / 1e9
 
 
 @pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from lockrun import UsageError
 from lockrun.keeper import PID_MAX, check_variable, parse_owner, parse_token, watch_owner
 from lockrun.runner import Options
-from tests.support.cli import lockrun, one_line, taken, wait_for
+from tests.support.cli import lockrun, one_line, taken, unmeasured, wait_for
 from tests.support.users import Runner, needs_root
 
 if TYPE_CHECKING:
@@ -356,3 +357,31 @@ def test_var_takes_only_a_portable_name_of_no_meaning(text: str) -> None:
     assert text.isidentifier()
     assert text not in SPECIAL
     assert not text.startswith(("LD_", "BASH", "LC_", "PYTHON")) or text == "LOCKRUN_TOKEN"
+
+
+@needs_root
+def test_another_users_process_with_the_token_does_not_keep_the_lock(
+    mallory: Runner, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """Mallory, with root's token in her environment, keeps nothing once root's script exits."""
+    token_file, go = tmp_path / "token", tmp_path / "go"
+    os.mkfifo(go)
+    script = (
+        f'eval "$(lockrun acquire --uri {file_uri} --owner $$ --export {name})"; '
+        f'echo "$LOCKRUN_TOKEN" > {token_file}.new && mv {token_file}.new {token_file}; '
+        f"read x < {go}"
+    )
+    env = unmeasured() | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    with subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True) as shell:
+        wait_for(token_file.exists, what="the script's token")
+        token = token_file.read_text().strip()
+        holder = mallory.popen(["sleep", "600"], env=mallory.env(LOCKRUN_TOKEN=token))
+        try:
+            assert taken(file_uri, name)
+            go.write_text("go\n")
+            assert shell.wait(30) == 0
+            wait_for(lambda: not taken(file_uri, name), what="the lock to be freed")
+            assert holder.poll() is None
+        finally:
+            holder.kill()
+            holder.wait()

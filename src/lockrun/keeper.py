@@ -943,13 +943,13 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         return self.finished
 
     def _follow_section(self) -> None:
-        """Hold while a process of the section lives (docs/semantics.md); else finish.
+        """Hold, or linger once the lock ended, while the section lives (docs/semantics.md).
 
         Watched through pidfds; looked for again when the last one ends (its children are
         in /proc by then) and every `RESCAN` seconds.
         """
-        if self.held is None or self.section is None:
-            self.finish()  # nothing to keep, or nobody left to ask why
+        if self.section is None:
+            self.finish()  # nobody is left to ask why
             return
         known = set(self.steps.values())
         for pid, start in self.section.members().items():

@@ -423,6 +423,9 @@ SECTION_STEPS = {
     "( {step_code} ) &\n"
     "wait\n"
     "lockrun release\n",
+    "asks": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "sh -c {step}' ; lockrun release 2>/dev/null; echo $? > {status}'\n"
+    "exit\n",  # not the last command: bash -c would exec it in its place
     "released": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
     "( {step_code} ) &\n"
     "lockrun release\n"
@@ -437,10 +440,14 @@ def run_section(
     shell: str, step: str, uri: str, name: str, tmp_path: Path
 ) -> tuple[subprocess.Popen[bytes], dict[str, Path]]:
     """Start a script with a section of *step*; return it and its stamp files once it runs."""
-    files = {what: tmp_path / what for what in ("started", "finish", "ended", "got")}
+    files = {what: tmp_path / what for what in ("started", "finish", "ended", "got", "status")}
     code = SECTION_STEP.format(**{what: shlex.quote(str(path)) for what, path in files.items()})
     script = SECTION_STEPS[step].format(
-        uri=shlex.quote(uri), name=name, step=shlex.quote(code), step_code=code
+        uri=shlex.quote(uri),
+        name=name,
+        step=shlex.quote(code),
+        step_code=code,
+        status=shlex.quote(str(files["status"])),
     )
     env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
     # A session of its own, as cron, systemd and a terminal start a script.
@@ -527,3 +534,18 @@ def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
         assert (cut.returncode, "did not confirm the lease now" in line) == (69, True), line
     else:  # a session that timed out is closed: its locks are gone with it
         assert (cut.returncode, "session holding the lock ended" in line) == (76, True), line
+
+
+def test_a_section_whose_lock_was_taken_over_hears_79_after_its_shell_is_killed(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """The keeper lingers for the section, not only its shell: a step's release is told 79."""
+    script, files = run_section("bash", "asks", file_uri, name, tmp_path)
+    taker = lockrun("--uri", file_uri, "-n", name, "--take-over", "-w", "30", "--", "true")
+    assert taker.returncode == 0, taker.stderr
+    script.send_signal(signal.SIGKILL)
+    assert script.wait(30) == -signal.SIGKILL
+    files["finish"].touch()
+    wait_for(files["status"].exists, what="the step's release")
+    wait_for(lambda: files["status"].read_text().strip(), what="its status")
+    assert files["status"].read_text() == "79\n"

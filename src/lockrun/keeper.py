@@ -465,32 +465,29 @@ class Section(NamedTuple):
     """The processes a script runs under its lock, told apart once its shell is gone.
 
     docs/semantics.md "Holding a lock across steps": as flock(1)'s inherited descriptor, the
-    lock lives while a process of the section lives. Those are the processes started at or
-    after the acquire that (a) are in the owner's process group, where a non-interactive
-    shell runs its foreground and ``&`` steps and subshells, and descend from the owner
-    (their parent is gone, or one of them, up to one of the owner's ancestors, which adopt
-    its orphans); or (b) are our user's and carry the token in their environment, as every
-    program the script ran after ``eval`` does, wherever its group. Other keepers are none.
+    lock lives while a process of the section lives. Those are the live processes started at
+    or after the acquire that (a) are in the owner's process group, where a non-interactive
+    shell runs its foreground and ``&`` steps and subshells: if the owner leads that group,
+    any of them; if the group is its starter's (a CI runner's), only those that init
+    adopted, since the starter's other children may wait for this very lock; or (b) are
+    our user's and carry the token in their environment, as every program the script ran
+    after ``eval`` does, wherever its group. Other keepers are none of them.
     """
 
     group: int
+    leader: bool  # whether the owner leads its group: the script's own, not its starter's
     since: int  # clock ticks after boot: when acquire started
-    ancestors: frozenset[tuple[int, int]]  # (pid, start) of the owner and its ancestors
     token: bytes  # b"=" + the token, as an environment entry ends
 
     @classmethod
     def of(cls, owner: int) -> Section | None:
         """Return the section of *owner* (None if it cannot be read), from acquire's process."""
         me = _stat(os.getpid())
-        ancestors, pid = set(), owner
-        while pid > 0 and (info := _stat(pid)) is not None:
-            ancestors.add((pid, info.start))
-            pid = info.parent
         try:
             group = os.getpgid(owner)
         except OSError:
             return None
-        return None if me is None else cls(group, me.start, frozenset(ancestors), b"")
+        return None if me is None else cls(group, group == owner, me.start, b"")
 
     def members(self) -> dict[int, int]:
         """Return the live processes of the section: pid and start."""
@@ -507,19 +504,17 @@ class Section(NamedTuple):
             and info.state not in {b"Z", b"X"}  # exited, not yet reaped
             and info.name != KEEPER_NAME
             and (
-                (info.group == self.group and self._adopted(info, processes))
+                (info.group == self.group and (self.leader or self._orphaned(info, processes)))
                 or self._carries_token(pid)
             )
         }
 
-    def _adopted(self, info: _Stat, processes: dict[int, _Stat]) -> bool:
-        """Whether *info* descends from the owner: started since, up to an ancestor of it."""
+    def _orphaned(self, info: _Stat, processes: dict[int, _Stat]) -> bool:
+        """Whether *info*, or its oldest ancestor started since the acquire, init adopted."""
         for _ in range(len(processes)):
             parent = processes.get(info.parent)
-            if parent is None:
-                return False
-            if parent.start < self.since:
-                return (info.parent, parent.start) in self.ancestors
+            if parent is None or parent.start < self.since:
+                return info.parent == 1
             info = parent
         return False
 

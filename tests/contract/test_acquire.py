@@ -437,9 +437,13 @@ SECTION_STEP = (
 
 
 def run_section(
-    shell: str, step: str, uri: str, name: str, tmp_path: Path
+    shell: str, step: str, uri: str, name: str, tmp_path: Path, *, session: bool = True
 ) -> tuple[subprocess.Popen[bytes], dict[str, Path]]:
-    """Start a script with a section of *step*; return it and its stamp files once it runs."""
+    """Start a script with a section of *step*; return it and its stamp files once it runs.
+
+    With *session*, in a session of its own, as cron, systemd and a terminal start a script;
+    else in the test's process group, as some CI runners do.
+    """
     files = {what: tmp_path / what for what in ("started", "finish", "ended", "got", "status")}
     code = SECTION_STEP.format(**{what: shlex.quote(str(path)) for what, path in files.items()})
     script = SECTION_STEPS[step].format(
@@ -450,8 +454,7 @@ def run_section(
         status=shlex.quote(str(files["status"])),
     )
     env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
-    # A session of its own, as cron, systemd and a terminal start a script.
-    process = subprocess.Popen([shell, "-c", script], env=env, start_new_session=True)
+    process = subprocess.Popen([shell, "-c", script], env=env, start_new_session=session)
     wait_for(files["started"].exists, what="the step to start")
     return process, files
 
@@ -479,20 +482,31 @@ def test_a_section_outlives_its_killed_shell_until_its_steps_end(
 
 
 @pytest.mark.parametrize("step", ["foreground", "background"])
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
 def test_a_section_on_every_backend_outlives_its_killed_shell(
-    step: str, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
+    step: str, signo: int, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
-    late = section_killed("bash", step, signal.SIGKILL, uri, name, tmp_path)
+    late = section_killed("bash", step, signo, uri, name, tmp_path)
     record("the step's end to the next holder's start", seconds=late)
 
 
-def section_killed(shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path) -> float:
+@pytest.mark.parametrize("step", ["foreground", "background"])
+def test_a_section_in_its_starters_group_outlives_its_killed_shell(
+    step: str, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """A script in the group of what started it (a CI runner's): its steps keep its lock too."""
+    section_killed("bash", step, signal.SIGKILL, file_uri, name, tmp_path, session=False)
+
+
+def section_killed(
+    shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path, *, session: bool = True
+) -> float:
     """Kill a section's shell by pid while its step runs; the step ends before the next holder.
 
     Return the seconds from the step's end to the next holder's start.
     """
-    script, files = run_section(shell, step, uri, name, tmp_path)
+    script, files = run_section(shell, step, uri, name, tmp_path, session=session)
     script.send_signal(signo)
     assert script.wait(30) == -signo
     waiter = next_holder(uri, name, files["got"])

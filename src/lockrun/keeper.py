@@ -946,6 +946,8 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         if self.section is None:
             self.finish()  # nobody is left to ask why
             return
+        for fd in [fd for fd in self.steps if _readable([fd])]:  # ended, event or not
+            self._unwatch_step(fd)
         known = set(self.steps.values())
         for pid, start in self.section.members().items():
             if pid in known:
@@ -959,6 +961,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
                 os.close(pidfd)
                 continue
             self.steps[pidfd] = pid
+            self.watched.pop(pidfd, None)  # a number a closed session had: not it any more
             self._watch(pidfd, "step", select.EPOLLIN)
         if self.steps:
             self.rescan_at = now() + RESCAN

@@ -64,7 +64,34 @@ _TOKEN: Final = re.compile(
 MAX_UID: Final = 2**32 - 2  # (uid_t) -1 is no user
 _DOOR: Final = b"\0lockrun-keeper/"  # + the keeper id: one abstract name per keeper
 _PID: Final = re.compile(r"[0-9]{1,10}", re.ASCII)
+# The shells that fork subshells for `$(…)`, by executable (busybox: its ash).
+_SHELL: Final = re.compile(r"(ba|da|z|k|mk|pdk|a|y|po)?sh[0-9.]*|ksh93|busybox", re.ASCII)
 _VARIABLE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# Variables a shell (POSIX "Shell Variables", bash(1), zsh's zshparam(1) including its
+# lower-case tied arrays, ksh), the dynamic loader (ld.so(8)), libc, Python or lockrun
+# give a meaning, or keep read-only: `--var` may not name them (check_variable).
+_SPECIAL: Final = frozenset(
+    """_ ENV HOME IFS PATH CDPATH FCEDIT LANG LINENO MAIL MAILCHECK MAILPATH NLSPATH OLDPWD
+    OPTARG OPTERR OPTIND PPID PS0 PS1 PS2 PS3 PS4 PWD SHELL SHELLOPTS TERM TMOUT TMPDIR TZ
+    UID EUID GID EGID GROUPS HOST HOSTNAME HOSTTYPE MACHTYPE OSTYPE CPUTYPE VENDOR RANDOM
+    SECONDS SRANDOM EPOCHREALTIME EPOCHSECONDS PROMPT_COMMAND POSIXLY_CORRECT GLOBIGNORE
+    FIGNORE INPUTRC EXECIGNORE DIRSTACK FUNCNEST COLUMNS LINES FPATH MANPATH MODULE_PATH ZDOTDIR
+    PROMPT PROMPT2 PROMPT3 PROMPT4 RPROMPT RPS1 SPROMPT PSVAR NULLCMD READNULLCMD TIMEFMT
+    KEYTIMEOUT KEYBOARD_HACK WORDCHARS LISTMAX SAVEHIST TMPPREFIX WATCH TTY TTYIDLE ARGC
+    ARGV0 ERRNO TRY_BLOCK_ERROR TRY_BLOCK_INTERRUPT USERNAME LOGNAME USER SHLVL VISUAL
+    EDITOR PAGER GCONV_PATH GETCONF_DIR HOSTALIASES LOCALDOMAIN RES_OPTIONS TZDIR
+    SSL_CERT_FILE SSL_CERT_DIR REQUESTS_CA_BUNDLE CREDENTIALS_DIRECTORY NOTIFY_SOCKET
+    path cdpath fpath manpath mailpath module_path fignore psvar watch argv status
+    pipestatus prompt histchars signals options parameters commands functions
+    functions_source aliases galiases saliases builtins modules jobstates jobtexts jobdirs
+    dirstack history historywords userdirs usergroups nameddirs reswords widgets keymaps
+    funcstack functrace funcfiletrace funcsourcetrace zsh_eval_context zsh_scheduled_events
+    patchars termcap terminfo""".split()  # noqa: SIM905 - a table of words, not 140 quoted
+)
+_SPECIAL_PREFIXES: Final = (
+    "BASH", "ZSH", "KSH", "LD_", "LC_", "MALLOC_", "GLIBC_", "PYTHON", "LOCKRUN_", "HIST",
+    "COMP_", "READLINE", "SUDO_", "PG", "MYSQL", "SYSTEMD_", "dis_",
+)  # fmt: skip
 MAX_REQUEST: Final = 64  # "release " + a secret, with room; anything longer is junk
 MAX_REPLY: Final = 1024
 _REPLIES: Final = {
@@ -83,6 +110,10 @@ CLIENTS: Final = 8  # connections served at once; more are hung up on
 LINGER: Final = 3600.0  # how long a keeper whose lock ended waits to tell why
 PID_MAX: Final = 2**22  # the kernel's PID_MAX_LIMIT
 _PR_SET_PDEATHSIG: Final = 1  # prctl(2)
+_PF_KTHREAD: Final = 0x00200000  # include/linux/sched.h: a kernel thread
+_PR_SET_NAME: Final = 15  # prctl(2)
+KEEPER_NAME: Final = b"lockrun-keeper"  # its comm, for ps(1) and so sections skip keepers
+RESCAN: Final = 1.0  # how often a keeper whose owner is gone looks for new section processes
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -124,27 +155,55 @@ def parse_token(text: object) -> Token:
 def default_owner() -> int:
     """Return the process `acquire` belongs to: its parent, unless that is a subshell.
 
-    A subshell is a forked copy of its own parent, the same program with the same command
+    A subshell is a shell's forked copy of itself, the same program with the same command
     line and environment: bash forks one for ``$(lockrun acquire … 2>/dev/null)``, dash
     and zsh for a pipeline or a function's ``$(…)``. It exits as soon as `acquire` does,
-    so the owner is the shell it was forked from.
+    so the owner is the shell it was forked from. Only a shell's copy is skipped: a
+    worker forked by a Python master (multiprocessing, gunicorn) is a copy too, and owns
+    its lock, which must end with it.
     """
     owner = os.getppid()
     while owner > 1 and (parent := _parent(owner)) > 1:
         image = _image(owner)
-        if image is None or image != _image(parent):
+        if (
+            image is None
+            or image != _image(parent)
+            or not _SHELL.fullmatch(os.path.basename(image[0]))
+        ):
             break
         owner = parent
     return owner
 
 
-def _parent(pid: int) -> int:
-    """Return the parent of *pid* (0 if it cannot be read)."""
+class _Stat(NamedTuple):
+    """What proc(5)'s /proc/PID/stat says of a process that the section needs."""
+
+    name: bytes  # comm
+    state: bytes
+    parent: int
+    group: int
+    flags: int
+    start: int  # clock ticks after boot
+
+
+def _stat(pid: int) -> _Stat | None:
+    """Return /proc/*pid*/stat, None if it cannot be read (the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            return int(stat_file.read().rpartition(b")")[2].split()[1])
+            head, _, tail = stat_file.read().rpartition(b")")
+        fields = tail.split()
+        return _Stat(
+            head.partition(b"(")[2], fields[0], int(fields[1]), int(fields[2]),
+            int(fields[6]), int(fields[19]),
+        )  # fmt: skip
     except (OSError, ValueError, IndexError):
-        return 0
+        return None
+
+
+def _parent(pid: int) -> int:
+    """Return the parent of *pid* (0 if it cannot be read)."""
+    info = _stat(pid)
+    return 0 if info is None else info.parent
 
 
 def _image(pid: int) -> tuple[str, bytes, bytes] | None:
@@ -175,9 +234,20 @@ def parse_owner(text: str) -> int | None:
 
 
 def check_variable(name: str) -> str:
-    """Return *name* if it is a shell variable name (``--var``)."""
+    """Return *name* if ``eval`` may set it (``--var``): a portable name with no other meaning.
+
+    `acquire --export` is eval'd by a shell, and the variable is exported to every later
+    step: a name that a shell, the loader, Python or lockrun itself reads (PATH, IFS,
+    LD_PRELOAD, zsh's tied ``path``, a read-only ``UID``) would change what runs next.
+    """
     if not _VARIABLE.fullmatch(name):
         msg = f"--var takes a shell variable name ([A-Za-z_][A-Za-z0-9_]*), not {name!r}"
+        raise UsageError(msg)
+    if name in _SPECIAL or (name.startswith(_SPECIAL_PREFIXES) and name != "LOCKRUN_TOKEN"):
+        msg = (
+            f"--var {name}: a shell, the loader or lockrun gives that variable a meaning; "
+            "name one of your own (such as DEPLOY_LOCK)"
+        )
         raise UsageError(msg)
     return name
 
@@ -302,9 +372,16 @@ def open_env_file(path: str) -> int:
     finally:
         os.close(directory)
     info = os.fstat(fd)
+    problem = None
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        problem = "not a regular file with one name"
+    elif info.st_uid not in {os.geteuid(), 0}:
+        # As --uri-file's rule (docs/security.md): a file another user made (in /tmp, say)
+        # is theirs to read, and to feed to whoever evaluates it next.
+        problem = f"owned by {_user(info.st_uid)}, not by you or root"
+    if problem is not None:
         os.close(fd)
-        msg = f"--env-file {path}: not a regular file with one name; refusing to write to it"
+        msg = f"--env-file {path}: {problem}; refusing to write to it"
         raise ConfigError(msg)
     return fd
 
@@ -326,16 +403,13 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
     """Return a pidfd of the *owner* process (None for none), checking the time bound.
 
     Opened now, in the process that the owner started: a pidfd names that process, never
-    a later one that reuses its pid.
+    a later one that reuses its pid. An owner that never exits bounds nothing: as
+    ``--owner none``, it needs --max-time.
     """
-    if owner is None or owner == 1:
+    if owner is None:
         if options.max_time is None:
-            who = "--owner none" if owner is None else "the owner, pid 1, never exits: it"
-            msg = (
-                f"{who} holds the lock until it is released; give --max-time too, so that "
-                "a lost token cannot hold it forever"
-            )
-            raise UsageError(msg)
+            who = "--owner none"
+            raise _unbounded(who)
         return None
     try:
         pidfd = os.pidfd_open(owner)
@@ -345,11 +419,114 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
     except OSError as err:  # pragma: no cover - ENOSYS: Linux before 5.3
         msg = f"--owner {owner}: cannot watch it: {err.strerror}"
         raise ConfigError(msg) from None
+    never = _never_exits(owner)  # read after the pidfd: still that process if it lives
     if _readable([pidfd]):  # it exited already
         os.close(pidfd)
         msg = f"--owner {owner}: that process has exited"
         raise UsageError(msg)
+    if never is not None and options.max_time is None:
+        os.close(pidfd)
+        raise _unbounded(f"the owner, pid {owner}, {never}: it")
     return pidfd
+
+
+def _unbounded(who: str) -> UsageError:
+    """Return the error of an acquire that only `release` would end: *who* holds it."""
+    return UsageError(
+        f"{who} holds the lock until it is released; give --max-time too, so that "
+        "a lost token cannot hold it forever"
+    )
+
+
+def _never_exits(pid: int) -> str | None:
+    """Say why *pid* never exits in practice (init, a kernel thread, a namespace's init).
+
+    proc(5): a kernel thread has PF_KTHREAD in its flags and kthreadd (pid 2) or no
+    parent; the last NSpid of a process is its pid in its own namespace, 1 for an init.
+    """
+    if pid == 1:
+        return "init, which never exits"
+    info = _stat(pid)
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status_file:
+            nspids = [line.split()[1:] for line in status_file if line.startswith(b"NSpid:")]
+    except OSError:
+        return None  # gone: pidfd_open says so
+    if info is None:
+        return None
+    if info.flags & _PF_KTHREAD or info.parent in {0, 2}:
+        return "a kernel thread, which never exits"
+    if nspids and nspids[0][-1:] == [b"1"]:
+        return "the init of a pid namespace, which never exits before the namespace ends"
+    return None
+
+
+class Section(NamedTuple):
+    """The processes a script runs under its lock, told apart once its shell is gone.
+
+    docs/semantics.md "Holding a lock across steps": as flock(1)'s inherited descriptor, the
+    lock lives while a process of the section lives. Those are the live processes started at
+    or after the acquire that (a) are in the owner's process group, where a non-interactive
+    shell runs its foreground and ``&`` steps and subshells: if the owner leads that group,
+    any of them; if the group is its starter's (a CI runner's), only those that init
+    adopted, since the starter's other children may wait for this very lock; or (b) are
+    our user's and carry the token in their environment, as every program the script ran
+    after ``eval`` does, wherever its group. Other keepers are none of them.
+    """
+
+    group: int
+    leader: bool  # whether the owner leads its group: the script's own, not its starter's
+    since: int  # clock ticks after boot: when acquire started
+    token: bytes  # b"=" + the token, as an environment entry ends
+
+    @classmethod
+    def of(cls, owner: int) -> Section | None:
+        """Return the section of *owner* (None if it cannot be read), from acquire's process."""
+        me = _stat(os.getpid())
+        try:
+            group = os.getpgid(owner)
+        except OSError:
+            return None
+        return None if me is None else cls(group, group == owner, me.start, b"")
+
+    def members(self) -> dict[int, int]:
+        """Return the live processes of the section: pid and start."""
+        processes: dict[int, _Stat] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (info := _stat(int(entry))) is not None:
+                processes[int(entry)] = info
+        me = os.getpid()
+        return {
+            pid: info.start
+            for pid, info in processes.items()
+            if pid != me
+            and info.start >= self.since
+            and info.state not in {b"Z", b"X"}  # exited, not yet reaped
+            and info.name != KEEPER_NAME
+            and (
+                (info.group == self.group and (self.leader or self._orphaned(info, processes)))
+                or self._carries_token(pid)
+            )
+        }
+
+    def _orphaned(self, info: _Stat, processes: dict[int, _Stat]) -> bool:
+        """Whether *info*, or its oldest ancestor started since the acquire, init adopted."""
+        for _ in range(len(processes)):
+            parent = processes.get(info.parent)
+            if parent is None or parent.start < self.since:
+                return info.parent == 1
+            info = parent
+        return False
+
+    def _carries_token(self, pid: int) -> bool:
+        """Whether *pid*, ours, has the token in its environment."""
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                return False
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                return any(entry.endswith(self.token) for entry in environ.read().split(b"\0"))
+        except OSError:
+            return False
 
 
 def acquire(
@@ -373,6 +550,7 @@ def acquire(
     name = check_name(options.name or "")
     check_name(options.namespace, "namespace")
     pidfd = watch_owner(owner, options)
+    section = None if owner is None else Section.of(owner)  # while the owner surely lives
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     # No handler of ours may run in the child before its own are set (_interruptible).
@@ -382,7 +560,7 @@ def acquire(
         ours.close()
         for fd in private:
             os.close(fd)
-        keeper = _Child(options, uri, _Parent(parent, theirs, saved), owner, pidfd)
+        keeper = _Child(options, uri, _Parent(parent, theirs, saved), owner, pidfd, section)
         return keeper.run(log=log, live=live)
     theirs.close()
     if pidfd is not None:
@@ -470,13 +648,20 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
     """The forked keeper: wait for the lock, hand the token over, detach and hold it."""
 
     def __init__(
-        self, options: Options, uri: LockURI, parent: _Parent, owner: int | None, pidfd: int | None
+        self,
+        options: Options,
+        uri: LockURI,
+        parent: _Parent,
+        owner: int | None,
+        pidfd: int | None,
+        section: Section | None,
     ) -> None:
         self.options = options
         self.uri = uri
         self.parent = parent
         self.owner = owner  # the pid, for the record
         self.pidfd = pidfd
+        self.section = section
 
     def run(self, *, log: Callable[[str], None], live: Callable[[str], None] | None) -> int:
         """Take the lock, then keep it until something ends the keeper; return its status."""
@@ -485,6 +670,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         verbose = log if options.verbose else _quiet
         os.setpgid(0, 0)  # our own group: a Ctrl-C reaches the parent, which passes it on once
         _die_with(self.parent.pid)
+        _prctl(_PR_SET_NAME, KEEPER_NAME)
         _close_inherited({self.parent.link.fileno(), *([self.pidfd] if self.pidfd else [])})
         owner = "none" if self.owner is None else str(self.owner)
         request = Request(
@@ -521,7 +707,7 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
                 f"after {format_duration(now() - started)}{fence}"
             )
             try:
-                keeper = _Keeper(options, request, lease, self.pidfd, verbose)
+                keeper = _Keeper(options, request, lease, self.pidfd, verbose, self.section)
             except BaseException:  # no door: nobody could release it
                 _release(lease, request, now(), 0.0, verbose)
                 raise
@@ -584,12 +770,16 @@ def _die_with(parent: int | None) -> None:  # pragma: no cover - runs in the kee
     While the keeper waits, a parent killed with SIGKILL must not leave it waiting, or
     holding a lock whose token nobody received.
     """
-    import ctypes  # noqa: PLC0415 - only keepers pay for it
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM, 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM)
     if parent is not None and os.getppid() != parent:  # it died before the prctl
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _prctl(option: int, argument: int | bytes) -> None:  # pragma: no cover - in the keeper
+    """Call prctl(2) with one argument (bytes: a C string)."""
+    import ctypes  # noqa: PLC0415 - only keepers pay for it
+
+    ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0)
 
 
 def _close_inherited(keep: set[int]) -> None:  # pragma: no cover - runs in the keeper
@@ -658,6 +848,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         lease: Lease,
         pidfd: int | None,
         verbose: Callable[[str], None],
+        section: Section | None,
     ) -> None:
         self.options = options
         self.request = request
@@ -679,6 +870,10 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         self.watched: dict[int, str] = {}  # fd: what it is
         self.epoll = select.epoll()
         self.token, self.door = _open_door()
+        token = f"={self.token}".encode()
+        self.section = None if section is None else section._replace(token=token)
+        self.steps: dict[int, int] = {}  # pidfd: pid, of the section once the owner is gone
+        self.rescan_at: float | None = None  # when to look for more of them
 
     def run(self) -> None:
         """Hold the lock and serve the door until something ends the keeper."""
@@ -710,6 +905,8 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
 
     def _timeout(self) -> float:
         timers = [client.deadline for client in self.clients.values()]
+        if self.rescan_at is not None:
+            timers.append(self.rescan_at)
         if self.held is not None:
             timers.append(self.renew_at)
             if self.deadline is not None:
@@ -727,7 +924,12 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         elif what == "signals":
             self.end_on_signals()
         elif what == "owner":
-            self.finish()  # the script is gone: nobody is left to ask why
+            self._unwatch("owner")
+            self._follow_section()  # the script's shell is gone: its steps may not be
+        elif what == "step":
+            self._unwatch_step(fd)
+            if not self.steps:
+                self._follow_section()
         elif what == "session" and _hung_up(self.lease.sessions):
             lost = "the session holding the lock ended (the server hung up); its locks are gone"
             self._lost(LeaseLost(lost))
@@ -735,8 +937,49 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._check(renew=False)  # check() renews if the bell is still readable
         return self.finished
 
+    def _follow_section(self) -> None:
+        """Hold, or linger once the lock ended, while the section lives (docs/semantics.md).
+
+        Watched through pidfds; looked for again when the last one ends (its children are
+        in /proc by then) and every `RESCAN` seconds.
+        """
+        if self.section is None:
+            self.finish()  # nobody is left to ask why
+            return
+        for fd in [fd for fd in self.steps if _readable([fd])]:  # ended, event or not
+            self._unwatch_step(fd)
+        known = set(self.steps.values())
+        for pid, start in self.section.members().items():
+            if pid in known:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:  # gone already
+                continue
+            info = _stat(pid)  # read after the pidfd: still that process if it lives
+            if info is None or info.start != start or _readable([pidfd]):
+                os.close(pidfd)
+                continue
+            self.steps[pidfd] = pid
+            self.watched.pop(pidfd, None)  # a number a closed session had: not it any more
+            self._watch(pidfd, "step", select.EPOLLIN)
+        if self.steps:
+            self.rescan_at = now() + RESCAN
+        else:
+            self.rescan_at = None
+            self.finish()
+
+    def _unwatch_step(self, fd: int) -> None:
+        del self.steps[fd]
+        del self.watched[fd]
+        with contextlib.suppress(OSError):
+            self.epoll.unregister(fd)
+        os.close(fd)
+
     def _tick(self) -> None:
         current = now()
+        if self.rescan_at is not None and current >= self.rescan_at and not self.finished:
+            self._follow_section()
         for fd, client in list(self.clients.items()):
             if current >= client.deadline:
                 self._hang_up(fd)
@@ -763,6 +1006,32 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._lost(err)
             return False
         return True
+
+    def _confirm(self) -> BackendUnavailable | None:
+        """Renew with a round trip to the service; return why it is unconfirmed (None: it is).
+
+        As `Held.renew`, but a doubt is told rather than kept: the renewals every ttl/3
+        decide, as before, when an unconfirmed lease is lost.
+        """
+        held = self.held
+        if held is None:
+            return None
+        sent = now()
+        try:
+            self.lease.refresh()  # bounded by the backend's timeouts, which fit the ttl
+        except TakenOver as err:  # still ours, and proved so
+            held.taken = err
+        except LeaseLost as err:
+            held.lost = err
+        except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
+            return BackendUnavailable(
+                f"{self.name}: the lock service did not confirm the lease now ({err}); the "
+                "keeper holds on and renews, and gives the lock up if that fails for a ttl"
+            )
+        else:
+            held.confirmed = sent
+            self.renew_at = sent + self.every
+        return None
 
     def _lost(self, why: LeaseLost | TakenOver | TimedOut) -> None:
         """Release what is left of the lock; stay a while to tell `release` *why*."""
@@ -868,8 +1137,15 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             return err.exit_code, f"{self.name}: {err}"
 
     def _renew(self) -> tuple[int, str]:
-        """Prove the lock ours now and count --max-time from now, for `lockrun renew`."""
-        if self.ended is None and self._check(renew=True):
+        """Prove the lock ours now and count --max-time from now, for `lockrun renew`.
+
+        A renewal on the service, now (docs/semantics.md): 0 only once it answered; 69 if
+        it did not (unreachable, partitioned, slow), while the keeper holds on and renews.
+        """
+        doubt = self._confirm() if self.ended is None else None
+        if doubt is not None:
+            return doubt.exit_code, str(doubt)
+        if self.ended is None and self._check(renew=False):
             if self.options.max_time is None:
                 return 0, f"{self.name} is held"
             self.deadline = now() + self.options.max_time
@@ -883,6 +1159,8 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._give_back(keep_window=True)
         for fd in list(self.clients):
             self._hang_up(fd)
+        for fd in list(self.steps):
+            self._unwatch_step(fd)
         self.door.close()
         self.epoll.close()
 

@@ -371,3 +371,195 @@ def test_a_shell_started_by_a_shell_of_the_same_command_line_owns_its_lock(
     finally:
         os.killpg(outer.pid, signal.SIGKILL)
         outer.wait()
+
+
+# A pre-fork master (multiprocessing, gunicorn) whose worker takes a lock and exits; the
+# master lives on, reading stdin, until the test closes it.
+FORKED_WORKER = """
+import multiprocessing, os, subprocess, sys
+def work():
+    lockrun = [sys.executable, "-m", "lockrun", *sys.argv[2:]]
+    return subprocess.run(lockrun, stdout=subprocess.DEVNULL, check=False).returncode
+if __name__ == "__main__":
+    if sys.argv[1] == "multiprocessing":
+        worker = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(work()))
+        worker.start()
+        worker.join()
+        status = worker.exitcode
+    else:
+        child = os.fork()
+        if child == 0:
+            os._exit(work())
+        status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    print(status, flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("fork", ["multiprocessing", "os.fork"])
+def test_a_forked_worker_owns_its_lock(fork: str, file_uri: str, name: str) -> None:
+    """A worker forked by a Python master is no subshell: its lock ends with it, not the master."""
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKED_WORKER, fork, "acquire", "--uri", file_uri, name],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=unmeasured(),
+    ) as master:  # fmt: skip
+        assert master.stdin is not None
+        assert master.stdout is not None
+        assert master.stdout.readline() == "0\n"  # the worker took the lock and exited
+        wait_for(lambda: free(file_uri, name), timeout=60, what="the worker's lock to end")
+        assert master.poll() is None
+        master.stdin.close()
+
+
+# A section whose shell is killed by pid while a step runs: the step must end before the next
+# holder starts. Each step writes when it starts, waits for the test's word, and writes when it
+# ends; the foreground one is a program (its environment carries the token), the background one
+# a subshell (a fork of the shell, which does not).
+SECTION_STEPS = {
+    "foreground": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "sh -c {step}\n"
+    "lockrun release\n",
+    "background": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "( {step_code} ) &\n"
+    "wait\n"
+    "lockrun release\n",
+    "asks": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "sh -c {step}' ; lockrun release 2>/dev/null; echo $? > {status}'\n"
+    "exit\n",  # not the last command: bash -c would exec it in its place
+    "released": 'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "( {step_code} ) &\n"
+    "lockrun release\n"
+    "wait\n",
+}
+SECTION_STEP = (
+    "date +%s%N > {started}; while [ ! -e {finish} ]; do sleep 0.02; done; date +%s%N > {ended}"
+)
+
+
+def run_section(
+    shell: str, step: str, uri: str, name: str, tmp_path: Path, *, session: bool = True
+) -> tuple[subprocess.Popen[bytes], dict[str, Path]]:
+    """Start a script with a section of *step*; return it and its stamp files once it runs.
+
+    With *session*, in a session of its own, as cron, systemd and a terminal start a script;
+    else in the test's process group, as some CI runners do.
+    """
+    files = {what: tmp_path / what for what in ("started", "finish", "ended", "got", "status")}
+    code = SECTION_STEP.format(**{what: shlex.quote(str(path)) for what, path in files.items()})
+    script = SECTION_STEPS[step].format(
+        uri=shlex.quote(uri),
+        name=name,
+        step=shlex.quote(code),
+        step_code=code,
+        status=shlex.quote(str(files["status"])),
+    )
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    process = subprocess.Popen([shell, "-c", script], env=env, start_new_session=session)
+    wait_for(files["started"].exists, what="the step to start")
+    return process, files
+
+
+def next_holder(uri: str, name: str, got: Path) -> subprocess.Popen[str]:
+    """Start a run that waits for *name* and stamps *got* once it holds it."""
+    return start(
+        "--uri", uri, "-n", name, "-w", "120", "--", "sh", "-c", f"date +%s%N > {got}"
+    )  # fmt: skip
+
+
+def stamp(path: Path) -> int:
+    """Return the nanoseconds written to *path*."""
+    return int(path.read_text())
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
+@pytest.mark.parametrize("step", ["foreground", "background"])
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_section_outlives_its_killed_shell_until_its_steps_end(
+    shell: str, step: str, signo: int, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """TERM or KILL to the script's shell by pid: the next holder starts after the step ends."""
+    section_killed(shell, step, signo, file_uri, name, tmp_path)
+
+
+@pytest.mark.parametrize("step", ["foreground", "background"])
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_section_on_every_backend_outlives_its_killed_shell(
+    step: str, signo: int, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
+    late = section_killed("bash", step, signo, uri, name, tmp_path)
+    record("the step's end to the next holder's start", seconds=late)
+
+
+@pytest.mark.parametrize("step", ["foreground", "background"])
+def test_a_section_in_its_starters_group_outlives_its_killed_shell(
+    step: str, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """A script in the group of what started it (a CI runner's): its steps keep its lock too."""
+    section_killed("bash", step, signal.SIGKILL, file_uri, name, tmp_path, session=False)
+
+
+def section_killed(
+    shell: str, step: str, signo: int, uri: str, name: str, tmp_path: Path, *, session: bool = True
+) -> float:
+    """Kill a section's shell by pid while its step runs; the step ends before the next holder.
+
+    Return the seconds from the step's end to the next holder's start.
+    """
+    script, files = run_section(shell, step, uri, name, tmp_path, session=session)
+    script.send_signal(signo)
+    assert script.wait(30) == -signo
+    waiter = next_holder(uri, name, files["got"])
+    # Queued, or (were the lock free) already in: either way, only now may the step end.
+    wait_for(lambda: queue_length(uri, name) == 1 or files["got"].exists(), what="the waiter")
+    files["finish"].touch()
+    assert finish(waiter, timeout=60) == 0
+    wait_for(files["ended"].exists, what="the step to end")
+    assert stamp(files["ended"]) <= stamp(files["got"])
+    return (stamp(files["got"]) - stamp(files["ended"])) / 1e9
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
+def test_release_in_a_section_releases_at_once_while_a_step_runs(
+    shell: str, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """`lockrun release` is explicit: the next holder starts while the section's step runs."""
+    script, files = run_section(shell, "released", file_uri, name, tmp_path)
+    waiter = next_holder(file_uri, name, files["got"])
+    assert finish(waiter, timeout=60) == 0
+    assert not files["ended"].exists()  # the step still waits for our word
+    files["finish"].touch()
+    assert script.wait(30) == 0
+    assert stamp(files["got"]) <= stamp(files["ended"])
+
+
+def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
+    server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """`lockrun renew` in a partition: never 0 (held) without the server; 69, or 76 (lost)."""
+    assert server_harness.proxied is not None
+    token = acquire(server_harness.proxied, name, owner.pid, "--ttl", "10")
+    renewed = lockrun("renew", token)
+    assert (renewed.returncode, renewed.stderr) == (0, "")
+    server_harness.partition()
+    cut = lockrun("renew", token)
+    line = one_line(cut.stderr)
+    if server_harness.backend == "redis":  # a lease: maybe still held on the server, unknown
+        assert (cut.returncode, "did not confirm the lease now" in line) == (69, True), line
+    else:  # a session that timed out is closed: its locks are gone with it
+        assert (cut.returncode, "session holding the lock ended" in line) == (76, True), line
+
+
+def test_a_section_whose_lock_was_taken_over_hears_79_after_its_shell_is_killed(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """The keeper lingers for the section, not only its shell: a step's release is told 79."""
+    script, files = run_section("bash", "asks", file_uri, name, tmp_path)
+    taker = lockrun("--uri", file_uri, "-n", name, "--take-over", "-w", "30", "--", "true")
+    assert taker.returncode == 0, taker.stderr
+    script.send_signal(signal.SIGKILL)
+    assert script.wait(30) == -signal.SIGKILL
+    files["finish"].touch()
+    wait_for(files["status"].exists, what="the step's release")
+    wait_for(lambda: files["status"].read_text().strip(), what="its status")
+    assert files["status"].read_text() == "79\n"

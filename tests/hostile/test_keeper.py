@@ -8,21 +8,26 @@ heard, and the files an attacker pointed root at (docs/security.md: a keeper's d
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lockrun import UsageError
-from lockrun.keeper import PID_MAX, parse_owner, parse_token, watch_owner
+from lockrun.keeper import PID_MAX, check_variable, parse_owner, parse_token, watch_owner
 from lockrun.runner import Options
-from tests.support.cli import lockrun, one_line, taken, wait_for
+from tests.support.cli import lockrun, one_line, taken, unmeasured, wait_for
 from tests.support.users import Runner, needs_root
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
 PRECIOUS = "precious: root's file\n"
 
@@ -206,11 +211,11 @@ def test_an_owner_that_is_no_process_is_a_usage_error(file_uri: str, name: str) 
 
 
 @needs_root
-@pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink", "parent"])
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "hardlink", "parent", "owned"])
 def test_an_env_file_another_user_planted_is_refused(
     mallory: Runner, shared: Path, tmp_path: Path, file_uri: str, name: str, planted: str
 ) -> None:
-    """--env-file through mallory's symlink, FIFO or symlinked directory, or a 2nd link: 78."""
+    """--env-file through mallory's symlink, FIFO, directory or own file, or a 2nd link: 78."""
     precious = tmp_path / "precious"
     precious.write_text(PRECIOUS)
     env_file = shared / "env"
@@ -220,13 +225,18 @@ def test_an_env_file_another_user_planted_is_refused(
         assert mallory.run(["mkfifo", str(env_file)]).returncode == 0
     elif planted == "hardlink":  # mallory may not link root's files: root's own second name
         os.link(precious, env_file)
+    elif planted == "owned":  # hers, writable by anyone, in the sticky directory: she reads it
+        made = mallory.run(["sh", "-c", f"umask 0 && echo 'EARLIER=1' > {env_file}"])
+        assert made.returncode == 0
+        precious = env_file
     else:
         assert mallory.run(["ln", "-s", str(tmp_path), str(shared / "dir")]).returncode == 0
         env_file = shared / "dir" / "precious"
+    before = precious.read_text()
     result = lockrun("acquire", "--uri", file_uri, "--env-file", str(env_file), name, timeout=15)
     assert (result.returncode, result.stdout) == (78, "")
     assert "--env-file" in one_line(result.stderr)
-    assert precious.read_text() == PRECIOUS
+    assert precious.read_text() == before
     assert not taken(file_uri, name)
 
 
@@ -246,3 +256,132 @@ def test_the_env_file_gets_one_line_appended(
     variable, token = line.split("=")
     assert variable == "DEPLOY_LOCK"
     wait_for(lambda: lockrun("release", token).returncode == 0, what="the release")
+
+
+def kernel_thread() -> int:
+    """Return the pid of a kernel thread other than kthreadd (pid 2)."""
+    for entry in sorted(os.listdir("/proc"), key=lambda e: (len(e), e)):
+        if entry.isdigit() and int(entry) > 2:  # past init and kthreadd
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+                if int(stat.rpartition(b")")[2].split()[1]) == 2:  # kthreadd's
+                    return int(entry)
+    pytest.skip("no kernel thread is visible here (a pid namespace of its own)")
+
+
+@contextlib.contextmanager
+def namespace_init() -> Iterator[int]:
+    """Yield the pid (here) of a process that is the init of a pid namespace of its own."""
+    with subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "sleep", "600"], start_new_session=True
+    ) as unshare:
+        try:
+            children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+            wait_for(lambda: children.read_text().split(), what="unshare's child")
+            yield int(children.read_text().split()[0])
+        finally:
+            unshare.kill()
+
+
+@needs_root  # unshare --pid
+def test_an_owner_that_never_exits_needs_max_time(file_uri: str, name: str) -> None:
+    """kthreadd, any kernel thread, a pid namespace's init: as pid 1, 64 without --max-time."""
+    options = Options(name, file_uri)
+    with namespace_init() as init:
+        for owner in (2, kernel_thread(), init):
+            with pytest.raises(UsageError, match=f"pid {owner}, .*never exits.*give --max-time"):
+                watch_owner(owner, options)
+            result = lockrun("acquire", "--uri", file_uri, f"--owner={owner}", name)
+            assert (result.returncode, result.stdout) == (64, ""), owner
+            assert "give --max-time too" in one_line(result.stderr)
+        assert not taken(file_uri, name)
+        bounded = lockrun("acquire", "--uri", file_uri, f"--owner={init}", "--max-time=1m", name)
+        assert bounded.returncode == 0, bounded.stderr
+        assert taken(file_uri, name)
+    wait_for(lambda: not taken(file_uri, name), what="the namespace's end to release it")
+    assert lockrun("release", bounded.stdout.strip()).returncode == 76
+
+
+# Names a shell or the loader reads: setting one with eval changes what the script runs next.
+SPECIAL = (
+    "PATH", "IFS", "HOME", "ENV", "BASH_ENV", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT",
+    "PS1", "PS2", "PS3", "PS4", "SHELLOPTS", "BASHOPTS", "CDPATH", "path", "cdpath", "TMOUT",
+    "PROMPT_COMMAND", "PYTHONPATH", "PYTHONSTARTUP", "LC_ALL", "LANG", "GCONV_PATH",
+    "LOCKRUN_URI", "LOCKRUN_URI_FILE", "ZDOTDIR", "UID", "EUID", "PPID", "OPTIND", "_",
+)  # fmt: skip
+
+
+def shell_variables() -> set[str]:
+    """Return the variables bash, dash and zsh set themselves at start, from a clean slate."""
+    names: set[str] = set()
+    for shell, listing in (
+        ("bash", "compgen -v"),
+        ("dash", "set | cut -d= -f1"),
+        ("zsh", "print -l ${(k)parameters}"),
+    ):
+        found = shutil.which(shell)
+        if found is None:
+            missing = f"{shell} is not installed"
+            if os.environ.get("CI") == "true":
+                pytest.fail(missing)
+            pytest.skip(missing)
+        output = subprocess.run(
+            ["env", "-i", found, "-fc" if shell == "zsh" else "-c", listing],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        names.update(line for line in output.split() if line.isidentifier() and line.isascii())
+    return names
+
+
+def test_a_var_a_shell_or_the_loader_reads_is_refused(file_uri: str, name: str) -> None:
+    """--var PATH, IFS, LD_PRELOAD, and any variable the shells set themselves: 64, one line."""
+    for variable in {*SPECIAL, *shell_variables()}:
+        with pytest.raises(UsageError, match=f"--var {variable}: a shell"):
+            check_variable(variable)
+    for variable in ("PATH", "LD_PRELOAD", "path"):
+        result = lockrun("acquire", "--uri", file_uri, "--export", "--var", variable, name)
+        assert (result.returncode, result.stdout) == (64, "")
+        assert f"--var {variable}" in one_line(result.stderr)
+    assert not taken(file_uri, name)
+
+
+@given(st.text() | st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,30}", fullmatch=True))
+def test_var_takes_only_a_portable_name_of_no_meaning(text: str) -> None:
+    """What --var accepts is a portable name that none of the special ones is or starts."""
+    try:
+        accepted = check_variable(text)
+    except UsageError:
+        return
+    assert accepted == text
+    assert text.isascii()
+    assert text.isidentifier()
+    assert text not in SPECIAL
+    assert not text.startswith(("LD_", "BASH", "LC_", "PYTHON")) or text == "LOCKRUN_TOKEN"
+
+
+@needs_root
+def test_another_users_process_with_the_token_does_not_keep_the_lock(
+    mallory: Runner, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """Mallory, with root's token in her environment, keeps nothing once root's script exits."""
+    token_file, go = tmp_path / "token", tmp_path / "go"
+    os.mkfifo(go)
+    script = (
+        f'eval "$(lockrun acquire --uri {file_uri} --owner $$ --export {name})"; '
+        f'echo "$LOCKRUN_TOKEN" > {token_file}.new && mv {token_file}.new {token_file}; '
+        f"read x < {go}"
+    )
+    env = unmeasured() | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    with subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True) as shell:
+        wait_for(token_file.exists, what="the script's token")
+        token = token_file.read_text().strip()
+        holder = mallory.popen(["sleep", "600"], env=mallory.env(LOCKRUN_TOKEN=token))
+        try:
+            assert taken(file_uri, name)
+            go.write_text("go\n")
+            assert shell.wait(30) == 0
+            wait_for(lambda: not taken(file_uri, name), what="the lock to be freed")
+            assert holder.poll() is None
+        finally:
+            holder.kill()
+            holder.wait()

@@ -14,11 +14,12 @@ lockrun, so that whatever parses or redacts URIs can use it alone.
 
 from __future__ import annotations
 
+import codecs
 import re
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterator, Mapping
 
 
 class URIError(ValueError):
@@ -100,12 +101,21 @@ DEFAULT_URI: Final = "file:"
 LOCAL_SCHEMES: Final = frozenset(name for name, scheme in SCHEMES.items() if scheme.local)
 HIDDEN: Final = "***"
 _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
-# A query option whose %-decoded name holds one of these carries a secret
-# (password, sslpassword, sentinel_password, …); hiding too much is the safe mistake.
-_SECRET_OPTION: Final = ("pass", "secret", "token")
-# Every KEY=VALUE after ? or & (overlapping: a value may hide another option); a value runs
-# to the next &, as every parser of ours reads it, so a # or ? inside one is hidden with it.
-_OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
+# A KEY=VALUE whose %-decoded KEY holds one of these, in any case, carries a secret
+# (password, passwd, sslpassword, sentinel_password, pwd, auth, token, client_secret…);
+# hiding too much is the safe mistake.
+_SECRET_OPTION: Final = ("pass", "pwd", "secret", "token", "auth")
+# A KEY=VALUE anywhere: a query's option, a libpq conninfo's (`key = 'value'`), or one
+# nested in a value; the KEY is what stands before the = up to a separator.
+_KEYED: Final = re.compile(r"([^\s=&?#/;,'\"]+)\s*=\s*")
+# A URI inside other text (a conninfo in ?dbname=, a driver's words): its authority.
+_EMBEDDED: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)")
+# What each of an authority's comma-separated hosts may be, after its user information:
+# HOST[:PORT] or [IPV6][:PORT]. Anything else may be a secret: ``redis://user:password``
+# with no @HOST, or ``redis://user:/password`` (a colon with no port, then a path).
+_HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]*(?:%25[\w.~%-]*)?\]|[^:\[\]]*)(?::[0-9]{1,5})?")
+_ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
+_DECODINGS: Final = 4  # %-decoded this many times over: %2525… is a secret's own business
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
 # Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).
@@ -123,6 +133,10 @@ class LockURI(NamedTuple):
     netloc: str  # the authority as written: [USERINFO@]HOSTS
     path: str  # percent-decoded: file:'s directory, abstract:'s prefix
     query: str
+
+    def __repr__(self) -> str:
+        """Show the URI as `redacted`: a repr() lands in tracebacks and logs."""
+        return f"LockURI({self.redacted!r})"
 
     @property
     def redacted(self) -> str:
@@ -151,6 +165,7 @@ def parse_uri(text: object) -> LockURI:
     if not isinstance(text, str):
         msg = f"a lock URI must be a string, not {type(text).__name__}"
         raise URIError(msg)
+    remember(text)
     scheme_match = _known_scheme(text)
     if scheme_match is None:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
@@ -192,9 +207,15 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
     elif "#" in text:
         problem = "holds a '#', which would start a fragment"
         hint = "write it as %23 (a # in a password, say)"
+    elif scheme not in _PATH_SCHEMES and not text.startswith("//", len(scheme) + 1):
+        problem = f"has no '//' after '{scheme}:'"
+        hint = f"write {SCHEMES[scheme].usage}"
     elif scheme not in LOCAL_SCHEMES and _at_after_authority(text):
         problem = "has an '@' after the host, or a user or password with '/', '?' or '#'"
         hint = "percent-encode those characters: @ %40, / %2F, ? %3F, # %23, : %3A"
+    elif _userinfo_end(text) is None and _loose_authority(text, _Found([], set(), set(), [])):
+        problem = "has no HOST[:PORT] or [IPV6][:PORT] after '//': a USER:PASSWORD with no '@'?"
+        hint = "write USER:PASSWORD@HOST[:PORT]"
     if problem is not None:
         msg = f"lock URI {redact(text)!r} {problem}: {hint}"
         raise URIError(msg)
@@ -245,12 +266,15 @@ def _known_scheme(text: str) -> re.Match[str] | None:
 def _authority_start(text: str) -> int:
     """Return where the authority starts: after ``SCHEME://``, or what stands in for it.
 
-    After ``SCHEME:`` alone (``redis:user:pass@host``); text without a known scheme
-    (``alice:secret@host``) is all authority.
+    After ``SCHEME:`` alone (``redis:user:pass@host``), or after an unknown scheme's
+    ``SCHEME://``; other text without a known scheme (``alice:secret@host``) is all
+    authority.
     """
-    match = _known_scheme(text)
+    match = _known_scheme(text) or _SCHEME.match(text)
     start = match.end() if match else 0
-    return start + 2 if text.startswith("//", start) else start
+    if text.startswith("//", start):
+        return start + 2
+    return start if _known_scheme(text) else 0
 
 
 def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
@@ -287,14 +311,8 @@ def option_name(key: str, query: str) -> str:
     Only a plain name written as ``KEY=…`` is shown: a careless ``redis://host/0?hunter2``
     makes a password look like an option.
     """
-    before = next(  # what follows a secret option may be a piece of it (an unescaped &)
-        (
-            query[: match.start(2)]
-            for match in _OPTION.finditer(query)
-            if _is_secret_option(match[1])
-        ),
-        query,
-    )
+    spans = secret_spans(f"?{query}")  # what follows a secret may be a piece of it
+    before = query[: spans[0][0] - 1] if spans else query
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|&){key}=", before):
         return repr(key)
     return "(not shown: it could be part of a password)"
@@ -314,35 +332,174 @@ def _is_secret_option(key: str) -> bool:
     return any(word in name for word in _SECRET_OPTION)
 
 
-def secret_spans(text: str) -> list[tuple[int, int]]:
-    """Return where *text* holds secrets, as sorted, disjoint, non-empty spans.
+class _Found(NamedTuple):
+    """Where a text holds secrets, and each secret as a driver might quote it."""
 
-    The user information: from where the authority starts to the last ``@``, as an
-    unescaped password may hold ``@`` itself (`_userinfo_end`).
-    Every query item without ``=``; every secret option (`_SECRET_OPTION`) with all that
-    follows; anything after a ``#``. For any string, URI or not: hiding too much is the safe
-    mistake.
+    spans: list[tuple[int, int]]
+    passwords: set[str]
+    names: set[str]
+    marked: list[bool]  # whether a secret of it is HIDDEN already: `redact`'s work
+
+
+def _find(text: str) -> _Found:
+    """Find every secret of *text*, a URI or a conninfo string or anything at all.
+
+    In the URI itself: the user information, an authority that is no HOST[:PORT] list
+    (``redis://user:password``, with no @HOST), query items without ``=`` and a fragment.
+    In the text and in each of its %-decodings: a KEY=VALUE whose KEY names a secret and a
+    URI with a user information or such an authority, each with all that follows (an
+    unescaped ``&`` or a quote may belong to it).
     """
-    spans = []
+    found = _Found([], set(), set(), [False])
     start, end = _authority_start(text), _userinfo_end(text)
     if end is not None:
-        spans.append((start, end))
+        found.spans.append((start, end))
+        _split_userinfo(text[start:end], found, password_only=_scheme_of(text) in _PASSWORD_ONLY)
+    elif (authority := _loose_authority(text, found)) is not None:
+        found.spans.append((start, len(text)))
+        _split_userinfo(authority, found, password_only=False)
+        found.passwords.add(text[start:])
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
     query = _QUERY.search(text)
     if query is not None:
         at = query.start(1)
         for item in query[1].split("&"):
             if "=" not in item:
-                spans.append((at, at + len(item)))
+                found.spans.append((at, at + len(item)))
+                found.passwords.add(item)
             at += len(item) + 1
-    # A secret option's value runs to the end: an unescaped & may be part of it.
-    spans += [
-        (match.start(2), len(text))
-        for match in _OPTION.finditer(text)
-        if _is_secret_option(match[1])
-    ]
     if (fragment := text.find("#")) >= 0:
-        spans.append((fragment + 1, len(text)))
+        found.spans.append((fragment + 1, len(text)))
+        found.passwords.add(text[fragment + 1 :])
+    for view, where in _views(text):
+        _find_in_view(text, view, where, found, own=True)
+    return found
+
+
+def _find_in_view(text: str, view: str, where: list[int], found: _Found, *, own: bool) -> None:
+    """Find the secret options and the URIs with secrets of *view*, a %-decoding of *text*.
+
+    *where* maps each position of *view* to one of *text*; *own*: a URI that starts *text*
+    is its own, not one inside it.
+    """
+    for match in _KEYED.finditer(view):
+        if _is_secret_option(match[1]):
+            at = where[match.end()]
+            found.spans.append((at, len(text)))
+            _add_value(view[match.end() :], found)
+            found.passwords.add(text[at:])
+    for match in _EMBEDDED.finditer(view):
+        userinfo, sign, hosts = match[1].rpartition("@")
+        scheme = view[match.start() : match.start(1)]
+        inside = not own or where[match.start()] > 0 or not text.startswith(scheme)
+        if inside and (sign or not _plain(hosts, found)):
+            begin = where[match.start(1)]
+            found.spans.append((begin, len(text)))
+            _split_userinfo(userinfo or hosts, found, password_only=True)
+            found.passwords.add(text[begin:])
+            if userinfo == HIDDEN:
+                found.marked[0] = True
+
+
+def _loose_authority(text: str, found: _Found) -> str | None:
+    """Return the authority of *text*, which has no user information, if it is no hosts.
+
+    Not a list of HOST[:PORT]: ``redis://user:password``, with no @HOST. A local scheme's
+    text after ``SCHEME:`` alone is a path or a prefix.
+    """
+    scheme = _scheme_of(text)
+    if scheme in LOCAL_SCHEMES and not text.startswith("//", len(scheme) + 1):
+        return None
+    authority = re.match(r"[^/?#]*", text[_authority_start(text) :])[0]  # type: ignore[index]
+    return None if _plain(authority, found) else authority
+
+
+def _plain(hosts: str, found: _Found) -> bool:
+    """Whether *hosts* is a comma-separated list of HOST[:PORT] (marking a HIDDEN one)."""
+    if hosts == HIDDEN:
+        found.marked[0] = True
+    return all(_HOST.fullmatch(host) for host in hosts.split(","))
+
+
+def _split_userinfo(raw: str, found: _Found, *, password_only: bool) -> None:
+    """Add the user name and password of *raw* (``USER[:PASSWORD]``) to *found*.
+
+    A user information without a colon is the password where it often is one
+    (``redis://SECRET@host``).
+    """
+    user, colon, password = raw.partition(":")
+    if not colon and password_only:
+        user, password = "", user
+    found.names.add(user)
+    found.passwords.add(password)
+
+
+def _add_value(value: str, found: _Found) -> None:
+    r"""Add a secret option's *value* to *found*: to its end, to a separator, and unquoted.
+
+    libpq reads ``key='a b\'c'`` as ``a b'c``; a URI's option ends at ``&``.
+    """
+    found.passwords.update((value, re.match(r"[^\s&;]*", value)[0]))  # type: ignore[index]
+    if value[:1] in {"'", '"'}:
+        quote, unquoted, escaped = value[0], [], False
+        for char in value[1:]:
+            if escaped or char not in {"\\", quote}:
+                unquoted.append(char)
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            else:
+                break
+        found.passwords.add("".join(unquoted))
+
+
+def _views(text: str) -> Iterator[tuple[str, list[int]]]:
+    """Yield *text* and its %-decodings, each with where its characters are in *text*."""
+    view, where = text, list(range(len(text) + 1))
+    for _ in range(_DECODINGS):
+        yield view, where
+        if not _ESCAPE.search(view):
+            return
+        view, where = _decoded(view, where)
+
+
+def _decoded(view: str, where: list[int]) -> tuple[str, list[int]]:
+    """Decode the %XX escapes of *view* as UTF-8; map each character to its first byte's place."""
+    chars: list[str] = []
+    places: list[int] = []
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    first = 0  # where the first byte of what the decoder holds was
+    at = 0
+    while at <= len(view):
+        escape = _ESCAPE.match(view, at) if at < len(view) else None
+        if escape is not None:
+            if not decoder.getstate()[0]:
+                first = where[at]
+            out = decoder.decode(bytes([int(escape[1], 16)]))
+            at += 3
+        else:
+            out = decoder.decode(b"", final=True)
+            decoder.reset()
+        chars += out
+        places += [first] * len(out)
+        if escape is None:
+            if at < len(view):
+                chars.append(view[at])
+                places.append(where[at])
+            at += 1
+    places.append(where[len(view)])
+    return "".join(chars), places
+
+
+def secret_spans(text: str) -> list[tuple[int, int]]:
+    """Return where *text* holds secrets (`_find`), as sorted, disjoint, non-empty spans.
+
+    For any string, URI or not: hiding too much is the safe mistake.
+    """
+    return _merged(_find(text).spans)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for begin, end in sorted(span for span in spans if span[0] < span[1]):
         if merged and begin <= merged[-1][1]:
@@ -354,14 +511,19 @@ def secret_spans(text: str) -> list[tuple[int, int]]:
 
 def redact(text: str) -> str:
     """Replace the user information and every secret of a URI with ``***``."""
-    for start, end in reversed(secret_spans(text)):
+    return _hidden(text, secret_spans(text))
+
+
+def _hidden(text: str, spans: list[tuple[int, int]]) -> str:
+    for start, end in reversed(spans):
         text = f"{text[:start]}{HIDDEN}{text[end:]}"
     return text
 
 
 def redacted_by_lockrun(text: str) -> bool:
     """Whether *text* is a URI whose secrets `redact` replaced (a nested lockrun's)."""
-    return any(text[start:end] == HIDDEN for start, end in secret_spans(text))
+    found = _find(text)
+    return found.marked[0] or any(text[start:end] == HIDDEN for start, end in found.spans)
 
 
 class Secrets(NamedTuple):
@@ -372,36 +534,45 @@ class Secrets(NamedTuple):
 
 
 def secrets_of(*texts: str) -> Secrets:
-    """Return the secrets of *texts*: each as written and %-decoded, longest first.
+    """Return the secrets of *texts* (`_find`): each as written and %-decoded, longest first.
 
-    The password of the user information, the user information without one (the
-    password-only ``redis://SECRET@h`` form, or a user name), the user name, and the value
-    of every secret option.
+    The password of the user information, or the user information without one (the
+    password-only ``redis://SECRET@h`` form), the value of every secret option, as written
+    and unquoted, and all that follows it; user names apart.
     """
     passwords: set[str] = set()
     names: set[str] = set()
     for text in texts:
-        for index, (start, end) in enumerate(secret_spans(text)):
-            raw = text[start:end]
-            if index == 0 and _is_userinfo(text, start):
-                user, colon, password = raw.partition(":")
-                if not colon and _scheme_of(text) in _PASSWORD_ONLY:
-                    password = user  # redis://SECRET@host: a password, however redis-py reads it
-                else:
-                    names |= {user, unquote(user)}
-                passwords |= {password, unquote(password)}
-            else:
-                passwords |= {raw, unquote(raw)}
-    return Secrets(_longest_first(passwords), _longest_first(names - passwords))
+        found = _find(text)
+        for pieces, into in ((found.passwords, passwords), (found.names, names)):
+            for piece in pieces:
+                into |= {piece, unquote(piece), unquote(piece.replace("+", " "))}
+    passwords.discard(HIDDEN)
+    return Secrets(_longest_first(passwords), _longest_first(names - passwords - {HIDDEN}))
+
+
+# The passwords of every URI this process parsed, that `hide` hides in LockrunError's
+# messages (the CLI's stderr and the Python API's exceptions alike): the last line of defence.
+_REMEMBERED: Final[set[str]] = set()
+
+
+def remember(text: str) -> None:
+    """Make `hide` hide the passwords of *text*, but those too short to hide anywhere."""
+    _REMEMBERED.update(
+        secret for secret in secrets_of(text).passwords if len(secret) >= _MIN_FRAGMENT
+    )
+
+
+def hide(text: str) -> str:
+    """Replace each password of a URI this process parsed (`remember`) with ``***``."""
+    for secret in sorted(_REMEMBERED, key=len, reverse=True):
+        text = text.replace(secret, HIDDEN)
+    return text
 
 
 def _scheme_of(text: str) -> str:
     match = _known_scheme(text)
     return "" if match is None else match[0][:-1].lower()
-
-
-def _is_userinfo(text: str, start: int) -> bool:
-    return start == _authority_start(text) and "@" in text[start:]
 
 
 def _longest_first(pieces: set[str]) -> tuple[str, ...]:
@@ -413,6 +584,8 @@ def scrub(text: str, secrets: Secrets) -> str:
 
     Each secret where it shows whole (a short name only quoted alone: ``user 'ci'``), then
     any run of four characters of one: a driver may quote a piece, a server cut a name.
+    Last, whatever follows a secret option or a URI's user information in *text* itself: a
+    driver may quote a conninfo it decoded.
     """
     for password in secrets.passwords:  # whole first, the longest first
         text = text.replace(password, HIDDEN)
@@ -424,4 +597,7 @@ def scrub(text: str, secrets: Secrets) -> str:
     for secret in secrets.passwords + secrets.names:  # a server may cut a long name short
         for at in range(len(secret) - _MIN_FRAGMENT + 1):
             text = text.replace(secret[at : at + _MIN_FRAGMENT], HIDDEN)
-    return text
+    found = _Found([], set(), set(), [False])
+    for view, where in _views(text):
+        _find_in_view(text, view, where, found, own=False)
+    return _hidden(text, _merged(found.spans))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import re
+import threading
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
@@ -165,7 +166,6 @@ def parse_uri(text: object) -> LockURI:
     if not isinstance(text, str):
         msg = f"a lock URI must be a string, not {type(text).__name__}"
         raise URIError(msg)
-    remember(text)
     scheme_match = _known_scheme(text)
     if scheme_match is None:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
@@ -191,6 +191,7 @@ def parse_uri(text: object) -> LockURI:
             "the URI itself, with --uri or LOCKRUN_URI"
         )
         raise URIError(msg)
+    remember(text)
     return uri
 
 
@@ -551,21 +552,30 @@ def secrets_of(*texts: str) -> Secrets:
     return Secrets(_longest_first(passwords), _longest_first(names - passwords - {HIDDEN}))
 
 
-# The passwords of every URI this process parsed, that `hide` hides in LockrunError's
-# messages (the CLI's stderr and the Python API's exceptions alike): the last line of defence.
-_REMEMBERED: Final[set[str]] = set()
+# The passwords of the last URIs this process parsed, which `hide` hides in LockrunError's
+# messages (the CLI's stderr and the Python API's exceptions alike): the last line of
+# defence, should a message quote an option's value that holds a secret.
+_REMEMBERED: Final[dict[str, tuple[str, ...]]] = {}
+_REMEMBERED_URIS: Final = 16
+_REMEMBERING: Final = threading.Lock()
 
 
 def remember(text: str) -> None:
     """Make `hide` hide the passwords of *text*, but those too short to hide anywhere."""
-    _REMEMBERED.update(
-        secret for secret in secrets_of(text).passwords if len(secret) >= _MIN_FRAGMENT
-    )
+    passwords = tuple(p for p in secrets_of(text).passwords if len(p) >= _MIN_FRAGMENT)
+    with _REMEMBERING:
+        _REMEMBERED.pop(text, None)
+        _REMEMBERED[text] = passwords  # the newest last: the first is the next to go
+        while len(_REMEMBERED) > _REMEMBERED_URIS:
+            del _REMEMBERED[next(iter(_REMEMBERED))]
 
 
 def hide(text: str) -> str:
-    """Replace each password of a URI this process parsed (`remember`) with ``***``."""
-    for secret in sorted(_REMEMBERED, key=len, reverse=True):
+    """Replace each password of a URI this process parsed of late (`remember`) with ``***``."""
+    with _REMEMBERING:
+        remembered = {secret for passwords in _REMEMBERED.values() for secret in passwords}
+    remembered |= {repr(secret)[1:-1] for secret in remembered}  # as a message's {value!r}
+    for secret in sorted(remembered, key=lambda secret: (-len(secret), secret)):
         text = text.replace(secret, HIDDEN)
     return text
 

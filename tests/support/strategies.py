@@ -111,6 +111,11 @@ def _spellings(scheme: str, where: str) -> dict[str, str]:
         "nested URI in ?dbname=": f"{query}dbname={{nested_uri}}",
         "raw nested URI in ?dbname=": f"{query}dbname=postgresql://u:{{e}}@h/db",
         "twice-encoded nested conninfo": f"{query}dbname={{twice}}",
+        # Options whose values lockrun's own messages quote (a file, a charset).
+        "nested conninfo in ?charset=": f"{query}charset={{nested_kv}}",
+        "nested conninfo in ?ssl_ca=": f"{query}ssl_ca={{nested_kv}}",
+        "nested conninfo in ?ssl_ca_certs=": f"{query}ssl_ca_certs={{nested_kv}}",
+        "nested conninfo in ?read_default_file=": f"{query}read_default_file={{nested_kv}}",
         "%-encoded = and &": f"{query}x=1%26password%3D{{e}}",
     }
 
@@ -121,6 +126,10 @@ def spellings(port: int = 1) -> dict[str, str]:
     for scheme, where in SERVER_SCHEMES.items():
         for name, template in _spellings(scheme, where.replace("{port}", str(port))).items():
             found[f"{scheme}: {name}"] = template
+    for scheme in ("redis", "rediss", "mysql", "mariadb", "postgresql"):  # a database's name
+        found[f"{scheme}: nested conninfo in the path"] = (
+            f"{scheme}://127.0.0.1:{port}/{{nested_kv}}"
+        )
     kv = f"host=127.0.0.1 port={port} dbname=db"
     found |= {
         "conninfo": f"{kv} password={{q}} connect_timeout=2",

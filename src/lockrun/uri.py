@@ -108,14 +108,18 @@ _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 _SECRET_OPTION: Final = ("pass", "pwd", "secret", "token", "auth")
 # A KEY=VALUE anywhere: a query's option, a libpq conninfo's (`key = 'value'`), or one
 # nested in a value; the KEY is what stands before the = up to a separator.
-_KEYED: Final = re.compile(r"([^\s=&?#/;,'\"]+)\s*=\s*")
+_KEYED: Final = re.compile(r"(?<![^\s=&?#/;,'\"])([^\s=&?#/;,'\"]+)\s*=\s*")  # linear: from a start
 # A URI inside other text (a conninfo in ?dbname=, a driver's words): its authority.
-_EMBEDDED: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)")
+_EMBEDDED: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)")
 # What each of an authority's comma-separated hosts may be, after its user information:
 # HOST[:PORT] or [IPV6][:PORT]. Anything else may be a secret: ``redis://user:password``
 # with no @HOST, or ``redis://user:/password`` (a colon with no port, then a path).
 _HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]*(?:%25[\w.~%-]*)?\]|[^:\[\]]*)(?::[0-9]{1,5})?")
 _ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
+_ESCAPES: Final = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+_WORD: Final = re.compile(r"[^\s&;]*")  # a value as far as it surely goes
+_QUOTED: Final = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", re.DOTALL)  # libpq's
+_ESCAPED: Final = re.compile(r"\\(.)", re.DOTALL)
 _DECODINGS: Final = 4  # %-decoded this many times over: %2525… is a secret's own business
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
@@ -214,7 +218,7 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
     elif scheme not in LOCAL_SCHEMES and _at_after_authority(text):
         problem = "has an '@' after the host, or a user or password with '/', '?' or '#'"
         hint = "percent-encode those characters: @ %40, / %2F, ? %3F, # %23, : %3A"
-    elif _userinfo_end(text) is None and _loose_authority(text, _Found([], set(), set(), [])):
+    elif _userinfo_end(text) is None and _loose_authority(text, _Found(text)):
         problem = "has no HOST[:PORT] or [IPV6][:PORT] after '//': a USER:PASSWORD with no '@'?"
         hint = "write USER:PASSWORD@HOST[:PORT]"
     if problem is not None:
@@ -333,13 +337,27 @@ def _is_secret_option(key: str) -> bool:
     return any(word in name for word in _SECRET_OPTION)
 
 
-class _Found(NamedTuple):
+class _Found:
     """Where a text holds secrets, and each secret as a driver might quote it."""
 
-    spans: list[tuple[int, int]]
-    passwords: set[str]
-    names: set[str]
-    marked: list[bool]  # whether a secret of it is HIDDEN already: `redact`'s work
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.spans: list[tuple[int, int]] = []
+        self.passwords: set[str] = set()
+        self.names: set[str] = set()
+        self.marked = False  # whether a secret of it is HIDDEN already: `redact`'s work
+        self.rest = len(text)  # where the first secret that runs to the end starts
+
+    def hide_rest(self, at: int, view: str, view_at: int) -> None:
+        """Hide from *at* to the end; *view_at* is where that is in *view*, a %-decoding.
+
+        A rest after the first is a piece of the first: its every four characters are
+        hidden already (`scrub`), so it is not kept again (which would take quadratic time).
+        """
+        self.spans.append((at, len(self.text)))
+        if at < self.rest:
+            self.rest = at
+            self.passwords |= {self.text[at:], view[view_at:]}
 
 
 def _find(text: str) -> _Found:
@@ -351,15 +369,14 @@ def _find(text: str) -> _Found:
     URI with a user information or such an authority, each with all that follows (an
     unescaped ``&`` or a quote may belong to it).
     """
-    found = _Found([], set(), set(), [False])
+    found = _Found(text)
     start, end = _authority_start(text), _userinfo_end(text)
     if end is not None:
         found.spans.append((start, end))
         _split_userinfo(text[start:end], found, password_only=_scheme_of(text) in _PASSWORD_ONLY)
     elif (authority := _loose_authority(text, found)) is not None:
-        found.spans.append((start, len(text)))
+        found.hide_rest(start, text, start)
         _split_userinfo(authority, found, password_only=False)
-        found.passwords.add(text[start:])
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
     query = _QUERY.search(text)
     if query is not None:
@@ -370,8 +387,7 @@ def _find(text: str) -> _Found:
                 found.passwords.add(item)
             at += len(item) + 1
     if (fragment := text.find("#")) >= 0:
-        found.spans.append((fragment + 1, len(text)))
-        found.passwords.add(text[fragment + 1 :])
+        found.hide_rest(fragment + 1, text, fragment + 1)
     for view, where in _views(text):
         _find_in_view(text, view, where, found, own=True)
     return found
@@ -385,21 +401,16 @@ def _find_in_view(text: str, view: str, where: list[int], found: _Found, *, own:
     """
     for match in _KEYED.finditer(view):
         if _is_secret_option(match[1]):
-            at = where[match.end()]
-            found.spans.append((at, len(text)))
-            _add_value(view[match.end() :], found)
-            found.passwords.add(text[at:])
+            found.hide_rest(where[match.end()], view, match.end())
+            _add_value(view, match.end(), found)
     for match in _EMBEDDED.finditer(view):
         userinfo, sign, hosts = match[1].rpartition("@")
         scheme = view[match.start() : match.start(1)]
         inside = not own or where[match.start()] > 0 or not text.startswith(scheme)
         if inside and (sign or not _plain(hosts, found)):
-            begin = where[match.start(1)]
-            found.spans.append((begin, len(text)))
+            found.hide_rest(where[match.start(1)], view, match.start(1))
             _split_userinfo(userinfo or hosts, found, password_only=True)
-            found.passwords.add(text[begin:])
-            if userinfo == HIDDEN:
-                found.marked[0] = True
+            found.marked |= userinfo == HIDDEN
 
 
 def _loose_authority(text: str, found: _Found) -> str | None:
@@ -417,8 +428,7 @@ def _loose_authority(text: str, found: _Found) -> str | None:
 
 def _plain(hosts: str, found: _Found) -> bool:
     """Whether *hosts* is a comma-separated list of HOST[:PORT] (marking a HIDDEN one)."""
-    if hosts == HIDDEN:
-        found.marked[0] = True
+    found.marked |= hosts == HIDDEN
     return all(_HOST.fullmatch(host) for host in hosts.split(","))
 
 
@@ -435,23 +445,14 @@ def _split_userinfo(raw: str, found: _Found, *, password_only: bool) -> None:
     found.passwords.add(password)
 
 
-def _add_value(value: str, found: _Found) -> None:
-    r"""Add a secret option's *value* to *found*: to its end, to a separator, and unquoted.
+def _add_value(view: str, at: int, found: _Found) -> None:
+    r"""Add the value of a secret option at *at* of *view* to *found*: to a separator, unquoted.
 
     libpq reads ``key='a b\'c'`` as ``a b'c``; a URI's option ends at ``&``.
     """
-    found.passwords.update((value, re.match(r"[^\s&;]*", value)[0]))  # type: ignore[index]
-    if value[:1] in {"'", '"'}:
-        quote, unquoted, escaped = value[0], [], False
-        for char in value[1:]:
-            if escaped or char not in {"\\", quote}:
-                unquoted.append(char)
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            else:
-                break
-        found.passwords.add("".join(unquoted))
+    found.passwords.add(_WORD.match(view, at)[0])  # type: ignore[index]  # always matches
+    if (quoted := _QUOTED.match(view, at)) is not None:
+        found.passwords.add(_ESCAPED.sub(r"\1", quoted[1] or quoted[2] or ""))
 
 
 def _views(text: str) -> Iterator[tuple[str, list[int]]]:
@@ -468,27 +469,24 @@ def _decoded(view: str, where: list[int]) -> tuple[str, list[int]]:
     """Decode the %XX escapes of *view* as UTF-8; map each character to its first byte's place."""
     chars: list[str] = []
     places: list[int] = []
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    first = 0  # where the first byte of what the decoder holds was
     at = 0
-    while at <= len(view):
-        escape = _ESCAPE.match(view, at) if at < len(view) else None
-        if escape is not None:
-            if not decoder.getstate()[0]:
-                first = where[at]
-            out = decoder.decode(bytes([int(escape[1], 16)]))
-            at += 3
-        else:
-            out = decoder.decode(b"", final=True)
-            decoder.reset()
-        chars += out
+    for run in _ESCAPES.finditer(view):
+        chars.append(view[at : run.start()])
+        places += where[at : run.start()]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first = where[run.start()]
+        for byte in range(run.start(), run.end(), 3):
+            if not decoder.getstate()[0]:  # the first byte of a character
+                first = where[byte]
+            out = decoder.decode(bytes([int(view[byte + 1 : byte + 3], 16)]))
+            chars.append(out)
+            places += [first] * len(out)
+        out = decoder.decode(b"", final=True)
+        chars.append(out)
         places += [first] * len(out)
-        if escape is None:
-            if at < len(view):
-                chars.append(view[at])
-                places.append(where[at])
-            at += 1
-    places.append(where[len(view)])
+        at = run.end()
+    chars.append(view[at:])
+    places += where[at:]  # and where the end of *view* is
     return "".join(chars), places
 
 
@@ -524,7 +522,7 @@ def _hidden(text: str, spans: list[tuple[int, int]]) -> str:
 def redacted_by_lockrun(text: str) -> bool:
     """Whether *text* is a URI whose secrets `redact` replaced (a nested lockrun's)."""
     found = _find(text)
-    return found.marked[0] or any(text[start:end] == HIDDEN for start, end in found.spans)
+    return found.marked or any(text[start:end] == HIDDEN for start, end in found.spans)
 
 
 class Secrets(NamedTuple):
@@ -607,7 +605,7 @@ def scrub(text: str, secrets: Secrets) -> str:
     for secret in secrets.passwords + secrets.names:  # a server may cut a long name short
         for at in range(len(secret) - _MIN_FRAGMENT + 1):
             text = text.replace(secret[at : at + _MIN_FRAGMENT], HIDDEN)
-    found = _Found([], set(), set(), [False])
+    found = _Found(text)
     for view, where in _views(text):
         _find_in_view(text, view, where, found, own=False)
     return _hidden(text, _merged(found.spans))

@@ -317,7 +317,7 @@ def option_name(key: str, query: str) -> str:
     makes a password look like an option.
     """
     spans = secret_spans(f"?{query}")  # what follows a secret may be a piece of it
-    before = query[: spans[0][0] - 1] if spans else query
+    before = query[: max(spans[0][0] - 1, 0)] if spans else query
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|&){key}=", before):
         return repr(key)
     return "(not shown: it could be part of a password)"

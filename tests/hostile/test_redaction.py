@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from lockrun import ConfigError, Lock, LockrunError, UsageError
 from lockrun.backends import open_backend, parse_uri
 from lockrun.errors import ExitCode
-from lockrun.uri import HIDDEN, redact, redacted_by_lockrun, scrub, secrets_of
+from lockrun.uri import HIDDEN, option_name, redact, redacted_by_lockrun, scrub, secrets_of
 from tests.support.cli import lockrun
 from tests.support.strategies import assert_hidden, libpq_quoted, passwords, spell, spellings
 
@@ -120,3 +120,12 @@ def test_the_cli_says_nothing_of_a_secret(name: str, secret: str, command: str) 
     assert status in {ExitCode.CONFIG, ExitCode.UNAVAILABLE, ExitCode.USAGE}, said
     assert "Traceback" not in said
     assert_hidden(secret, said)
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["password=x&QQQQ=1", "p%61ss=x&QQQQ=1", "a=x%26password%3Dy&QQQQ=1", "a=u:p@h&QQQQ=1"],
+)
+def test_an_unknown_option_after_a_secret_is_not_named(query: str) -> None:
+    """What follows a secret may be a piece of it: an unknown option there goes unnamed."""
+    assert option_name("QQQQ", query) == "(not shown: it could be part of a password)"

@@ -120,7 +120,7 @@ _ESCAPES: Final = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
 _WORD: Final = re.compile(r"[^\s&;]*")  # a value as far as it surely goes
 _QUOTED: Final = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", re.DOTALL)  # libpq's
 _ESCAPED: Final = re.compile(r"\\(.)", re.DOTALL)
-_DECODINGS: Final = 4  # %-decoded this many times over: %2525… is a secret's own business
+_DECODINGS: Final = 4  # the text and three %-decodings of it: %252525… is its writer's business
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
 # Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).

@@ -214,7 +214,7 @@ def test_a_line_break_in_a_name_keeps_messages_to_one_line(
         ("nonsense", "malformed lock URI 'nonsense'"),
         ("", "malformed lock URI ''"),
         ("file://otherhost/tmp/x", "not host 'otherhost'"),
-        ("http://user:hunter2@host/", "unknown lock URI scheme in '***@host/'"),
+        ("http://user:hunter2@host/", "unknown lock URI scheme in 'http://***@host/'"),
     ],
 )
 def test_configuration_errors_exit_78(uri: str, message: str) -> None:

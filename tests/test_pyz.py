@@ -17,6 +17,7 @@ import time
 import zipfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -25,6 +26,7 @@ from lockrun.errors import ExitCode
 from tests.hostile.test_impostors import STREAMS, Impostor
 from tests.support.cli import TEST_TTL, one_line
 from tests.support.servers import free_port, unavailable
+from tests.support.strategies import libpq_quoted
 from tests.support.users import SYSTEM_PYTHON
 
 ROOT = Path(__file__).parent.parent
@@ -254,22 +256,52 @@ def test_postgres_without_psycopg_says_how_to_add_it(
             "lockrun: postgresql: needs the psycopg module: lockrun.pyz leaves it out"
             ' (docs/install.md, "One file: lockrun.pyz", says how)'
         )
-    # docs/install.md: psycopg (pure Python, with the machine's libpq) in a directory on
-    # PYTHONPATH, as `pip install --target` lays it out; here linked from this venv.
+    env = {**host, "LOCKRUN_URI": postgres_uri, "PYTHONPATH": psycopg_path(tmp_path)}
+    held = run("lockrun", "-n", name, "--", "echo", "ran", env=env)
+    assert (held.returncode, held.stdout, held.stderr) == (0, "ran\n", "")
+
+
+def psycopg_path(tmp_path: Path) -> str:
+    """Return a directory for PYTHONPATH with this venv's psycopg, as docs/install.md says.
+
+    psycopg (pure Python, with the machine's libpq) in a directory on PYTHONPATH, as
+    `pip install --target` lays it out; here linked from this venv.
+    """
     if ctypes.util.find_library("pq") is None:
         unavailable("libpq is not installed")
     import psycopg
     import typing_extensions
 
     extra = tmp_path / "python"
-    extra.mkdir()
+    extra.mkdir(exist_ok=True)
     for module in (psycopg.__file__, typing_extensions.__file__):
         path = Path(module or "")
         found = path.parent if path.name == "__init__.py" else path
-        (extra / found.name).symlink_to(found)
-    env = {**host, "LOCKRUN_URI": postgres_uri, "PYTHONPATH": str(extra)}
-    held = run("lockrun", "-n", name, "--", "echo", "ran", env=env)
-    assert (held.returncode, held.stdout, held.stderr) == (0, "ran\n", "")
+        if not (extra / found.name).exists():
+            (extra / found.name).symlink_to(found)
+    return str(extra)
+
+
+def test_the_pyz_says_nothing_of_a_password_in_any_spelling(
+    host: dict[str, str], tmp_path: Path, name: str
+) -> None:
+    """A libpq conninfo's password, or one with no @HOST, shows in no line of the pyz."""
+    secret = "QQQQ hunter2 'ZZZZ' \\ %41"  # noqa: S105 - made to be found
+    quoted, port = libpq_quoted(secret), free_port()
+    env = {**host, "PYTHONPATH": psycopg_path(tmp_path)}
+    for uri in (
+        f"host=127.0.0.1 port={port} password={quoted} dbname=db",
+        f"postgresql://host=127.0.0.1 port={port} password={quoted}",
+        f"postgresql://127.0.0.1:{port}/db?dbname={quote(f'x password={quoted}', safe='')}",
+        f"redis://u:{quote(secret, safe='')}",
+        f"mysql://u:{quote(secret, safe='')}",
+    ):
+        for args in (("-v", "--wait", "0", "-n", name, "--", "true"), ("status",)):
+            result = run("lockrun", *args, env={**env, "LOCKRUN_URI": uri})
+            said = result.stdout + result.stderr
+            assert result.returncode in {ExitCode.CONFIG, ExitCode.UNAVAILABLE}, said
+            assert "Traceback" not in said
+            assert [piece for piece in ("QQQQ", "hunter2", "ZZZZ") if piece in said] == [], said
 
 
 def old_pythons() -> list[str]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import ClassVar
 
+from lockrun.uri import hide
+
 
 class ExitCode(IntEnum):
     """lockrun's own statuses; any other status is the command's."""
@@ -29,9 +31,17 @@ class ExitCode(IntEnum):
 
 
 class LockrunError(Exception):
-    """Base of every error lockrun reports; ``exit_code`` is the status the CLI exits with."""
+    """Base of every error lockrun reports; ``exit_code`` is the status the CLI exits with.
+
+    Its message never holds a password of a lock URI parsed in this process, whoever wrote
+    it (docs/security.md "Passwords in URIs").
+    """
 
     exit_code: ClassVar[ExitCode] = ExitCode.SOFTWARE
+
+    def __init__(self, *args: object) -> None:
+        """Keep *args*, with every password `lockrun.uri.hide` knows replaced by ``***``."""
+        super().__init__(*(hide(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class UsageError(LockrunError, ValueError):

@@ -14,11 +14,13 @@ lockrun, so that whatever parses or redacts URIs can use it alone.
 
 from __future__ import annotations
 
+import codecs
 import re
+import threading
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterator, Mapping
 
 
 class URIError(ValueError):
@@ -100,12 +102,25 @@ DEFAULT_URI: Final = "file:"
 LOCAL_SCHEMES: Final = frozenset(name for name, scheme in SCHEMES.items() if scheme.local)
 HIDDEN: Final = "***"
 _SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
-# A query option whose %-decoded name holds one of these carries a secret
-# (password, sslpassword, sentinel_password, …); hiding too much is the safe mistake.
-_SECRET_OPTION: Final = ("pass", "secret", "token")
-# Every KEY=VALUE after ? or & (overlapping: a value may hide another option); a value runs
-# to the next &, as every parser of ours reads it, so a # or ? inside one is hidden with it.
-_OPTION: Final = re.compile(r"(?=(?:^|[?&])([^=&?#/]*)=([^&]*))")
+# A KEY=VALUE whose %-decoded KEY holds one of these, in any case, carries a secret
+# (password, passwd, sslpassword, sentinel_password, pwd, auth, token, client_secret…);
+# hiding too much is the safe mistake.
+_SECRET_OPTION: Final = ("pass", "pwd", "secret", "token", "auth")
+# A KEY=VALUE anywhere: a query's option, a libpq conninfo's (`key = 'value'`), or one
+# nested in a value; the KEY is what stands before the = up to a separator.
+_KEYED: Final = re.compile(r"(?<![^\s=&?#/;,'\"])([^\s=&?#/;,'\"]+)\s*=\s*")  # linear: from a start
+# A URI inside other text (a conninfo in ?dbname=, a driver's words): its authority.
+_EMBEDDED: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)")
+# What each of an authority's comma-separated hosts may be, after its user information:
+# HOST[:PORT] or [IPV6][:PORT]. Anything else may be a secret: ``redis://user:password``
+# with no @HOST, or ``redis://user:/password`` (a colon with no port, then a path).
+_HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]*(?:%25[\w.~%-]*)?\]|[^:\[\]]*)(?::[0-9]{1,5})?")
+_ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
+_ESCAPES: Final = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+_WORD: Final = re.compile(r"[^\s&;]*")  # a value as far as it surely goes
+_QUOTED: Final = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", re.DOTALL)  # libpq's
+_ESCAPED: Final = re.compile(r"\\(.)", re.DOTALL)
+_DECODINGS: Final = 4  # the text and three %-decodings of it: %252525… is its writer's business
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _QUERY: Final = re.compile(r"\?([^#]*)")
 # Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).
@@ -123,6 +138,10 @@ class LockURI(NamedTuple):
     netloc: str  # the authority as written: [USERINFO@]HOSTS
     path: str  # percent-decoded: file:'s directory, abstract:'s prefix
     query: str
+
+    def __repr__(self) -> str:
+        """Show the URI as `redacted`: a repr() lands in tracebacks and logs."""
+        return f"LockURI({self.redacted!r})"
 
     @property
     def redacted(self) -> str:
@@ -176,6 +195,7 @@ def parse_uri(text: object) -> LockURI:
             "the URI itself, with --uri or LOCKRUN_URI"
         )
         raise URIError(msg)
+    remember(text)
     return uri
 
 
@@ -192,9 +212,15 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
     elif "#" in text:
         problem = "holds a '#', which would start a fragment"
         hint = "write it as %23 (a # in a password, say)"
+    elif scheme not in _PATH_SCHEMES and not text.startswith("//", len(scheme) + 1):
+        problem = f"has no '//' after '{scheme}:'"
+        hint = f"write {SCHEMES[scheme].usage}"
     elif scheme not in LOCAL_SCHEMES and _at_after_authority(text):
         problem = "has an '@' after the host, or a user or password with '/', '?' or '#'"
         hint = "percent-encode those characters: @ %40, / %2F, ? %3F, # %23, : %3A"
+    elif _userinfo_end(text) is None and _loose_authority(text, _Found(text)):
+        problem = "has no HOST[:PORT] or [IPV6][:PORT] after '//': a USER:PASSWORD with no '@'?"
+        hint = "write USER:PASSWORD@HOST[:PORT]"
     if problem is not None:
         msg = f"lock URI {redact(text)!r} {problem}: {hint}"
         raise URIError(msg)
@@ -245,12 +271,15 @@ def _known_scheme(text: str) -> re.Match[str] | None:
 def _authority_start(text: str) -> int:
     """Return where the authority starts: after ``SCHEME://``, or what stands in for it.
 
-    After ``SCHEME:`` alone (``redis:user:pass@host``); text without a known scheme
-    (``alice:secret@host``) is all authority.
+    After ``SCHEME:`` alone (``redis:user:pass@host``), or after an unknown scheme's
+    ``SCHEME://``; other text without a known scheme (``alice:secret@host``) is all
+    authority.
     """
-    match = _known_scheme(text)
+    match = _known_scheme(text) or _SCHEME.match(text)
     start = match.end() if match else 0
-    return start + 2 if text.startswith("//", start) else start
+    if text.startswith("//", start):
+        return start + 2
+    return start if _known_scheme(text) else 0
 
 
 def host_port(uri: LockURI, text: str, default_port: int) -> tuple[str, int]:
@@ -287,14 +316,8 @@ def option_name(key: str, query: str) -> str:
     Only a plain name written as ``KEY=…`` is shown: a careless ``redis://host/0?hunter2``
     makes a password look like an option.
     """
-    before = next(  # what follows a secret option may be a piece of it (an unescaped &)
-        (
-            query[: match.start(2)]
-            for match in _OPTION.finditer(query)
-            if _is_secret_option(match[1])
-        ),
-        query,
-    )
+    spans = secret_spans(f"?{query}")  # what follows a secret may be a piece of it
+    before = query[: max(spans[0][0] - 1, 0)] if spans else query
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", key) and re.search(rf"(?:^|&){key}=", before):
         return repr(key)
     return "(not shown: it could be part of a password)"
@@ -314,35 +337,168 @@ def _is_secret_option(key: str) -> bool:
     return any(word in name for word in _SECRET_OPTION)
 
 
-def secret_spans(text: str) -> list[tuple[int, int]]:
-    """Return where *text* holds secrets, as sorted, disjoint, non-empty spans.
+class _Found:
+    """Where a text holds secrets, and each secret as a driver might quote it."""
 
-    The user information: from where the authority starts to the last ``@``, as an
-    unescaped password may hold ``@`` itself (`_userinfo_end`).
-    Every query item without ``=``; every secret option (`_SECRET_OPTION`) with all that
-    follows; anything after a ``#``. For any string, URI or not: hiding too much is the safe
-    mistake.
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.spans: list[tuple[int, int]] = []
+        self.passwords: set[str] = set()
+        self.names: set[str] = set()
+        self.marked = False  # whether a secret of it is HIDDEN already: `redact`'s work
+        self.rest = len(text)  # where the first secret that runs to the end starts
+
+    def hide_rest(self, at: int, view: str, view_at: int) -> None:
+        """Hide from *at* to the end; *view_at* is where that is in *view*, a %-decoding.
+
+        A rest after the first is a piece of the first: its every four characters are
+        hidden already (`scrub`), so it is not kept again (which would take quadratic time).
+        """
+        self.spans.append((at, len(self.text)))
+        if at < self.rest:
+            self.rest = at
+            self.passwords |= {self.text[at:], view[view_at:]}
+
+
+def _find(text: str) -> _Found:
+    """Find every secret of *text*, a URI or a conninfo string or anything at all.
+
+    In the URI itself: the user information, an authority that is no HOST[:PORT] list
+    (``redis://user:password``, with no @HOST), query items without ``=`` and a fragment.
+    In the text and in each of its %-decodings: a KEY=VALUE whose KEY names a secret and a
+    URI with a user information or such an authority, each with all that follows (an
+    unescaped ``&`` or a quote may belong to it).
     """
-    spans = []
+    found = _Found(text)
     start, end = _authority_start(text), _userinfo_end(text)
     if end is not None:
-        spans.append((start, end))
+        found.spans.append((start, end))
+        _split_userinfo(text[start:end], found, password_only=_scheme_of(text) in _PASSWORD_ONLY)
+    elif (authority := _loose_authority(text, found)) is not None:
+        found.hide_rest(start, text, start)
+        _split_userinfo(authority, found, password_only=False)
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
     query = _QUERY.search(text)
     if query is not None:
         at = query.start(1)
         for item in query[1].split("&"):
             if "=" not in item:
-                spans.append((at, at + len(item)))
+                found.spans.append((at, at + len(item)))
+                found.passwords.add(item)
             at += len(item) + 1
-    # A secret option's value runs to the end: an unescaped & may be part of it.
-    spans += [
-        (match.start(2), len(text))
-        for match in _OPTION.finditer(text)
-        if _is_secret_option(match[1])
-    ]
     if (fragment := text.find("#")) >= 0:
-        spans.append((fragment + 1, len(text)))
+        found.hide_rest(fragment + 1, text, fragment + 1)
+    for view, where in _views(text):
+        _find_in_view(text, view, where, found, own=True)
+    return found
+
+
+def _find_in_view(text: str, view: str, where: list[int], found: _Found, *, own: bool) -> None:
+    """Find the secret options and the URIs with secrets of *view*, a %-decoding of *text*.
+
+    *where* maps each position of *view* to one of *text*; *own*: a URI that starts *text*
+    is its own, not one inside it.
+    """
+    for match in _KEYED.finditer(view):
+        if _is_secret_option(match[1]):
+            found.hide_rest(where[match.end()], view, match.end())
+            _add_value(view, match.end(), found)
+    for match in _EMBEDDED.finditer(view):
+        userinfo, sign, hosts = match[1].rpartition("@")
+        scheme = view[match.start() : match.start(1)]
+        inside = not own or where[match.start()] > 0 or not text.startswith(scheme)
+        if inside and (sign or not _plain(hosts, found)):
+            found.hide_rest(where[match.start(1)], view, match.start(1))
+            _split_userinfo(userinfo or hosts, found, password_only=True)
+            found.marked |= userinfo == HIDDEN
+
+
+def _loose_authority(text: str, found: _Found) -> str | None:
+    """Return the authority of *text*, which has no user information, if it is no hosts.
+
+    Not a list of HOST[:PORT]: ``redis://user:password``, with no @HOST. A local scheme's
+    text after ``SCHEME:`` alone is a path or a prefix.
+    """
+    scheme = _scheme_of(text)
+    if scheme in LOCAL_SCHEMES and not text.startswith("//", len(scheme) + 1):
+        return None
+    authority = re.match(r"[^/?#]*", text[_authority_start(text) :])[0]  # type: ignore[index]
+    return None if _plain(authority, found) else authority
+
+
+def _plain(hosts: str, found: _Found) -> bool:
+    """Whether *hosts* is a comma-separated list of HOST[:PORT] (marking a HIDDEN one)."""
+    found.marked |= hosts == HIDDEN
+    return all(_HOST.fullmatch(host) for host in hosts.split(","))
+
+
+def _split_userinfo(raw: str, found: _Found, *, password_only: bool) -> None:
+    """Add the user name and password of *raw* (``USER[:PASSWORD]``) to *found*.
+
+    A user information without a colon is the password where it often is one
+    (``redis://SECRET@host``).
+    """
+    user, colon, password = raw.partition(":")
+    if not colon and password_only:
+        user, password = "", user
+    found.names.add(user)
+    found.passwords.add(password)
+
+
+def _add_value(view: str, at: int, found: _Found) -> None:
+    r"""Add the value of a secret option at *at* of *view* to *found*: to a separator, unquoted.
+
+    libpq reads ``key='a b\'c'`` as ``a b'c``; a URI's option ends at ``&``.
+    """
+    found.passwords.add(_WORD.match(view, at)[0])  # type: ignore[index]  # always matches
+    if (quoted := _QUOTED.match(view, at)) is not None:
+        found.passwords.add(_ESCAPED.sub(r"\1", quoted[1] or quoted[2] or ""))
+
+
+def _views(text: str) -> Iterator[tuple[str, list[int]]]:
+    """Yield *text* and its %-decodings, each with where its characters are in *text*."""
+    view, where = text, list(range(len(text) + 1))
+    for _ in range(_DECODINGS):
+        yield view, where
+        if not _ESCAPE.search(view):
+            return
+        view, where = _decoded(view, where)
+
+
+def _decoded(view: str, where: list[int]) -> tuple[str, list[int]]:
+    """Decode the %XX escapes of *view* as UTF-8; map each character to its first byte's place."""
+    chars: list[str] = []
+    places: list[int] = []
+    at = 0
+    for run in _ESCAPES.finditer(view):
+        chars.append(view[at : run.start()])
+        places += where[at : run.start()]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first = where[run.start()]
+        for byte in range(run.start(), run.end(), 3):
+            if not decoder.getstate()[0]:  # the first byte of a character
+                first = where[byte]
+            out = decoder.decode(bytes([int(view[byte + 1 : byte + 3], 16)]))
+            chars.append(out)
+            places += [first] * len(out)
+        out = decoder.decode(b"", final=True)
+        chars.append(out)
+        places += [first] * len(out)
+        at = run.end()
+    chars.append(view[at:])
+    places += where[at:]  # and where the end of *view* is
+    return "".join(chars), places
+
+
+def secret_spans(text: str) -> list[tuple[int, int]]:
+    """Return where *text* holds secrets (`_find`), as sorted, disjoint, non-empty spans.
+
+    For any string, URI or not: hiding too much is the safe mistake.
+    """
+    return _merged(_find(text).spans)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for begin, end in sorted(span for span in spans if span[0] < span[1]):
         if merged and begin <= merged[-1][1]:
@@ -354,14 +510,19 @@ def secret_spans(text: str) -> list[tuple[int, int]]:
 
 def redact(text: str) -> str:
     """Replace the user information and every secret of a URI with ``***``."""
-    for start, end in reversed(secret_spans(text)):
+    return _hidden(text, secret_spans(text))
+
+
+def _hidden(text: str, spans: list[tuple[int, int]]) -> str:
+    for start, end in reversed(spans):
         text = f"{text[:start]}{HIDDEN}{text[end:]}"
     return text
 
 
 def redacted_by_lockrun(text: str) -> bool:
     """Whether *text* is a URI whose secrets `redact` replaced (a nested lockrun's)."""
-    return any(text[start:end] == HIDDEN for start, end in secret_spans(text))
+    found = _find(text)
+    return found.marked or any(text[start:end] == HIDDEN for start, end in found.spans)
 
 
 class Secrets(NamedTuple):
@@ -372,36 +533,54 @@ class Secrets(NamedTuple):
 
 
 def secrets_of(*texts: str) -> Secrets:
-    """Return the secrets of *texts*: each as written and %-decoded, longest first.
+    """Return the secrets of *texts* (`_find`): each as written and %-decoded, longest first.
 
-    The password of the user information, the user information without one (the
-    password-only ``redis://SECRET@h`` form, or a user name), the user name, and the value
-    of every secret option.
+    The password of the user information, or the user information without one (the
+    password-only ``redis://SECRET@h`` form), the value of every secret option, as written
+    and unquoted, and all that follows it; user names apart.
     """
     passwords: set[str] = set()
     names: set[str] = set()
     for text in texts:
-        for index, (start, end) in enumerate(secret_spans(text)):
-            raw = text[start:end]
-            if index == 0 and _is_userinfo(text, start):
-                user, colon, password = raw.partition(":")
-                if not colon and _scheme_of(text) in _PASSWORD_ONLY:
-                    password = user  # redis://SECRET@host: a password, however redis-py reads it
-                else:
-                    names |= {user, unquote(user)}
-                passwords |= {password, unquote(password)}
-            else:
-                passwords |= {raw, unquote(raw)}
-    return Secrets(_longest_first(passwords), _longest_first(names - passwords))
+        found = _find(text)
+        for pieces, into in ((found.passwords, passwords), (found.names, names)):
+            for piece in pieces:
+                into |= {piece, unquote(piece), unquote(piece.replace("+", " "))}
+    passwords.discard(HIDDEN)
+    return Secrets(_longest_first(passwords), _longest_first(names - passwords - {HIDDEN}))
+
+
+# The passwords of the last URIs this process parsed, which `hide` hides in LockrunError's
+# messages (the CLI's stderr and the Python API's exceptions alike): the last line of
+# defence, should a message quote an option's value that holds a secret.
+_REMEMBERED: Final[dict[str, tuple[str, ...]]] = {}
+_REMEMBERED_URIS: Final = 16
+_REMEMBERING: Final = threading.Lock()
+
+
+def remember(text: str) -> None:
+    """Make `hide` hide the passwords of *text*, but those too short to hide anywhere."""
+    passwords = tuple(p for p in secrets_of(text).passwords if len(p) >= _MIN_FRAGMENT)
+    with _REMEMBERING:
+        _REMEMBERED.pop(text, None)
+        _REMEMBERED[text] = passwords  # the newest last: the first is the next to go
+        while len(_REMEMBERED) > _REMEMBERED_URIS:
+            del _REMEMBERED[next(iter(_REMEMBERED))]
+
+
+def hide(text: str) -> str:
+    """Replace each password of a URI this process parsed of late (`remember`) with ``***``."""
+    with _REMEMBERING:
+        remembered = {secret for passwords in _REMEMBERED.values() for secret in passwords}
+    remembered |= {repr(secret)[1:-1] for secret in remembered}  # as a message's {value!r}
+    for secret in sorted(remembered, key=lambda secret: (-len(secret), secret)):
+        text = text.replace(secret, HIDDEN)
+    return text
 
 
 def _scheme_of(text: str) -> str:
     match = _known_scheme(text)
     return "" if match is None else match[0][:-1].lower()
-
-
-def _is_userinfo(text: str, start: int) -> bool:
-    return start == _authority_start(text) and "@" in text[start:]
 
 
 def _longest_first(pieces: set[str]) -> tuple[str, ...]:
@@ -413,6 +592,8 @@ def scrub(text: str, secrets: Secrets) -> str:
 
     Each secret where it shows whole (a short name only quoted alone: ``user 'ci'``), then
     any run of four characters of one: a driver may quote a piece, a server cut a name.
+    Last, whatever follows a secret option or a URI's user information in *text* itself: a
+    driver may quote a conninfo it decoded.
     """
     for password in secrets.passwords:  # whole first, the longest first
         text = text.replace(password, HIDDEN)
@@ -424,4 +605,7 @@ def scrub(text: str, secrets: Secrets) -> str:
     for secret in secrets.passwords + secrets.names:  # a server may cut a long name short
         for at in range(len(secret) - _MIN_FRAGMENT + 1):
             text = text.replace(secret[at : at + _MIN_FRAGMENT], HIDDEN)
-    return text
+    found = _Found(text)
+    for view, where in _views(text):
+        _find_in_view(text, view, where, found, own=False)
+    return _hidden(text, _merged(found.spans))

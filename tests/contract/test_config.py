@@ -394,9 +394,10 @@ BAD_URIS: Final = {
     "rediss-cert-reqs": ("rediss://127.0.0.1:1?ssl_cert_reqs=maybe", "ssl_cert_reqs", ()),
     "redis-port-99999": ("redis://127.0.0.1:99999/0", "port 99999 is out of range", ()),
     "redis-port-0": ("redis://127.0.0.1:0/0", "port 0 is out of range", ()),
-    "redis-port-abc": ("redis://127.0.0.1:abc/0", "abc", ()),
-    "redis-two-ports": ("redis://127.0.0.1:1:2/0", "1:2", ()),
-    "redis-ipv6-unclosed": ("redis://[::1/0", "::1", ()),
+    # No @: what follows a colon may be a password (redis://user:password), so not shown.
+    "redis-port-abc": ("redis://127.0.0.1:abc/0", "no HOST[:PORT]", ("abc",)),
+    "redis-two-ports": ("redis://127.0.0.1:1:2/0", "no HOST[:PORT]", ()),
+    "redis-ipv6-unclosed": ("redis://[::1/0", "no HOST[:PORT]", ()),
     "redis-db-path": ("redis://127.0.0.1:1/0/1", "'0/1' is not a number", ()),
     "unix-no-path": ("unix://", "expected unix:///path", ()),
     "sentinel-no-service": ("redis+sentinel://127.0.0.1:1", "SERVICE", ()),

@@ -59,6 +59,108 @@ OPTION_TEMPLATES: Final = (
 )
 TEMPLATES: Final = USERINFO_TEMPLATES + OPTION_TEMPLATES
 
+# The ten schemes of the server backends, each with a host that answers nothing at once.
+SERVER_SCHEMES: Final = {
+    "redis": "127.0.0.1:{port}/0",
+    "rediss": "127.0.0.1:{port}/0",
+    "unix": "/nonexistent/redis.sock",
+    "redis+sentinel": "127.0.0.1:{port}/mymaster",
+    "redis+cluster": "127.0.0.1:{port},127.0.0.2:{port}",
+    "rediss+cluster": "127.0.0.1:{port}",
+    "mysql": "127.0.0.1:{port}/db",
+    "mariadb": "127.0.0.1:{port}/db",
+    "postgresql": "127.0.0.1:{port}/db",
+    "postgres": "127.0.0.1:{port}/db",
+}
+
+
+def _encoded(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+def libpq_quoted(secret: str) -> str:
+    r"""Return *secret* as a libpq conninfo value: in quotes, with \ and \' escaped."""
+    return "'" + secret.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _spellings(scheme: str, where: str) -> dict[str, str]:
+    """Return the ways to write a secret for *scheme* ({s} raw, {e} %-encoded: see `spell`)."""
+    at = f"{scheme}://{where}"
+    query = f"{at}{'&' if '?' in at else '?'}"
+    return {
+        "user:password@": f"{scheme}://u:{{e}}@{where}",
+        "user:password, no @host": f"{scheme}://u:{{e}}",
+        ":password, no @host": f"{scheme}://:{{e}}",
+        "user:password, no //": f"{scheme}:u:{{e}}",
+        "user:password, no //, then @host": f"{scheme}:u:{{e}}@{where}",
+        "raw user:password, no @host": f"{scheme}://u:{{r}}",
+        "?password=": f"{query}password={{e}}",
+        "raw ?password=": f"{query}password={{s}}",
+        "?PASSWORD=": f"{query}x=1&PASSWORD={{e}}",
+        "%-encoded name": f"{query}p%61ssword={{e}}",
+        "all %-encoded name": f"{query}%70%61%73%73%77%6F%72%64={{e}}",
+        "?pwd=": f"{query}pwd={{e}}",
+        "?passwd=": f"{query}passwd={{e}}",
+        "?auth=": f"{query}auth={{e}}",
+        "?token=": f"{query}token={{e}}",
+        "?client_secret=": f"{query}client_secret={{e}}",
+        "?sslpassword=": f"{query}sslmode=disable&sslpassword={{e}}&connect_timeout=2",
+        "?sentinel_password=": f"{query}sentinel_password={{e}}",
+        "nested conninfo in ?dbname=": f"{query}dbname={{nested_kv}}",
+        "nested conninfo in ?options=": f"{query}options={{nested_options}}",
+        "nested URI in ?dbname=": f"{query}dbname={{nested_uri}}",
+        "raw nested URI in ?dbname=": f"{query}dbname=postgresql://u:{{e}}@h/db",
+        "twice-encoded nested conninfo": f"{query}dbname={{twice}}",
+        # Options whose values lockrun's own messages quote (a file, a charset).
+        "nested conninfo in ?charset=": f"{query}charset={{nested_kv}}",
+        "nested conninfo in ?ssl_ca=": f"{query}ssl_ca={{nested_kv}}",
+        "nested conninfo in ?ssl_ca_certs=": f"{query}ssl_ca_certs={{nested_kv}}",
+        "nested conninfo in ?read_default_file=": f"{query}read_default_file={{nested_kv}}",
+        "%-encoded = and &": f"{query}x=1%26password%3D{{e}}",
+    }
+
+
+def spellings(port: int = 1) -> dict[str, str]:
+    """Return every spelling of a secret lockrun must hide, by name, as `spell` fills them."""
+    found = {}
+    for scheme, where in SERVER_SCHEMES.items():
+        for name, template in _spellings(scheme, where.replace("{port}", str(port))).items():
+            found[f"{scheme}: {name}"] = template
+    for scheme in ("redis", "rediss", "mysql", "mariadb", "postgresql"):  # a database's name
+        found[f"{scheme}: nested conninfo in the path"] = (
+            f"{scheme}://127.0.0.1:{port}/{{nested_kv}}"
+        )
+    kv = f"host=127.0.0.1 port={port} dbname=db"
+    found |= {
+        "conninfo": f"{kv} password={{q}} connect_timeout=2",
+        "conninfo, spaces around =": f"host=127.0.0.1 port={port} password = {{q}}",
+        "conninfo, bare value": f"password={{b}} {kv}",
+        "conninfo after postgresql://": f"postgresql://{kv} password={{q}}",
+        "conninfo in a quoted dbname": f"host=127.0.0.1 port={port} dbname='x password={{qq}}'",
+        "conninfo, sslpassword": f"{kv} sslpassword={{q}}",
+    }
+    return found
+
+
+def spell(template: str, secret: str) -> str:
+    """Return *template* (of `spellings`) with *secret* written as each placeholder says."""
+    quoted = libpq_quoted(secret)
+    pieces = {
+        "s": secret,
+        # Raw but for @, which would make what follows it the host, as in any URI.
+        "r": secret.replace("@", "%40"),
+        "e": _encoded(secret),
+        "q": quoted,
+        # A bare libpq value ends at white space: only where the secret has none.
+        "b": _encoded(secret) if re.search(r"[\s'\\]", secret) or not secret else secret,
+        "qq": quoted.replace("\\", "\\\\").replace("'", "\\'"),
+        "nested_kv": _encoded(f"x password={quoted}"),
+        "nested_options": _encoded(f"-c password={quoted}"),
+        "nested_uri": _encoded(f"postgresql://u:{_encoded(secret)}@h/db"),
+        "twice": _encoded(_encoded(f"x password={quoted}")),
+    }
+    return re.sub(r"\{(\w+)\}", lambda match: pieces[match[1]], template)
+
 
 def place(template: str, secret: str, *, encoded: bool, port: int = 1) -> str:
     """Return *template* with *secret* in it, raw or percent-encoded."""
@@ -69,7 +171,8 @@ def place(template: str, secret: str, *, encoded: bool, port: int = 1) -> str:
 def fragments(secret: str) -> set[str]:
     """Return what of *secret* must never show: its runs of rare letters, raw and encoded."""
     runs = set(_RUN.findall(secret))
-    return runs | {urllib.parse.quote(run, safe="") for run in runs}
+    encoded = {_encoded(run) for run in runs}
+    return runs | encoded | {_encoded(run) for run in encoded}  # and encoded twice
 
 
 def assert_hidden(secret: str, *outputs: str) -> None:

@@ -44,7 +44,14 @@ from lockrun.errors import (
 from lockrun.lock import Lease as Held
 from lockrun.names import check_name
 from lockrun.progress import WaitReport
-from lockrun.runner import _INTERRUPTS, _acquire, _interruptible, _release, check_options
+from lockrun.runner import (
+    _INTERRUPTS,
+    _acquire,
+    _interruptible,
+    _release,
+    check_options,
+    unheard,
+)
 from lockrun.supervise import FORWARDED, _hung_up, _readable
 from lockrun.timing import clock_time, format_duration, now
 
@@ -1041,17 +1048,22 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         self.ended = type(why)(f"{self.name}: {why}")
         self.linger = now() + LINGER
 
-    def _give_back(self, *, keep_window: bool) -> str:
-        """Release the lease (leaving the --hold-at-least window if *keep_window*); say so."""
+    def _give_back(self, *, keep_window: bool) -> tuple[int, str]:
+        """Release the lease (leaving the --hold-at-least window if *keep_window*).
+
+        Return the status and line for `lockrun release`: 69 if the service never heard it
+        (the lock then frees by itself).
+        """
         if self.held is None:
-            return ""
+            return 0, ""
         self.held = None
         self._unwatch("bell", "session")
         took = now() - self.held_since
         hold = self.options.hold_at_least if keep_window else 0.0
-        _release(self.lease, self.request, self.held_since, hold, self.verbose)
+        if not _release(self.lease, self.request, self.held_since, hold, self.verbose):
+            return BackendUnavailable.exit_code, f"{self.name}: {unheard(self.name, took)}"
         left = f" (taken {format_duration(hold - took)} more: --hold-at-least)" * (hold > took)
-        return f"released {self.name} after {format_duration(took)}{left}"
+        return 0, f"released {self.name} after {format_duration(took)}{left}"
 
     def finish(self) -> None:
         """Release (its window stays) and end: the owner exited, or the parent gave up."""
@@ -1132,7 +1144,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         if self.ended is not None:
             return self.ended.exit_code, str(self.ended)
         try:
-            return 0, self._give_back(keep_window=True)
+            return self._give_back(keep_window=True)
         except LockrunError as err:
             return err.exit_code, f"{self.name}: {err}"
 

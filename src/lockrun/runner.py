@@ -263,19 +263,28 @@ def _acquire(
 
 def _release(
     lease: Lease, request: Request, held_since: float, hold: float, verbose: Callable[[str], None]
-) -> None:
-    """Release *lease*, leaving it taken until *hold* seconds after *held_since*."""
+) -> bool:
+    """Release *lease*, leaving it taken until *hold* seconds after *held_since*.
+
+    Return whether the service heard it (`Lease.release`); -v says which.
+    """
     took = now() - held_since
     hold -= took
     if not lease.release(hold=max(0.0, hold)):
-        verbose(
-            f"could not tell the server to release {request.name} after "
-            f'{format_duration(took)}; it frees by itself (docs/semantics.md "A killed holder")'
-        )
-        return
+        verbose(unheard(request.name, took))
+        return False
     if hold > 0:
         verbose(f"left {request.name} taken for {format_duration(hold)} more (--hold-at-least)")
     verbose(f"released {request.name} after {format_duration(took)}")
+    return True
+
+
+def unheard(name: str, took: float) -> str:
+    """Say that the release of *name*, held *took* seconds, never reached the service."""
+    return (
+        f"could not tell the server to release {name} after {format_duration(took)}; "
+        'it frees by itself (docs/semantics.md "A killed holder")'
+    )
 
 
 def check_options(options: Options) -> None:

@@ -550,6 +550,25 @@ def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
         assert (cut.returncode, "session holding the lock ended" in line) == (76, True), line
 
 
+def test_a_release_the_server_never_heard_is_not_0(
+    server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
+) -> None:
+    """`lockrun release` in a partition: never 0 ("released") without the server.
+
+    It said "released NAME after Xs" and 0. A lease may still be held until it runs out
+    (69, saying so); a session that timed out is closed, its locks gone (76).
+    """
+    assert server_harness.proxied is not None
+    token = acquire(server_harness.proxied, name, owner.pid, "--ttl", "10")
+    server_harness.partition()
+    cut = lockrun("release", token)
+    line = one_line(cut.stderr)
+    assert "released" not in line.split(";")[0], line
+    assert cut.returncode in {69, 76}, line
+    if cut.returncode == 69:
+        assert "frees by itself" in line or "did not confirm" in line, line
+
+
 def test_a_section_whose_lock_was_taken_over_hears_79_after_its_shell_is_killed(
     file_uri: str, name: str, tmp_path: Path
 ) -> None:

@@ -3,7 +3,8 @@
 Two pools of lockrun processes contend for one name each, a mutex (N = 1) and a
 semaphore (N = 3), every process around a command that reports to the oracle and holds for
 a moment. A pool is topped up as its processes end, while a killer SIGKILLs a random
-holder, waiter or command every 0.1–0.4 s. The oracle (tests/support/oracle.py) must never
+holder, waiter or command, or a holder and its guardian together (`killall -9 lockrun`),
+every 0.1–0.4 s. The oracle (tests/support/oracle.py) must never
 see more than N commands at once, and once the storm is over all N slots of each name must
 be takeable at the same time within a ttl: nothing the dead left behind may hold one.
 """
@@ -93,6 +94,7 @@ class Pool:
             "holder": holders,
             "waiter": sorted(live - set(holders)),
             "command": [run.pid for run in running],
+            "holder and guardian": [run.pid for run in running if run.ppid in live],
         }
         kinds = [kind for kind, pids in victims.items() if pids]
         if not kinds:
@@ -100,6 +102,10 @@ class Pool:
         kind = self.rng.choice(kinds)
         pid = self.rng.choice(victims[kind])
         try:
+            if kind == "holder and guardian":  # the command's group is its guardian's
+                pid, guardian = _parent(pid), os.getpgid(pid)
+                if guardian != pid:
+                    os.kill(guardian, signal.SIGKILL)
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # it ended meanwhile
             return
@@ -125,6 +131,12 @@ class Pool:
         self.kill_all()
         self.oracle.close()
         self.errors.close()
+
+
+def _parent(pid: int) -> int:
+    """Return the parent of *pid* (/proc/PID/stat, field 4): a command's lockrun."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[1])
 
 
 @pytest.mark.heavy

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from tests.support.cli import take_over_ring
+from tests.support.cli import RING_TTL, take_over_ring
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,10 +41,10 @@ def test_the_servers_are_valkey(
 def test_a_take_over_rings_the_holders_bell(
     valkey: RedisServer, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
-    """With a 30 s lease, the holder's command gets TERM within 2 s of the taker's start.
+    """With an hour's lease, the holder's command gets TERM within the taker's wait.
 
-    Its renewals come every 10 s: only the tracking push (the bell) is that fast.
+    Its renewals come every 20 minutes: only the tracking push (the bell) is that fast.
     """
-    rang = take_over_ring(valkey.uri, tmp_path, name, "--ttl", "30")
+    rang = take_over_ring(valkey.uri, tmp_path, name)
     record("Valkey take-over: the taker's start to the holder's TERM", seconds=rang)
-    assert rang < 2.0  # a Python start-up or two on a loaded machine
+    assert rang < RING_TTL / 3

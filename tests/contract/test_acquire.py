@@ -349,7 +349,8 @@ def test_a_crowd_at_the_door_only_delays_the_owners_release(
         os.kill(keeper, signal.SIGCONT)
         for knock in crowd:
             knock.close()
-    assert finish(release) == 0
+    _, said = release.communicate(timeout=60)
+    assert release.returncode == 0, said
     assert free(file_uri, name)
 
 

@@ -713,3 +713,55 @@ def test_a_reader_who_blocks_take_over_requests_is_reported_not_obeyed(
         blocking.kill()
         blocking.communicate()
     assert holder.finish() == 0
+
+
+def _in_a_setgid_directory(mallory: Runner, locks: Path, name: str) -> Path:
+    """Return NAME.lock as mallory makes it in a set-group-ID directory of root's group.
+
+    The file gets the directory's group, root's, though she is no member: so a 2777/3777
+    directory hands its group to every file made there, whoever makes it.
+    """
+    lock_file = locks / f"{name}.lock"
+    locks.chmod(0o3777)
+    os.chown(locks, 0, 0)
+    made = mallory.run(["sh", "-c", f"umask 022; : > {lock_file}"])
+    assert made.returncode == 0, made.stderr
+    assert (lock_file.stat().st_uid, lock_file.stat().st_gid) == (mallory.user.uid, 0)
+    return lock_file
+
+
+def test_a_window_in_a_file_mallory_made_in_a_setgid_directory_holds_nothing(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """Her file of root's group, with a day's window 'root@h pid 1': root's run goes on.
+
+    And -v names her as who could have written it.
+    """
+    lock_file = _in_a_setgid_directory(mallory, locks, name)
+    content = forged(name, until=time.time() + 86400).decode()
+    assert mallory.run(["sh", "-c", f"cat > {lock_file}"], input=content).returncode == 0
+    result = lockrun("-v", "--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+    assert result.returncode == 0, result.stderr
+    assert "root@h" not in result.stderr
+    ignored = [line for line in result.stderr.splitlines() if "not believed" in line]
+    assert len(ignored) == 1, result.stderr
+    assert "user lockrun-mallory" in ignored[0]
+
+
+def test_a_request_in_a_file_mallory_made_in_a_setgid_directory_stops_no_one(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Her file of root's group, and her request as 'root pid 1': root's job runs on."""
+    lock_file = _in_a_setgid_directory(mallory, locks, name)
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    asking = mallory.python(FORGED_REQUEST, str(lock_file), stdin=subprocess.PIPE)
+    try:
+        assert asking.stdout is not None
+        assert asking.stdout.readline().strip() == "ready"
+        taker = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert taker.returncode == 75, taker.stderr  # busy: the holder is still there
+        assert holder.process.poll() is None
+    finally:
+        asking.kill()
+        asking.communicate()
+    assert holder.finish() == 0

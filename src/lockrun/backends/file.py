@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
 import re
 import signal
 import stat
@@ -947,16 +948,28 @@ def _stranger(info: os.stat_result) -> str | None:
     """Name who other than us, root and our groups could have written the file *info* is of.
 
     None if nobody else could: the file is ours or root's, or belongs to one of our groups
-    (only its members can give a file that group), and not every user may write it. A
-    group we are in is one whose members we share locks with (docs/security.md).
+    and its owner is a member (a set-group-ID directory gives every file made in it its
+    group, whoever makes it), and not every user may write it. A group we are in is one
+    whose members we share locks with (docs/security.md).
     """
-    if info.st_uid not in {0, os.geteuid()} and info.st_gid not in _our_groups():
+    if info.st_uid not in {0, os.geteuid()} and not (
+        info.st_gid in _our_groups() and _member(info.st_uid, info.st_gid)
+    ):
         return describe_uid(info.st_uid)
     return "every user" if info.st_mode & stat.S_IWOTH else None
 
 
 def _our_groups() -> set[int]:
     return {os.getegid(), *os.getgroups()}
+
+
+def _member(uid: int, gid: int) -> bool:
+    """Whether user *uid* is in group *gid*, as the user and group databases say."""
+    try:
+        entry = pwd.getpwuid(uid)
+        return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+    except (KeyError, OSError):  # a uid with no name: a member of nothing we can tell
+        return False
 
 
 def _window(content: bytes, base: str) -> float | None:

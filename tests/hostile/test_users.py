@@ -8,9 +8,11 @@ not lockrun's word: a planted target keeps its bytes, nothing appears where it m
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -765,3 +767,48 @@ def test_a_request_in_a_file_mallory_made_in_a_setgid_directory_stops_no_one(
         asking.kill()
         asking.communicate()
     assert holder.finish() == 0
+
+
+def _protected_regular(real: Callable[..., int]) -> Callable[..., int]:
+    """Return os.open as the kernel makes it with fs.protected_regular=1 (proc_sys_fs(5)).
+
+    An O_CREAT open (without O_EXCL) of an existing regular file in a sticky directory every
+    user may write fails with EACCES if the file is neither ours nor the directory owner's;
+    the same open without O_CREAT succeeds. systemd turns it on by default; a test cannot
+    turn the machine-wide sysctl on without changing every other process's opens.
+    """
+
+    def protected(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_CREAT and not flags & os.O_EXCL and dir_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                found = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+                directory = os.fstat(dir_fd)
+                sticky = directory.st_mode & 0o1002 == 0o1002
+                theirs = found.st_uid not in {os.geteuid(), directory.st_uid}
+                if sticky and stat.S_ISREG(found.st_mode) and theirs:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(path, flags, mode, dir_fd=dir_fd)
+
+    return protected
+
+
+@pytest.mark.parametrize("mode", ["0644", "0666"])
+def test_a_lock_file_planted_where_protected_regular_holds_is_locked_not_refused(
+    mallory: Runner, locks: Path, name: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mallory's NAME.lock in a 1777 directory, with fs.protected_regular's rule: root locks it.
+
+    Opening it with O_CREAT is refused there (EACCES), so root's job was refused (78)
+    for as long as her file stayed: a denial of service by any co-user, on systemd's default.
+    """
+    lock_file = locks / f"{name}.lock"
+    assert mallory.run(["sh", "-c", f": > {lock_file}; chmod {mode} {lock_file}"]).returncode == 0
+    monkeypatch.setattr(os, "open", _protected_regular(os.open))
+    backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
+    lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["root"])), 0)
+    assert lease is not None
+    assert os.path.samestat(os.stat(lease.path), lock_file.stat())
+    lease.release()
+    missing = backend.acquire(Request("default", f"{name}-new", 1, 30.0, Holder.me(["root"])), 0)
+    assert missing is not None  # and a missing one is still made
+    missing.release()

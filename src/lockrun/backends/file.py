@@ -424,20 +424,36 @@ class FileBackend:
 
     def _open(self, filename: str) -> _Held:
         """Open (or make) a lock file of ours: a regular file with one name, nothing else."""
-        flags, mode = os.O_RDWR | os.O_CREAT | _OPEN, 0o600 if self.private else 0o666
         try:
             try:
-                fd = os.open(filename, flags, mode, dir_fd=self._dir)
+                fd = self._open_or_make(filename)
             except FileNotFoundError:
-                # O_CREAT of a plain name fails so only in a directory deleted since
+                # Making a plain name fails so only in a directory deleted since
                 # _directory looked: open (or make) it again, once.
                 self.close()
-                fd = os.open(filename, flags, mode, dir_fd=self._dir)
+                fd = self._open_or_make(filename)
         except OSError as err:
             raise failure(f"lock file {self._path(filename)}", err) from err
         with _closed_on_error(fd):
             info = self._check(fd, filename)
         return _Held(self._path(filename), fd, (info.st_dev, info.st_ino))
+
+    def _open_or_make(self, filename: str) -> int:
+        """Open the lock file *filename* for reading and writing, making it if it is missing.
+
+        Never O_CREAT without O_EXCL: with fs.protected_regular (systemd's default) that open
+        fails (EACCES) on a file another user made in a sticky directory, which would let
+        any co-user keep our jobs out of a shared 1777 directory (78) by making NAME.lock
+        first. Such a file is locked, never believed (docs/security.md).
+        """
+        flags = os.O_RDWR | _OPEN
+        with contextlib.suppress(FileNotFoundError):
+            return os.open(filename, flags, dir_fd=self._dir)
+        try:
+            mode = 0o600 if self.private else 0o666
+            return os.open(filename, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=self._dir)
+        except FileExistsError:  # made by another process since: open that
+            return os.open(filename, flags, dir_fd=self._dir)
 
     def _check(self, fd: int, filename: str) -> os.stat_result:
         """Raise `ConfigError` unless the opened *fd* is a regular file with one name."""

@@ -149,17 +149,29 @@ def test_a_fifo_planted_as_a_lock_file_neither_hangs_run_nor_status(
     assert time.monotonic() - started < 20  # each would hang for ever on the FIFO's open
 
 
+@pytest.mark.parametrize("slots", [1, 3])
 def test_a_hard_link_planted_as_a_lock_file_is_never_written(
-    mallory: Runner, locks: Path, name: str
+    mallory: Runner, locks: Path, name: str, slots: int
 ) -> None:
-    """NAME.lock as a second name of mallory's file: 78, and her file keeps its bytes."""
-    hers = locks / "hers"
-    make = f"cat > {hers} && ln {hers} {locks}/{name}.lock"
-    assert mallory.run(["sh", "-c", make], input=PRECIOUS).returncode == 0
-    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
-    assert result.returncode == 78
-    assert "hard links" in one_line(result.stderr)
-    assert hers.read_text() == PRECIOUS
+    """NAME.lock (and NAME.gate, NAME.fence) as second names of mallory's files.
+
+    Each is locked, never written: her files keep their bytes, and root's jobs run (they
+    were refused, 78, for as long as her links stayed: alice could not even remove them
+    from a sticky directory). -v says so.
+    """
+    make = "".join(
+        f'printf %s "$0" > {locks}/hers.{kind} && ln {locks}/hers.{kind} {locks}/{name}.{kind}; '
+        for kind in ("lock", "gate", "fence")
+    )
+    assert mallory.run(["sh", "-c", make, PRECIOUS]).returncode == 0
+    uri = f"file://{locks}"
+    for _ in range(2):
+        result = lockrun("-v", "--uri", uri, "-n", name, "-s", str(slots), "--", "true")
+        assert result.returncode == 0, result.stderr
+        assert "2 names" in result.stderr
+    for kind in ("lock", "gate", "fence"):
+        assert (locks / f"hers.{kind}").read_text() == PRECIOUS
+    assert mallory.lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
 
 
 def test_a_file_given_as_the_lock_directory_is_a_configuration_error(

@@ -258,6 +258,7 @@ class FileLease:
         self._identity = held.identity
         self._counter = held.counter  # the bytes that stay: the counter line
         self._record = held.record  # the holder's line after it, kept for a window's marker
+        self._written = held.written
         self._wake = wake
         self._bell: int | None = None
         self._armed = False
@@ -310,7 +311,7 @@ class FileLease:
         With *hold*, leave the record with the window's end instead (--hold-at-least).
         """
         if self._fd is not None:
-            if self.fence is not None:  # a shared lease wrote nothing, and cuts nothing off
+            if self.fence is not None and self._written:  # a shared lease wrote nothing
                 with contextlib.suppress(OSError):
                     if hold > 0 and self._record:
                         _overwrite(self._fd, _window_marker(self._record, time.time() + hold))
@@ -347,6 +348,7 @@ class _Held(NamedTuple):
     identity: tuple[int, int]  # (st_dev, st_ino)
     counter: int = 0  # the length of its counter line, once the grant has written it
     record: bytes = b""  # what the grant wrote: the counter line and the holder's record
+    written: bool = True  # False: a file with other names, which lockrun never writes
 
 
 class FileBackend:
@@ -436,7 +438,13 @@ class FileBackend:
             raise failure(f"lock file {self._path(filename)}", err) from err
         with _closed_on_error(fd):
             info = self._check(fd, filename)
-        return _Held(self._path(filename), fd, (info.st_dev, info.st_ino))
+        path, written = self._path(filename), info.st_nlink == 1
+        if not written and self._note is not None and path not in self._noted:
+            self._noted.add(path)
+            self._note(
+                f"lock file {path} has {info.st_nlink} names (hard links): locked, never written"
+            )
+        return _Held(path, fd, (info.st_dev, info.st_ino), written=written)
 
     def _open_or_make(self, filename: str) -> int:
         """Open the lock file *filename* for reading and writing, making it if it is missing.
@@ -456,14 +464,15 @@ class FileBackend:
             return os.open(filename, flags, dir_fd=self._dir)
 
     def _check(self, fd: int, filename: str) -> os.stat_result:
-        """Raise `ConfigError` unless the opened *fd* is a regular file with one name."""
+        """Raise `ConfigError` unless the opened *fd* is a regular file.
+
+        One with other names (hard links) may be another file of anyone's: it is locked,
+        never written (`_Held.written`). Refusing it let any user who made NAME.lock a
+        second name of a file of theirs keep every other user out (docs/security.md).
+        """
         info = os.fstat(fd)
-        problem = None
         if not stat.S_ISREG(info.st_mode):
             problem = "is not a regular file (a FIFO, a device or a socket?)"
-        elif info.st_nlink != 1:  # a hard link to a file elsewhere: never write to it
-            problem = f"has {info.st_nlink} names (hard links); lockrun writes only to its own"
-        if problem is not None:
             msg = f"lock file {self._path(filename)} {problem}; remove it"
             raise ConfigError(msg)
         return info
@@ -717,6 +726,8 @@ class FileBackend:
                     fence = max(fence, next_fence(self._read(f"{base}.fence")))
             line = f"{fence}\n"
             data = f"{line}{self._record_line(request, slot)}\n".encode()
+            if not held.written:  # no record: status names the holder from /proc/locks
+                return FileLease(slot, fence, held, wake)
             os.pwrite(held.fd, data, 0)
             if len(data) < len(content):  # a longer record was there: cut what is left of it
                 os.ftruncate(held.fd, len(data))
@@ -732,18 +743,19 @@ class FileBackend:
         """
         if counter is None:
             counter = _split(self._peek(_slot_file(base, 0))[1])[0]
-        fence_fd = self._open(f"{base}.fence").fd
+        fence_file = self._open(f"{base}.fence")
         try:
-            fence = max(next_fence(os.pread(fence_fd, 32, 0)), next_fence(counter))
-            _overwrite(fence_fd, f"{fence}\n".encode())
+            fence = max(next_fence(os.pread(fence_file.fd, 32, 0)), next_fence(counter))
+            if fence_file.written:
+                _overwrite(fence_file.fd, f"{fence}\n".encode())
         finally:
-            os.close(fence_fd)
+            os.close(fence_file.fd)
         return fence
 
     def _read(self, filename: str) -> bytes:
         """Return the start of a lock file of ours that may be missing (then b"").
 
-        Refuses (78) what `_open` refuses: a planted symlink, FIFO, device or hard link.
+        Refuses (78) what `_open` refuses: a planted symlink, FIFO or device.
         """
         try:
             fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)

@@ -425,7 +425,7 @@ class FileBackend:
         raise ConfigError(msg)
 
     def _open(self, filename: str) -> _Held:
-        """Open (or make) a lock file of ours: a regular file with one name, nothing else."""
+        """Open (or make) a lock file: a regular file, nothing else; say if it has other names."""
         try:
             try:
                 fd = self._open_or_make(filename)

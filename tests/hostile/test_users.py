@@ -127,6 +127,8 @@ def test_a_symlink_planted_as_a_lock_or_fence_file_is_refused(
     result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
     assert result.returncode == 78, result.stderr
     assert f"{link}" in one_line(result.stderr)
+    assert "symlink" in result.stderr  # not "Too many levels of symbolic links"
+    assert "lockrun-mallory" in result.stderr  # who made it
     assert precious.read_text() == PRECIOUS
 
 

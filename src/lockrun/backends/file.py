@@ -22,6 +22,7 @@ the taker touches.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -435,7 +436,7 @@ class FileBackend:
                 self.close()
                 fd = self._open_or_make(filename)
         except OSError as err:
-            raise failure(f"lock file {self._path(filename)}", err) from err
+            raise self._failure(filename, err) from err
         with _closed_on_error(fd):
             info = self._check(fd, filename)
         path, written = self._path(filename), info.st_nlink == 1
@@ -445,6 +446,18 @@ class FileBackend:
                 f"lock file {path} has {info.st_nlink} names (hard links): locked, never written"
             )
         return _Held(path, fd, (info.st_dev, info.st_ino), written=written)
+
+    def _failure(self, filename: str, err: OSError) -> ConfigError | BackendUnavailable:
+        """Translate *err* of opening *filename*: a symlink there is named with its maker."""
+        path = self._path(filename)
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink (docs/security.md)
+            try:
+                maker = os.stat(filename, dir_fd=self._dir, follow_symlinks=False).st_uid
+            except OSError:
+                maker = None
+            who = "" if maker is None else f", made by {describe_uid(maker)}"
+            return ConfigError(f"lock file {path} is a symlink{who}; lockrun never follows one")
+        return failure(f"lock file {path}", err)
 
     def _open_or_make(self, filename: str) -> int:
         """Open the lock file *filename* for reading and writing, making it if it is missing.
@@ -762,7 +775,7 @@ class FileBackend:
         except FileNotFoundError:
             return b""
         except OSError as err:
-            raise failure(f"lock file {self._path(filename)}", err) from err
+            raise self._failure(filename, err) from err
         try:
             self._check(fd, filename)
             return os.pread(fd, 32, 0)

@@ -407,8 +407,11 @@ def test_records_and_requests_count_from_us_root_and_our_groups_only(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(os, "getegid", lambda: 1000)
     monkeypatch.setattr(os, "getgroups", lambda: [50])
+    monkeypatch.setattr(file_backend, "_member", lambda uid, gid: (uid, gid) == (54321, 50))
     assert file_backend._stranger(info(1000, 1000, 0o100644)) is None
     assert file_backend._stranger(info(0, 0, 0o100644)) is None
     assert file_backend._stranger(info(54321, 50, 0o100664)) is None  # a fellow member's
+    # Our group, but its owner no member: a set-group-ID directory gave it the group.
+    assert file_backend._stranger(info(54322, 50, 0o100644)) == "uid 54322"
     assert file_backend._stranger(info(54321, 54321, 0o100644)) == "uid 54321"
     assert file_backend._stranger(info(1000, 1000, 0o100666)) == "every user"

@@ -8,9 +8,11 @@ not lockrun's word: a planted target keeps its bytes, nothing appears where it m
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -125,6 +127,8 @@ def test_a_symlink_planted_as_a_lock_or_fence_file_is_refused(
     result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
     assert result.returncode == 78, result.stderr
     assert f"{link}" in one_line(result.stderr)
+    assert "symlink" in result.stderr  # not "Too many levels of symbolic links"
+    assert "lockrun-mallory" in result.stderr  # who made it
     assert precious.read_text() == PRECIOUS
 
 
@@ -147,17 +151,29 @@ def test_a_fifo_planted_as_a_lock_file_neither_hangs_run_nor_status(
     assert time.monotonic() - started < 20  # each would hang for ever on the FIFO's open
 
 
+@pytest.mark.parametrize("slots", [1, 3])
 def test_a_hard_link_planted_as_a_lock_file_is_never_written(
-    mallory: Runner, locks: Path, name: str
+    mallory: Runner, locks: Path, name: str, slots: int
 ) -> None:
-    """NAME.lock as a second name of mallory's file: 78, and her file keeps its bytes."""
-    hers = locks / "hers"
-    make = f"cat > {hers} && ln {hers} {locks}/{name}.lock"
-    assert mallory.run(["sh", "-c", make], input=PRECIOUS).returncode == 0
-    result = lockrun("--uri", f"file://{locks}", "-n", name, "--", "true")
-    assert result.returncode == 78
-    assert "hard links" in one_line(result.stderr)
-    assert hers.read_text() == PRECIOUS
+    """NAME.lock (and NAME.gate, NAME.fence) as second names of mallory's files.
+
+    Each is locked, never written: her files keep their bytes, and root's jobs run (they
+    were refused, 78, for as long as her links stayed: alice could not even remove them
+    from a sticky directory). -v says so.
+    """
+    make = "".join(
+        f'printf %s "$0" > {locks}/hers.{kind} && ln {locks}/hers.{kind} {locks}/{name}.{kind}; '
+        for kind in ("lock", "gate", "fence")
+    )
+    assert mallory.run(["sh", "-c", make, PRECIOUS]).returncode == 0
+    uri = f"file://{locks}"
+    for _ in range(2):
+        result = lockrun("-v", "--uri", uri, "-n", name, "-s", str(slots), "--", "true")
+        assert result.returncode == 0, result.stderr
+        assert "2 names" in result.stderr
+    for kind in ("lock", "gate", "fence"):
+        assert (locks / f"hers.{kind}").read_text() == PRECIOUS
+    assert mallory.lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
 
 
 def test_a_file_given_as_the_lock_directory_is_a_configuration_error(
@@ -713,3 +729,100 @@ def test_a_reader_who_blocks_take_over_requests_is_reported_not_obeyed(
         blocking.kill()
         blocking.communicate()
     assert holder.finish() == 0
+
+
+def _in_a_setgid_directory(mallory: Runner, locks: Path, name: str) -> Path:
+    """Return NAME.lock as mallory makes it in a set-group-ID directory of root's group.
+
+    The file gets the directory's group, root's, though she is no member: so a 2777/3777
+    directory hands its group to every file made there, whoever makes it.
+    """
+    lock_file = locks / f"{name}.lock"
+    locks.chmod(0o3777)
+    os.chown(locks, 0, 0)
+    made = mallory.run(["sh", "-c", f"umask 022; : > {lock_file}"])
+    assert made.returncode == 0, made.stderr
+    assert (lock_file.stat().st_uid, lock_file.stat().st_gid) == (mallory.user.uid, 0)
+    return lock_file
+
+
+def test_a_window_in_a_file_mallory_made_in_a_setgid_directory_holds_nothing(
+    mallory: Runner, locks: Path, name: str
+) -> None:
+    """Her file of root's group, with a day's window 'root@h pid 1': root's run goes on.
+
+    And -v names her as who could have written it.
+    """
+    lock_file = _in_a_setgid_directory(mallory, locks, name)
+    content = forged(name, until=time.time() + 86400).decode()
+    assert mallory.run(["sh", "-c", f"cat > {lock_file}"], input=content).returncode == 0
+    result = lockrun("-v", "--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+    assert result.returncode == 0, result.stderr
+    assert "root@h" not in result.stderr
+    ignored = [line for line in result.stderr.splitlines() if "not believed" in line]
+    assert len(ignored) == 1, result.stderr
+    assert "user lockrun-mallory" in ignored[0]
+
+
+def test_a_request_in_a_file_mallory_made_in_a_setgid_directory_stops_no_one(
+    mallory: Runner, locks: Path, name: str, held: Callable[..., Held]
+) -> None:
+    """Her file of root's group, and her request as 'root pid 1': root's job runs on."""
+    lock_file = _in_a_setgid_directory(mallory, locks, name)
+    holder = held("--uri", f"file://{locks}", "-n", name)
+    asking = mallory.python(FORGED_REQUEST, str(lock_file), stdin=subprocess.PIPE)
+    try:
+        assert asking.stdout is not None
+        assert asking.stdout.readline().strip() == "ready"
+        taker = lockrun("--uri", f"file://{locks}", "-n", name, "-w", "0", "--", "true")
+        assert taker.returncode == 75, taker.stderr  # busy: the holder is still there
+        assert holder.process.poll() is None
+    finally:
+        asking.kill()
+        asking.communicate()
+    assert holder.finish() == 0
+
+
+def _protected_regular(real: Callable[..., int]) -> Callable[..., int]:
+    """Return os.open as the kernel makes it with fs.protected_regular=1 (proc_sys_fs(5)).
+
+    An O_CREAT open (without O_EXCL) of an existing regular file in a sticky directory every
+    user may write fails with EACCES if the file is neither ours nor the directory owner's;
+    the same open without O_CREAT succeeds. systemd turns it on by default; a test cannot
+    turn the machine-wide sysctl on without changing every other process's opens.
+    """
+
+    def protected(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_CREAT and not flags & os.O_EXCL and dir_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                found = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+                directory = os.fstat(dir_fd)
+                sticky = directory.st_mode & 0o1002 == 0o1002
+                theirs = found.st_uid not in {os.geteuid(), directory.st_uid}
+                if sticky and stat.S_ISREG(found.st_mode) and theirs:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(path, flags, mode, dir_fd=dir_fd)
+
+    return protected
+
+
+@pytest.mark.parametrize("mode", ["0644", "0666"])
+def test_a_lock_file_planted_where_protected_regular_holds_is_locked_not_refused(
+    mallory: Runner, locks: Path, name: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mallory's NAME.lock in a 1777 directory, with fs.protected_regular's rule: root locks it.
+
+    Opening it with O_CREAT is refused there (EACCES), so root's job was refused (78)
+    for as long as her file stayed: a denial of service by any co-user, on systemd's default.
+    """
+    lock_file = locks / f"{name}.lock"
+    assert mallory.run(["sh", "-c", f": > {lock_file}; chmod {mode} {lock_file}"]).returncode == 0
+    monkeypatch.setattr(os, "open", _protected_regular(os.open))
+    backend = file_backend.FileBackend(str(locks), private=False, make_below="/")
+    lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["root"])), 0)
+    assert lease is not None
+    assert os.path.samestat(os.stat(lease.path), lock_file.stat())
+    lease.release()
+    missing = backend.acquire(Request("default", f"{name}-new", 1, 30.0, Holder.me(["root"])), 0)
+    assert missing is not None  # and a missing one is still made
+    missing.release()

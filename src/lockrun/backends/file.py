@@ -22,9 +22,11 @@ the taker touches.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import pwd
 import re
 import signal
 import stat
@@ -257,6 +259,7 @@ class FileLease:
         self._identity = held.identity
         self._counter = held.counter  # the bytes that stay: the counter line
         self._record = held.record  # the holder's line after it, kept for a window's marker
+        self._written = held.written
         self._wake = wake
         self._bell: int | None = None
         self._armed = False
@@ -309,7 +312,7 @@ class FileLease:
         With *hold*, leave the record with the window's end instead (--hold-at-least).
         """
         if self._fd is not None:
-            if self.fence is not None:  # a shared lease wrote nothing, and cuts nothing off
+            if self.fence is not None and self._written:  # a shared lease wrote nothing
                 with contextlib.suppress(OSError):
                     if hold > 0 and self._record:
                         _overwrite(self._fd, _window_marker(self._record, time.time() + hold))
@@ -346,6 +349,7 @@ class _Held(NamedTuple):
     identity: tuple[int, int]  # (st_dev, st_ino)
     counter: int = 0  # the length of its counter line, once the grant has written it
     record: bytes = b""  # what the grant wrote: the counter line and the holder's record
+    written: bool = True  # False: a file with other names, which lockrun never writes
 
 
 class FileBackend:
@@ -422,31 +426,66 @@ class FileBackend:
         raise ConfigError(msg)
 
     def _open(self, filename: str) -> _Held:
-        """Open (or make) a lock file of ours: a regular file with one name, nothing else."""
-        flags, mode = os.O_RDWR | os.O_CREAT | _OPEN, 0o600 if self.private else 0o666
+        """Open (or make) a lock file: a regular file, nothing else; say if it has other names."""
         try:
             try:
-                fd = os.open(filename, flags, mode, dir_fd=self._dir)
+                fd = self._open_or_make(filename)
             except FileNotFoundError:
-                # O_CREAT of a plain name fails so only in a directory deleted since
+                # Making a plain name fails so only in a directory deleted since
                 # _directory looked: open (or make) it again, once.
                 self.close()
-                fd = os.open(filename, flags, mode, dir_fd=self._dir)
+                fd = self._open_or_make(filename)
         except OSError as err:
-            raise failure(f"lock file {self._path(filename)}", err) from err
+            raise self._failure(filename, err) from err
         with _closed_on_error(fd):
             info = self._check(fd, filename)
-        return _Held(self._path(filename), fd, (info.st_dev, info.st_ino))
+        path, written = self._path(filename), info.st_nlink == 1
+        if not written and self._note is not None and path not in self._noted:
+            self._noted.add(path)
+            self._note(
+                f"lock file {path} has {info.st_nlink} names (hard links): locked, never written"
+            )
+        return _Held(path, fd, (info.st_dev, info.st_ino), written=written)
+
+    def _failure(self, filename: str, err: OSError) -> ConfigError | BackendUnavailable:
+        """Translate *err* of opening *filename*: a symlink there is named with its maker."""
+        path = self._path(filename)
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink (docs/security.md)
+            try:
+                maker = os.stat(filename, dir_fd=self._dir, follow_symlinks=False).st_uid
+            except OSError:
+                maker = None
+            who = "" if maker is None else f", made by {describe_uid(maker)}"
+            return ConfigError(f"lock file {path} is a symlink{who}; lockrun never follows one")
+        return failure(f"lock file {path}", err)
+
+    def _open_or_make(self, filename: str) -> int:
+        """Open the lock file *filename* for reading and writing, making it if it is missing.
+
+        Never O_CREAT without O_EXCL: with fs.protected_regular (systemd's default) that open
+        fails (EACCES) on a file another user made in a sticky directory, which would let
+        any co-user keep our jobs out of a shared 1777 directory (78) by making NAME.lock
+        first. Such a file is locked, never believed (docs/security.md).
+        """
+        flags = os.O_RDWR | _OPEN
+        with contextlib.suppress(FileNotFoundError):
+            return os.open(filename, flags, dir_fd=self._dir)
+        try:
+            mode = 0o600 if self.private else 0o666
+            return os.open(filename, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=self._dir)
+        except FileExistsError:  # made by another process since: open that
+            return os.open(filename, flags, dir_fd=self._dir)
 
     def _check(self, fd: int, filename: str) -> os.stat_result:
-        """Raise `ConfigError` unless the opened *fd* is a regular file with one name."""
+        """Raise `ConfigError` unless the opened *fd* is a regular file.
+
+        One with other names (hard links) may be another file of anyone's: it is locked,
+        never written (`_Held.written`). Refusing it let any user who made NAME.lock a
+        second name of a file of theirs keep every other user out (docs/security.md).
+        """
         info = os.fstat(fd)
-        problem = None
         if not stat.S_ISREG(info.st_mode):
             problem = "is not a regular file (a FIFO, a device or a socket?)"
-        elif info.st_nlink != 1:  # a hard link to a file elsewhere: never write to it
-            problem = f"has {info.st_nlink} names (hard links); lockrun writes only to its own"
-        if problem is not None:
             msg = f"lock file {self._path(filename)} {problem}; remove it"
             raise ConfigError(msg)
         return info
@@ -700,6 +739,8 @@ class FileBackend:
                     fence = max(fence, next_fence(self._read(f"{base}.fence")))
             line = f"{fence}\n"
             data = f"{line}{self._record_line(request, slot)}\n".encode()
+            if not held.written:  # no record: status names the holder from /proc/locks
+                return FileLease(slot, fence, held, wake)
             os.pwrite(held.fd, data, 0)
             if len(data) < len(content):  # a longer record was there: cut what is left of it
                 os.ftruncate(held.fd, len(data))
@@ -715,25 +756,26 @@ class FileBackend:
         """
         if counter is None:
             counter = _split(self._peek(_slot_file(base, 0))[1])[0]
-        fence_fd = self._open(f"{base}.fence").fd
+        fence_file = self._open(f"{base}.fence")
         try:
-            fence = max(next_fence(os.pread(fence_fd, 32, 0)), next_fence(counter))
-            _overwrite(fence_fd, f"{fence}\n".encode())
+            fence = max(next_fence(os.pread(fence_file.fd, 32, 0)), next_fence(counter))
+            if fence_file.written:
+                _overwrite(fence_file.fd, f"{fence}\n".encode())
         finally:
-            os.close(fence_fd)
+            os.close(fence_file.fd)
         return fence
 
     def _read(self, filename: str) -> bytes:
         """Return the start of a lock file of ours that may be missing (then b"").
 
-        Refuses (78) what `_open` refuses: a planted symlink, FIFO, device or hard link.
+        Refuses (78) what `_open` refuses: a planted symlink, FIFO or device.
         """
         try:
             fd = os.open(filename, os.O_RDONLY | _OPEN, dir_fd=self._dir)
         except FileNotFoundError:
             return b""
         except OSError as err:
-            raise failure(f"lock file {self._path(filename)}", err) from err
+            raise self._failure(filename, err) from err
         try:
             self._check(fd, filename)
             return os.pread(fd, 32, 0)
@@ -947,16 +989,28 @@ def _stranger(info: os.stat_result) -> str | None:
     """Name who other than us, root and our groups could have written the file *info* is of.
 
     None if nobody else could: the file is ours or root's, or belongs to one of our groups
-    (only its members can give a file that group), and not every user may write it. A
-    group we are in is one whose members we share locks with (docs/security.md).
+    and its owner is a member (a set-group-ID directory gives every file made in it its
+    group, whoever makes it), and not every user may write it. A group we are in is one
+    whose members we share locks with (docs/security.md).
     """
-    if info.st_uid not in {0, os.geteuid()} and info.st_gid not in _our_groups():
+    if info.st_uid not in {0, os.geteuid()} and not (
+        info.st_gid in _our_groups() and _member(info.st_uid, info.st_gid)
+    ):
         return describe_uid(info.st_uid)
     return "every user" if info.st_mode & stat.S_IWOTH else None
 
 
 def _our_groups() -> set[int]:
     return {os.getegid(), *os.getgroups()}
+
+
+def _member(uid: int, gid: int) -> bool:
+    """Whether user *uid* is in group *gid*, as the user and group databases say."""
+    try:
+        entry = pwd.getpwuid(uid)
+        return gid in os.getgrouplist(entry.pw_name, entry.pw_gid)
+    except (KeyError, OSError):  # a uid with no name: a member of nothing we can tell
+        return False
 
 
 def _window(content: bytes, base: str) -> float | None:

@@ -332,6 +332,36 @@ def test_a_redirect_to_a_node_the_cluster_does_not_list_is_refused(scheme: str, 
     assert stranger.connections == 0, bytes(stranger.heard)
 
 
+@pytest.mark.parametrize("call", ["run", "status"])
+def test_a_pushed_move_is_no_redirect_and_no_signal(call: str, name: str) -> None:
+    """A RESP3 push "MOVING" (redis-py's maintenance notifications) moves nothing.
+
+    redis-py would point later connections at the pushed address (the password with them)
+    and start a timer thread that takes signals lockrun blocks (SIGIO: status -29).
+    """
+    stranger = Recorder()
+    impostor = Impostor("ok", plausible=True)
+    address = f"127.0.0.1:{stranger.port}".encode()
+    moving = b">4\r\n$6\r\nMOVING\r\n:1\r\n:30\r\n$%d\r\n%b\r\n" % (len(address), address)
+    impostor.commands[b"CLIENT MAINT_NOTIFICATIONS"] = b"+OK\r\n"
+    impostor.scripts.update({"acquire": moving + _GRANT, "status": moving + b"*0\r\n"})
+    uri = f"redis://:s3cret-pw@127.0.0.1:{impostor.port}/0"
+    try:
+        if call == "run":
+            result = lockrun("--uri", uri, "-n", name, "--wait", "0", "--", "sleep", "2")
+        else:
+            result = lockrun("--uri", uri, "status", name)
+    finally:
+        impostor.close()
+        stranger.listener.close()
+    assert result.returncode >= 0, result.stderr  # not ended by a signal
+    assert result.returncode != 70, result.stderr
+    if result.returncode:
+        one_line(result.stderr)
+    assert "s3cret-pw" not in result.stderr
+    assert stranger.connections == 0, bytes(stranger.heard)
+
+
 def _mysql_packets() -> Iterator[bytes]:
     """Send packets of 16 MiB - 1 bytes, each "to be continued": a reply without end."""
     for number in itertools.count():

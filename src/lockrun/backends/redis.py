@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 from redis import exceptions as errors
 from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
@@ -1026,6 +1027,11 @@ class RedisBackend:
             # HELLO on connect, whose answer names the connection (_identity) and says
             # whether the server is a node of a cluster (_detect_cluster)
             "protocol": 3,
+            # No maintenance notifications: a pushed MOVING would point later connections
+            # (and the password) at any address the server names, past the nodes the
+            # cluster lists (docs/security.md, "Security model"), and start a timer thread that
+            # takes the signals the supervision loop blocks.
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
 
     def _node(self, address: tuple[str, int]) -> redis.Redis:

@@ -1554,15 +1554,19 @@ class RedisBackend:
 
         *hold_ms*: keep a held slot taken that long (--hold-at-least). *own*: a lease's own
         connection (`track`), used for the release if it can be, then given to the pool.
-        Return whether the server answered the release.
+        Return whether the server answered the release. All its replies (again on the
+        pool, passing over the dead) come within one call's timeout in all: a slow or
+        hostile server cannot hold a finished run, deaf to TERM, for a timeout per call
+        (docs/semantics.md "What bounds a call").
         """
         woken: list[str] | None = None
-        if own is not None:
-            woken = self._release_on(own, claim, hold_ms)
-        with _best_effort(LockrunError):
-            if woken is None:  # D3: a release is idempotent, asked again if in doubt
-                woken = self.call("release", claim, hold_ms)
-            self.pass_over_the_dead(claim, woken)
+        with within(self.timeout):
+            if own is not None:
+                woken = self._release_on(own, claim, hold_ms)
+            with _best_effort(LockrunError):
+                if woken is None:  # D3: a release is idempotent, asked again if in doubt
+                    woken = self.call("release", claim, hold_ms)
+                self.pass_over_the_dead(claim, woken)
         return woken is not None
 
     def abandon(self, orphan: bytes) -> None:

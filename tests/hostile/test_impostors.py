@@ -124,7 +124,7 @@ class Impostor:
                 # One reply per command in the packet (a pipeline sends several at once).
                 for name, word in _COMMAND.findall(data):
                     self.asked.append(b"%b %b" % (name.upper(), word.upper()))
-                    answer = self.scripts.get(_SCRIPT_OF.get(word, ""), b"")
+                    answer: bytes | Stream | Late = self.scripts.get(_SCRIPT_OF.get(word, ""), b"")
                     answer = self.commands.get(self.asked[-1], answer)
                     if isinstance(answer, Stream):
                         self._stream(peer, answer)

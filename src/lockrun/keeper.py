@@ -472,13 +472,13 @@ class Section(NamedTuple):
     """The processes a script runs under its lock, told apart once its shell is gone.
 
     docs/semantics.md "Holding a lock across steps": as flock(1)'s inherited descriptor, the
-    lock lives while a process of the section lives. Those are the live processes started at
-    or after the acquire that (a) are in the owner's process group, where a non-interactive
-    shell runs its foreground and ``&`` steps and subshells: if the owner leads that group,
-    any of them; if the group is its starter's (a CI runner's), only those that init
-    adopted, since the starter's other children may wait for this very lock; or (b) are
-    our user's and carry the token in their environment, as every program the script ran
-    after ``eval`` does, wherever its group. Other keepers are none of them.
+    lock lives while a process of the section lives. Those are the live processes started
+    after the acquire (in a later clock tick) that (a) are in the owner's process group,
+    where a non-interactive shell runs its foreground and ``&`` steps and subshells: if the
+    owner leads that group, any of them; if the group is its starter's (a CI runner's), only
+    those that init adopted, since the starter's other children may wait for this very
+    lock; or (b) are our user's and carry the token in their environment, as every program
+    the script ran after ``eval`` does, wherever its group. Other keepers are none of them.
     """
 
     group: int
@@ -507,7 +507,10 @@ class Section(NamedTuple):
             pid: info.start
             for pid, info in processes.items()
             if pid != me
-            and info.start >= self.since
+            # After acquire's tick: /proc counts starts in ticks (10 ms), and a step forked
+            # just before acquire often began in the same one; none of the section can, as
+            # it starts only once acquire has printed its token and exited.
+            and info.start > self.since
             and info.state not in {b"Z", b"X"}  # exited, not yet reaped
             and info.name != KEEPER_NAME
             and (
@@ -520,7 +523,7 @@ class Section(NamedTuple):
         """Whether *info*, or its oldest ancestor started since the acquire, init adopted."""
         for _ in range(len(processes)):
             parent = processes.get(info.parent)
-            if parent is None or parent.start < self.since:
+            if parent is None or parent.start <= self.since:
                 return info.parent == 1
             info = parent
         return False

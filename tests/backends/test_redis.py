@@ -340,22 +340,23 @@ def test_sentinel_with_an_unknown_service_exits_69(sentinel: Watched, name: str)
 def test_sentinels_that_do_not_answer_exit_69_within_the_ttls_timeout(
     silent: bool, name: str
 ) -> None:
-    """No sentinel answers: 69 after about one timeout (0.3 s with --ttl 3), not after retries.
+    """No sentinel answers: 69 after one timeout per ask, not after redis-py's retries.
 
     Renewals reconnect through the sentinels too, so their calls must stay within the
-    timeouts the lease's safety margin is built on, like direct connections.
+    timeouts the lease's safety margin is built on, like direct connections. lockrun asks
+    the silent sentinel twice (for the primary, then whether a majority answers after the
+    failure, `_sentinels_answer`), one connection each: a retry would be more of them.
+    Counted, not timed: the two timeouts and start-up took 2.05 s beyond a baseline here at
+    load average 40, over the 2 s this test allowed.
     """
-    # A refused redis:// costs start-up and no waiting: what is beyond it is the sentinel's.
-    direct = f"redis://127.0.0.1:{free_port()}/0"
-    _, baseline = timed_lockrun("--ttl", SHORT_TTL, "--uri", direct, "-n", name, "--", "true")
     with contextlib.closing(Listener(None)) as listener:
         port = listener.port if silent else free_port()
         uri = f"redis+sentinel://127.0.0.1:{port}/mymaster"
-        result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+        result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+        connections = len(listener.kept)
     assert result.returncode == ExitCode.UNAVAILABLE
     one_line(result.stderr)
-    beyond = elapsed - baseline
-    assert beyond < 2.0, f"{beyond:.1f}s beyond start-up: redis-py retried the sentinel"
+    assert connections <= (2 if silent else 0), "redis-py retried the sentinel"
 
 
 def test_no_sentinel_answering_gives_a_readable_line(name: str) -> None:

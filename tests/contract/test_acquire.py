@@ -520,6 +520,39 @@ def section_killed(
     return (stamp(files["got"]) - stamp(files["ended"])) / 1e9
 
 
+# A process the script started just before its acquire, then the shell killed by pid.
+STARTED_BEFORE = (
+    "sleep 600 & echo $! > {pid}\n"
+    'eval "$(lockrun acquire --uri {uri} --owner $$ --export {name})"\n'
+    "kill -KILL $$\n"
+)
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash"])
+def test_a_process_started_just_before_the_acquire_is_no_part_of_the_section(
+    shell: str, file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """Started before the acquire, even within the same clock tick (10 ms): it keeps nothing.
+
+    Several times, since /proc counts a start in ticks: a `&` step forked a moment before
+    acquire's process used to count whenever both began in one tick.
+    """
+    env = unmeasured() | {"PATH": f"{BIN}:{os.environ['PATH']}"}
+    for attempt in range(5):
+        pid, each = tmp_path / f"pid{attempt}", f"{name}-{attempt}"
+        script = STARTED_BEFORE.format(
+            pid=shlex.quote(str(pid)), uri=shlex.quote(file_uri), name=each
+        )
+        shell_process = subprocess.Popen([shell, "-c", script], env=env, start_new_session=True)
+        assert shell_process.wait(60) == -signal.SIGKILL
+        early = int(pid.read_text())
+        try:
+            wait_for(lambda: free(file_uri, each), timeout=60, what="the lock")  # noqa: B023
+            os.kill(early, 0)  # it still runs: the lock passed on without it
+        finally:
+            os.kill(early, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("shell", ["bash", "dash", "zsh"])
 def test_release_in_a_section_releases_at_once_while_a_step_runs(
     shell: str, file_uri: str, name: str, tmp_path: Path

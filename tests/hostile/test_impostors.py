@@ -72,6 +72,15 @@ STREAMS: Final = {
     "huge-map": Stream(b"%999999999\r\n", b"$2\r\nab\r\n" * 8192, 0),
     "deep-trickle": Stream(b"", b"*1\r\n", 0.1),
 }
+
+
+class Late(NamedTuple):
+    """A whole reply, sent *pause* seconds after the command came (a slow server)."""
+
+    reply: bytes
+    pause: float
+
+
 # A grant, as the acquire script answers it: {1, slot 0, fence 1, 0, ""}.
 _GRANT: Final = b"*5\r\n:1\r\n:0\r\n:1\r\n:0\r\n$0\r\n\r\n"
 
@@ -96,7 +105,8 @@ class Impostor:
         self.mode = mode
         self.plausible = plausible
         self.scripts = scripts or {}
-        self.commands: dict[bytes, bytes | Stream] = {}
+        self.commands: dict[bytes, bytes | Stream | Late] = {}
+        self.asked: list[bytes] = []  # each command's name, and its next word
         self.streaming = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
@@ -113,10 +123,14 @@ class Impostor:
             while data := peer.recv(65536):
                 # One reply per command in the packet (a pipeline sends several at once).
                 for name, word in _COMMAND.findall(data):
-                    answer = self.scripts.get(_SCRIPT_OF.get(word, ""), b"")
-                    answer = self.commands.get(b"%b %b" % (name.upper(), word.upper()), answer)
+                    self.asked.append(b"%b %b" % (name.upper(), word.upper()))
+                    answer: bytes | Stream | Late = self.scripts.get(_SCRIPT_OF.get(word, ""), b"")
+                    answer = self.commands.get(self.asked[-1], answer)
                     if isinstance(answer, Stream):
                         self._stream(peer, answer)
+                    elif isinstance(answer, Late):
+                        time.sleep(answer.pause)
+                        peer.sendall(answer.reply)
                     else:
                         peer.sendall(answer or self._reply(name.upper()))
 
@@ -330,6 +344,60 @@ def test_a_redirect_to_a_node_the_cluster_does_not_list_is_refused(scheme: str, 
     assert f"127.0.0.1:{stranger.port}, which the cluster does not list" in line
     assert "s3cret-pw" not in result.stderr
     assert stranger.connections == 0, bytes(stranger.heard)
+
+
+@pytest.mark.parametrize("call", ["run", "status"])
+def test_a_pushed_move_is_no_redirect_and_no_signal(call: str, name: str) -> None:
+    """A RESP3 push "MOVING" (redis-py's maintenance notifications) moves nothing.
+
+    redis-py would point later connections at the pushed address (the password with them)
+    and start a timer thread that takes signals lockrun blocks (SIGIO: status -29).
+    """
+    stranger = Recorder()
+    impostor = Impostor("ok", plausible=True)
+    address = f"127.0.0.1:{stranger.port}".encode()
+    moving = b">4\r\n$6\r\nMOVING\r\n:1\r\n:30\r\n$%d\r\n%b\r\n" % (len(address), address)
+    impostor.commands[b"CLIENT MAINT_NOTIFICATIONS"] = b"+OK\r\n"
+    impostor.scripts.update({"acquire": moving + _GRANT, "status": moving + b"*0\r\n"})
+    uri = f"redis://:s3cret-pw@127.0.0.1:{impostor.port}/0"
+    try:
+        if call == "run":
+            result = lockrun("--uri", uri, "-n", name, "--wait", "0", "--", "sleep", "2")
+        else:
+            result = lockrun("--uri", uri, "status", name)
+    finally:
+        impostor.close()
+        stranger.listener.close()
+    assert result.returncode >= 0, result.stderr  # not ended by a signal
+    assert result.returncode != 70, result.stderr
+    if result.returncode:
+        one_line(result.stderr)
+    assert "s3cret-pw" not in result.stderr
+    assert stranger.connections == 0, bytes(stranger.heard)
+
+
+def test_a_release_that_meets_a_slow_server_shares_one_timeout(name: str) -> None:
+    """A release's replies all come within one call's timeout, as a wait's clean-up's do.
+
+    They are: on the lease's own connection, again on the pool, CLIENT LIST and drops.
+
+    The server grants, then answers the release with a woken waiter it never lists, and
+    each CLIENT LIST late, within one call's timeout (1.5 s at the default ttl) but after
+    most of it: before, lockrun asked 8 rounds of CLIENT LIST and drop, TERM unheeded.
+    """
+    woken = b"*2\r\n$5\r\ntoken\r\n$2\r\n42\r\n"
+    impostor = Impostor(
+        "ok",
+        plausible=True,
+        scripts={"acquire": _GRANT, "renew": b":1\r\n", "release": woken, "drop": woken},
+    )
+    impostor.commands[b"CLIENT LIST"] = Late(b"$0\r\n\r\n", 1.0)
+    try:
+        result = lockrun("--uri", f"redis://127.0.0.1:{impostor.port}/0", "-n", name, "--", "true")
+    finally:
+        impostor.close()
+    assert result.returncode == 0, result.stderr
+    assert 1 <= impostor.asked.count(b"CLIENT LIST") <= 2, impostor.asked
 
 
 def _mysql_packets() -> Iterator[bytes]:

@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 from redis import exceptions as errors
 from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
@@ -1026,6 +1027,11 @@ class RedisBackend:
             # HELLO on connect, whose answer names the connection (_identity) and says
             # whether the server is a node of a cluster (_detect_cluster)
             "protocol": 3,
+            # No maintenance notifications: a pushed MOVING would point later connections
+            # (and the password) at any address the server names, past the nodes the
+            # cluster lists (docs/security.md, "Security model"), and start a timer thread that
+            # takes the signals the supervision loop blocks.
+            "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
 
     def _node(self, address: tuple[str, int]) -> redis.Redis:
@@ -1548,15 +1554,19 @@ class RedisBackend:
 
         *hold_ms*: keep a held slot taken that long (--hold-at-least). *own*: a lease's own
         connection (`track`), used for the release if it can be, then given to the pool.
-        Return whether the server answered the release.
+        Return whether the server answered the release. All its replies (again on the
+        pool, passing over the dead) come within one call's timeout in all: a slow or
+        hostile server cannot hold a finished run, deaf to TERM, for a timeout per call
+        (docs/semantics.md "What bounds a call").
         """
         woken: list[str] | None = None
-        if own is not None:
-            woken = self._release_on(own, claim, hold_ms)
-        with _best_effort(LockrunError):
-            if woken is None:  # D3: a release is idempotent, asked again if in doubt
-                woken = self.call("release", claim, hold_ms)
-            self.pass_over_the_dead(claim, woken)
+        with within(self.timeout):
+            if own is not None:
+                woken = self._release_on(own, claim, hold_ms)
+            with _best_effort(LockrunError):
+                if woken is None:  # D3: a release is idempotent, asked again if in doubt
+                    woken = self.call("release", claim, hold_ms)
+                self.pass_over_the_dead(claim, woken)
         return woken is not None
 
     def abandon(self, orphan: bytes) -> None:

@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 69  # EX_UNAVAILABLE: connect, auth, DNS, TLS, timeout before the command ran
     SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
     BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
+    OSERR = 71  # EX_OSERR: out of open files (ulimit -n), as sysexits says of "cannot create pipe"
     IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     NOPERM = 77  # EX_NOPERM: `lockrun release`: the token's keeper is another user's
@@ -72,6 +73,12 @@ class OutputError(LockrunError):
     """What lockrun had to print could not be written (stdout closed, a broken pipe)."""
 
     exit_code = ExitCode.IOERR
+
+
+class OutOfFiles(LockrunError):
+    """Too few descriptors for lockrun's own pipes, sockets and lock files (ulimit -n)."""
+
+    exit_code = ExitCode.OSERR
 
 
 class LeaseLost(LockrunError):

@@ -448,6 +448,6 @@ def test_a_lease_lost_before_the_command_starts_is_76_and_nothing_runs(
     # lease), and the harness finds no holder to end: as good.
     with contextlib.suppress(AssertionError):
         harness.end_session(name)
-    _, err = holder.communicate(timeout=120)  # a hang guard only
+    _, err = holder.communicate(timeout=60)  # a hang guard only
     check_lost(holder.returncode, err.splitlines()[-1], name, "nothing ran")  # -v's last
     assert not ran.exists()

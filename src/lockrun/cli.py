@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import functools
 import os
 import re
@@ -25,6 +24,7 @@ from lockrun.errors import (
     OutOfFiles,
     OutputError,
     UsageError,
+    out_of_files,
 )
 from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
 from lockrun.runner import (
@@ -1078,14 +1078,6 @@ def _check_open_files() -> None:
         raise OutOfFiles(msg)
 
 
-def _out_of_files(err: Exception) -> bool:
-    """Return whether *err* says the process or the system ran out of open files."""
-    if isinstance(err, OSError):
-        return err.errno in {errno.EMFILE, errno.ENFILE}
-    # A lazy import of an extension module: dlopen's error, not an OSError.
-    return isinstance(err, ImportError) and os.strerror(errno.EMFILE) in str(err)
-
-
 def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
     try:
         _check_open_files()
@@ -1110,7 +1102,7 @@ def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
 
 def _unforeseen(err: Exception) -> int:
     """Say *err*, which no part of lockrun handled, and return 71 or 70 (a bug)."""
-    if _out_of_files(err):  # an input (ulimit -n), not a bug; the finally blocks ran
+    if out_of_files(err):  # an input (ulimit -n), not a bug; the finally blocks ran
         say(f"out of open files ({err}); raise ulimit -n")
         return ExitCode.OSERR
     if os.environ.get("LOCKRUN_DEBUG") == "1":

@@ -5,6 +5,8 @@ docs/semantics.md "Exit status" gives what each status means.
 
 from __future__ import annotations
 
+import errno
+import os
 from enum import IntEnum
 from typing import ClassVar
 
@@ -79,6 +81,17 @@ class OutOfFiles(LockrunError):
     """Too few descriptors for lockrun's own pipes, sockets and lock files (ulimit -n)."""
 
     exit_code = ExitCode.OSERR
+
+
+def out_of_files(err: BaseException) -> bool:
+    """Return whether *err*, which no part of lockrun handled, says open files ran out.
+
+    EMFILE or ENFILE, from any system call; or from a lazy import of an extension module,
+    whose dlopen error is an ImportError that only names it.
+    """
+    if isinstance(err, OSError):
+        return err.errno in {errno.EMFILE, errno.ENFILE}
+    return isinstance(err, ImportError) and os.strerror(errno.EMFILE) in str(err)
 
 
 class LeaseLost(LockrunError):

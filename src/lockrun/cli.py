@@ -21,8 +21,10 @@ from lockrun.errors import (
     Interrupted,
     LockBusy,
     LockrunError,
+    OutOfFiles,
     OutputError,
     UsageError,
+    out_of_files,
 )
 from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
 from lockrun.runner import (
@@ -341,7 +343,8 @@ _verbose_option: Final = click.option(
 @click.command(
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
     epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
-    "69 backend unavailable; 70 internal error; 74 status could not write; 75 busy (-E); "
+    "69 backend unavailable; 70 internal error; 71 out of open files; "
+    "74 status could not write; 75 busy (-E); "
     "76 lock lost; 78 configuration; 79 taken over; 124 --max-time; "
     "126/127 cannot execute / not found; "
     "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
@@ -547,7 +550,8 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
 @click.command(
     context_settings=_CONTEXT,
     epilog="Prints the token (LOCKRUN_TOKEN for `lockrun release`). Exit status: 0 held; "
-    "64 usage; 69 backend unavailable; 70 internal error; 74 the token could not be "
+    "64 usage; 69 backend unavailable; 70 internal error; 71 out of open files; "
+    "74 the token could not be "
     "written (released); 75 busy (-E); 78 configuration; 79 taken over while waiting; "
     "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
     "docs/semantics.md, 'Holding a lock across steps'.",
@@ -1061,8 +1065,22 @@ def _exit(status: int) -> NoReturn:
     os._exit(status)  # pragma: no cover
 
 
+# Fewer than lockrun's own descriptors (the lock's, the guardian's switch, the watch's
+# pipes, a server's sockets: 9 to 13 of them) failed anywhere inside it, an import included.
+MIN_OPEN_FILES: Final = 16
+
+
+def _check_open_files() -> None:
+    """Raise `OutOfFiles` for a `ulimit -n` too small for lockrun to run at all."""
+    limit = os.sysconf("SC_OPEN_MAX")  # the soft RLIMIT_NOFILE; -1 if unlimited
+    if 0 <= limit < MIN_OPEN_FILES:
+        msg = f"ulimit -n {limit} is too small for lockrun: it needs {MIN_OPEN_FILES} open files"
+        raise OutOfFiles(msg)
+
+
 def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
     try:
+        _check_open_files()
         result = command.main(
             args, prog_name=prog, standalone_mode=False, auto_envvar_prefix="LOCKRUN"
         )
@@ -1078,10 +1096,18 @@ def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
         say(str(err))
         return err.exit_code
     except Exception as err:  # noqa: BLE001 - the one place a bug becomes status 70
-        if os.environ.get("LOCKRUN_DEBUG") == "1":
-            import traceback  # noqa: PLC0415 - only bugs pay for it
-
-            traceback.print_exc()
-        say(f"internal error: {type(err).__name__}: {err} (LOCKRUN_DEBUG=1 shows a traceback)")
-        return ExitCode.SOFTWARE
+        return _unforeseen(err)
     return int(result or 0)  # --help and --version return None
+
+
+def _unforeseen(err: Exception) -> int:
+    """Say *err*, which no part of lockrun handled, and return 71 or 70 (a bug)."""
+    if out_of_files(err):  # an input (ulimit -n), not a bug; the finally blocks ran
+        say(f"out of open files ({err}); raise ulimit -n")
+        return ExitCode.OSERR
+    if os.environ.get("LOCKRUN_DEBUG") == "1":
+        import traceback  # noqa: PLC0415 - only bugs pay for it
+
+        traceback.print_exc()
+    say(f"internal error: {type(err).__name__}: {err} (LOCKRUN_DEBUG=1 shows a traceback)")
+    return ExitCode.SOFTWARE

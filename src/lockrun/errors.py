@@ -5,6 +5,8 @@ docs/semantics.md "Exit status" gives what each status means.
 
 from __future__ import annotations
 
+import errno
+import os
 from enum import IntEnum
 from typing import ClassVar
 
@@ -18,6 +20,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 69  # EX_UNAVAILABLE: connect, auth, DNS, TLS, timeout before the command ran
     SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
     BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
+    OSERR = 71  # EX_OSERR: out of open files (ulimit -n), as sysexits says of "cannot create pipe"
     IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     NOPERM = 77  # EX_NOPERM: `lockrun release`: the token's keeper is another user's
@@ -72,6 +75,23 @@ class OutputError(LockrunError):
     """What lockrun had to print could not be written (stdout closed, a broken pipe)."""
 
     exit_code = ExitCode.IOERR
+
+
+class OutOfFiles(LockrunError):
+    """Too few descriptors for lockrun's own pipes, sockets and lock files (ulimit -n)."""
+
+    exit_code = ExitCode.OSERR
+
+
+def out_of_files(err: BaseException) -> bool:
+    """Return whether *err*, which no part of lockrun handled, says open files ran out.
+
+    EMFILE or ENFILE, from any system call; or from a lazy import of an extension module,
+    whose dlopen error is an ImportError that only names it.
+    """
+    if isinstance(err, OSError):
+        return err.errno in {errno.EMFILE, errno.ENFILE}
+    return isinstance(err, ImportError) and os.strerror(errno.EMFILE) in str(err)
 
 
 class LeaseLost(LockrunError):

@@ -26,6 +26,7 @@ from lockrun.errors import (
     LockrunError,
     TakenOver,
     TimedOut,
+    out_of_files,
 )
 from lockrun.supervise import FORWARDED, Killed, genuine
 from lockrun.timing import format_duration, now
@@ -164,7 +165,13 @@ class Account:
         elif isinstance(result, LockBusy):
             status = conflict
         else:
-            status = result.exit_code if isinstance(result, LockrunError) else ExitCode.SOFTWARE
+            status = (
+                result.exit_code
+                if isinstance(result, LockrunError)
+                else ExitCode.OSERR
+                if out_of_files(result)
+                else ExitCode.SOFTWARE
+            )  # as the CLI's exit status says (cli._unforeseen)
         run = Run(
             namespace=self.request.namespace,
             name=self.request.name,

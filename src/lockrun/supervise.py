@@ -178,14 +178,24 @@ class Guardian:
             os.close(self.switch)
             self.switch = -1
 
-    def left_behind(self, timeout: float = 0.0) -> bool:
-        """Return whether a process of the command still holds the switch, within *timeout*.
+    def left_behind(self) -> bool:
+        """Return whether anything the ended command left is still in its group.
 
-        A pipe's write end polls as an error once no reader is left (pipe(7)).
+        Not who holds the switch: a process that closed every descriptor (closefrom(2), as
+        daemons and set-uid programs do) holds none and runs on. The guardian leaves the
+        group for ours (a parent may move a child that has not exec'd: setpgid(2)), so the
+        group lives only while something of the command's does, and the guardian, alive,
+        keeps its number from reuse. A zombie still counts: `_members` looks closer.
         """
-        poller = select.poll()
-        poller.register(self._armed, 0)  # errors are always reported
-        return not poller.poll(max(0, math.ceil(timeout * 1000)))
+        with contextlib.suppress(OSError):  # gone already: it cannot be moved
+            os.setpgid(self.pid, os.getpgrp())
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a member we may not signal (sudo's)
+            return True
+        return True
 
     def acted(self) -> bool:
         """Return whether the guardian stopped the command because the lease ran out."""
@@ -323,8 +333,9 @@ class _GuardClock:  # pragma: no cover - runs in the guardian
             return
         if not self.stopping and current >= self.term_at:
             self.stopping = _tell(lockrun)
-            os.killpg(0, signal.SIGTERM)  # we ignore it ourselves
-            os.killpg(0, signal.SIGCONT)  # a stopped command must run to take it
+            # Our pid, not 0: at the command's end we leave the group (`left_behind`).
+            os.killpg(os.getpid(), signal.SIGTERM)  # we ignore it ourselves
+            os.killpg(os.getpid(), signal.SIGCONT)  # a stopped command must run to take it
             if current >= self.kill_at:
                 self.kill_at = max(self.kill_at, current + self.late)
         elif current >= self.kill_at:
@@ -898,7 +909,7 @@ class _Watch:
         would kill it once lockrun is gone anyway. TERM first, KILL after --kill-after.
         """
         guardian = self.guardian
-        # The switch first: one system call, where /proc is a read of every process.
+        # Two system calls first, where /proc is a read of every process.
         if guardian is None or not guardian.left_behind() or not self._stragglers():
             return
         self.log("the command left processes running in its group; stopping them")

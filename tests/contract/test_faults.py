@@ -13,6 +13,7 @@ harness's own expectation. Leases are short (2–3 s, `--kill-after 1`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -428,20 +429,25 @@ def test_a_lease_lost_before_the_command_starts_is_76_and_nothing_runs(
     """The server takes the lock away during a stall between the grant and the spawn.
 
     strace delays each pipe2(2), the last of which the supervisor makes just before its
-    check of a lease that the stall has left due. A lock lost is 76 wherever it is lost
-    (docs/semantics.md "Exit status"); it said 69, as if the server could not be reached.
+    check of a lease that the stall has left due. The stall outlasts the lease (a Redis
+    key's ttl, a session's idle timeout), so the server ends it even should the test's own
+    end_session come late on a loaded machine: no budget. A lock lost is 76 wherever it
+    is lost (docs/semantics.md "Exit status"); it said 69, as if the server were down.
     """
     harness = shared_server_harness
     assert harness.can_end_session
     stall = ["strace", "-f", "-qq", "-o", "/dev/null", "--seccomp-bpf"]
-    stall += ["-e", "trace=pipe2", "-e", "inject=pipe2:delay_enter=2500000"]
+    stall += ["-e", "trace=pipe2", "-e", f"inject=pipe2:delay_enter={round((TTL + 1) * 1e6)}"]
     ran = tmp_path / "ran"
     argv = ("--uri", harness.uri, *LEASE, "-n", name, "-v", "--", "touch", str(ran))
     holder = spawn(*argv, under=stall)
     assert holder.stderr is not None
     acquired = holder.stderr.readline()  # -v: acquire() is over, the spawn is next
     assert acquired.startswith(f"lockrun: acquired {name} "), acquired
-    harness.end_session(name)
-    _, err = holder.communicate(timeout=30)
+    # Late on a loaded machine, the server has ended it already (the stall outlasts the
+    # lease), and the harness finds no holder to end: as good.
+    with contextlib.suppress(AssertionError):
+        harness.end_session(name)
+    _, err = holder.communicate(timeout=60)  # a hang guard only
     check_lost(holder.returncode, err.splitlines()[-1], name, "nothing ran")  # -v's last
     assert not ran.exists()

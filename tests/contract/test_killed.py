@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Final
 
@@ -190,3 +191,48 @@ def test_a_release_that_never_reached_the_server_is_not_called_released(
     assert holder.returncode == 0, err
     assert f"released {name} after" not in err
     assert f"could not tell the server to release {name}" in err
+
+
+def test_a_leftover_that_closed_its_descriptors_never_runs_beside_the_next_holder(
+    shared_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """A leftover child that closed every descriptor (closefrom) is stopped all the same.
+
+    closefrom(2) is what many daemons and set-uid programs do at start. Such a child holds
+    no end of the switch, which lockrun asked first: the lock passed on while it ran.
+    `file:` runs with --close: without it a child that closed the lock's descriptor gave
+    the lock up (docs/semantics.md "Forking children and daemons").
+    """
+    harness = shared_harness
+    close = ("--close",) if harness.kind.inherits_fds else ()
+    options = ("--uri", harness.uri, "-n", name, *close)
+    first_argv, first_log, first_go = command(tmp_path, "first")
+    closefrom = (
+        "import os, sys; os.closerange(3, os.sysconf('SC_OPEN_MAX')); "
+        "os.execvp(sys.argv[1], sys.argv[1:])"
+    )
+    leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.01; done; exit 0'
+    try:
+        holder = spawn(
+            *options,
+            *CALM,
+            "--",
+            "sh",
+            "-c",
+            leave,
+            "sh",
+            sys.executable,
+            "-c",
+            closefrom,
+            *first_argv,
+            stderr=subprocess.DEVNULL,
+        )
+        assert holder.wait(60) == 0
+        second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
+        second_go.touch()
+        assert finish(spawn(*options, *CALM, "-w", "forever", "--", *second_argv), 60) == 0
+    finally:
+        first_go.touch()
+    first, second = read_run(first_log), read_run(second_log)
+    assert second.verdict == "alone"
+    assert second.begun > first.last

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -262,3 +263,31 @@ def test_a_fifo_or_device_as_a_uris_file_is_refused_at_once(
     assert result.returncode == 78, result.stderr
     one_line(result.stderr)
     assert time.monotonic() - started < 20
+
+
+def test_too_few_descriptors_is_one_line_and_leaves_nothing_held(uri: str, name: str) -> None:
+    """`ulimit -n` too small for lockrun's pipes, sockets and lock files: never 70.
+
+    The guardian's switch, the watch's pipes and a lease's eventfds each need a descriptor;
+    one that could not be had was an "internal error" (70). Whatever the limit, and however
+    many descriptors the caller left open, lockrun says it in one line with 71 (EX_OSERR,
+    as sysexits says of "cannot create pipe") or runs, and the lock is free afterwards.
+    Below 5, the interpreter itself cannot start.
+    """
+    statuses = set()
+    cases = [(limit, 0) for limit in range(5, 17)] + [
+        (16, held) for held in range(1, 8)
+    ]  # fds 3-9: sh
+    for limit, held in cases:
+        opened = "".join(f"exec {fd}</dev/null; " for fd in range(3, 3 + held))
+        result = sh(
+            f"ulimit -n {limit}; {opened}exec LOCKRUN --uri {shlex.quote(uri)} -n {name} -- true"
+        )
+        statuses.add(result.returncode)
+        if result.returncode != 0:
+            line = one_line(result.stderr)
+            assert result.returncode == 71, (limit, held, line)
+            assert "ulimit -n" in line, line
+        free = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true")
+        assert free.returncode == 0, (limit, held, free.stderr)
+    assert statuses == {0, 71}  # the cases span both

@@ -193,14 +193,18 @@ class Listener:
     def handle(self, connection: socket.socket) -> None:
         """Keep a silent connection open; answer and close others."""
         if self.reply is None:
-            self.kept.append(connection)  # accepted, never answered
-            accepted = time.time()
-            threading.Thread(target=self.drain, args=(connection, accepted), daemon=True).start()
+            self.keep(connection)  # accepted, never answered
             return
         with connection, contextlib.suppress(OSError):
             connection.settimeout(2)
             connection.recv(4096)  # the client's first command, startup or TLS hello
             connection.sendall(self.reply)
+
+    def keep(self, connection: socket.socket) -> None:
+        """Keep *connection* open and silent, and note when the client hangs up."""
+        self.kept.append(connection)
+        accepted = time.time()
+        threading.Thread(target=self.drain, args=(connection, accepted), daemon=True).start()
 
     def drain(self, connection: socket.socket, accepted: float) -> None:
         """Read what the client says (and answer nothing) until it hangs up; note when."""
@@ -243,7 +247,7 @@ class Greeter(Listener):
         with contextlib.suppress(OSError):
             connection.sendall(self.greeting)
         if self.hang:
-            self.kept.append(connection)
+            self.keep(connection)
         else:
             connection.close()
 

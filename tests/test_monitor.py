@@ -324,7 +324,8 @@ def test_a_hook_that_outlives_its_time_is_stopped_with_its_group(
 ) -> None:
     """TERM ignored: KILL a grace later, to the hook's whole group; the command's 3 stands."""
     pids = tmp_path / "pids"
-    hook = f"trap '' TERM; sleep 60 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
+    # An hour's sleep: lockrun ending at all (`lockrun` gives up after 60 s) proves the KILL.
+    hook = f"trap '' TERM; sleep 3600 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
     began = time.monotonic()
     result = lockrun(
         "--uri", file_uri, "-n", name, "--on-exit", hook, "--", "sh", "-c", "exit 3",
@@ -337,9 +338,9 @@ def test_a_hook_that_outlives_its_time_is_stopped_with_its_group(
         line
         == f"lockrun: {name}: --on-exit hook still ran after 0.30s (--hook-max-time): stopped it"
     )
-    assert 0.3 + HOOK_GRACE <= took < 0.3 + HOOK_GRACE + 5
+    assert took >= 0.3 + HOOK_GRACE  # TERM first, KILL only a grace later
     hook_pids = [int(pid) for pid in pids.read_text().split()]
-    wait_for(lambda: all(map(gone, hook_pids)), timeout=5, what="the hook's processes to end")
+    wait_for(lambda: all(map(gone, hook_pids)), timeout=30, what="the hook's processes to end")
 
 
 def test_a_hook_that_leaves_its_group_is_still_stopped_in_time(
@@ -350,18 +351,16 @@ def test_a_hook_that_leaves_its_group_is_still_stopped_in_time(
     escape = (  # into lockrun's own group, out of the one lockrun signals
         "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "os.setpgid(0, os.getpgid(os.getppid())); "
-        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(3600)"
     )
-    began = time.monotonic()
+    # The hook sleeps an hour: lockrun ending within `lockrun`'s 60 s proves the KILL.
     result = lockrun(
         "--uri", file_uri, "-n", name, "--hook-max-time", "0.3",
         "--on-exit", f"exec {sys.executable} -c {shlex.quote(escape)}", "--", "true",
-        timeout=30,
     )  # fmt: skip
     assert result.returncode == 0
-    assert time.monotonic() - began < 0.3 + HOOK_GRACE + 5
     assert "--on-exit hook still ran after 0.30s (--hook-max-time): stopped it" in result.stderr
-    wait_for(lambda: gone(int(pid_file.read_text())), timeout=5, what="the hook to end")
+    wait_for(lambda: gone(int(pid_file.read_text())), timeout=30, what="the hook to end")
 
 
 def test_a_signal_to_lockrun_during_a_hook_goes_to_the_hook(

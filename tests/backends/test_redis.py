@@ -21,7 +21,13 @@ from lockrun.backends.redis import Claim, connect, key_prefix, parse
 from lockrun.errors import LeaseLost
 from lockrun.timing import now
 from tests.support.cli import finish, lockrun, one_line, start, wait_for
-from tests.support.net import Listener, make_certificates, secret_free, timed_lockrun
+from tests.support.net import (
+    DRIVER_TIMEOUT,
+    Listener,
+    make_certificates,
+    secret_free,
+    timed_lockrun,
+)
 from tests.support.proxy import Proxy
 from tests.support.sentinels import SentinelServer
 from tests.support.servers import RedisServer, free_port
@@ -34,8 +40,7 @@ if TYPE_CHECKING:
 
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 1 s (the floor).
 SHORT_TTL = "3"
-# However slow a shared CI machine is, a 0.3 s timeout must not take this long.
-PATIENCE = 5.0
+PATIENCE = 30.0  # a hang guard for a thread of ours
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +64,13 @@ def test_a_server_silent_during_the_tls_handshake_exits_69_within_the_ttls_timeo
     with contextlib.closing(Listener(None)) as listener:
         uri = f"rediss://127.0.0.1:{listener.port}/0"
         args = ("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
-        result, elapsed = timed_lockrun(*args)
+        result = lockrun(*args)  # its 60 s: the hang guard
+        wait_for(lambda: listener.waited, what="lockrun to hang up")
     assert result.returncode == ExitCode.UNAVAILABLE
     line = one_line(result.stderr)
     assert f"no answer within {timeout_for(float(SHORT_TTL)):g}s" in line
-    assert elapsed < PATIENCE
+    # The server's clock, from accept to hang-up: lockrun's timeout, no start-up in it.
+    assert listener.longest_wait() < DRIVER_TIMEOUT
 
 
 # Each way: a round trip of 0.3 s, more than --ttl 4 gave an answer before the floor
@@ -117,10 +124,11 @@ def test_the_database_number_is_checked(tcp_server: RedisServer, name: str) -> N
 def test_rediss_to_a_plain_port_exits_69(tcp_server: RedisServer, name: str) -> None:
     """TLS to a server that does not speak it is unavailable (69), one line."""
     uri = f"rediss://127.0.0.1:{tcp_server.port}/0"
-    result, elapsed = timed_lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
+    # A client waiting for a TLS answer that never comes would hang: `lockrun`'s 60 s guards
+    # that; the timeout itself is measured by the server's clock in the test above.
+    result = lockrun("--ttl", SHORT_TTL, "--uri", uri, "-n", name, "--", "true")
     assert result.returncode == ExitCode.UNAVAILABLE
     assert uri in one_line(result.stderr)
-    assert elapsed < PATIENCE
 
 
 def test_tls(tmp_path: Path, name: str) -> None:

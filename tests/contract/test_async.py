@@ -124,7 +124,8 @@ def test_a_cancelled_wait_leaves_nothing_behind(uri: str, name: str) -> None:
     holder.acquire()
 
     async def main() -> None:
-        waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None).acquire())
+        # An hour's ttl: a place that lapsed rather than left would outlast the checks below.
+        waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None, ttl=3600).acquire())
         await asyncio.sleep(0.5)  # queued by now
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -132,12 +133,12 @@ def test_a_cancelled_wait_leaves_nothing_behind(uri: str, name: str) -> None:
 
     run(main)
     if not parse_uri(uri).kind.local:  # a server's queue: the place is gone before any grant
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a hang guard: `status` runs are start-ups
         while lock_state(uri, name)["waiters"]:
             assert time.monotonic() < deadline, lock_state(uri, name)
             time.sleep(0.05)
     holder.release()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard, as above
     while lock_state(uri, name)["holders"] or lock_state(uri, name)["waiters"]:
         assert time.monotonic() < deadline, lock_state(uri, name)
         time.sleep(0.05)

@@ -62,10 +62,11 @@ def test_a_sigkilled_head_waiter_is_passed_over_at_once(
 
     The release hands the slot to the dead head, sees that it is gone (its session closed;
     on Redis, its connection gone from CLIENT LIST) and hands it on, far sooner than the
-    ttl (20 s) after which the grant would lapse. `status` then lists only the second.
+    ttl (an hour here) after which the grant would lapse: the second getting in at all
+    proves the pass-over. `status` then lists only the second.
     """
     harness = shared_server_harness
-    options = ("--uri", harness.uri, "-n", name, "--ttl", "20")
+    options = ("--uri", harness.uri, "-n", name, "--ttl", "3600")
     holder = held(*options)
     head, second, _, next_log, next_go = harness.queue_two(spawn, tmp_path, *options)
     try:
@@ -73,10 +74,10 @@ def test_a_sigkilled_head_waiter_is_passed_over_at_once(
         head.wait(10)
         killed_at = time.time()
         assert holder.finish() == 0
-        wait_for(next_log.exists, timeout=20 + SLACK, what="the second waiter's command")
+        wait_for(next_log.exists, timeout=60, what="the second waiter's command")  # hang guard
         waited = read_run(next_log).begun - killed_at
         print(f"second waiter got in {waited:.2f}s after the head waiter's SIGKILL")
-        assert 0 < waited < SLACK
+        assert waited > 0
         assert holder_pids(harness.uri, name) == [second.pid]
         assert waiter_pids(harness.uri, name) == []
     finally:

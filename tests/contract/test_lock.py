@@ -822,7 +822,7 @@ def test_api_a_thread_acquiring_what_it_holds_is_refused_at_once(uri: str, name:
             Lock(name, uri=uri, wait=None).acquire()
         with pytest.raises(LockBusy):
             Lock(name, uri=uri).acquire()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 60  # a hang guard: waiting for itself is for ever
         outcome: list[str] = []
         thread = threading.Thread(target=lambda: outcome.append(_try(lock)))
         thread.start()
@@ -913,8 +913,9 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
     holder = held("--uri", uri, "-n", name, "-s", held_slots)
     before = what_holds(uri, name)
     for slots in other_slots:
-        for wait in ("0", "30"):
-            result, elapsed = timed_lockrun(
+        # One that waited its hour out would fail timed_lockrun's 60 s: 78 within it is at once.
+        for wait in ("0", "3600"):
+            result, _ = timed_lockrun(
                 "--uri", uri, "-n", name, "-s", slots, "-w", wait, "--", "echo", "ran"
             )
             assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
@@ -923,7 +924,6 @@ def test_a_slots_mismatch_exits_78_naming_the_holder(
             asked = "1 slot" if slots == "1" else f"{slots} slots"
             assert f"in use with {held_as} by {ME}@{HOST} pid {holder.process.pid}" in line
             assert f"but this one asks for {asked};" in line
-            assert elapsed < PATIENCE  # not the 30 s of --wait
     assert what_holds(uri, name) == before  # the refused tries took no other slot
     same = lockrun("--uri", uri, "-n", name, "-s", held_slots, "--", "printenv", "LOCKRUN_SLOT")
     if held_slots == "1":

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from tests.support.servers import MariaServer
 
-SLACK = 3.0
 TTL = "5"
 ROW = (
     f"REPLACE INTO {MARKS} (lock_key, mark, connection_id, until_us, namespace, name, holder) "  # noqa: S608 - our table
@@ -100,10 +99,9 @@ def test_a_forged_window_far_ahead_is_busy_for_a_year_at_most(mysql_uri: str, na
     key = lock_key("default", name)
     record = json.dumps({"host": "forged", "pid": 1, "user": "mallory"})
     query(mysql_uri, ROW, (key, "hold", 1, 2**62, name, record))
-    began = time.monotonic()
+    # One that waited for the window would never end: `lockrun`'s 60 s is the hang guard.
     busy = lockrun("--uri", mysql_uri, "-n", name, "-w", "1", "--", "true")
     clean(busy, 75)
-    assert time.monotonic() - began < 1 + SLACK
     assert "mallory@forged" in busy.stderr
     (holder,) = lock_state(mysql_uri, name)["holders"]
     assert holder["until"] <= time.time() + MAX_WAIT + 60
@@ -158,9 +156,8 @@ def test_a_forged_live_shared_holder_is_a_holder_not_a_crash(
         got, connection = cursor.fetchone()
     assert got == 1
     query(mysql_uri, ROW, (key, mark, connection, 0, name, '{"pid": -1}'))
-    began = time.monotonic()
+    # The co-tenant holds on for ever: `lockrun`'s 60 s guards a writer that would wait it out.
     clean(lockrun("--uri", mysql_uri, "-n", name, "-w", "1", "--", "true"), 75)
-    assert time.monotonic() - began < 1 + SLACK
     clean(lockrun("--uri", mysql_uri, "-n", name, "--shared", "--", "true"), 0)
     (holder,) = lock_state(mysql_uri, name)["holders"]
     assert holder["shared"] is True
@@ -186,9 +183,8 @@ def test_a_stop_lock_held_by_a_stranger_stops_holders_and_never_hangs(
     _, err = holder.process.communicate()
     assert one_line(err).endswith(f"(connection {connection})")
     clean(lockrun("--uri", mysql_uri, "-n", name, "--", "true"), 75)
-    began = time.monotonic()
-    clean(lockrun("--uri", mysql_uri, "-n", name, "-w", "30", "--", "true"), 79)
-    assert time.monotonic() - began < SLACK
+    # A waiter gives way at once: one that waited its hour out would fail `lockrun`'s 60 s.
+    clean(lockrun("--uri", mysql_uri, "-n", name, "-w", "3600", "--", "true"), 79)
     clean(lockrun("--uri", mysql_uri, "-n", name, "--take-over", "-w", "1", "--", "true"), 75)
     statuses_read(mysql_uri, name)
     foreign.close()

@@ -31,7 +31,6 @@ from tests.support.strategies import holder_like
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-SLACK = 3.0
 YEAR_3000_MS = 32503680000000
 
 
@@ -121,9 +120,9 @@ def test_a_window_until_the_year_3000_is_busy_at_once_and_read_back_capped(
     """A forged window ending in 3000: 75 at once with one line; status shows it within a year."""
     forge_holder(co_tenant, name, "ghost", f"0 1 1 {YEAR_3000_MS}", YEAR_3000_MS)
     try:
-        began = time.monotonic()
-        busy = lockrun("--uri", redis_uri, "-n", name, "-w", "60", "--", "true")
-        assert time.monotonic() - began < SLACK + 2
+        # An hour's wait, shorter than the window: one that waited it out would fail `lockrun`'s
+        # 60 s (the hang guard), so 75 within it is "at once", however loaded the machine.
+        busy = lockrun("--uri", redis_uri, "-n", name, "-w", "3600", "--", "true")
         clean(busy, ExitCode.BUSY)
         assert "--hold-at-least" in busy.stderr
         (holder,) = lock_state(redis_uri, name)["holders"]

@@ -151,6 +151,12 @@ SERVER_LOCKS: Final[dict[str, Callable[[str, str, str], list[tuple[str, bool, in
 }
 
 
+# A timeout of a driver's own, which lockrun's must come well before: PyMySQL's connect_timeout
+# (10 s); redis-py and libpq have none (a hang). A client's wait as a `Listener` saw it is
+# judged against this, not against lockrun's timeout plus a start-up a loaded machine misses.
+DRIVER_TIMEOUT: Final = 10.0
+
+
 class Listener:
     """A loopback TCP port of our own that waits for the client to speak first.
 
@@ -166,6 +172,9 @@ class Listener:
         self.port: int = self.server.getsockname()[1]
         self.kept: list[socket.socket] = []  # connections left open, answered or not
         self.silent = self.kept
+        # (accepted, hung up by the client), Unix time, of each silent connection: the
+        # server's own view of how long a client waited, with no start-up of lockrun's in it.
+        self.waited: list[tuple[float, float]] = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.serve, name=name, daemon=True)
         self.thread.start()
@@ -184,18 +193,38 @@ class Listener:
     def handle(self, connection: socket.socket) -> None:
         """Keep a silent connection open; answer and close others."""
         if self.reply is None:
-            self.kept.append(connection)  # accepted, read from by nobody, never answered
+            self.keep(connection)  # accepted, never answered
             return
         with connection, contextlib.suppress(OSError):
             connection.settimeout(2)
             connection.recv(4096)  # the client's first command, startup or TLS hello
             connection.sendall(self.reply)
 
+    def keep(self, connection: socket.socket) -> None:
+        """Keep *connection* open and silent, and note when the client hangs up."""
+        self.kept.append(connection)
+        accepted = time.time()
+        threading.Thread(target=self.drain, args=(connection, accepted), daemon=True).start()
+
+    def drain(self, connection: socket.socket, accepted: float) -> None:
+        """Read what the client says (and answer nothing) until it hangs up; note when."""
+        with contextlib.suppress(OSError):
+            while connection.recv(4096):
+                pass
+            if not self.stopping.is_set():  # its hang-up, not our close
+                self.waited.append((accepted, time.time()))
+
+    def longest_wait(self) -> float:
+        """Return how long a client sat silent on us before it hung up, at most (0 for none)."""
+        return max((hung_up - accepted for accepted, hung_up in self.waited), default=0.0)
+
     def close(self) -> None:
         """Stop the thread and close every socket."""
         self.stopping.set()
         self.thread.join(5)
         for connection in self.kept:
+            with contextlib.suppress(OSError):  # wakes a `drain` blocked in recv
+                connection.shutdown(socket.SHUT_RDWR)
             connection.close()
         self.server.close()
 
@@ -218,7 +247,7 @@ class Greeter(Listener):
         with contextlib.suppress(OSError):
             connection.sendall(self.greeting)
         if self.hang:
-            self.kept.append(connection)
+            self.keep(connection)
         else:
             connection.close()
 

@@ -26,7 +26,6 @@ from tests.support.net import (
     Listener,
     make_certificates,
     secret_free,
-    timed_lockrun,
 )
 from tests.support.proxy import Proxy
 from tests.support.sentinels import SentinelServer

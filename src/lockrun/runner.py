@@ -214,7 +214,10 @@ def _hold_and_run(
                 lease,
                 limits,
                 env=command_environment(request, lease),
-                pass_fds=lease.fds if guardian is None else (),
+                # A session's socket too: a server frees the lock when its last holder
+                # closes it, which the kernel does only once the command's processes are
+                # dead, even when lockrun and its guardian die at once (docs/semantics.md G2).
+                pass_fds=lease.fds if guardian is None or lease.sessions else (),
                 guardian=guardian,
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 # A hang guard only: how long a dead group may take to be seen dead on a loaded machine.
 DEATH: Final = 30.0
 CALM_TTL: Final = float(CALM[1])
+LAPSE: Final = ("--ttl", "4")  # renewed every 1.3 s while lockrun lives
 MARK: Final = "--kill-after=9"  # the holder's alone: the pattern an operator would write
 ORDERS: Final = ("at-once-by-name", "guardian-then-lockrun", "lockrun-then-guardian")
 
@@ -75,7 +76,7 @@ def test_killing_lockrun_and_its_guardian_takes_the_command_along(
         name,
         MARK,
         *close,
-        *CALM,
+        *LAPSE,  # when both die, nobody releases the lease: the waiter waits it out
         "--",
         *below,
         stderr=subprocess.DEVNULL,

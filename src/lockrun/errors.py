@@ -19,8 +19,8 @@ class ExitCode(IntEnum):
     USAGE = 64  # EX_USAGE; click's 2 is remapped here so it can't pass for the command's 2
     UNAVAILABLE = 69  # EX_UNAVAILABLE: connect, auth, DNS, TLS, timeout before the command ran
     SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
-    BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
     OSERR = 71  # EX_OSERR: out of open files (ulimit -n), as sysexits says of "cannot create pipe"
+    BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
     IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     NOPERM = 77  # EX_NOPERM: `lockrun release`: the token's keeper is another user's

@@ -52,7 +52,7 @@ from lockrun.runner import (
     check_options,
     unheard,
 )
-from lockrun.supervise import FORWARDED, _hung_up, _readable
+from lockrun.supervise import FORWARDED, Stat, _hung_up, _readable, stat_of
 from lockrun.timing import clock_time, format_duration, now
 
 if TYPE_CHECKING:
@@ -182,34 +182,9 @@ def default_owner() -> int:
     return owner
 
 
-class _Stat(NamedTuple):
-    """What proc(5)'s /proc/PID/stat says of a process that the section needs."""
-
-    name: bytes  # comm
-    state: bytes
-    parent: int
-    group: int
-    flags: int
-    start: int  # clock ticks after boot
-
-
-def _stat(pid: int) -> _Stat | None:
-    """Return /proc/*pid*/stat, None if it cannot be read (the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            head, _, tail = stat_file.read().rpartition(b")")
-        fields = tail.split()
-        return _Stat(
-            head.partition(b"(")[2], fields[0], int(fields[1]), int(fields[2]),
-            int(fields[6]), int(fields[19]),
-        )  # fmt: skip
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _parent(pid: int) -> int:
     """Return the parent of *pid* (0 if it cannot be read)."""
-    info = _stat(pid)
+    info = stat_of(pid)
     return 0 if info is None else info.parent
 
 
@@ -453,7 +428,7 @@ def _never_exits(pid: int) -> str | None:
     """
     if pid == 1:
         return "init, which never exits"
-    info = _stat(pid)
+    info = stat_of(pid)
     try:
         with open(f"/proc/{pid}/status", "rb") as status_file:
             nspids = [line.split()[1:] for line in status_file if line.startswith(b"NSpid:")]
@@ -489,7 +464,7 @@ class Section(NamedTuple):
     @classmethod
     def of(cls, owner: int) -> Section | None:
         """Return the section of *owner* (None if it cannot be read), from acquire's process."""
-        me = _stat(os.getpid())
+        me = stat_of(os.getpid())
         try:
             group = os.getpgid(owner)
         except OSError:
@@ -498,9 +473,9 @@ class Section(NamedTuple):
 
     def members(self) -> dict[int, int]:
         """Return the live processes of the section: pid and start."""
-        processes: dict[int, _Stat] = {}
+        processes: dict[int, Stat] = {}
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and (info := _stat(int(entry))) is not None:
+            if entry.isdigit() and (info := stat_of(int(entry))) is not None:
                 processes[int(entry)] = info
         me = os.getpid()
         return {
@@ -519,7 +494,7 @@ class Section(NamedTuple):
             )
         }
 
-    def _orphaned(self, info: _Stat, processes: dict[int, _Stat]) -> bool:
+    def _orphaned(self, info: Stat, processes: dict[int, Stat]) -> bool:
         """Whether *info*, or its oldest ancestor started since the acquire, init adopted."""
         for _ in range(len(processes)):
             parent = processes.get(info.parent)
@@ -966,7 +941,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
                 pidfd = os.pidfd_open(pid)
             except OSError:  # gone already
                 continue
-            info = _stat(pid)  # read after the pidfd: still that process if it lives
+            info = stat_of(pid)  # read after the pidfd: still that process if it lives
             if info is None or info.start != start or _readable([pidfd]):
                 os.close(pidfd)
                 continue

@@ -203,8 +203,9 @@ def update(
     serial = None
     try:
         serial = _serial(fd, base)
-        if serial is not None and not _lock(serial, LOCK_WAIT if wait is None else wait):
-            waited = format_duration(LOCK_WAIT if wait is None else wait)
+        patience = LOCK_WAIT if wait is None else wait
+        if serial is not None and not _lock(serial, patience):
+            waited = format_duration(patience)
             log(f"metrics file {path} not updated: another update kept it for {waited}")
             return
         if (kind := _foreign(fd, base)) is not None:

@@ -193,8 +193,8 @@ class Guardian:
             os.killpg(self.pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:  # a member we may not signal (sudo's)
-            return True
+        except PermissionError:  # a member we may not signal (sudo's) is one all the same
+            pass
         return True
 
     def acted(self) -> bool:
@@ -210,8 +210,9 @@ class Guardian:
     def stand_down(self) -> None:
         """Tell the guardian the command is done, disarm the switch, and reap the guardian.
 
-        The group is empty by now (`clear`), so disarming it signals no one; the guardian
-        is reaped after that, so its pid, the group's id, cannot be reused before.
+        The group is empty by now (`_Watch._stop_stragglers`, or the KILL of a stopped
+        run), so disarming it signals no one; the guardian is reaped after that, so its pid,
+        the group's id, cannot be reused before.
         """
         with contextlib.suppress(OSError):  # it died with a SIGKILLed group
             self._socket.sendall(b"x")
@@ -401,18 +402,41 @@ def _kill_the_others(group: int = 0, spare: int = 0) -> None:
         os.killpg(group, signal.SIGKILL)
 
 
+class Stat(NamedTuple):
+    """What proc(5)'s /proc/PID/stat says of a process: a group's members, a section's."""
+
+    name: bytes  # comm
+    state: bytes
+    parent: int
+    group: int
+    flags: int
+    start: int  # clock ticks after boot
+
+
+def stat_of(pid: int) -> Stat | None:
+    """Return /proc/*pid*/stat, None if it cannot be read (the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            head, _, tail = stat_file.read().rpartition(b")")
+        fields = tail.split()
+        return Stat(
+            head.partition(b"(")[2], fields[0], int(fields[1]), int(fields[2]),
+            int(fields[6]), int(fields[19]),
+        )  # fmt: skip
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _members(group: int) -> list[int]:
     """Return the live (not zombie) processes of process *group*, from /proc."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:  # it ended while we looked
-            continue
-        if int(fields[2]) == group and (fields[0] not in {b"Z", b"X"} or _threads_left(entry)):
+        info = stat_of(int(entry)) if entry.isdigit() else None  # None: it ended meanwhile
+        if (
+            info is not None
+            and info.group == group
+            and (info.state not in {b"Z", b"X"} or _threads_left(entry))
+        ):
             found.append(int(entry))
     return found
 

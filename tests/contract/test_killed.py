@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from tests.support.cli import finish, wait_for
-from tests.support.harness import CALM, Harness, command, read_run, wait_for_death
+from tests.support.harness import CALM, Harness, Run, command, read_run, wait_for_death
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,6 +36,17 @@ CALM_TTL: Final = float(CALM[1])
 LAPSE: Final = ("--ttl", "4")  # renewed every 1.3 s while lockrun lives
 MARK: Final = "--kill-after=9"  # the holder's alone: the pattern an operator would write
 ORDERS: Final = ("at-once-by-name", "guardian-then-lockrun", "lockrun-then-guardian")
+
+
+def _alone_after(first_log: Path, second_log: Path) -> tuple[Run, Run]:
+    """Assert the second command ran alone and began after the first's last sign of life.
+
+    Return both runs, as the commands logged them (kernel-stamped: never lockrun's word).
+    """
+    first, second = read_run(first_log), read_run(second_log)
+    assert second.verdict == "alone"
+    assert second.begun > first.last  # [begun, last] intervals do not overlap
+    return first, second
 
 
 def _group(pid: int) -> int:
@@ -101,9 +112,7 @@ def test_killing_lockrun_and_its_guardian_takes_the_command_along(
         assert finish(waiter, timeout=CALM_TTL + DEATH) == 0
     finally:
         first_go.touch()  # whatever failed, no loop is left running
-    first, second = read_run(first_log), read_run(second_log)
-    assert second.verdict == "alone"
-    assert second.begun > first.last  # [begun, last] intervals do not overlap
+    first, second = _alone_after(first_log, second_log)
     assert second.fence > first.fence
 
 
@@ -132,9 +141,7 @@ def test_a_killed_holders_lease_is_freed_by_its_guardian_before_it_runs_out(
         assert finish(waiter, timeout=ttl + DEATH) == 0
     finally:
         first_go.touch()
-    first, second = read_run(first_log), read_run(second_log)
-    assert second.verdict == "alone"
-    assert second.begun > first.last
+    _, second = _alone_after(first_log, second_log)
     if expires is not None:  # a lease: freed by the guardian, not by its running out
         assert second.begun < expires
 
@@ -149,26 +156,7 @@ def test_what_the_command_leaves_in_its_group_never_runs_beside_the_next_holder(
     meanwhile), as flock(1) does. It ran on beside the next holder on the server backends.
     """
     harness = shared_harness
-    options = ("--uri", harness.uri, "-n", name)
-    first_argv, first_log, first_go = command(tmp_path, "first")
-    leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.01; done; exit 0'
-    try:
-        # stderr not piped: the child left behind would hold the pipe open.
-        holder = spawn(
-            *options, *CALM, "--", "sh", "-c", leave, "sh", *first_argv, stderr=subprocess.DEVNULL
-        )
-        assert holder.wait(60) == 0
-        if harness.kind.inherits_fds:  # the child holds the lock itself, until it ends
-            assert finish(spawn(*options, "-w", "0", "--", "true")) == 75
-            first_go.touch()
-        second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
-        second_go.touch()
-        assert finish(spawn(*options, *CALM, "-w", "forever", "--", *second_argv), 60) == 0
-    finally:
-        first_go.touch()
-    first, second = read_run(first_log), read_run(second_log)
-    assert second.verdict == "alone"
-    assert second.begun > first.last
+    _leave_a_child(harness, ("--uri", harness.uri, "-n", name), tmp_path, spawn)
 
 
 def test_a_release_that_never_reached_the_server_is_not_called_released(
@@ -206,34 +194,41 @@ def test_a_leftover_that_closed_its_descriptors_never_runs_beside_the_next_holde
     """
     harness = shared_harness
     close = ("--close",) if harness.kind.inherits_fds else ()
-    options = ("--uri", harness.uri, "-n", name, *close)
-    first_argv, first_log, first_go = command(tmp_path, "first")
     closefrom = (
         "import os, sys; os.closerange(3, os.sysconf('SC_OPEN_MAX')); "
         "os.execvp(sys.argv[1], sys.argv[1:])"
     )
+    below = (sys.executable, "-c", closefrom)
+    _leave_a_child(harness, ("--uri", harness.uri, "-n", name, *close), tmp_path, spawn, below)
+
+
+def _leave_a_child(
+    harness: Harness,
+    options: tuple[str, ...],
+    tmp_path: Path,
+    spawn: Callable[..., Any],
+    below: tuple[str, ...] = (),
+) -> None:
+    """Run a command that ends at once, leaving a `COMMAND` child (run by *below*) behind.
+
+    Then a second holder runs; the child must never have run beside it. Where the command
+    holds the lock itself (`file:` without --close) the child keeps it, busy, until it ends.
+    """
+    first_argv, first_log, first_go = command(tmp_path, "first")
     leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.01; done; exit 0'
     try:
+        # stderr not piped: the child left behind would hold the pipe open.
         holder = spawn(
-            *options,
-            *CALM,
-            "--",
-            "sh",
-            "-c",
-            leave,
-            "sh",
-            sys.executable,
-            "-c",
-            closefrom,
-            *first_argv,
+            *options, *CALM, "--", "sh", "-c", leave, "sh", *below, *first_argv,
             stderr=subprocess.DEVNULL,
-        )
+        )  # fmt: skip
         assert holder.wait(60) == 0
+        if harness.kind.inherits_fds and "--close" not in options:  # the child holds it
+            assert finish(spawn(*options, "-w", "0", "--", "true")) == 75
+            first_go.touch()
         second_argv, second_log, second_go = command(tmp_path, "second", other=first_log)
         second_go.touch()
         assert finish(spawn(*options, *CALM, "-w", "forever", "--", *second_argv), 60) == 0
     finally:
         first_go.touch()
-    first, second = read_run(first_log), read_run(second_log)
-    assert second.verdict == "alone"
-    assert second.begun > first.last
+    _alone_after(first_log, second_log)

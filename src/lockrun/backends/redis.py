@@ -1395,11 +1395,10 @@ class RedisBackend:
         except TakenOver:
             raise  # the script gave the slot back and left the queue
         except BaseException:
-            # Our place in the queue, or a slot granted meanwhile: every reply of it within
-            # one timeout in all, so that TERM ends lockrun soon however the server trickles
-            # (docs/semantics.md "Signals, the terminal, and time limits").
-            with within(self.timeout):
-                self.leave(claim)
+            # Our place in the queue, or a slot granted meanwhile: `leave` has every reply
+            # within one timeout in all, so that TERM ends lockrun soon however the server
+            # trickles (docs/semantics.md "Signals, the terminal, and time limits").
+            self.leave(claim)
             raise
 
     def wait_in_line(self, claim: Claim, deadline: float | None, extra: int, taken: int) -> bool:

@@ -85,7 +85,26 @@ class Late(NamedTuple):
 _GRANT: Final = b"*5\r\n:1\r\n:0\r\n:1\r\n:0\r\n$0\r\n\r\n"
 
 
-class Impostor:
+class _Loopback:
+    """A TCP server on a free loopback port that serves each connection in a daemon thread."""
+
+    def __init__(self) -> None:
+        """Listen, and accept in a daemon thread: after the subclass has set itself up."""
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+
+    def _serve(self, peer: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class Impostor(_Loopback):
     """A TCP server on loopback that reads commands and answers each with one reply.
 
     *scripts* maps our scripts (by name) to what an EVALSHA of each gets instead: a reply,
@@ -108,15 +127,7 @@ class Impostor:
         self.commands: dict[bytes, bytes | Stream | Late] = {}
         self.asked: list[bytes] = []  # each command's name, and its next word
         self.streaming = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                peer, _ = self.listener.accept()
-                threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, peer: socket.socket) -> None:
         with peer, contextlib.suppress(OSError):
@@ -418,21 +429,13 @@ def _mysql_trickle() -> Iterator[bytes]:
 MYSQL_STREAMS: Final = {"greeting-trickle": _mysql_trickle, "endless-packets": _mysql_packets}
 
 
-class Trickler:
+class Trickler(_Loopback):
     """A TCP server on loopback that sends each connection *chunks*, whatever it says."""
 
     def __init__(self, chunks: Callable[[], Iterator[bytes]]) -> None:
         """Listen on a free port and send in daemon threads."""
         self.chunks = chunks
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                peer, _ = self.listener.accept()
-                threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, peer: socket.socket) -> None:
         with peer, contextlib.suppress(OSError):

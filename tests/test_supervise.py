@@ -86,6 +86,11 @@ def on_int(_signo, _frame):
     global count
     count += 1
 signal.signal(signal.SIGINT, on_int)
+# lockrun hands the terminal over just after the spawn (its SIGCONT covers a read before):
+# a start quicker than that, on a loaded machine, waits for it; 10 s is a hang guard only.
+given = time.monotonic() + 10
+while os.tcgetpgrp(0) != os.getpgrp() and time.monotonic() < given:
+    time.sleep(0.01)
 foreground = os.tcgetpgrp(0) == os.getpgrp()
 announce(ready, f"{os.getpgrp()} {int(foreground)}")
 deadline = time.monotonic() + 10

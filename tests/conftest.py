@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -24,7 +25,6 @@ from tests.support.servers import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from pathlib import Path
 
     from tests.support.harness import Harness
 
@@ -205,3 +205,33 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         for stream in (process.stdout, process.stderr):
             if stream is not None:
                 stream.close()
+
+
+PORTABLE = Path(__file__).with_name("portable.txt")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests tests/portable.txt lists `portable`: the set run on every Python."""
+    entries = [line.split("#", 1)[0].strip() for line in PORTABLE.read_text().splitlines()]
+    files = {entry for entry in entries if entry and "::" not in entry}
+    tests = {entry for entry in entries if "::" in entry}
+    collected: set[str] = set()
+    found: set[str] = set()
+    for item in items:
+        path, _, rest = item.nodeid.partition("::")
+        test = f"{path}::{rest.split('[', 1)[0]}"
+        collected.add(path)
+        found.update((path, test))
+        fast = not any(item.iter_markers("slow")) and not any(item.iter_markers("heavy"))
+        if test in tests or (path in files and fast):
+            item.add_marker(pytest.mark.portable)
+    # A renamed test or file must not drop out of the set unnoticed.
+    root = PORTABLE.parent.parent
+    lost = [
+        entry
+        for entry in sorted(files | tests)
+        if not (root / entry.split("::")[0]).exists()
+        or (entry.split("::")[0] in collected and entry not in found)
+    ]
+    if lost:
+        raise pytest.UsageError(f"tests/portable.txt names no collected test: {', '.join(lost)}")

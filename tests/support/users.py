@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 MALLORY: Final = "lockrun-mallory"
 ALICE: Final = "lockrun-alice"
-SYSTEM_PYTHON: Final = "/usr/bin/python3"
+# A Python without lockrun: the machine's own, or the interpreter scripts/pythons tests the
+# pyz on (tests/portable.txt).
+SYSTEM_PYTHON: Final = os.environ.get("LOCKRUN_TEST_SYSTEM_PYTHON", "/usr/bin/python3")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
 
 

@@ -216,8 +216,8 @@ def test_release_check_refuses_an_unconfirmed_repository_and_unreleased_notes(
         assert refused.returncode == 1
         assert refused.stderr == (
             f"release-check: pyproject.toml: {HOME} is unconfirmed: set [tool.lockrun] "
-            "repository-confirmed to true once it holds this code (docs/development.md, "
-            "Releasing)\n"
+            "repository-confirmed to true once it holds this code "
+            '(docs/development.md "Releasing")\n'
         )
     tree = release_tree(tmp_path, confirmed=True, unreleased="\n### Fixed\n\n- Something.\n\n")
     refused = release_check(tree, tag)

@@ -78,7 +78,6 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Message]:
     return {str(wheel): parse(wheel_metadata), str(sdist): parse(sdist_metadata)}
 
 
-@pytest.mark.slow  # builds both: 5 to 60 s with the machine's load
 def test_the_dists_claim_exactly_the_pythons_ci_tests(dists: dict[str, Message]) -> None:
     """The version classifiers are the Pythons CI runs, from requires-python's lowest up."""
     lowest = PYPROJECT["project"]["requires-python"].removeprefix(">=")
@@ -88,7 +87,6 @@ def test_the_dists_claim_exactly_the_pythons_ci_tests(dists: dict[str, Message])
         assert metadata["Requires-Python"] == f">={lowest}"
 
 
-@pytest.mark.slow
 def test_the_long_description_links_only_to_absolute_addresses(
     dists: dict[str, Message],
 ) -> None:
@@ -123,7 +121,6 @@ def test_the_long_description_links_only_to_absolute_addresses(
         assert relative.strip() == readme.strip()
 
 
-@pytest.mark.slow
 def test_twine_check_passes(dists: dict[str, Message]) -> None:
     """`twine check --strict`: the index would take both files and render the description."""
     checked = subprocess.run(
@@ -133,7 +130,6 @@ def test_twine_check_passes(dists: dict[str, Message]) -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-@pytest.mark.slow
 def test_the_version_is_the_changelogs_top_release(dists: dict[str, Message]) -> None:
     """The wheel, the sdist, `lockrun.__version__` and CHANGELOG.md's top release agree."""
     changelog = (ROOT / "CHANGELOG.md").read_text()

@@ -278,9 +278,8 @@ class _Grouped(click.Command):
         if self.subcommands:
             with formatter.section("Subcommands (lockrun SUBCOMMAND --help)"):
                 formatter.write_dl([(word, what) for word, (_, what) in SUBCOMMANDS.items()])
-        help_option = self.get_help_option(ctx)
-        shown = {
-            "help" if param is help_option else str(param.name): (record[0], param.help or "")
+        shown = {  # click names its help option "help" or "_click_default_help" (8.2+)
+            "help" if "--help" in param.opts else str(param.name): (record[0], param.help or "")
             for param in self.get_params(ctx)
             if isinstance(param, click.Option) and (record := param.get_help_record(ctx))
         }

@@ -211,8 +211,9 @@ def _hold_and_run(
             if guardian is not None:
                 guardian.keep(lease.fds, lease.orphan)
             if account is not None:
-                # Beside the command, not before it: a start ping must not lengthen the
-                # hold, nor delay the command (docs/semantics.md "Monitoring").
+                # Started now and never waited for: it runs beside the command, and a slow
+                # ping lengthens neither the hold nor the hand-over (docs/semantics.md
+                # "Monitoring"). Before the spawn, which makes the lock's fds inheritable.
                 account.starting()
             return supervise(
                 argv,

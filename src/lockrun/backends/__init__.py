@@ -470,7 +470,7 @@ def _install_hint(extra: str | None) -> str:
         package = re.split(r"[^A-Za-z0-9._-]", driver)[0]
         system = f"install {package} for {python} from the system's packages"
         return f"{left_out}{system}, on Debian and Ubuntu: apt install python3-{package}{see}"
-    if pyz:
+    if pyz:  # pragma: no cover - run from the zip: tests/test_install_hint.py
         return f"{left_out}{python} -m pip install {shlex.quote(driver)}{see}"
     if os.path.isfile(os.path.join(sys.prefix, "pipx_metadata.json")):
         return _pipx_inject(sys.prefix, driver)

@@ -1,4 +1,7 @@
-"""The built wheel, installed into fresh environments: the command, its man page and Tab."""
+"""The built wheel in a fresh venv: the command, and its man page and Tab where packagers look.
+
+The ways docs/install.md installs lockrun, as a user runs them: tests/test_install.py.
+"""
 
 from __future__ import annotations
 
@@ -115,40 +118,3 @@ def test_the_wheel_puts_the_man_page_and_completions_where_they_are_looked_for(
     installed("fish")  # fish reads $XDG_DATA_DIRS/fish/vendor_completions.d by itself
     offered = run("fish", "-c", "complete -C 'lockrun --uri-f'", env=env).stdout
     assert offered.split("\t")[0] == "--uri-file"
-
-
-def test_pipx_install_gives_the_command_its_man_page_and_tab(tmp_path: Path) -> None:
-    """`pipx install .` (README's way): lockrun on PATH, `man lockrun`, Tab once linked."""
-    local = tmp_path / ".local"
-    pipx_env = {
-        **os.environ,
-        "PIPX_HOME": str(local / "share" / "pipx"),
-        "PIPX_BIN_DIR": str(local / "bin"),
-        "PIPX_MAN_DIR": str(local / "share" / "man"),
-    }
-    run(sys.executable, "-m", "pipx", "install", ROOT, env=pipx_env, cwd=tmp_path)
-    env = environment(local / "bin", tmp_path, MANPATH="", LOCKRUN_URI=f"file://{tmp_path}/locks")
-    assert (
-        run("lockrun", "--version", env=env).stdout == f"lockrun, version {lockrun.__version__}\n"
-    )
-    assert run("lockrun", "-n", "x", "--", "echo", "ran", env=env, cwd=tmp_path).stdout == "ran\n"
-    installed("man")
-    found = Path(run("man", "-w", "lockrun", env=env).stdout.strip())  # pipx links the page
-    assert found.resolve() == (local / "share" / "man" / "man1" / "lockrun.1").resolve()
-    # README: link the script into bash-completion's per-user directory.
-    venv = local / "share" / "pipx" / "venvs" / "lockrun-cli"
-    user_dir = local / "share" / "bash-completion" / "completions"
-    user_dir.mkdir(parents=True)
-    (user_dir / "lockrun").symlink_to(
-        venv / "share" / "bash-completion" / "completions" / "lockrun"
-    )
-    if not BASH_COMPLETION.exists():
-        unavailable("bash-completion is not installed")
-    setup = f"source {BASH_COMPLETION}; echo ready-$?"
-    press_tab(
-        ["bash", "--norc", "--noprofile", "-i"],
-        setup,
-        "lockrun --uri-f",
-        "lockrun --uri-file ",
-        env=env,
-    )

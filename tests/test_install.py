@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ SCRIPTS = {  # what each shell's step writes, and the committed script it must e
     ".zfunc/_lockrun": "_lockrun",
     ".config/fish/completions/lockrun.fish": "lockrun.fish",
 }
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
 CRON_PATH = "/usr/bin:/bin"  # Debian's cron, for every job (cron(8))
 
 # Each route makes a venv and installs from the index: 10 to 25 s each.
@@ -113,8 +116,8 @@ class Newcomer:
             f"lockrun, version {lockrun.__version__}\n",
         )
         source = self.run("sh", "-c", 'head -n 1 "$(readlink -f "$(command -v lockrun)")"')
-        if source.stdout.startswith("#!/") and "python3 " not in source.stdout:  # a venv's
-            python = source.stdout[2:].split()[0]
+        python = source.stdout.removeprefix("#!").split()[0]
+        if (Path(python).parent / "activate").exists():  # a venv's, not the .pyz's python3
             code = "import lockrun.cli; print(lockrun.cli.__file__)"
             where = Path(self.run(python, "-c", code).stdout.strip())
             assert where.read_bytes() == (ROOT / "src/lockrun/cli.py").read_bytes()
@@ -136,7 +139,7 @@ class Newcomer:
                 self.paste(text)
         for place, committed in SCRIPTS.items():
             assert (self.home / place).read_text() == (ROOT / "completions" / committed).read_text()
-        if not Path("/usr/share/bash-completion/bash_completion").exists():
+        if not BASH_COMPLETION.exists():
             unavailable("bash-completion is not installed")
         # Debian's ~/.bashrc (from /etc/skel) loads bash-completion; the script loads at Tab.
         bash = [*self.wrap, "bash", "-i"]
@@ -247,7 +250,33 @@ def test_a_venv_gives_the_command_the_api_and_the_man_page(wheels: Path, tmp_pat
     assert api.stdout == f"{lockrun.__version__}\n", api.stderr
     user.env["PATH"] = f"{venv}/bin:{user.env['PATH']}"  # as `. ~/venvs/lockrun/bin/activate`
     user.check_lockrun()
+    check_packaged_places(user, venv)
     user.check_man_and_tab()
+
+
+def check_packaged_places(user: Newcomer, prefix: Path) -> None:
+    """Check the wheel's page and scripts under *prefix*/share, where packagers put them.
+
+    bash-completion and fish read `$XDG_DATA_DIRS` (`/usr/local/share:/usr/share` by
+    default), zsh its `fpath`: set here to the venv's, as a package's would be the system's.
+    """
+    shared: dict[str, str] = PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["shared-data"]
+    assert len(shared) == len(SCRIPTS) + 1
+    for source, place in shared.items():
+        assert (prefix / place).read_bytes() == (ROOT / source).read_bytes(), place
+    env = {**user.env, "XDG_DATA_DIRS": f"{prefix}/share:/usr/share"}
+    if not BASH_COMPLETION.exists():
+        unavailable("bash-completion is not installed")
+    bash = ["bash", "--norc", "--noprofile", "-i"]
+    setup = f"source {BASH_COMPLETION}; echo ready-$?"
+    press_tab(bash, setup, "lockrun --uri-f", "lockrun --uri-file ", env=env)
+    installed("zsh")
+    setup = f"fpath=({prefix}/share/zsh/site-functions $fpath); autoload -Uz compinit"
+    setup += " && compinit -u -D; echo ready-$?"
+    press_tab(["zsh", "-f", "-i"], setup, "lockrun --uri-f", "lockrun --uri-file", env=env)
+    installed("fish")
+    offered = run("fish", "-c", "complete -C 'lockrun --uri-f'", env=env).stdout
+    assert offered.split("\t")[0] == "--uri-file"
 
 
 def crontab_lines() -> list[tuple[dict[str, str], str]]:
@@ -272,7 +301,7 @@ def check_crontab_lines(user: Newcomer) -> None:
     """Run each crontab job as cron does: `/bin/sh -c` in HOME, with cron's environment only.
 
     The user's own parts are stood in for: a `/opt/…` script by one that says it ran, and
-    the crontab's LOCKRUN_URI (a Redis of theirs) by a directory of this home.
+    the lock service (the crontab's Redis, or root's /run/lockrun) by a directory of this home.
     """
     jobs = crontab_lines()
     assert len(jobs) >= 4
@@ -292,7 +321,6 @@ def check_crontab_lines(user: Newcomer) -> None:
             **variables,
         }
         cron.pop("MAILTO", None)
-        if "LOCKRUN_URI" in cron:
-            cron["LOCKRUN_URI"] = f"file://{user.home}/locks"
+        cron["LOCKRUN_URI"] = f"file://{user.home}/locks"  # not root's /run/lockrun, others'
         result = run("/bin/sh", "-c", command, env=cron, cwd=user.home)
         assert (result.returncode, result.stdout) == (0, "batch ran\n"), (command, result.stderr)

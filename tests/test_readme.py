@@ -551,6 +551,16 @@ def test_every_install_line_names_the_release() -> None:
     assert "git+" not in text
 
 
+def test_the_readmes_install_lines_are_those_that_tests_run() -> None:
+    """README's install commands are docs/install.md's pipx block, run by test_install.py."""
+    [install] = _section("Install", ["README.md"])
+    [readme] = [block.text for block in _page_blocks("README.md", install)]
+    page = "docs/install.md"
+    first = next(block for block in _page_blocks(page, PAGES[page]) if block.language)  # pipx's
+    assert "pipx install lockrun-cli" in readme
+    assert readme == first.text
+
+
 def _units() -> dict[Path, _Unit]:
     return {
         Path(block.text.partition("\n")[0].removeprefix("# ")): _Unit(block.text)

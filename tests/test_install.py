@@ -223,6 +223,8 @@ def test_a_recent_pipx_links_the_man_page_itself(wheels: Path, tmp_path: Path) -
     """A recent pipx with its own defaults (no PIPX_* set): the same steps, man and Tab."""
     user = newcomer(tmp_path, wheels)
     recent = Path(sys.executable).parent / "pipx"  # the dev extra's, as `pipx install pipx`
+    if not recent.exists():
+        unavailable("the dev extra's pipx is not installed")
     (tmp_path / ".local" / "bin").mkdir(parents=True)
     (tmp_path / ".local" / "bin" / "pipx").symlink_to(recent)
     assert not any(key.startswith("PIPX_") for key in user.env)

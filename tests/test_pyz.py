@@ -247,15 +247,17 @@ def test_postgres_without_psycopg_says_how_to_add_it(
     tmp_path: Path,
     name: str,
 ) -> None:
-    """No psycopg: 78 and one line naming docs/install.md; psycopg on PYTHONPATH: it runs."""
+    """No psycopg: 78 and one line saying what to install for that Python; psycopg on PYTHONPATH: it runs."""
     uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
     for args in (("-n", name, "--", "true"), ("status",)):
         # -S: not even a psycopg the machine's Python may have in its site-packages.
         result = run(system_python, "-S", pyz, *args, env={**host, "LOCKRUN_URI": uri})
         assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
         assert one_line(result.stderr) == (
-            "lockrun: postgresql: needs the psycopg module: lockrun.pyz leaves it out"
-            ' (docs/install.md, "One file: lockrun.pyz", says how)'
+            "lockrun: postgresql: needs the psycopg module: lockrun.pyz leaves it out;"
+            f" install psycopg for {system_python} from the system's packages, on Debian and"
+            " Ubuntu: apt install python3-psycopg"
+            ' (more: docs/install.md, "One file: lockrun.pyz")'
         )
     env = {**host, "LOCKRUN_URI": postgres_uri, "PYTHONPATH": psycopg_path(tmp_path)}
     held = run("lockrun", "-n", name, "--", "echo", "ran", env=env)

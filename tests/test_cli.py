@@ -725,6 +725,7 @@ def _value_of(option: str, file_uri: str, name: str, tmp_path: Path) -> str:
         "--conflict-exit-code": "75",
         "--hold-at-least": "1s",
         "--namespace": "default",
+        "--on-start": "true",
         "--on-busy": "true",
         "--on-exit": "true",
         "--hook-max-time": "5s",

@@ -14,7 +14,7 @@ import click
 import pytest
 
 from lockrun import __version__
-from lockrun.cli import run_command
+from lockrun.cli import SUBCOMMANDS, run_command
 from lockrun.errors import ExitCode
 from lockrun.supervise import FORWARDED
 from lockrun.uri import SCHEMES
@@ -156,19 +156,46 @@ def test_groff_checks_the_page_without_warnings(device: str) -> None:
 @pytest.mark.parametrize(
     ("arguments", "subsection"),
     [
-        ((), "Running a command"),
         (("status",), "lockrun status"),
         (("acquire",), "lockrun acquire, release, renew"),
         (("release",), "lockrun acquire, release, renew"),
         (("renew",), "lockrun acquire, release, renew"),
     ],
-    ids=["run", "status", "acquire", "release", "renew"],
+    ids=["status", "acquire", "release", "renew"],
 )
 def test_every_option_of_the_help_has_an_entry(arguments: tuple[str, ...], subsection: str) -> None:
     """Each short and long option --help lists has an entry in its part of OPTIONS."""
     entries = tags(section(subsection, section("OPTIONS"), macro="SS"))
     missing = {option for option in help_options(*arguments) if not mentions(entries, option)}
     assert missing == set()
+
+
+@pytest.mark.parametrize("group", [heading for heading, _ in run_command.groups])
+def test_the_run_options_are_grouped_as_in_the_help(group: str) -> None:
+    """OPTIONS has a subsection for each heading of `lockrun --help`, with its options."""
+    entries = tags(section(group, section("OPTIONS"), macro="SS"))
+    names = dict(run_command.groups)[group]
+    spellings = {
+        spelled
+        for param in run_command.params
+        if isinstance(param, click.Option) and param.name in names
+        for spelled in (*param.opts, *param.secondary_opts)
+    } | ({"-h", "--help"} if "help" in names else set())
+    assert {option for option in spellings if not mentions(entries, option)} == set()
+
+
+def test_every_run_option_of_the_help_is_in_a_group() -> None:
+    """Each option `lockrun --help` lists has an entry under one of the run's subsections."""
+    entries = "\n".join(
+        tags(section(group, section("OPTIONS"), macro="SS")) for group, _ in run_command.groups
+    )
+    assert {option for option in help_options() if not mentions(entries, option)} == set()
+
+
+def test_description_lists_the_subcommands() -> None:
+    """DESCRIPTION's Subcommands names each subcommand, one entry each, as --help does."""
+    entries = tags(section("Subcommands", section("DESCRIPTION"), macro="SS")).splitlines()
+    assert entries == list(SUBCOMMANDS)
 
 
 def test_every_exit_code_has_an_entry_in_exit_status() -> None:

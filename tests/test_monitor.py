@@ -1,4 +1,4 @@
-"""Monitoring end to end: --on-busy, --on-exit and --metrics-file (docs/semantics.md "Monitoring").
+"""Monitoring end to end: the hooks and --metrics-file (docs/semantics.md "Monitoring").
 
 The oracles are what a hook was told (its environment, dumped with ``env -0``), the metrics
 file read by Prometheus's own parser, and the exit statuses, never lockrun's word.
@@ -232,7 +232,8 @@ def test_a_run_that_never_asked_for_the_lock_runs_no_hook(
     """Usage and configuration errors, a lock service out of reach: one line, no hook, no file."""
     hook = f"touch {tmp_path}/hooked"
     result = lockrun(
-        "-n", name, "--on-busy", hook, "--on-exit", hook, *arguments, "--", "true",
+        "-n", name, "--on-start", hook, "--on-busy", hook, "--on-exit", hook, *arguments,
+        "--", "true",
         env=os.environ | {"LOCKRUN_METRICS_FILE": str(tmp_path / "m.prom")},
     )  # fmt: skip
     assert result.returncode == status
@@ -248,7 +249,7 @@ def test_an_interrupted_wait_runs_no_hook(
     hook, metrics = f"touch {tmp_path}/hooked", tmp_path / "m.prom"
     waiter = start(
         *("--uri", file_uri, "-n", name, "-w", "60", "--metrics-file", str(metrics)),
-        *("--on-busy", hook, "--on-exit", hook, "--", "true"),
+        *("--on-start", hook, "--on-busy", hook, "--on-exit", hook, "--", "true"),
     )
     wait_for(lambda: queue_length(file_uri, name) == 1, what="the waiter to queue")
     waiter.send_signal(signal.SIGINT)
@@ -261,11 +262,12 @@ def test_an_interrupted_wait_runs_no_hook(
 def test_hooks_are_read_from_the_command_line_only(
     file_uri: str, name: str, tmp_path: Path
 ) -> None:
-    """LOCKRUN_ON_EXIT and LOCKRUN_ON_BUSY are a parent's, never settings; the rest are settings."""
+    """LOCKRUN_ON_START/EXIT/BUSY are a parent's, never settings; the rest are settings."""
     metrics = tmp_path / "m.prom"
     result = lockrun(
         "--uri", file_uri, "-n", name, "--", "true",
         env=os.environ | {
+            "LOCKRUN_ON_START": f"touch {tmp_path}/hooked",
             "LOCKRUN_ON_EXIT": f"touch {tmp_path}/hooked",
             "LOCKRUN_ON_BUSY": f"touch {tmp_path}/hooked",
             "LOCKRUN_METRICS_FILE": str(metrics),
@@ -374,6 +376,152 @@ def test_a_signal_to_lockrun_during_a_hook_goes_to_the_hook(
     process.send_signal(signal.SIGTERM)
     assert finish(process, timeout=10) == 5
     assert heard.exists()
+
+
+# -- --on-start: a start ping beside the command -------------------------------------------------
+
+
+def test_on_start_runs_beside_the_command_holding_the_lock_and_before_on_exit(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """The hook sees the lock held and the command's fence; the command waits for it; then on-exit.
+
+    Each waits for the other's mark: were the command started only once the hook had
+    ended, or the hook only once the command had, neither would get past its wait.
+    """
+    dump, order, marked = tmp_path / "start-dump", tmp_path / "order", tmp_path / "hook-ran"
+    check = shlex.join([*LOCKRUN, "status", "--uri", file_uri, "--check", "-q", name])
+    on_start = (
+        f"{check}; echo held=$? >> {order}; {dumping(dump)}; touch {marked}; "
+        f"while [ ! -e {tmp_path}/command-ran ]; do sleep 0.01; done; echo start-end >> {order}"
+    )
+    command = (
+        f'echo "fence=$LOCKRUN_FENCE" > {tmp_path}/fence; touch {tmp_path}/command-ran; '
+        f"while [ ! -e {marked} ]; do sleep 0.01; done; exit 3"
+    )
+    nested = os.environ | {"LOCKRUN_STATUS": "9", "LOCKRUN_OUTCOME": "ok", "LOCKRUN_ENDED_AT": "1"}
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--on-start", on_start),
+        *("--on-exit", f"echo exit=$LOCKRUN_STATUS >> {order}", "--", "sh", "-c", command),
+        env=nested,
+    )
+    assert (result.returncode, result.stderr) == (3, "")
+    # on-exit comes after the start hook ended, even though the command ended first
+    assert order.read_text().splitlines() == ["held=75", "start-end", "exit=3"]
+    env = told(dump)
+    assert f"fence={env['LOCKRUN_FENCE']}" == (tmp_path / "fence").read_text().strip()
+    assert (env["LOCKRUN_NAME"], env["LOCKRUN_SLOT"], env["LOCKRUN_SLOTS"]) == (name, "0", "1")
+    assert (env["LOCKRUN_URI"], env["LOCKRUN_NAMESPACE"]) == (file_uri, "default")
+    assert float(env["LOCKRUN_STARTED_AT"]) > 0
+    assert float(env["LOCKRUN_WAITED"]) >= 0
+    # nothing of the end, not even an outer lockrun's
+    assert not {"LOCKRUN_STATUS", "LOCKRUN_OUTCOME", "LOCKRUN_ENDED_AT", "LOCKRUN_DURATION"} & (
+        env.keys()
+    )
+
+
+def test_a_hanging_on_start_hook_is_stopped_while_the_command_runs(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """TERM ignored: KILLed within the run (the command waits for that); the command's 3 stands."""
+    pids = tmp_path / "pids"
+    hook = f"trap '' TERM; sleep 3600 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
+    # The command ends only once the hook's shell is gone: stopped during the run, not after.
+    command = (
+        f"while [ ! -e {pids} ]; do sleep 0.01; done; read hook _ < {pids}; "
+        "while kill -0 $hook 2>/dev/null; do sleep 0.01; done; exit 3"
+    )
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--hook-max-time", "0.3", "--on-start", hook),
+        *("--on-exit", f"touch {tmp_path}/exited", "--", "sh", "-c", command),
+    )
+    assert result.returncode == 3
+    line = one_line(result.stderr)
+    assert (
+        line
+        == f"lockrun: {name}: --on-start hook still ran after 0.30s (--hook-max-time): stopped it"
+    )
+    assert (tmp_path / "exited").exists()
+    hook_pids = [int(pid) for pid in pids.read_text().split()]
+    wait_for(lambda: all(map(gone, hook_pids)), timeout=30, what="the hook's processes to end")
+
+
+def test_on_exit_waits_for_an_on_start_hook_that_outlives_the_command(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """The command ends first; the start hook is stopped at its time, and only then on-exit runs."""
+    pid, never = tmp_path / "pid", tmp_path / "never"
+    hook = f"echo $$ > {pid}.tmp; mv {pid}.tmp {pid}; while [ ! -e {never} ]; do sleep 0.01; done"
+    seen = f"if kill -0 $(cat {pid}); then echo alive; else echo gone; fi > {tmp_path}/seen"
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--hook-max-time", "0.3", "--on-start", hook),
+        *(
+            "--on-exit",
+            f"{seen} 2>/dev/null",
+            "--",
+            "sh",
+            "-c",
+            f"until [ -e {pid} ]; do sleep 0.01; done",
+        ),
+    )
+    assert result.returncode == 0
+    assert one_line(result.stderr).endswith(
+        "--on-start hook still ran after 0.30s (--hook-max-time): stopped it"
+    )
+    assert (tmp_path / "seen").read_text() == "gone\n"
+
+
+@pytest.mark.parametrize(
+    ("end", "said"), [("exit 4", "exited 4"), ("kill -KILL $$", "was killed by SIGKILL")]
+)
+def test_a_failing_on_start_hook_costs_one_line_and_no_status(
+    file_uri: str, name: str, end: str, said: str
+) -> None:
+    """The hook fails; the command runs all the same and its status is lockrun's."""
+    result = lockrun(
+        "--uri", file_uri, "-n", name, "--on-start", f"echo from-the-hook; {end}",
+        "--", "echo", "from-the-command",
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (0, "from-the-command\n")
+    assert result.stderr == f"from-the-hook\nlockrun: {name}: --on-start hook {said}\n"
+
+
+def test_a_busy_run_runs_no_on_start_hook(
+    file_uri: str, name: str, tmp_path: Path, held: Callable[..., Held]
+) -> None:
+    """Busy: 75 and --on-busy; the start hook never runs, nor does the command."""
+    holder = held("--uri", file_uri, "-n", name)
+    result = lockrun(
+        *("--uri", file_uri, "-n", name, "--on-start", f"touch {tmp_path}/started"),
+        *("--on-busy", f"touch {tmp_path}/busy", "--", "touch", f"{tmp_path}/ran"),
+    )
+    assert result.returncode == ExitCode.BUSY
+    assert (tmp_path / "busy").exists()
+    assert not (tmp_path / "started").exists()
+    assert not (tmp_path / "ran").exists()
+    assert holder.finish() == 0
+
+
+@pytest.mark.parametrize(
+    ("hook", "made"),
+    [
+        ("", ""),  # --on-start "$PING" with PING unset: no hook, the job runs
+        ("printf a >> {f}\nprintf b >> {f}\n", "ab"),  # two lines of shell
+        ("printf '%s' \"$LOCKRUN_NAME\" >> {f}", "NAME"),  # the name is told, not quoted in
+    ],
+    ids=["empty", "newlines", "name"],
+)
+def test_on_start_takes_any_shell_text(file_uri: str, tmp_path: Path, hook: str, made: str) -> None:
+    """An empty hook runs nothing; lines and a hostile name are the shell's, as written."""
+    name = "$(touch pwned); `touch pwned`\n"  # a name the shell must never run
+    target = tmp_path / "made"
+    result = lockrun(
+        "--uri", file_uri, "-n", name, "--on-start", hook.format(f=target), "--", "true",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (target.read_text() if target.exists() else "") == made.replace("NAME", name)
+    assert not (tmp_path / "pwned").exists()
 
 
 # -- on a server: a lost lease, and no password anywhere ----------------------------------------

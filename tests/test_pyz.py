@@ -25,9 +25,10 @@ import lockrun
 from lockrun.errors import ExitCode
 from tests.hostile.test_impostors import STREAMS, Impostor
 from tests.support.cli import TEST_TTL, one_line
-from tests.support.servers import free_port, unavailable
+from tests.support.servers import free_port, installed, unavailable
 from tests.support.strategies import libpq_quoted
 from tests.support.users import SYSTEM_PYTHON
+from tests.test_install import blocks, newcomer
 
 ROOT = Path(__file__).parent.parent
 BUILD = ROOT / "scripts" / "build-pyz"
@@ -246,15 +247,17 @@ def test_postgres_without_psycopg_says_how_to_add_it(
     tmp_path: Path,
     name: str,
 ) -> None:
-    """No psycopg: 78 and one line naming docs/install.md; psycopg on PYTHONPATH: it runs."""
+    """No psycopg: 78 and one line saying what to install for that Python; psycopg on PYTHONPATH: it runs."""
     uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
     for args in (("-n", name, "--", "true"), ("status",)):
         # -S: not even a psycopg the machine's Python may have in its site-packages.
         result = run(system_python, "-S", pyz, *args, env={**host, "LOCKRUN_URI": uri})
         assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
         assert one_line(result.stderr) == (
-            "lockrun: postgresql: needs the psycopg module: lockrun.pyz leaves it out"
-            ' (docs/install.md, "One file: lockrun.pyz", says how)'
+            "lockrun: postgresql: needs the psycopg module: lockrun.pyz leaves it out;"
+            f" install psycopg for {system_python} from the system's packages, on Debian and"
+            " Ubuntu: apt install python3-psycopg"
+            ' (more: docs/install.md, "One file: lockrun.pyz")'
         )
     env = {**host, "LOCKRUN_URI": postgres_uri, "PYTHONPATH": psycopg_path(tmp_path)}
     held = run("lockrun", "-n", name, "--", "echo", "ran", env=env)
@@ -393,3 +396,28 @@ def test_the_build_refuses_loose_native_unneeded_and_unsafe_wheels(
         assert last.startswith("build-pyz: "), result.stderr
         assert last.endswith(said), result.stderr
         assert not out.parent.exists()
+
+
+def test_the_pyz_installs_with_its_man_page_and_tab_as_docs_install_md_says(
+    pyz: Path, tmp_path: Path
+) -> None:
+    """docs/install.md's lines as root, over a /usr/local of our own: man lockrun and Tab."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: /usr/local is another directory in a mount namespace")
+    installed("unshare")
+    local, home = tmp_path / "usr-local", tmp_path / "home"
+    (home / "dist").mkdir(parents=True)
+    for directory in ("bin", "etc", "include", "lib", "sbin", "share/man", "src"):
+        (local / directory).mkdir(parents=True)  # Debian's empty /usr/local (base-files)
+    shutil.copy(pyz, home / "dist" / "lockrun.pyz")  # a clone after scripts/build-pyz
+    user = newcomer(home)
+    mount = 'mount --bind "$0" /usr/local && exec "$@"'
+    user.wrap = ("unshare", "--mount", "sh", "-c", mount, str(local))
+    steps = [
+        text for _, text in blocks("One file: lockrun.pyz") if "/usr/local/bin/lockrun" in text
+    ]
+    assert len(steps) == 2  # install it; unpack the man page
+    for text in steps:
+        user.paste(text)
+    user.check_lockrun()
+    user.check_man_and_tab()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import configparser
 import json
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -18,6 +20,7 @@ from lockrun.errors import ExitCode
 from lockrun.timing import parse_duration
 from lockrun.uri import SCHEMES
 from tests.support.cli import help_options
+from tests.support.servers import installed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -421,7 +424,8 @@ def test_the_crontab_lines_have_five_time_fields() -> None:
         assert len(fields) == 6, line
         times = zip(fields[:5], CRON_RANGES, strict=True)
         assert all(_cron_field_ok(field, low, high) for field, (low, high) in times), line
-        assert not in_crontab or fields[5].startswith("/"), f"cron's PATH is short: {line}"
+        # cron's PATH is /usr/bin:/bin; /bin/sh expands `~` (tests/test_install.py runs them).
+        assert not in_crontab or fields[5].startswith(("/", "~/")), f"cron's PATH: {line}"
 
 
 class _Unit(configparser.ConfigParser):
@@ -430,6 +434,7 @@ class _Unit(configparser.ConfigParser):
     def __init__(self, text: str) -> None:
         """Parse *text*; `=` is the only delimiter, and no key may repeat."""
         super().__init__(interpolation=None, delimiters=("=",), strict=True)
+        self.text = text
         self.read_string(text)
 
     def optionxform(self, optionstr: str) -> str:
@@ -459,6 +464,101 @@ def test_the_standby_unit_waits_forever_and_restarts() -> None:
     command = shlex.split(service["Service"]["ExecStart"])
     assert command[command.index("--wait") + 1] == "forever"
     _check_stop(service)
+
+
+def test_systemd_analyze_verify_accepts_the_units(tmp_path: Path) -> None:
+    """`systemd-analyze verify` passes every unit, with a program at each ExecStart= path."""
+    analyze = installed("systemd-analyze")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the programs are put in place in a mount namespace")
+    units = _units()
+    assert len(units) >= 4
+    binds: dict[str, Path] = {}  # /usr/local, /opt: a directory of ours over each, unshared
+    for path, unit in units.items():
+        (tmp_path / path.name).write_text(unit.text)
+        program = (
+            Path(shlex.split(unit["Service"]["ExecStart"])[0])
+            if unit.has_section("Service")
+            else None
+        )
+        if program is None or program.exists():
+            continue
+        top = "/usr/local" if program.is_relative_to("/usr/local") else f"/{program.parts[1]}"
+        stub = binds.setdefault(top, tmp_path / top.replace("/", "_")) / program.relative_to(top)
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text("#!/bin/sh\n")
+        stub.chmod(0o755)
+    mounts = "".join(f"mount --bind {shlex.quote(str(d))} {top} && " for top, d in binds.items())
+    names = [path.name for path in units]
+    verify = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", f'{mounts}exec "$@"', "sh", analyze, "verify", *names],
+        capture_output=True, text=True, check=False, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert (verify.returncode, verify.stdout, verify.stderr) == (0, "", "")
+
+
+def test_the_ci_examples_shell_lines_parse() -> None:
+    """Each `run:` step and GitLab script line is valid bash (`bash -n`)."""
+    lines: list[str] = []
+
+    def collect(node: object) -> None:
+        if isinstance(node, list):
+            for item in node:
+                collect(item)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in SHELL_KEYS:
+                    lines.extend([value] if isinstance(value, str) else map(str, value))
+                else:
+                    collect(value)
+
+    for document in _yaml_documents():
+        collect(document)
+    assert len(lines) >= 20
+    for line in lines:
+        checked = subprocess.run(
+            ["bash", "-n", "-c", line], capture_output=True, text=True, check=False, timeout=30
+        )
+        assert (checked.returncode, checked.stderr) == (0, ""), line
+
+
+# What an install line of the docs may install: the release by name, its extra, psycopg.
+INSTALLABLE = frozenset({"lockrun-cli", "lockrun-cli[postgres]", "psycopg[binary]"})
+
+
+def test_every_install_line_names_the_release() -> None:
+    """Each pip and pipx line installs `lockrun-cli` by name (or psycopg): no placeholder URL."""
+    found = []
+    for block in _blocks():
+        for line in block.text.splitlines():
+            if not re.search(r"\bpipx? (install|inject)\b", line):
+                continue
+            words = shlex.split(re.sub(r"^\s*- (run: )?", "", line), comments=True)
+            for index, word in enumerate(words[:-1]):
+                if word in {"pip", "pipx"} and words[index + 1] in {"install", "inject"}:
+                    if "-e" in words:  # a development install of the checkout
+                        continue
+                    specs = [w for w in words[index + 2 :] if not w.startswith("-")]
+                    if words[index + 1] == "inject":
+                        assert specs[0] == "lockrun-cli", line
+                        specs = specs[1:]
+                    if "--target" in words:  # pip install --target DIR: DIR is no package
+                        specs = specs[1:]
+                    found.append((specs[0] if specs else "", line))
+    assert {spec for spec, _ in found} == INSTALLABLE, found
+    text = "\n".join(PAGES.values())
+    assert "git.example.com" not in text
+    assert "git+" not in text
+
+
+def test_the_readmes_install_lines_are_those_that_tests_run() -> None:
+    """README's install commands are docs/install.md's pipx block, run by test_install.py."""
+    [install] = _section("Install", ["README.md"])
+    [readme] = [block.text for block in _page_blocks("README.md", install)]
+    page = "docs/install.md"
+    first = next(block for block in _page_blocks(page, PAGES[page]) if block.language)  # pipx's
+    assert "pipx install lockrun-cli" in readme
+    assert readme == first.text
 
 
 def _units() -> dict[Path, _Unit]:

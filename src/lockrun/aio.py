@@ -2,7 +2,8 @@
 
 Each acquisition waits in a thread of its own, on the backend code `Lock` uses, so the
 event loop never blocks and no algorithm is written twice. Tasks are the holders: a task
-that acquires what it holds gets `UsageError`, as a thread does with `Lock`. Cancelling a
+that acquires what it holds gets `UsageError`, as a thread does with `Lock`, or nests if the
+lock is reentrant. Cancelling a
 task that waits ends its wait on a server at once (`interrupt`); a slot that comes in
 after the cancel is given back at once.
 """
@@ -10,11 +11,12 @@ after the cancel is given back at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 
 from lockrun.backends import Request, open_backend, parse_uri
-from lockrun.errors import UsageError
+from lockrun.errors import TakenOver, UsageError
 from lockrun.lock import DEFAULT_TTL, Lease, Lock, acquire, start_renewals
 
 if TYPE_CHECKING:
@@ -43,8 +45,12 @@ class AsyncLock:
         shared: bool = False,
         hold_at_least: float = 0,
         take_over: bool = False,
+        reentrant: bool = False,
     ) -> None:
-        """Describe the lock; nothing is acquired yet. Bad values raise as `Lock`'s do."""
+        """Describe the lock; nothing is acquired yet. Bad values raise as `Lock`'s do.
+
+        *reentrant* lets a task that holds it acquire it again, as a thread does a `Lock`'s.
+        """
         self._lock = Lock(
             name,
             uri=uri,
@@ -55,17 +61,34 @@ class AsyncLock:
             shared=shared,
             hold_at_least=hold_at_least,
             take_over=take_over,
+            reentrant=reentrant,
         )
         self.name = self._lock.name
+        self.reentrant = reentrant
         self._idle: list[Backend] = []  # connections no acquisition uses now
-        self._held: dict[asyncio.Task[object], tuple[Lease, Backend]] = {}
+        # Per task, its acquisitions not yet released, outermost first: a reentrant lock's
+        # nested ones repeat the outermost's lease.
+        self._held: dict[asyncio.Task[object], list[tuple[Lease, Backend]]] = {}
 
     async def acquire(self) -> Lease:
-        """Take a slot, waiting as configured without blocking the loop; `LockBusy` if none."""
+        """Take a slot, waiting as configured without blocking the loop; `LockBusy` if none.
+
+        A task that holds it gets the lease it holds if the lock is reentrant (only its
+        outermost release gives the slot back), else `UsageError`, as `Lock.acquire`.
+        """
         task = asyncio.current_task()
-        if task is None or task in self._held:
+        if task is None:
+            msg = f"{self.name}: an AsyncLock is held by a task; acquire it in one"
+            raise UsageError(msg)
+        holds = self._held.get(task, [])
+        if holds and not self.reentrant:
             msg = f"{self.name}: this task holds it already (an AsyncLock is not reentrant)"
             raise UsageError(msg)
+        if holds and not holds[-1][0].released:  # nested; a lease released by itself is not
+            with contextlib.suppress(TakenOver):  # still ours: check() says it within
+                holds[-1][0].check()  # a lease a renewal found gone is not taken again
+            holds.append(holds[-1])
+            return holds[-1][0]
         lock = self._lock
         request = lock._request()  # noqa: SLF001 - the Lock this one wraps: its process, once
         # A new connection is opened in the thread: a driver's first import takes 0.1 s.
@@ -90,16 +113,23 @@ class AsyncLock:
         except BaseException:
             await asyncio.to_thread(held.release)
             raise
-        self._held[task] = (held, backend)
+        self._held.setdefault(task, []).append((held, backend))
         return held
 
     async def release(self) -> None:
-        """Release the calling task's slot; `LeaseLost` as `Lock.release` raises it."""
+        """Release the calling task's slot (its outermost hold's); `LeaseLost` as `Lock`'s."""
         task = asyncio.current_task()
-        if task is None or task not in self._held:
+        holds = self._held.get(task, []) if task is not None else []
+        if task is None or not holds:
             msg = f"{self.name}: this task holds no slot of this AsyncLock"
             raise UsageError(msg)
-        held, backend = self._held.pop(task)
+        held, backend = holds.pop()
+        if not holds:
+            del self._held[task]
+        elif any(outer is held for outer, _ in holds):
+            if held.lost is not None and not held.released:
+                raise held.lost
+            return
         release = asyncio.ensure_future(asyncio.to_thread(held.release))
 
         def done(_: object) -> None:  # a cancelled task's release still ends before reuse

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, cast
 
 import click
 
@@ -36,8 +36,8 @@ from lockrun.runner import (
     states_for_status,
 )
 from lockrun.timing import clock_time, format_duration, parse_duration
-from lockrun.uri import DEFAULT_URI, HIDDEN, SCHEMES, redact, secrets_of
-from lockrun.urifile import CREDENTIAL, choose_uri
+from lockrun.uri import HIDDEN, SCHEMES, redact, secrets_of
+from lockrun.urifile import choose_uri
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 _Command = TypeVar("_Command", bound="Callable[..., object]")
 _HELP: Final = ("-h", "--help")
-_CONTEXT: Final = {"help_option_names": list(_HELP), "max_content_width": 100}
+# 80 columns: --help lays out the same on every terminal, one line an option where it can.
+_CONTEXT: Final = {"help_option_names": list(_HELP), "max_content_width": 80}
 
 
 # What a terminal would act on, or what would forge a line or a row: C0 and C1 controls
@@ -240,8 +241,66 @@ def _complete_command(
     return _offer(dict.fromkeys(sorted(found)))
 
 
+class _Grouped(click.Command):
+    """A command whose --help lists its options under headings, one line each where it can.
+
+    *groups* names each heading's options in order (tests/test_help.py checks that each
+    option is under exactly one); *subcommands* lists `SUBCOMMANDS` first, as git does.
+    """
+
+    def __init__(
+        self,
+        *args: Any,  # noqa: ANN401 - click.Command's own, passed on as they are
+        groups: Sequence[tuple[str, Sequence[str]]],
+        subcommands: bool = False,
+        **kwargs: Any,  # noqa: ANN401
+    ) -> None:
+        """Make the command, with its --help laid out as *groups* says."""
+        super().__init__(*args, **kwargs)
+        self.groups = groups
+        self.subcommands = subcommands
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        """Return click's -h/--help, with a help line in the style of the others."""
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.help = "show this help and exit"
+        return option
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Write the usage line, and the subcommands' under it."""
+        super().format_usage(ctx, formatter)
+        if self.subcommands:
+            formatter.write(f"{'':{formatter.current_indent}}       lockrun SUBCOMMAND [ARGS]...\n")
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Write the subcommands, then each group of options under its heading."""
+        if self.subcommands:
+            with formatter.section("Subcommands (lockrun SUBCOMMAND --help)"):
+                formatter.write_dl([(word, what) for word, (_, what) in SUBCOMMANDS.items()])
+        shown = {  # click names its help option "help" or "_click_default_help" (8.2+)
+            "help" if "--help" in param.opts else str(param.name): (record[0], param.help or "")
+            for param in self.get_params(ctx)
+            if isinstance(param, click.Option) and (record := param.get_help_record(ctx))
+        }
+        # One column for every group: the options line up from heading to heading.
+        column = max(len(names) for names, _ in shown.values()) + 2
+        for heading, names in self.groups:
+            with formatter.section(heading):
+                for name in names:
+                    spelled, what = shown[name]
+                    indent = formatter.current_indent
+                    lines = click.wrap_text(what, max(formatter.width - indent - column, 20))
+                    first, *rest = lines.splitlines() or [""]
+                    formatter.write(f"{'':{indent}}{spelled:{column}}{first}\n")
+                    formatter.write("".join(f"{'':{indent + column}}{line}\n" for line in rest))
+
+
+_URI_HELP: Final = "where the lock lives: file: (default), redis:…"
+
+
 def _uri_option(what: str, *, lazy: bool = False) -> Callable[[_Command], _Command]:
-    """Return ``-u/--uri`` and ``--uri-file``, which every command takes; *what* explains --uri.
+    """Return ``-u/--uri`` and ``--uri-file``, which every command takes; *what* is --uri's help.
 
     The command gets one ``uri``: the first of --uri, --uri-file, LOCKRUN_URI,
     LOCKRUN_URI_FILE and systemd's credential that is given (`lockrun.urifile.choose_uri`).
@@ -261,8 +320,7 @@ def _uri_option(what: str, *, lazy: bool = False) -> Callable[[_Command], _Comma
             metavar="PATH",
             allow_from_autoenv=False,  # LOCKRUN_URI_FILE: choose_uri reads it, in its turn
             shell_complete=_complete_file,
-            help="Read the lock URI from this file, yours (0600) or root's (0640): no password "
-            "in ps or the environment.",
+            help="read the URI from a file (no password in ps)",
         )
         uri = click.option(
             "-u",
@@ -270,8 +328,7 @@ def _uri_option(what: str, *, lazy: bool = False) -> Callable[[_Command], _Comma
             metavar="URI",
             allow_from_autoenv=False,  # LOCKRUN_URI: choose_uri reads it, in its turn
             shell_complete=_complete_uri,
-            help=f"{what}  [default: from --uri-file, LOCKRUN_URI, LOCKRUN_URI_FILE or "
-            f"$CREDENTIALS_DIRECTORY/{CREDENTIAL}, else {DEFAULT_URI}]",
+            help=what,
         )
         return cast("_Command", uri(uri_file(chosen)))
 
@@ -282,8 +339,7 @@ _namespace_option: Final = click.option(  # each use makes an option of its own
     "--namespace",
     metavar="NS",
     default=DEFAULT_NAMESPACE,
-    show_default=True,
-    help="Partition of the lock names.",
+    help=f"a separate set of lock names (default: {DEFAULT_NAMESPACE})",
 )
 
 
@@ -291,74 +347,83 @@ _slots_option: Final = click.option(
     "-s",
     "--slots",
     type=click.IntRange(1, MAX_SLOTS),
+    metavar="N",
     default=1,
-    show_default=True,
     allow_from_autoenv=False,  # LOCKRUN_SLOTS is what a command is told, not a setting
-    help="Semaphore: at most N holders at once.",
+    help=f"semaphore: at most N holders at once (1 to {MAX_SLOTS})",
 )
 _wait_option: Final = click.option(
     "-w",
     "--wait",
     type=Duration(allow_forever=True),
     default="0",
-    show_default=True,
-    help="How long to wait for the lock: 0 tries once, 'forever' waits; at most 366d.",
+    help="wait this long: 0 tries once (default), forever",
 )
 _ttl_option: Final = click.option(
     "--ttl",
     type=Duration(),
     default=format_duration(DEFAULT_TTL),
-    show_default=True,
-    help="Lease length for lease-based backends, 1s to 1d; renewed every ttl/3.",
+    help=f"lease length, renewed every ttl/3 (default {format_duration(DEFAULT_TTL)})",
 )
 _conflict_option: Final = click.option(
     "-E",
     "--conflict-exit-code",
     type=click.IntRange(0, 255),
+    metavar="N",
     default=int(ExitCode.BUSY),
-    show_default=True,
-    help="Exit status when the lock is busy or the wait expired.",
+    help=f"exit status when the lock is busy (default {int(ExitCode.BUSY)})",
 )
 _shared_option: Final = click.option(
     "--shared/--exclusive",
     default=False,
-    show_default=True,
     allow_from_autoenv=False,  # per lock, like --slots: a nested lockrun must not inherit it
-    help="Share the lock with other --shared holders (readers); --exclusive waits for all.",
+    help="share the lock with other readers, or not",
 )
 _take_over_option: Final = click.option(
     "--take-over",
     is_flag=True,
     allow_from_autoenv=False,
-    help="Ask the current holders to stop (they exit 79), then take the lock; needs a --wait.",
+    help="stop the holders (they exit 79), then take it",
 )
 _quiet_option: Final = click.option(
-    "-q", "--quiet", is_flag=True, help="Say nothing when the lock is busy."
+    "-q", "--quiet", is_flag=True, help="say nothing when the lock is busy"
 )
 _verbose_option: Final = click.option(
-    "-v", "--verbose", is_flag=True, help="Report waiting, acquiring and releasing."
+    "-v", "--verbose", is_flag=True, help="report waiting, acquiring and releasing"
+)
+
+
+_STATUS_OUTPUT: Final = ("as_json", "check", "quiet", "help")
+_RUN_GROUPS: Final = (
+    ("Locking", ("name", "uri", "uri_file", "namespace", "slots", "shared", "conflict_exit_code")),
+    ("Waiting and time limits", ("wait", "ttl", "max_time", "kill_after", "lost_kill_after")),
+    ("Modes", ("hold_at_least", "take_over", "close")),
+    ("Monitoring", ("on_start", "on_exit", "on_busy", "hook_max_time", "metrics_file")),
+    ("Output", ("quiet", "verbose", "version", "help")),
 )
 
 
 @click.command(
+    cls=_Grouped,
+    groups=_RUN_GROUPS,
+    subcommands=True,
     context_settings=_CONTEXT | {"allow_interspersed_args": False},
-    epilog="Exit status: the command's own; 128+N if killed by signal N; 64 usage; "
-    "69 backend unavailable; 70 internal error; 71 out of open files; "
-    "74 status could not write; 75 busy (-E); "
-    "76 lock lost; 78 configuration; 79 taken over; 124 --max-time; "
-    "126/127 cannot execute / not found; "
-    "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
-    "DURATION: seconds (90, 1.5), or units d, h, m, s, ms largest first (500ms, 1m30s, 2d12h). "
-    "`lockrun status --help` shows who holds a lock.",
+    epilog="""\b
+Example: run backup.sh, or wait up to 10 minutes for the run still going on
+  lockrun --name backup --wait 10m -- ./backup.sh
+
+Exit status: the command's own; 75 busy (-E); 76 lock lost; 79 taken over;
+124 --max-time; 64 usage; 69 lock service unavailable; 78 configuration;
+all of them in man lockrun. DURATION: 90, 1.5, 500ms, 1m30s, 2d12h.""",
 )
 @click.option(
     "-n",
     "--name",
     metavar="NAME",
     allow_from_autoenv=False,  # LOCKRUN_NAME is what a command is told, not a setting
-    help="Lock name, up to 255 bytes of UTF-8.  [default: the command's basename plus a hash]",
+    help="lock name (default: the command's, plus a hash)",
 )
-@_uri_option(f"Lock service: {', '.join(kind.usage for kind in SCHEMES.values())}.")
+@_uri_option(_URI_HELP)
 @_slots_option
 @_wait_option
 @_ttl_option
@@ -366,21 +431,19 @@ _verbose_option: Final = click.option(
     "--max-time",
     type=Duration(),
     default=None,
-    help="Stop the command after this long, at most 366d (TERM, --kill-after, KILL; exit 124).",
+    help="stop the command after this long (exit 124)",
 )
 @click.option(
     "--kill-after",
     type=Duration(),
     default=format_duration(DEFAULT_KILL_AFTER),
-    show_default=True,
-    help="Grace between TERM and KILL when stopping the command; at most 1d.",
+    help=f"grace from TERM to KILL (default {format_duration(DEFAULT_KILL_AFTER)})",
 )
 @click.option(
     "--lost-kill-after",
     type=Duration(),
     default=format_duration(DEFAULT_LOST_KILL_AFTER),
-    show_default=True,
-    help="That grace once the lock is known lost (someone may hold it); capped by --kill-after.",
+    help=f"that grace once the lock is lost (default {format_duration(DEFAULT_LOST_KILL_AFTER)})",
 )
 @_conflict_option
 @_shared_option
@@ -389,34 +452,39 @@ _verbose_option: Final = click.option(
     type=Duration(),
     default=None,
     allow_from_autoenv=False,
-    help="Keep the lock taken until this long after the grant, even once the command ended.",
+    help="keep the lock taken this long after the grant",
 )
 @_take_over_option
 @_namespace_option
-@click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command.")
+@click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command")
+@click.option(
+    "--on-start",
+    metavar="CMD",
+    allow_from_autoenv=False,  # one job's monitor: a nested lockrun must not inherit it
+    help="run CMD (sh -c) beside the command as it starts",
+)
 @click.option(
     "--on-busy",
     metavar="CMD",
     allow_from_autoenv=False,  # one job's monitor: a nested lockrun must not inherit it
-    help="Run CMD (/bin/sh -c) when the lock stayed busy; LOCKRUN_STATUS and more in its env.",
+    help="run CMD (sh -c) after a run that found it busy",
 )
 @click.option(
     "--on-exit",
     metavar="CMD",
     allow_from_autoenv=False,
-    help="Run CMD (/bin/sh -c) after a run that got the lock, once the lock is released.",
+    help="run CMD (sh -c) after a run that got the lock",
 )
 @click.option(
     "--hook-max-time",
     type=Duration(),
     default=f"{DEFAULT_HOOK_MAX_TIME:g}s",
-    show_default=True,
-    help="Stop a hook still running after this long (TERM to its group, KILL 1s later).",
+    help=f"stop a hook after this long (default {DEFAULT_HOOK_MAX_TIME:g}s)",
 )
 @click.option(
     "--metrics-file",
     metavar="PATH",
-    help="Record each run in this Prometheus text file (node_exporter's textfile collector).",
+    help="record the runs in a Prometheus text file",
 )
 @_quiet_option
 @_verbose_option
@@ -426,8 +494,15 @@ _verbose_option: Final = click.option(
     "--version",
     prog_name="lockrun",
     allow_from_autoenv=False,  # LOCKRUN_VERSION=1 must not turn every run into a version
+    help="show the version and exit",
 )
-@click.argument("command", nargs=-1, type=click.UNPROCESSED, shell_complete=_complete_command)
+@click.argument(
+    "command",
+    nargs=-1,
+    type=click.UNPROCESSED,
+    metavar="[--] COMMAND [ARG]...",
+    shell_complete=_complete_command,
+)
 def run_command(
     command: tuple[str, ...],
     name: str | None,
@@ -444,6 +519,7 @@ def run_command(
     take_over: bool,
     namespace: str,
     close: bool,
+    on_start: str | None,
     on_busy: str | None,
     on_exit: str | None,
     hook_max_time: float,
@@ -451,10 +527,7 @@ def run_command(
     quiet: bool,
     verbose: bool,
 ) -> int:
-    """Run COMMAND while holding a named lock (or one of N semaphore slots).
-
-    lockrun [OPTIONS] [--] COMMAND [ARG]...
-    """
+    """Run COMMAND while holding a named lock (or one of N semaphore slots)."""
     _keep_secret(uri)
     if not command:
         msg = "no command to run: lockrun [OPTIONS] [--] COMMAND [ARG]..."
@@ -475,6 +548,7 @@ def run_command(
         hold_at_least or 0.0,
         take_over,
         conflict_exit_code=conflict_exit_code,
+        on_start=on_start,
         on_busy=on_busy,
         on_exit=on_exit,
         hook_max_time=hook_max_time,
@@ -490,28 +564,34 @@ def run_command(
 
 
 @click.command(
+    cls=_Grouped,
+    groups=(("Locking", ("uri", "uri_file", "namespace")), ("Output", _STATUS_OUTPUT)),
     context_settings=_CONTEXT,
-    epilog="Exit status: 0 (with --check: 0 if NAME is free, 75 if anyone holds it; waiters "
-    "alone do not count); 64 usage; 69 backend unavailable; 74 could not write; "
-    "78 configuration.",
+    epilog="""\b
+Example: in a script, skip a step while a backup is running
+  lockrun status --check -q backup || exit 0
+
+Exit status: 0; with --check, 0 if NAME is free and 75 if anyone holds it
+(waiters alone do not count); 64 usage; 69 lock service unavailable; 74 could
+not write; 78 configuration.""",
 )
-@_uri_option("Lock service to ask, as for running a command.")
+@_uri_option(_URI_HELP)
 @_namespace_option
 @click.option(
-    "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="Print JSON for machines."
+    "--json", "as_json", is_flag=True, envvar="LOCKRUN_JSON", help="print JSON for machines"
 )
 @click.option(
     "--check",
     is_flag=True,
     allow_from_autoenv=False,  # a status that fails must be asked for where it is run
-    help="Exit 75 if anyone holds NAME (a holder, readers, a --hold-at-least window), else 0.",
+    help="exit 75 if anyone holds NAME, else 0",
 )
 @click.option(
     "-q",
     "--quiet",
     is_flag=True,
     allow_from_autoenv=False,  # LOCKRUN_QUIET is the run command's: it must not hide a status
-    help="Print nothing; with --check, only the exit status answers.",
+    help="print nothing (with --check: the status answers)",
 )
 @click.argument("name", required=False)
 def status_command(
@@ -548,15 +628,27 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
 
 
 @click.command(
+    cls=_Grouped,
+    groups=(
+        ("Locking", ("uri", "uri_file", "namespace", "slots", "shared", "conflict_exit_code")),
+        ("Waiting and time limits", ("wait", "ttl", "max_time")),
+        ("Holding", ("owner", "no_keeper", "hold_at_least", "take_over")),
+        ("The token", ("export", "env_file", "var")),
+        ("Output", ("quiet", "verbose", "help")),
+    ),
     context_settings=_CONTEXT,
-    epilog="Prints the token (LOCKRUN_TOKEN for `lockrun release`). Exit status: 0 held; "
-    "64 usage; 69 backend unavailable; 70 internal error; 71 out of open files; "
-    "74 the token could not be "
-    "written (released); 75 busy (-E); 78 configuration; 79 taken over while waiting; "
-    "129/130/131/143 interrupted (HUP/INT/QUIT/TERM) while waiting. "
-    "docs/semantics.md, 'Holding a lock across steps'.",
+    epilog="""\b
+Example: one lock over several steps of a script
+  TOKEN=$(lockrun acquire --wait 5m deploy) || exit
+  ./deploy.sh
+  lockrun release "$TOKEN"
+
+Exit status: 0 held; 75 busy (-E); 79 taken over while waiting; 64 usage; 69
+lock service unavailable; 74 the token could not be written (released); 78
+configuration; 128+N interrupted while waiting; all of them in man lockrun.
+No --on-start or other hook: the script's own steps can ping a monitor.""",
 )
-@_uri_option("Lock service, as for running a command.")
+@_uri_option(_URI_HELP)
 @_slots_option
 @_wait_option
 @_ttl_option
@@ -564,20 +656,19 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
     "--no-keeper",
     is_flag=True,
     allow_from_autoenv=False,
-    help="Leave the lock to the service, with no process (Redis): held until released, or "
-    "--ttl after the last renew; needs --ttl.",
+    help="no process: Redis keeps the lease for --ttl",
 )
 @click.option(
     "--max-time",
     type=Duration(),
     default=None,
-    help="Release after this long (at most 366d); `lockrun renew` counts it again from then.",
+    help="release after this long (renew restarts it)",
 )
 @click.option(
     "--owner",
     metavar="PID|none",
     allow_from_autoenv=False,  # per lock: an inherited one would outlive its process
-    help="Release when this process exits; 'none' needs --max-time.  [default: our parent]",
+    help="release when PID exits (default: our parent)",
 )
 @_conflict_option
 @_shared_option
@@ -586,7 +677,7 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
     type=Duration(),
     default=None,
     allow_from_autoenv=False,
-    help="Keep the lock taken until this long after the grant, even once released.",
+    help="keep the lock taken this long after the grant",
 )
 @_take_over_option
 @_namespace_option
@@ -594,21 +685,20 @@ TOKEN_VARIABLE: Final = "LOCKRUN_TOKEN"  # noqa: S105 - a variable's name, not a
     "--export",
     is_flag=True,
     allow_from_autoenv=False,
-    help="Print `export LOCKRUN_TOKEN=…` for eval, not the token alone.",
+    help="print export LOCKRUN_TOKEN=… for eval",
 )
 @click.option(
     "--env-file",
     metavar="FILE",
     allow_from_autoenv=False,
-    help="Append LOCKRUN_TOKEN=… to FILE ($GITHUB_ENV), not to stdout.",
+    help="append LOCKRUN_TOKEN=… to FILE ($GITHUB_ENV)",
 )
 @click.option(
     "--var",
     metavar="NAME",
     default=TOKEN_VARIABLE,
-    show_default=True,
     allow_from_autoenv=False,
-    help="The variable --export and --env-file set, for a second lock.",
+    help=f"the variable to set (default {TOKEN_VARIABLE})",
 )
 @_quiet_option
 @_verbose_option
@@ -636,8 +726,8 @@ def acquire_command(
     """Take NAME's lock and keep it in a keeper process until `lockrun release`.
 
     Prints a token for `lockrun release` and `lockrun renew`. The keeper also releases
-    when its owner exits, after --max-time, and on TERM. With --no-keeper, the service
-    keeps it: until `lockrun release`, or --ttl after the acquire or the last renew.
+    when its owner exits, after --max-time, and on TERM. --no-keeper leaves the lock
+    to the lock service instead: until `lockrun release`, or --ttl after the last renew.
     """
     from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
 
@@ -720,7 +810,7 @@ def _check_no_keeper(owner: str | None, max_time: float | None) -> None:
 
 _token_argument: Final = click.argument("token", required=False, metavar="[TOKEN]")
 _token_verbose: Final = click.option(
-    "-v", "--verbose", is_flag=True, help="Say what was done also when all went well."
+    "-v", "--verbose", is_flag=True, help="say what was done, also when all went well"
 )
 
 
@@ -746,17 +836,21 @@ def _by_token(token: str | None, verb: str, uri: Callable[[], str]) -> str:
     return detached.release(text, chosen) if verb == "release" else detached.renew(text, chosen)
 
 
-_LEASE_SERVICE: Final = (
-    "Lock service of a --no-keeper token, as for acquire (a keeper's needs none)."
-)
+_LEASE_SERVICE: Final = "lock service of a --no-keeper token"
+_TOKEN_GROUPS: Final = (("Options", ("uri", "uri_file", "verbose", "help")),)
 
 
 @click.command(
+    cls=_Grouped,
+    groups=_TOKEN_GROUPS,
     context_settings=_CONTEXT,
-    epilog="Exit status: 0 released; 64 usage or malformed token; 69 the keeper did not "
-    "answer, or the service is unavailable; 76 nothing held (released already, owner "
-    "exited, lost; a --no-keeper lease expired); 77 not yours; 78 the lock URI is not the "
-    "one a --no-keeper token needs; 79 taken over; 124 --max-time expired.",
+    epilog="""\b
+Example: at the end of a script, release what acquire took
+  lockrun release "$TOKEN"
+
+Exit status: 0 released; 76 nothing held (released already, owner exited,
+lost, expired); 77 not yours; 79 taken over; 124 --max-time expired; 64 usage
+or malformed token; 69 no answer; 78 a --no-keeper token of another URI.""",
 )
 @_uri_option(_LEASE_SERVICE, lazy=True)
 @_token_verbose
@@ -770,11 +864,19 @@ def release_command(verbose: bool, token: str | None, uri: Callable[[], str]) ->
 
 
 @click.command(
+    cls=_Grouped,
+    groups=_TOKEN_GROUPS,
     context_settings=_CONTEXT,
-    epilog="Exit status: 0 held; 64 usage or malformed token; 69 the keeper did not answer, "
-    "or the service is unavailable; 76 not held (released, owner exited, lost; a "
-    "--no-keeper lease expired); 77 not yours; 78 the lock URI is not the one a --no-keeper "
-    "token needs; 79 taken over (a --no-keeper lease is released); 124 --max-time expired.",
+    epilog="""\b
+Example: hold a lock of at most 30 minutes, counted again between two steps
+  eval "$(lockrun acquire --export --max-time 30m deploy)"
+  ./migrate.sh && lockrun renew && ./restart.sh
+  lockrun release
+
+Exit status: 0 held; 76 not held (released, owner exited, lost, expired); 77
+not yours; 79 taken over (a --no-keeper lease is released); 124 --max-time
+expired; 64 usage or malformed token; 69 no answer; 78 a --no-keeper token
+of another URI.""",
 )
 @_uri_option(_LEASE_SERVICE, lazy=True)
 @_token_verbose

@@ -127,6 +127,7 @@ class Lease:
         self.released = False
         self._renewal: _Renewal | None = None
         self._owner: list[tuple[str, str, str]] | None = None  # its thread's, for `Lock`
+        self._pid = os.getpid()  # the process that holds it: a forked child is another
 
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is gone, released, or unconfirmed for a ttl; else return.
@@ -195,6 +196,7 @@ class Lock:
     ``with Lock("sales", slots=3, wait=60) as lease:`` holds a slot for the block;
     ``lease.slot`` and ``lease.fence`` say which slot and which fence token. ``wait`` is
     seconds, 0 (the default) tries once, None waits forever; a busy lock raises `LockBusy`.
+    With ``reentrant=True`` the holding thread may acquire it again, nested (`acquire`).
     Each thread keeps its own connection to the service across acquisitions
     (docs/api.md "Connections"); `close` drops the calling thread's.
     """
@@ -211,12 +213,14 @@ class Lock:
         shared: bool = False,
         hold_at_least: float = 0,
         take_over: bool = False,
+        reentrant: bool = False,
     ) -> None:
         """Describe the lock; nothing is acquired yet. URI and namespace default as in the CLI.
 
         Bad values raise `UsageError` (numbers: see `lockrun.bounds`), a bad URI `ConfigError`.
         ``wait=math.inf`` waits forever, as None does. *shared*, *hold_at_least* and
         *take_over* are the CLI's --shared, --hold-at-least and --take-over (docs/api.md).
+        *reentrant* lets a thread that holds this Lock acquire it again (`acquire`).
         """
         self.name = check_name(name)
         namespace = namespace or os.environ.get("LOCKRUN_NAMESPACE") or DEFAULT_NAMESPACE
@@ -231,24 +235,28 @@ class Lock:
             self.slots, shared=shared, hold=hold_at_least, take_over=take_over
         )
         self.take_over = take_over
+        self.reentrant = reentrant
         if take_over and self.wait == 0:
             msg = "take_over waits for the holders to stop: give it a wait"
             raise UsageError(msg)
-        self._local = threading.local()  # per thread: its backend and what it holds
+        self._local = threading.local()  # per thread: its backend and `_holds`
         self._me = Holder.me(sys.argv)._replace(shared=shared)  # this process, as records say
 
     def acquire(self) -> Lease:
         """Take a slot, waiting as configured; raise `LockBusy` if none came free.
 
-        A thread that holds this Lock already gets `UsageError` at once, and so does one
-        that would wait for a mutex it holds through another Lock: Locks are not reentrant.
+        A thread that holds this Lock already gets `UsageError` at once, unless the Lock is
+        *reentrant*: then it gets the lease it holds, and only the release of its outermost
+        acquisition gives the slot back. A thread that would wait for a mutex it holds
+        through another Lock gets `UsageError` at once, reentrant or not.
         A lease of a server is renewed every ttl/3 until `release`.
         """
         key = (self.uri, self.namespace, self.name)
-        current: Lease | None = getattr(self._local, "lease", None)
-        if current is not None and not current.released:
-            msg = f"{self.name}: this thread holds it already (a Lock is not reentrant)"
-            raise UsageError(msg)
+        holds = self._holds()
+        if holds and not holds[-1].released:
+            return self._reenter(holds)
+        if not self.reentrant:
+            holds.clear()  # a lease released by itself: nothing left to unwind
         if key in _HELD.keys and self.slots == 1 and self.wait != 0 and not self.shared:
             msg = f"{self.name}: this thread holds it already, through another Lock"
             raise UsageError(f"{msg}: it would wait for itself")
@@ -258,24 +266,55 @@ class Lock:
             start_renewals(held)
             held._owner = _HELD.keys  # noqa: SLF001 - the Lock and its Lease
             _HELD.keys.append(key)
-            self._local.lease = held
+            holds.append(held)
         except BaseException:  # e.g. Ctrl-C right after the grant: leave nothing held
             held.release()
             raise
         return held
 
+    def _reenter(self, holds: list[Lease]) -> Lease:
+        """Acquire what this thread holds again: nest if reentrant, else refuse."""
+        held = holds[-1]
+        if not self.reentrant:
+            msg = f"{self.name}: this thread holds it already (a Lock is not reentrant)"
+            raise UsageError(msg)
+        parent = held._pid  # noqa: SLF001 - the Lock and its Lease
+        if parent != os.getpid():
+            # Another holder, whose descriptors and sessions a forked child shares: it can
+            # neither nest on that hold nor wait for it (it would wait for itself on file:).
+            msg = f"{self.name}: held by the process this one was forked from (pid {parent})"
+            raise UsageError(f"{msg}; a forked child cannot nest on it")
+        with contextlib.suppress(TakenOver):  # the slot is still ours: check() says it within
+            held.check()  # a lease a renewal found gone is not taken again
+        holds.append(held)
+        return held
+
     def release(self) -> None:
-        """Release the calling thread's slot.
+        """Release the calling thread's slot; of a reentrant Lock, once its outermost hold ends.
 
         Raises `LeaseLost` if a renewal found the lease gone while it was held: the code
-        under the lock may have overlapped with another holder's.
+        under the lock may have overlapped with another holder's. An inner release of a
+        reentrant Lock raises it too, and the outer ones again.
         """
-        held: Lease | None = getattr(self._local, "lease", None)
-        if held is None:
+        holds = self._holds()
+        if not holds:
             msg = f"{self.name}: this thread holds no slot of this Lock"
             raise UsageError(msg)
-        self._local.lease = None
-        held.release()
+        held = holds.pop()
+        if held not in holds:
+            held.release()
+        elif held.lost is not None and not held.released:
+            raise held.lost
+
+    def _holds(self) -> list[Lease]:
+        """Return the calling thread's acquisitions not yet released, outermost first.
+
+        One entry per `acquire`: a reentrant Lock's nested ones repeat the outermost's lease.
+        """
+        holds: list[Lease] | None = getattr(self._local, "holds", None)
+        if holds is None:
+            holds = self._local.holds = []
+        return holds
 
     def close(self) -> None:
         """Drop the calling thread's connection (it is made again on the next acquire)."""

@@ -1,15 +1,18 @@
-"""What a run tells its monitors: the ``--on-busy`` and ``--on-exit`` hooks and the metrics file.
+"""What a run tells its monitors: the hooks (--on-start, --on-busy, --on-exit) and metrics.
 
 docs/semantics.md "Monitoring" is the contract: when each hook runs and how, what it is told,
 and that neither a hook nor the metrics file ever changes lockrun's exit status or keeps the
-lock a moment longer: both come after the release. The runner notes the run in an `Account`
-as it goes, and closes it with the status it is about to exit with.
+lock a moment longer: ``--on-start`` runs beside the command, the rest after the release. The
+runner notes the run in an `Account` as it goes, and closes it with the status it is about to
+exit with.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import signal
 import threading
 import time
@@ -42,10 +45,20 @@ HOOK_GRACE: Final = 1.0  # between TERM and KILL to a hook that outlived --hook-
 # Held while lockrun reports: a forwarded signal goes to the hook, the hook's end wakes us.
 _WATCHED: Final = FORWARDED | {signal.SIGCHLD}
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)  # as for the command (supervise.py)
+_POLL: Final = 0.02  # how soon a signal reaches an --on-start hook that outlives the command
 # What lockrun tells the command (docs/semantics.md "What the command is told") and the
-# hooks' own: a hook of a lockrun nested in a locked job must not see its parent's.
+# hooks' own: a hook of a lockrun nested in a locked job must not see its parent's, and an
+# --on-start hook none of the end's (a script shared by the hooks tells them apart so).
 _HELD: Final = frozenset(
-    {"LOCKRUN_SLOT", "LOCKRUN_FENCE", "LOCKRUN_STARTED_AT", "LOCKRUN_ENDED_AT", "LOCKRUN_DURATION"}
+    {
+        "LOCKRUN_SLOT",
+        "LOCKRUN_FENCE",
+        "LOCKRUN_STARTED_AT",
+        "LOCKRUN_ENDED_AT",
+        "LOCKRUN_DURATION",
+        "LOCKRUN_STATUS",
+        "LOCKRUN_OUTCOME",
+    }
 )
 
 
@@ -82,25 +95,27 @@ def outcome(result: int | BaseException, *, held: bool) -> str | None:
     return next((word for kind, word in named if isinstance(result, kind)), "error")
 
 
-def environment(run: Run) -> dict[str, str]:
-    """Return a hook's environment: lockrun's, with what it knows of *run*."""
+def environment(run: Run, *, ended: bool = True) -> dict[str, str]:
+    """Return a hook's environment: lockrun's, with what it knows of *run*.
+
+    Not *ended* (``--on-start``): nothing of the end, no status, outcome, end or duration.
+    """
     env = {key: value for key, value in os.environ.items() if key not in _HELD}
     env |= {
         "LOCKRUN_URI": run.uri,
         "LOCKRUN_NAMESPACE": run.namespace,
         "LOCKRUN_NAME": run.name,
         "LOCKRUN_SLOTS": str(run.slots),
-        "LOCKRUN_STATUS": str(run.status),
-        "LOCKRUN_OUTCOME": run.outcome,
         "LOCKRUN_WAITED": f"{run.waited:.3f}",
     }
+    if ended:
+        env |= {"LOCKRUN_STATUS": str(run.status), "LOCKRUN_OUTCOME": run.outcome}
     if run.slot is not None:
-        env |= {
-            "LOCKRUN_SLOT": str(run.slot),
-            "LOCKRUN_STARTED_AT": f"{run.started_at:.3f}",
-            "LOCKRUN_ENDED_AT": f"{run.ended_at:.3f}",
-            "LOCKRUN_DURATION": f"{run.duration:.3f}",
-        }
+        env["LOCKRUN_SLOT"] = str(run.slot)
+        env["LOCKRUN_STARTED_AT"] = f"{run.started_at:.3f}"
+        if ended:
+            env["LOCKRUN_ENDED_AT"] = f"{run.ended_at:.3f}"
+            env["LOCKRUN_DURATION"] = f"{run.duration:.3f}"
         if run.fence is not None:
             env["LOCKRUN_FENCE"] = str(run.fence)
     return env
@@ -124,6 +139,7 @@ class Account:
         self.fence: int | None = None
         self.ignored: frozenset[int] = frozenset()  # under nohup: never forwarded to a hook
         self._starting: threading.Thread | None = None
+        self._beside: Beside | None = None  # the --on-start hook, once started
         self._said: set[str] = set()  # the start and the end record fail alike: one line
 
     def held(self, slot: int, fence: int | None) -> None:
@@ -144,6 +160,38 @@ class Account:
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
+    def starting(self) -> None:
+        """Start the ``--on-start`` hook: the lock is held and the command is about to start.
+
+        Called just before the command's spawn, and never waited for: it runs beside the
+        command (docs/semantics.md "Monitoring"). Spawned from here rather than from a
+        thread, because the lock's descriptors are still close-on-exec here (the command's
+        spawn makes them inheritable): a hook must never hold the lock.
+        """
+        command = self.options.on_start
+        if not command or self.granted is None:
+            return
+        run = Run(
+            namespace=self.request.namespace,
+            name=self.request.name,
+            uri=self.uri,
+            slots=self.request.slots,
+            status=0,
+            outcome="",
+            waited=self.granted - self.asked,
+            slot=self.slot,
+            fence=self.fence,
+            started_at=metrics.stamp(self.started_at),
+        )
+        self._beside = Beside.start(
+            "--on-start",
+            command,
+            run,
+            max_time=self.options.hook_max_time,
+            forward=FORWARDED - self.ignored,
+            log=self.log,
+        )
+
     def released(self) -> None:
         """Note the end of the hold: the command has ended and the lock is given back."""
         if self.granted is not None:
@@ -158,7 +206,7 @@ class Account:
         if self._starting is not None:
             self._starting.join()
         word = outcome(result, held=self.granted is not None)
-        if word is None:
+        if word is None:  # nothing was held: no --on-start hook ran either
             return
         if isinstance(result, int):
             status = int(result)
@@ -200,6 +248,8 @@ class Account:
         saved = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
         try:
             self._record(lambda locks: _ended(locks, run))
+            if self._beside is not None:  # a monitor must hear the start before the end
+                self._beside.wait()
             held = run.slot is not None
             command = self.options.on_exit if held else self.options.on_busy
             if command:
@@ -259,11 +309,25 @@ def hook(
     `_WATCHED` blocked.
     """
     forward = FORWARDED - ignored
+    pid = _spawn(option, command, run.name, environment(run), forward, log)
+    if pid is not None:
+        _judge(option, run.name, _reap(pid, max_time, forward), max_time, log)
+
+
+def _spawn(
+    option: str,
+    command: str,
+    name: str,
+    env: dict[str, str],
+    forward: frozenset[int],
+    log: Callable[[str], None],
+) -> int | None:
+    """Start the hook *command* in a process group of its own; None (and a line) if we cannot."""
     try:
-        pid = os.posix_spawn(
+        return os.posix_spawn(
             SHELL,
             [SHELL, "-c", command],
-            environment(run),
+            env,
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, 2, 1),
@@ -273,16 +337,111 @@ def hook(
             setsigdef=(*forward, *_DEFAULTED),
         )
     except OSError as err:
-        log(f"{run.name}: {option} hook: cannot run {SHELL}: {err.strerror}")
-        return
-    code = _reap(pid, max_time, forward)
+        log(f"{name}: {option} hook: cannot run {SHELL}: {err.strerror}")
+        return None
+
+
+def _judge(
+    option: str, name: str, code: int | None, max_time: float, log: Callable[[str], None]
+) -> None:
+    """Say how a hook that did not succeed ended: *code* as `_reap` returns it."""
     if code is None:
         limit = format_duration(max_time)
-        log(f"{run.name}: {option} hook still ran after {limit} (--hook-max-time): stopped it")
+        log(f"{name}: {option} hook still ran after {limit} (--hook-max-time): stopped it")
     elif code < 0:
-        log(f"{run.name}: {option} hook was killed by {signal.Signals(-code).name}")
+        log(f"{name}: {option} hook was killed by {signal.Signals(-code).name}")
     elif code > 0:
-        log(f"{run.name}: {option} hook exited {code}")
+        log(f"{name}: {option} hook exited {code}")
+
+
+class Beside:
+    """A hook that runs beside the command (``--on-start``), bounded and reaped by a thread.
+
+    The thread waits on a pidfd, never for a signal: while the command runs, SIGCHLD and
+    the signals lockrun forwards are the supervision loop's (`lockrun.supervise`).
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        option: str,
+        name: str,
+        *,
+        max_time: float,
+        forward: frozenset[int],
+        log: Callable[[str], None],
+    ) -> None:
+        """Watch the hook *pid*, just spawned, from a thread of its own (`start` makes one)."""
+        self.pid = pid
+        self.max_time = max_time
+        self.forward = forward
+        self._reaping = threading.Lock()  # no signal for pid once the thread has reaped it
+        self._reaped = False
+        self._thread = threading.Thread(
+            target=lambda: _judge(option, name, self.reap(), max_time, log),
+            name="lockrun-on-start",
+            daemon=True,
+        )
+        # With every signal blocked, none is delivered to it (as lockrun.progress says).
+        saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+
+    @classmethod
+    def start(
+        cls,
+        option: str,
+        command: str,
+        run: Run,
+        *,
+        max_time: float,
+        forward: frozenset[int],
+        log: Callable[[str], None],
+    ) -> Beside | None:
+        """Spawn *command* for *run*, which has not ended, and watch it; None if it cannot run."""
+        pid = _spawn(option, command, run.name, environment(run, ended=False), forward, log)
+        if pid is None:
+            return None
+        return cls(pid, option, run.name, max_time=max_time, forward=forward, log=log)
+
+    def reap(self) -> int | None:
+        """Wait for the hook, stop it after its time; return as `_reap` does. In the thread."""
+        pidfd = os.pidfd_open(self.pid)
+        try:
+            ended = select.poll()
+            ended.register(pidfd, select.POLLIN)
+            stopped = not ended.poll(math.ceil(self.max_time * 1000))
+            if stopped:
+                self._signal(signal.SIGTERM)
+                self._signal(signal.SIGCONT)  # a stopped hook must run to take it
+                if not ended.poll(math.ceil(HOOK_GRACE * 1000)):
+                    self._signal(signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+        with self._reaping:
+            _, status = os.waitpid(self.pid, 0)  # KILLed, or ended: at once
+            self._reaped = True
+        return None if stopped else os.waitstatus_to_exitcode(status)
+
+    def wait(self) -> None:
+        """Wait for the thread, passing the hook the signals lockrun gets meanwhile.
+
+        Called with `_WATCHED` blocked, once the command has ended: signals are lockrun's
+        to take again.
+        """
+        while self._thread.is_alive():
+            self._thread.join(_POLL)
+            while (info := signal.sigtimedwait(_WATCHED, 0)) is not None:
+                if genuine(info) and info.si_signo in self.forward:
+                    self._signal(info.si_signo)
+
+    def _signal(self, signo: int) -> None:
+        """Send *signo* to the hook's group and the hook, unless it has been reaped."""
+        with self._reaping:
+            if not self._reaped:
+                _signal_hook(self.pid, signo)
 
 
 def _reap(pid: int, max_time: float, forward: frozenset[int]) -> int | None:

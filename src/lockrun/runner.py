@@ -86,6 +86,7 @@ class Options(NamedTuple):
     conflict_exit_code: int = ExitCode.BUSY  # -E: what busy exits with, as a hook is told
     on_busy: str | None = None
     on_exit: str | None = None
+    on_start: str | None = None
     hook_max_time: float = DEFAULT_HOOK_MAX_TIME
     metrics_file: str | None = None
 
@@ -162,7 +163,7 @@ def run(
 
 def _account(options: Options, request: Request, log: Callable[[str], None]) -> Account | None:
     """Return the account of a run that something monitors; None if nothing does."""
-    if not (options.on_busy or options.on_exit or options.metrics_file):
+    if not (options.on_start or options.on_busy or options.on_exit or options.metrics_file):
         return None
     from lockrun.monitor import Account  # noqa: PLC0415 - unmonitored runs do without it
 
@@ -209,6 +210,11 @@ def _hold_and_run(
             )
             if guardian is not None:
                 guardian.keep(lease.fds, lease.orphan)
+            if account is not None:
+                # Started now and never waited for: it runs beside the command, and a slow
+                # ping lengthens neither the hold nor the hand-over (docs/semantics.md
+                # "Monitoring"). Before the spawn, which makes the lock's fds inheritable.
+                account.starting()
             return supervise(
                 argv,
                 lease,

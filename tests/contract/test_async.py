@@ -22,6 +22,8 @@ from tests.support.cli import lock_state, lockrun
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from tests.support.harness import Harness
+
 TICK = 0.01
 
 
@@ -168,3 +170,69 @@ def test_an_async_timed_wait_leaves_the_applications_timer_alone(uri: str, name:
         signal.signal(signal.SIGALRM, previous)
         signal.setitimer(signal.ITIMER_REAL, *before)
         holder.finish()
+
+
+def test_a_reentrant_async_lock_nests_per_task(uri: str, name: str) -> None:
+    """A task re-entering a reentrant AsyncLock nests: only its outermost exit frees the lock.
+
+    Another process finds it busy at depth 2 and after the inner exit; a task the holder
+    starts is another holder (busy), and may not release what it does not hold.
+    """
+
+    async def busy() -> bool:
+        cli = await asyncio.to_thread(lockrun, "--uri", uri, "-n", name, "--", "true")
+        return cli.returncode == ExitCode.BUSY
+
+    async def main() -> None:
+        lock = AsyncLock(name, uri=uri, reentrant=True)
+        async with lock as outer:
+            async with lock as inner:
+                assert inner is outer
+                assert await busy()
+                with pytest.raises(LockBusy):
+                    await asyncio.create_task(lock.acquire())
+                with pytest.raises(UsageError, match="holds no slot"):
+                    await asyncio.create_task(lock.release())
+            assert await busy()
+            outer.check()
+        with pytest.raises(LeaseLost, match="released"):
+            outer.check()
+        with pytest.raises(UsageError, match="holds no slot"):
+            await lock.release()
+        async with lock as again:
+            assert again is not outer
+        await lock.close()
+
+    run(main)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
+
+
+def test_a_reentrant_async_lock_reports_a_lost_lease_at_every_level(
+    shared_server_harness: Harness, name: str
+) -> None:
+    """A lease lost while a task nests: re-entering raises LeaseLost, and so does each exit."""
+    uri = shared_server_harness.uri
+
+    async def main() -> None:
+        lock = AsyncLock(name, uri=uri, ttl=1.5, reentrant=True)
+        lease = await lock.acquire()
+        assert await lock.acquire() is lease
+        await asyncio.to_thread(shared_server_harness.end_session, name)
+        deadline = time.monotonic() + 10  # a hang guard: a renewal finds it within ttl/3
+        while True:
+            try:
+                lease.check()
+            except LeaseLost:
+                break
+            assert time.monotonic() < deadline, "check() never reported the lost lease"
+            await asyncio.sleep(0.05)
+        with pytest.raises(LeaseLost):
+            await lock.acquire()
+        with pytest.raises(LeaseLost):
+            await lock.release()
+        with pytest.raises(LeaseLost):
+            await lock.release()
+        await lock.close()
+
+    run(main)
+    assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0

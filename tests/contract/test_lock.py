@@ -24,8 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Final
 
 import pytest
+from hypothesis import settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from lockrun import ConfigError, ExitCode, Lock, LockBusy, UsageError
+from lockrun import ConfigError, ExitCode, Lease, Lock, LockBusy, UsageError
 from lockrun.errors import LeaseLost
 from lockrun.uri import parse_uri, redact
 from tests.support.cli import (
@@ -840,9 +848,9 @@ def test_api_a_thread_acquiring_what_it_holds_is_refused_at_once(uri: str, name:
 
 
 def _try(lock: Lock) -> str:
-    """Return what one try of *lock* (wait 0) from this thread gives."""
+    """Return what one try of *lock*'s name (wait 0, its slots and mode) from this thread gives."""
     try:
-        with Lock(lock.name, uri=lock.uri):
+        with Lock(lock.name, uri=lock.uri, slots=lock.slots, shared=lock.shared):
             return "acquired"
     except LockBusy:
         return "busy"
@@ -981,3 +989,293 @@ def test_api_reports_a_lease_lost_while_the_block_ran(server_harness: Harness, n
         lock.release()
     with Lock(name, uri=server_harness.uri) as lease:
         assert lease.slot == 0
+
+
+# -- Lock(reentrant=True): the oracle is another process (the CLI) or another thread's try --
+
+
+def _cli_try(uri: str, name: str) -> int:
+    """Return the exit status of one `lockrun` try of *name* from another process."""
+    return lockrun("--uri", uri, "-n", name, "--", "true").returncode
+
+
+def _try_elsewhere(uri: str, name: str, *, slots: int = 1, shared: bool = False) -> str:
+    """Return what one try of *name* by a new Lock in another thread gives."""
+    with ThreadPoolExecutor(max_workers=1) as other:
+        return other.submit(_try, Lock(name, uri=uri, slots=slots, shared=shared)).result()
+
+
+def test_api_a_reentrant_lock_is_released_by_its_outermost_release_only(
+    uri: str, name: str
+) -> None:
+    """Nested acquisitions of a reentrant Lock share one lease; only the outermost exit frees it.
+
+    Another process finds the lock busy at depth 2 and again after the inner exit; free after
+    the outer one. Another Lock object of this thread is refused or busy, as without reentry.
+    """
+    lock = Lock(name, uri=uri, reentrant=True, wait=None)
+    with lock as outer:
+        with lock as inner:
+            assert inner is outer
+            assert lock.acquire() is outer  # acquire() nests as `with` does
+            lock.release()
+            assert _cli_try(uri, name) == ExitCode.BUSY
+            with pytest.raises(UsageError, match="wait for itself"):
+                Lock(name, uri=uri, reentrant=True, wait=None).acquire()
+            with pytest.raises(LockBusy):
+                Lock(name, uri=uri, reentrant=True).acquire()
+        assert _cli_try(uri, name) == ExitCode.BUSY  # the inner exit gave nothing back
+        outer.check()
+        assert lock.acquire().fence == outer.fence
+        lock.release()
+    with pytest.raises(LeaseLost, match="released"):
+        outer.check()
+    assert _cli_try(uri, name) == 0
+    with pytest.raises(UsageError, match="holds no slot"):
+        lock.release()
+    with lock as again:  # a new acquisition: a new lease
+        assert again is not outer
+        assert again.fence is not None
+        assert outer.fence is not None
+        assert again.fence > outer.fence
+
+
+def test_api_a_reentrant_decorator_nests_in_recursion(uri: str, name: str) -> None:
+    """A recursive function under @Lock(reentrant=True) holds one slot at every depth."""
+    lock = Lock(name, uri=uri, reentrant=True)
+    seen: list[str] = []
+
+    @lock
+    def descend(depth: int) -> None:
+        with ThreadPoolExecutor(max_workers=1) as other:  # another thread: another holder
+            seen.append(other.submit(_try, lock).result())
+        if depth:
+            descend(depth - 1)
+
+    descend(2)
+    assert seen == ["busy"] * 3
+    assert _try(lock) == "acquired"
+
+
+def test_api_a_reentrant_lock_takes_one_slot_of_a_semaphore(uri: str, name: str) -> None:
+    """Re-entering a slot of a 2-slot semaphore takes no second slot; status shows one holder."""
+    lock = Lock(name, uri=uri, slots=2, reentrant=True)
+    with lock as outer, lock, lock as inner:
+        assert inner is outer
+        assert len(lock_state(uri, name)["holders"]) == 1
+        with Lock(name, uri=uri, slots=2) as other:  # the one free slot
+            assert other.slot == 1 - outer.slot
+            assert _try_elsewhere(uri, name, slots=2) == "busy"
+    assert lock_state(uri, name)["holders"] == []
+
+
+def test_api_a_reentrant_shared_lock_nests_and_shares(uri: str, name: str) -> None:
+    """A shared reentrant Lock nests on its one shared hold: readers get in, a writer does not."""
+    lock = Lock(name, uri=uri, shared=True, reentrant=True)
+    with lock as outer, lock as inner:
+        assert inner is outer
+        assert len(lock_state(uri, name)["holders"]) == 1
+        assert _try_elsewhere(uri, name, shared=True) == "acquired"
+        assert _try_elsewhere(uri, name) == "busy"
+    assert _try_elsewhere(uri, name) == "acquired"
+
+
+def test_api_a_reentrant_lock_makes_other_threads_wait_for_the_outermost_release(
+    uri: str, name: str
+) -> None:
+    """Another thread using the same reentrant Lock waits until the holder's last exit.
+
+    It may not release what it does not hold, and gets its own, new lease. (It waits for
+    ever, in flock(2) on file:, where a timed wait of the API keeps no place in the queue.)
+    """
+    lock = Lock(name, uri=uri, reentrant=True, wait=None)
+    granted = threading.Event()
+    leases = []
+
+    def other() -> None:
+        with pytest.raises(UsageError, match="holds no slot"):
+            lock.release()
+        with lock as lease:
+            leases.append(lease)
+            granted.set()
+
+    with lock as outer:
+        with lock:
+            thread = threading.Thread(target=other, daemon=True)  # daemon: should it hang
+            thread.start()
+            wait_for(lambda: _queued_here(uri, name), what="the other thread to queue")
+        assert _try_elsewhere(uri, name) == "busy"  # time enough for a wrong grant to show
+        assert not granted.is_set()
+    assert granted.wait(PATIENCE)
+    thread.join(PATIENCE)
+    assert leases[0] is not outer
+
+
+def _queued_here(uri: str, name: str) -> bool:
+    """Return whether a thread of this process waits for *name*.
+
+    `lockrun status` lists it, except on file:, where a waiter of the holder's pid is the
+    holder to status; there the kernel's /proc/locks shows this pid blocked in flock(2).
+    """
+    if queue_length(uri, name) == 1:
+        return True
+    with open("/proc/locks") as locks:
+        return any(
+            line.split()[1] == "->" and line.split()[5] == str(os.getpid()) for line in locks
+        )
+
+
+class _Probe:
+    """Another thread's try of a name, through a Lock of its own that keeps its connection."""
+
+    def __init__(self, uri: str, name: str, thread: ThreadPoolExecutor) -> None:
+        self.lock = Lock(name, uri=uri)
+        self.thread = thread
+
+    def busy(self) -> bool:
+        """Return whether the try found the name busy (and let it go if it got it)."""
+        return self.thread.submit(self._attempt).result()
+
+    def _attempt(self) -> bool:
+        try:
+            self.lock.acquire()
+        except LockBusy:
+            return True
+        self.lock.release()
+        return False
+
+
+class _Nesting(RuleBasedStateMachine):
+    """A reentrant Lock in random nestings against a model; a `_Probe` is the oracle.
+
+    The model keeps one entry per acquisition not yet released and which leases are held.
+    """
+
+    lock: Lock
+    probe: _Probe
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[Lease] = []  # outermost first
+        self.live: set[int] = set()  # id() of the leases held
+
+    @rule()
+    def enter(self) -> None:
+        lease = self.lock.acquire()
+        top = self.pending[-1] if self.pending else None
+        if top is not None and id(top) in self.live:
+            assert lease is top
+        else:
+            assert lease is not top
+            self.live.add(id(lease))
+        self.pending.append(lease)
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def leave(self) -> None:
+        self.lock.release()
+        lease = self.pending.pop()
+        if all(outer is not lease for outer in self.pending):
+            self.live.discard(id(lease))
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def release_the_lease(self) -> None:
+        self.pending[-1].release()  # at once, whatever the depth
+        self.live.discard(id(self.pending[-1]))
+
+    @invariant()
+    def busy_while_held(self) -> None:
+        assert self.probe.busy() == bool(self.live)
+
+    def teardown(self) -> None:
+        while self.pending:
+            self.leave()
+
+
+def test_api_reentrant_nesting_matches_a_model(uri: str, name: str) -> None:
+    """Random nestings, exits and direct lease releases: busy to another thread iff held."""
+    with ThreadPoolExecutor(max_workers=1) as thread:
+
+        class Nesting(_Nesting):
+            lock = Lock(name, uri=uri, reentrant=True)
+            probe = _Probe(uri, name, thread)
+
+        run_state_machine_as_test(
+            Nesting, settings=settings(max_examples=10, stateful_step_count=10, deadline=None)
+        )
+        assert not Nesting.probe.busy()
+
+
+def test_api_a_forked_child_does_not_nest_on_its_parents_hold(uri: str, name: str) -> None:
+    """In a child forked by a holder, re-entering the reentrant Lock is a UsageError.
+
+    The parent's hold goes on: it nests again afterwards, and a try from another thread and
+    another Lock is busy until the parent's outermost release.
+    """
+    script = textwrap.dedent(f"""
+        import os, threading
+        from lockrun import Lock, LockBusy, UsageError
+        def busy():
+            found = []
+            def try_it():
+                try:
+                    Lock({name!r}, uri={uri!r}).acquire().release()
+                    found.append(False)
+                except LockBusy:
+                    found.append(True)
+            thread = threading.Thread(target=try_it); thread.start(); thread.join()
+            return found == [True]
+        lock = Lock({name!r}, uri={uri!r}, reentrant=True)
+        lock.acquire()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                lock.acquire()
+                os._exit(3)
+            except UsageError as err:
+                os._exit(0 if "forked" in str(err) else 4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        lock.acquire(); lock.release()
+        assert busy()
+        lock.release()
+        assert not busy()
+        print("ok")
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
+
+
+def test_api_a_reentrant_lock_reports_a_lost_lease_at_every_level(
+    shared_server_harness: Harness, name: str
+) -> None:
+    """A lease lost while nested: re-entering raises LeaseLost, and so does each exit.
+
+    The name is free afterwards.
+    """
+    uri = shared_server_harness.uri
+    lock = Lock(name, uri=uri, ttl=1.5, reentrant=True)
+    lease = lock.acquire()
+    assert lock.acquire() is lease
+    shared_server_harness.end_session(name)
+    deadline = time.monotonic() + 10  # a hang guard: a renewal finds it within ttl/3
+    while True:
+        try:
+            lease.check()
+        except LeaseLost:
+            break
+        assert time.monotonic() < deadline, "check() never reported the lost lease"
+        time.sleep(0.05)
+    with pytest.raises(LeaseLost):
+        lock.acquire()  # not taken again: the depth stays 2
+    with pytest.raises(LeaseLost):
+        lock.release()
+    with pytest.raises(LeaseLost):
+        lock.release()
+    with pytest.raises(UsageError, match="holds no slot"):
+        lock.release()
+    with Lock(name, uri=uri) as again:
+        again.check()

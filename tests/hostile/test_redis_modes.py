@@ -75,9 +75,10 @@ def test_a_forged_stop_key_stops_nobody(
     """Any stop key that names no waiter: the holder renews on, a take-over still works."""
     stop = f"{key_prefix('default', name)}:stop"
     kind, value = STOP_PLANTS[plant]
-    backend = open_backend(parse_uri(redis_uri), ttl=5)
+    # A lease nothing renews: long enough to outlast a lockrun start-up at load 30.
+    backend = open_backend(parse_uri(redis_uri), ttl=600)
     try:
-        lease = backend.acquire(Request("default", name, 1, 5.0, Holder.me(["x"])), 0)
+        lease = backend.acquire(Request("default", name, 1, 600.0, Holder.me(["x"])), 0)
         assert lease is not None
         lease.bells  # noqa: B018 - arms the bell, which reads the key
         co_tenant.delete(stop)

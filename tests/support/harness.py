@@ -147,7 +147,9 @@ class Victim:
         """Describe the script; *exit_on_term* False makes it survive TERM (only KILL ends it)."""
         self.pid_file = directory / "victim.pid"
         self.term_file = directory / "victim.term"
-        on_term = f"date +%s%N > {self.term_file}" + ("; exit 0" if exit_on_term else "")
+        # Written whole, then renamed: a reader never sees the file empty (as the pid file).
+        on_term = f"date +%s%N > {self.term_file}.tmp; mv {self.term_file}.tmp {self.term_file}"
+        on_term += "; exit 0" if exit_on_term else ""
         # The shell reports its TERMed `sleep` ("Terminated") on stderr: keep that out of
         # lockrun's, which must hold exactly one line.
         self.script = (

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import os
 import pwd
+import re
+import sys
 import time
 import zipimport
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
@@ -447,11 +449,75 @@ def open_backend(
 
 
 def _install_hint(extra: str | None) -> str:
-    """Say how to add a backend's missing driver: to lockrun.pyz by hand, else with pip."""
+    """Say how to add a backend's missing driver, for the way this lockrun was installed.
+
+    pipx's venv (its `pipx_metadata.json` at the interpreter's prefix): `pipx inject`. A
+    venv, or a Python of one's own: that interpreter's pip, so the driver lands where
+    lockrun is. A system's Python (PEP 668's EXTERNALLY-MANAGED, outside a venv): its
+    package. lockrun.pyz: the driver for the Python that runs it.
+    """
+    import shlex  # noqa: PLC0415 - the hint's alone: a good run never needs it
+
     loader: object = __spec__.loader  # typeshed's Loader is no zipimporter's base
-    if isinstance(loader, zipimport.zipimporter):  # pragma: no cover - tests/test_pyz.py
-        return 'lockrun.pyz leaves it out (docs/install.md, "One file: lockrun.pyz", says how)'
-    return f"pip install 'lockrun-cli[{extra}]'" if extra else "reinstall lockrun-cli"
+    pyz = isinstance(loader, zipimport.zipimporter)
+    see = ' (more: docs/install.md, "One file: lockrun.pyz")' if pyz else ""
+    if extra is None:
+        return f"lockrun.pyz leaves it out{see}" if pyz else "reinstall lockrun-cli"
+    driver = _driver(extra)
+    python = shlex.quote(sys.executable or "python3")
+    left_out = "lockrun.pyz leaves it out; " if pyz else ""
+    if _externally_managed():
+        package = re.split(r"[^A-Za-z0-9._-]", driver)[0]
+        system = f"install {package} for {python} from the system's packages"
+        return f"{left_out}{system}, on Debian and Ubuntu: apt install python3-{package}{see}"
+    if pyz:  # pragma: no cover - run from the zip: tests/test_install_hint.py
+        return f"{left_out}{python} -m pip install {shlex.quote(driver)}{see}"
+    if os.path.isfile(os.path.join(sys.prefix, "pipx_metadata.json")):
+        return _pipx_inject(sys.prefix, driver)
+    return f"{python} -m pip install {shlex.quote(f'lockrun-cli[{extra}]')}"
+
+
+def _driver(extra: str) -> str:
+    """Return what *extra* requires (``psycopg[binary]>=3.1``), from lockrun-cli's metadata."""
+    import importlib.metadata  # noqa: PLC0415 - the hint's alone
+
+    try:
+        requires = importlib.metadata.requires("lockrun-cli") or []
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, a .pyz
+        requires = []
+    marker = re.compile(rf"""\bextra\s*==\s*(["']){re.escape(extra)}\1""")
+    found = [line.partition(";")[0].strip() for line in requires if marker.search(line)]
+    return found[0] if len(found) == 1 else _DRIVERS.get(extra, f"lockrun-cli[{extra}]")
+
+
+_DRIVERS: Final = {"postgres": "psycopg[binary]"}  # where lockrun-cli's metadata is not
+
+
+def _externally_managed() -> bool:
+    """Whether this is a system's Python, whose packages pip leaves alone (PEP 668)."""
+    import sysconfig  # noqa: PLC0415 - the hint's alone
+
+    if sys.prefix != sys.base_prefix:  # a venv's: pip's to change
+        return False
+    return os.path.isfile(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))
+
+
+def _pipx_inject(prefix: str, driver: str) -> str:
+    """Return the `pipx inject` line for pipx's venv at *prefix*, with PIPX_HOME if needed.
+
+    pipx looks for its venvs under PIPX_HOME: the variable, else ~/.local/pipx if it is
+    there (pipx < 1.3: always), else ~/.local/share/pipx. A venv elsewhere (a system-wide
+    pipx's) needs the variable said.
+    """
+    import shlex  # noqa: PLC0415 - the hint's alone
+
+    venv = os.path.realpath(prefix)
+    home = os.path.dirname(os.path.dirname(venv))  # PIPX_HOME/venvs/NAME
+    data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    usual = (os.environ.get("PIPX_HOME"), "~/.local/pipx", os.path.join(data, "pipx"))
+    known = {os.path.realpath(os.path.expanduser(path)) for path in usual if path}
+    said = "" if home in known else f"PIPX_HOME={shlex.quote(home)} "
+    return f"{said}pipx inject {shlex.quote(os.path.basename(venv))} {shlex.quote(driver)}"
 
 
 def parse_uri(text: object) -> LockURI:

@@ -247,7 +247,7 @@ def test_postgres_without_psycopg_says_how_to_add_it(
     tmp_path: Path,
     name: str,
 ) -> None:
-    """No psycopg: 78 and one line saying what to install for that Python; psycopg on PYTHONPATH: it runs."""
+    """No psycopg: 78 and one line saying what to install; psycopg on PYTHONPATH: it runs."""
     uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
     for args in (("-n", name, "--", "true"), ("status",)):
         # -S: not even a psycopg the machine's Python may have in its site-packages.

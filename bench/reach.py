@@ -8,8 +8,8 @@ is a median of interleaved runs, in ms, and a ratio against its baseline in the 
 - **A locked section**: ``lockrun acquire`` then ``lockrun release`` (a keeper; on Redis
   also ``--no-keeper``) against one ``lockrun -- true``, and against flock(1)'s fd form
   (``exec 9>f; flock 9; …; flock -u 9``): what a section of a script costs.
-- **Monitoring**: a run with ``--on-exit true``, and one with ``--metrics-file``, against
-  the plain run.
+- **Monitoring**: a run with ``--on-start true``, one with ``--on-exit true``, and one with
+  ``--metrics-file``, against the plain run.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ def monitoring(scratch: Path, runs: int) -> None:
 
     cases = {
         "plain run": run(),
+        "--on-start true": run("--on-start", "true"),
         "--on-exit true": run("--on-exit", "true"),
         "--metrics-file": run("--metrics-file", str(metrics)),
     }

@@ -23,6 +23,7 @@ import pytest
 
 import lockrun
 from lockrun.errors import ExitCode
+from tests.support.cli import one_line
 from tests.support.servers import free_port, installed, unavailable
 from tests.support.terminal import press_tab
 from tests.test_readme import CRON_LINE, FENCE
@@ -206,11 +207,20 @@ def test_debians_pipx_gives_lockrun_postgres_the_man_page_and_tab(
         user.run("pipx", "--version").stdout.strip()
         == run("/usr/bin/pipx", "--version", env=user.env).stdout.strip()
     )
-    for _, text in blocks("pipx"):
+    install, *others = blocks("pipx")
+    user.paste(install[1])
+    # Without psycopg, the one line names pipx's command, which works as printed.
+    uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
+    missing = user.run("lockrun", "-u", uri, "-n", "pg", "--", "true")
+    assert (missing.returncode, missing.stdout) == (ExitCode.CONFIG, ""), missing.stderr
+    needs = "lockrun: postgresql: needs the psycopg module: "
+    hint = one_line(missing.stderr).removeprefix(needs)
+    assert hint == "pipx inject lockrun-cli 'psycopg[binary]>=3.1'", missing.stderr
+    user.paste(hint)
+    for _, text in others:  # docs/install.md's own `pipx inject` repeats it: nothing to do
         user.paste(text)
     user.check_lockrun()
     # pipx inject: psycopg is there, so a PostgreSQL URI gets as far as the server.
-    uri = f"postgresql://lockrun@127.0.0.1:{free_port()}/lockrun"
     postgres = user.run("lockrun", "-u", uri, "-n", "pg", "--", "true")
     assert postgres.returncode == ExitCode.UNAVAILABLE, postgres.stderr
     # The API needs a venv of the application's own: pipx's copy is not importable.

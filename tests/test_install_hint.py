@@ -3,7 +3,7 @@
 pipx's venv: `pipx inject`; a venv or a Python of one's own: that interpreter's pip; a
 system's Python (PEP 668): its package; lockrun.pyz: the driver for the Python that runs it.
 The commands the lines print are run as printed (pip's with --dry-run --no-index where the
-driver is here already; `pipx inject` for real, in the slow test).
+driver is here already; pipx's, for real, in tests/test_install.py's Debian pipx route).
 """
 
 from __future__ import annotations
@@ -149,41 +149,3 @@ def test_lockrun_pyz_is_told_the_driver_for_the_python_that_runs_it(pyz: Path) -
     assert "Requirement already satisfied: psycopg" in dry_run(
         hint.split("; ")[1].removesuffix(more)
     )
-
-
-@pytest.mark.slow  # a real pipx install and inject: about 20 s
-@pytest.mark.timeout(300)
-def test_pipx_inject_as_printed_gives_lockrun_its_driver(tmp_path: Path, postgres_uri: str) -> None:
-    """`pipx install` without the extra: 78 and the pipx line, which, run as printed, works."""
-    pipx_home = tmp_path / "pipx"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("PIPX_")},
-        "HOME": str(tmp_path),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # pipx
-        "PIPX_BIN_DIR": str(tmp_path / "bin"),
-        "PIPX_MAN_DIR": str(tmp_path / "man"),
-    }
-    pipx = [sys.executable, "-m", "pipx"]
-    subprocess.run(
-        [*pipx, "install", ROOT],
-        env={**env, "PIPX_HOME": str(pipx_home)},
-        capture_output=True,
-        timeout=240,
-        check=True,
-    )
-    lockrun = tmp_path / "bin" / "lockrun"
-    hint = missing_driver_line(lockrun, env=env)
-    assert hint == f"PIPX_HOME={pipx_home} pipx inject lockrun-cli {DRIVER}"
-    injected = subprocess.run(
-        ["sh", "-c", hint], env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert injected.returncode == 0, injected.stdout + injected.stderr
-    ran = subprocess.run(
-        [lockrun, "--uri", postgres_uri, "-n", "hint", "--", "echo", "ran"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert (ran.returncode, ran.stdout) == (0, "ran\n"), ran.stderr

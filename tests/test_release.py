@@ -154,7 +154,7 @@ def test_the_project_urls_and_readme_links_share_one_address() -> None:
     # Build once without isolation (tests, scripts/build-pyz): the dev extra has the plugin.
     build = set(PYPROJECT["build-system"]["requires"])
     assert "hatch-fancy-pypi-readme==25.1.0" in build
-    assert build - {"hatchling>=1.27"} <= set(PYPROJECT["project"]["optional-dependencies"]["dev"])
+    assert build - {"hatchling>=1.27"} <= dev_pins()
 
 
 def release_check(root: Path, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -226,6 +226,13 @@ def test_release_check_refuses_an_unconfirmed_repository_and_unreleased_notes(
     )
 
 
+def dev_pins() -> set[str]:
+    """Return the dev extra's requirements, with those of the test extra it names."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert "lockrun-cli[test]" in extras["dev"]
+    return set(extras["dev"]) | set(extras["test"])
+
+
 def test_the_release_workflow_builds_tests_attests_and_publishes_without_a_token() -> None:
     """A v* tag: one build of the files tests/ builds, tests on each Python, then publish."""
     release = workflow("release")
@@ -238,9 +245,8 @@ def test_the_release_workflow_builds_tests_attests_and_publishes_without_a_token
     assert "scripts/build-pyz --out" in build
     assert "twine check --strict" in build
     assert 'scripts/release-check "$GITHUB_REF_NAME"' in build
-    dev = set(PYPROJECT["project"]["optional-dependencies"]["dev"])
     (install,) = (line for line in build.splitlines() if "pip install" in line)
-    assert set(install.split()[4:]) <= dev, "the release builds with the dev extra's pins"
+    assert set(install.split()[4:]) <= dev_pins(), "the release builds with the dev extra's pins"
     assert set(jobs["test"]["strategy"]["matrix"]["python"]) == ci_pythons()
     assert jobs["pypi"]["needs"] == ["build", "test", "attest"]
     assert jobs["pypi"]["environment"]["name"] == "pypi"

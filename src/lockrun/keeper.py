@@ -114,6 +114,7 @@ VERBS: Final = ("release", "renew")
 ANSWER: Final = 30.0  # how long `release` waits for the keeper (a release may reach a server)
 PATIENCE: Final = 2.0  # how long the keeper waits for a client's request
 CLIENTS: Final = 8  # connections served at once; more are hung up on
+BUSY: Final = "the keeper is busy; ask again"  # their answer: `ask` asks again
 LINGER: Final = 3600.0  # how long a keeper whose lock ended waits to tell why
 PID_MAX: Final = 2**22  # the kernel's PID_MAX_LIMIT
 _PR_SET_PDEATHSIG: Final = 1  # prctl(2)
@@ -267,31 +268,21 @@ def ask(text: object, verb: str) -> str:
     """Send *verb* to the keeper of the token *text*; return its line, or raise its status.
 
     No keeper is `LeaseLost` (76), a keeper of another user's `NotYours` (77), a keeper
-    that does not answer `BackendUnavailable` (69).
+    that does not answer `BackendUnavailable` (69). A keeper with a crowd at its door
+    answers `BUSY`, or hangs up unread (the kernel then resets our end, and its answer may
+    be lost): both are asked again until `ANSWER` is up. A request the keeper read is
+    always answered, so one asked again was never carried out.
     """
     token = parse_token(text)
     me = os.geteuid()
     if me not in {0, token.uid}:  # it would not answer us: say so without trying
         msg = f"this token is of a keeper of another user (uid {token.uid}): not yours"
         raise NotYours(msg)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as door:
-        _knock(door, token)
-        _, uid, _ = _PEERCRED.unpack(
-            door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
-        if uid != token.uid:  # never show the secret to, nor believe, a squatter
-            msg = f"{_GONE}; user {_user(uid)} listens on its name instead, and was not asked"
-            raise LeaseLost(msg)
-        try:
-            door.send(f"{verb} {token.secret}".encode())
-            answer = read_reply(door.recv(MAX_REPLY + 1))
-        except TimeoutError:
-            msg = f"the keeper did not answer within {format_duration(ANSWER)}"
-            raise BackendUnavailable(msg) from None
-        except OSError as err:
-            answer = None
-            if err.errno not in {errno.ECONNRESET, errno.EPIPE}:
-                raise BackendUnavailable(f"the keeper: {err.strerror or err}") from None
+    deadline = now() + ANSWER
+    while (answer := _ask_once(token, verb, deadline)) in {None, (ExitCode.UNAVAILABLE, BUSY)}:
+        if now() >= deadline:
+            break
+        time.sleep(0.01)
     if answer is None:
         msg = "the keeper hung up without an answer"
         raise BackendUnavailable(msg)
@@ -302,10 +293,40 @@ def ask(text: object, verb: str) -> str:
     return message
 
 
-def _knock(door: socket.socket, token: Token) -> None:
-    """Connect *door* to *token*'s keeper within `ANSWER` seconds; raise its status if not."""
-    deadline = now() + ANSWER
-    door.settimeout(ANSWER)
+def _ask_once(token: Token, verb: str, deadline: float) -> tuple[int, str] | None:
+    """Knock, send *verb*, and return the keeper's answer (None if we could read none)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as door:
+        _knock(door, token, deadline)
+        _, uid, _ = _PEERCRED.unpack(
+            door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid != token.uid:  # never show the secret to, nor believe, a squatter
+            msg = f"{_GONE}; user {_user(uid)} listens on its name instead, and was not asked"
+            raise LeaseLost(msg)
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                # A keeper that turned us away (BUSY) has answered and hung up already:
+                # its answer waits to be read.
+                door.send(f"{verb} {token.secret}".encode())
+            data = door.recv(MAX_REPLY + 1)
+        except TimeoutError:
+            msg = f"the keeper did not answer within {format_duration(ANSWER)}"
+            raise BackendUnavailable(msg) from None
+        except OSError as err:
+            if err.errno not in {errno.ECONNRESET, errno.EPIPE}:
+                raise BackendUnavailable(f"the keeper: {err.strerror or err}") from None
+            return None
+    if not data:  # hung up on us before we asked
+        return None
+    if (answer := read_reply(data)) is None:
+        msg = "the keeper's answer is none a keeper gives"
+        raise BackendUnavailable(msg)
+    return answer
+
+
+def _knock(door: socket.socket, token: Token, deadline: float) -> None:
+    """Connect *door* to *token*'s keeper by *deadline*; raise its status if not."""
+    door.settimeout(max(0.1, deadline - now()))
     while True:
         try:
             door.connect(token.door)
@@ -1075,7 +1096,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
                 _answer(connection, ExitCode.NOPERM, "this keeper is another user's: not yours")
                 connection.close()
             elif len(self.clients) >= CLIENTS:
-                _answer(connection, ExitCode.UNAVAILABLE, "the keeper is busy; ask again")
+                _answer(connection, ExitCode.UNAVAILABLE, BUSY)
                 connection.close()
             else:
                 fd = connection.fileno()

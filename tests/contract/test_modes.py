@@ -253,7 +253,12 @@ with open(log, "a") as out:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readers_and_writers_under_the_interval_oracle(uri: str, name: str, tmp_path: Path) -> None:
-    """Mixed readers and writers: a writer's interval never meets another; readers do share."""
+    """Mixed readers and writers: a writer's interval never meets another's, nor a reader's.
+
+    That readers share is shown without a clock by
+    test_shared_holders_run_together_and_exclude_a_writer: here their 30 ms holds need not
+    meet when each start-up takes longer, at load 30.
+    """
     log, active = tmp_path / "intervals", tmp_path / "active"
     active.mkdir()
     script = tmp_path / "mixed.py"
@@ -278,9 +283,6 @@ def test_readers_and_writers_under_the_interval_oracle(uri: str, name: str, tmp_
             if other != (begin, end) and other[0] < end and begin < other[1]
         ]
         assert overlapping == [], "a writer ran beside another holder"
-    assert any(a != b and a[0] < b[1] and b[0] < a[1] for a in readers for b in readers), (
-        "readers never shared the lock"
-    )
 
 
 def test_api_shared_locks_share_across_threads(uri: str, name: str) -> None:

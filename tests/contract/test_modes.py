@@ -404,7 +404,9 @@ def test_a_taker_that_dies_leaves_no_stop_behind(
     # A holder that heard the taker before it died stops (79), one that did not ends its
     # command as asked (0): when a loaded machine lets it hear is no business of this test.
     assert holder.finish() in {0, ExitCode.TAKEN_OVER}
-    later = Held(holder.ready.parent, "--uri", uri, "-n", name)
+    # The taker may have got in and been killed holding: its guardian then frees the lock,
+    # which may take a while at load 30. Wait for that (a hang guard, not a budget).
+    later = Held(holder.ready.parent, "--uri", uri, "-n", name, "--wait", "60")
     time.sleep(NOTICE)
     assert later.process.poll() is None, "a dead taker's request stopped a later holder"
     assert later.finish() == 0

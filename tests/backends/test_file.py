@@ -54,7 +54,7 @@ def test_a_slot_held_by_flock1_is_respected_and_its_release_noticed(
     uri = f"file://{tmp_path}/locks"
     first = held("--uri", uri, "-n", name, "-s", "2")  # slot 0
     flocked, go = tmp_path / "flocked", tmp_path / "go"
-    script = f"touch {flocked}; while [ ! -e {go} ]; do sleep 0.01; done"
+    script = f"touch {flocked}; while [ ! -e {go} ]; do sleep 0.05; done"
     flock = subprocess.Popen(
         ["flock", str(tmp_path / "locks" / f"{name}~1.lock"), "sh", "-c", script]
     )
@@ -212,7 +212,7 @@ def flocked(tmp_path: Path, lock_file: Path, *options: str) -> tuple[subprocess.
     """Start ``flock OPTIONS LOCK_FILE`` holding until the returned path exists; wait for it."""
     tag = uuid.uuid4().hex[:8]
     ready, go = tmp_path / f"flock-ready-{tag}", tmp_path / f"flock-go-{tag}"
-    script = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.01; done"
+    script = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.05; done"
     lock_file.parent.mkdir(exist_ok=True)
     process = subprocess.Popen(["flock", *options, str(lock_file), "sh", "-c", script], text=True)
     wait_for(lambda: ready.exists() or process.poll() is not None, what="flock(1)")

@@ -169,7 +169,7 @@ def test_a_release_that_never_reached_the_server_is_not_called_released(
     harness = server_harness
     assert harness.proxied is not None
     go = tmp_path / "go"
-    wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    wait = f"while [ ! -e {go} ]; do sleep 0.05; done"
     holder = spawn("--uri", harness.proxied, "-n", name, "-v", *CALM, "--", "sh", "-c", wait)
     assert holder.stderr is not None
     acquired = holder.stderr.readline()  # -v: once the run holds the lock, all set up
@@ -215,7 +215,7 @@ def _leave_a_child(
     holds the lock itself (`file:` without --close) the child keeps it, busy, until it ends.
     """
     first_argv, first_log, first_go = command(tmp_path, "first")
-    leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.01; done; exit 0'
+    leave = f'"$@" & while [ ! -e {first_log} ]; do sleep 0.05; done; exit 0'
     try:
         # stderr not piped: the child left behind would hold the pipe open.
         holder = spawn(

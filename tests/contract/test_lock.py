@@ -156,7 +156,7 @@ def test_waiters_are_served_in_arrival_order(
     waiters = []
     for index in range(10):
         script = (
-            f"touch {tmp_path}/in-{index}; {UNTIL} {tmp_path}/out-{index} ]; do sleep 0.01; done"
+            f"touch {tmp_path}/in-{index}; {UNTIL} {tmp_path}/out-{index} ]; do sleep 0.05; done"
         )
         waiters.append(start(*options, "-w", "forever", "--", "sh", "-c", script))
         # Queue each waiter before the next arrives: arrival order is then unambiguous.
@@ -249,7 +249,7 @@ def test_killed_holder_never_lets_a_second_command_overlap(
         return
     pid_file, go = tmp_path / "first.pid", tmp_path / "go"
     publish = f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"
-    script = f"{publish}; {UNTIL} {go} ]; do sleep 0.01; done"
+    script = f"{publish}; {UNTIL} {go} ]; do sleep 0.05; done"
     close_option = ["--close"] if close else []
     # stderr not piped: a surviving command would hold the pipe open.
     first = start("--uri", uri, "-n", name, *close_option, "--", "sh", "-c", script, stderr=None)
@@ -416,7 +416,7 @@ def test_verbose_waiter_names_each_holder_and_its_place(
     """Without a terminal, -v prints plain lines: the holder and place, again on each change."""
     first = held("--uri", uri, "-n", name)
     go = tmp_path / "go-second"
-    loop = f"{UNTIL} {go} ]; do sleep 0.01; done"
+    loop = f"{UNTIL} {go} ]; do sleep 0.05; done"
     second = start("--uri", uri, "-n", name, "-w", "forever", "--", "sh", "-c", loop)
     wait_for(lambda: queue_length(uri, name) == 1, what="the second to queue")
     waiter = start("--uri", uri, "-n", name, "-w", "forever", "-v", "--", "true")

@@ -194,7 +194,7 @@ def test_a_nested_lockrun_never_falls_back_to_file_silently(file_uri: str, name:
 def test_a_command_line_past_64k_runs_and_is_recorded_cut(uri: str, name: str) -> None:
     """70 kB of arguments: the command runs; the record keeps about 1 kB and a marker."""
     big = ["x" * 40_000, "é" * 15_000]
-    script = 'printf %s "$LOCKRUN_NAME" > "$0.ready"; while [ ! -e "$0.go" ]; do sleep 0.01; done'
+    script = 'printf %s "$LOCKRUN_NAME" > "$0.ready"; while [ ! -e "$0.go" ]; do sleep 0.05; done'
     marker = Path(f"/tmp/lockrun-big-{name}")
     holder = start("--uri", uri, "-n", name, "--", "sh", "-c", script, str(marker), *big)
     try:
@@ -219,7 +219,7 @@ def test_status_escapes_what_a_terminal_would_act_on(tmp_path: Path, name: str) 
     uri = f"file://{tmp_path}/locks"
     awkward = f"{name}\x1b]0;owned\x07\r\u202e"
     command = [*LOCKRUN, "--uri", uri, "-n", awkward, "--", "sh", "-c"]
-    script = f"touch {tmp_path}/ready; while [ ! -e {tmp_path}/go ]; do sleep 0.01; done"
+    script = f"touch {tmp_path}/ready; while [ ! -e {tmp_path}/go ]; do sleep 0.05; done"
     argv = [os.fsencode(arg) for arg in command] + [script.encode(), b"\xff\x1b[2J\xfe"]
     holder = subprocess.Popen(argv, stderr=subprocess.PIPE)
     try:

@@ -308,7 +308,7 @@ def most_at_once(runs: Iterable[Run]) -> int:
 # A command that publishes its slot in a ready file and runs until its go file exists.
 HOLD: Final = (
     "echo $LOCKRUN_SLOT > {ready}.tmp; mv {ready}.tmp {ready}; "
-    "while [ ! -e {go} ]; do sleep 0.01; done"
+    "while [ ! -e {go} ]; do sleep 0.05; done"
 )
 
 

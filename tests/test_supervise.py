@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.support.cli import gone, lockrun, one_line, python, queue_length, wait_for, waiter_pids
+from tests.support.cli import (
+    gone,
+    hung,
+    lockrun,
+    one_line,
+    python,
+    queue_length,
+    wait_for,
+    waiter_pids,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -279,7 +288,10 @@ def test_forwarded_signal_does_not_end_lockrun(
     )
     wait_ready(ready, process)
     os.kill(process.pid, signal.Signals["SIG" + signame])
-    _, err = process.communicate(timeout=30)
+    try:
+        _, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # seen once in CI (postgres, INT): say where it hung
+        pytest.fail(f"lockrun did not exit after the command's end:\n{hung(process.pid)}")
     assert (process.returncode, err) == (7, "")
 
 

@@ -90,6 +90,32 @@ def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str =
         pause = min(pause * 1.5, 0.05)
 
 
+def hung(pid: int) -> str:
+    """Describe *pid* and its descendants as the kernel sees them: for a hang's report.
+
+    State, wait channel and system call of each, with its command line: where a lockrun
+    that did not exit was stuck (a rare hang after a forwarded signal is being chased).
+    """
+    lines = []
+    queue = [pid]
+    while queue:
+        each = queue.pop(0)
+        try:
+            with open(f"/proc/{each}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0].decode()
+            parts = [
+                open(f"/proc/{each}/{field}", "rb").read().decode(errors="replace").strip()  # noqa: SIM115
+                for field in ("wchan", "syscall")
+            ]
+            argv = open(f"/proc/{each}/cmdline", "rb").read().replace(b"\0", b" ")  # noqa: SIM115
+            children = open(f"/proc/{each}/task/{each}/children").read().split()  # noqa: SIM115
+        except OSError:
+            continue
+        lines.append(f"{each} {state} wchan={parts[0]} syscall={parts[1]} {argv.decode()[:120]}")
+        queue.extend(int(child) for child in children)
+    return "\n".join(lines)
+
+
 def one_line(stderr: str) -> str:
     """Assert *stderr* is exactly one ``lockrun: …`` line (no traceback) and return it."""
     lines = stderr.splitlines()

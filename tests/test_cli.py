@@ -740,29 +740,49 @@ def _value_of(option: str, file_uri: str, name: str, tmp_path: Path) -> str:
 @pytest.mark.parametrize("option", _value_options())
 @pytest.mark.parametrize("subcommand", list(cli.SUBCOMMANDS))
 def test_options_before_a_subcommand_are_its_own_or_refused(
-    option: str,
-    subcommand: str,
-    file_uri: str,
-    name: str,
-    tmp_path: Path,
-    held: Callable[..., Held],
+    option: str, subcommand: str, file_uri: str, name: str, tmp_path: Path
 ) -> None:
-    """OPTION VALUE SUBCOMMAND is SUBCOMMAND OPTION VALUE, or exits 64: no program runs."""
+    """OPTION VALUE SUBCOMMAND is SUBCOMMAND OPTION VALUE, or a usage error naming the way out.
+
+    Asked of `cli.dispatch`, which is all that `main` does before the command runs: the same
+    command with the same arguments means the same run. test_a_subcommand_after_options_runs_
+    as_its_own_command runs both orders as processes, one option a subcommand.
+    """
     value = _value_of(option, file_uri, name, tmp_path)
+    rest = {"status": [name], "acquire": [name], "release": [NO_KEEPER_HOLDS]}
+    rest["renew"] = rest["release"]
+    after = cli.dispatch([subcommand, option, value, *rest[subcommand]])
+    before = [option, value, subcommand, *rest[subcommand]]
+    if option not in _grammar_of(after[0]):  # not its own: refused, naming the way out
+        with pytest.raises(click.UsageError, match=f"-- {subcommand}"):
+            cli.dispatch(before)
+        return
+    assert cli.dispatch(before) == after
+
+
+def _grammar_of(command: click.Command) -> set[str]:
+    return {spelling for param in command.params for spelling in getattr(param, "opts", [])}
+
+
+@pytest.mark.parametrize("subcommand", list(cli.SUBCOMMANDS))
+def test_a_subcommand_after_options_runs_as_its_own_command(
+    subcommand: str, file_uri: str, name: str, held: Callable[..., Held]
+) -> None:
+    """`lockrun -u URI SUBCOMMAND …` and `lockrun SUBCOMMAND -u URI …` end alike, as processes."""
     rest = {"status": [name], "acquire": [name], "release": [NO_KEEPER_HOLDS]}
     rest["renew"] = rest["release"]
     if subcommand == "acquire":  # busy: it must not leave a keeper behind
         held("--uri", file_uri, "-n", name)
-    env = os.environ | {"LOCKRUN_URI": file_uri}
-    before = lockrun(option, value, subcommand, *rest[subcommand], env=env)
-    after = lockrun(subcommand, option, value, *rest[subcommand], env=env)
+    before = lockrun("--uri", file_uri, subcommand, *rest[subcommand])
+    after = lockrun(subcommand, "--uri", file_uri, *rest[subcommand])
     for result in (before, after):
-        assert result.returncode not in {ExitCode.SOFTWARE, 126, 127}, result.stderr
+        assert result.returncode not in {ExitCode.SOFTWARE, ExitCode.USAGE, 126, 127}, result.stderr
         assert "Traceback" not in result.stderr
-    assert (before.returncode, before.stdout) == (after.returncode, after.stdout), before.stderr
-    if before.returncode == ExitCode.USAGE and after.stderr != before.stderr:
-        line = one_line(before.stderr)  # not the subcommand's: said so, with the way out
-        assert f"-- {subcommand}" in line, line
+    assert (before.returncode, before.stdout, before.stderr) == (
+        after.returncode,
+        after.stdout,
+        after.stderr,
+    )
 
 
 def test_a_subcommand_after_options_it_does_not_take_is_a_usage_error(file_uri: str) -> None:

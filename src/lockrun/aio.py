@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from lockrun.backends import Request, open_backend, parse_uri
 from lockrun.errors import TakenOver, UsageError
-from lockrun.lock import DEFAULT_TTL, Lease, Lock, acquire, start_renewals
+from lockrun.lock import Lease, Lock, acquire, start_renewals
+from lockrun.timing import DEFAULT_TTL
 
 if TYPE_CHECKING:
     from types import TracebackType

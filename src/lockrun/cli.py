@@ -26,7 +26,7 @@ from lockrun.errors import (
     UsageError,
     out_of_files,
 )
-from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, describe
+from lockrun.lock import DEFAULT_NAMESPACE, describe
 from lockrun.runner import (
     DEFAULT_HOOK_MAX_TIME,
     DEFAULT_KILL_AFTER,
@@ -35,7 +35,7 @@ from lockrun.runner import (
     run,
     states_for_status,
 )
-from lockrun.timing import clock_time, format_duration, parse_duration
+from lockrun.timing import DEFAULT_TTL, clock_time, format_duration, parse_duration
 from lockrun.uri import HIDDEN, SCHEMES, redact, secrets_of
 from lockrun.urifile import choose_uri
 

@@ -33,7 +33,7 @@ from lockrun.errors import (
     UsageError,
 )
 from lockrun.names import check_name
-from lockrun.timing import clock_time, format_duration, now
+from lockrun.timing import DEFAULT_TTL, clock_time, format_duration, now
 from lockrun.uri import DEFAULT_URI
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from lockrun import backends
 
 DEFAULT_NAMESPACE: Final = "default"
-DEFAULT_TTL: Final = 30.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 

@@ -43,11 +43,11 @@ from lockrun.errors import (
     TimedOut,
     UsageError,
 )
-from lockrun.lock import DEFAULT_NAMESPACE, DEFAULT_TTL, acquire
+from lockrun.lock import DEFAULT_NAMESPACE, acquire
 from lockrun.names import check_name, default_name
 from lockrun.progress import WaitReport
 from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
-from lockrun.timing import format_duration, now
+from lockrun.timing import DEFAULT_TTL, format_duration, now
 from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:

@@ -20,6 +20,10 @@ _NUMBER: Final = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _SHOWN: Final = 40  # characters of a bad DURATION quoted back: 400 digits are not news
 FOREVER: Final = "forever"
 
+# The clock's constants every front end and backend share (one home, issue 31).
+DEFAULT_TTL: Final = 30.0  # a lease's length when none is given; `status` fits timeouts to it
+RECONNECT_INTERVAL: Final = 1.0  # a queued waiter that lost its server asks again this often
+
 
 def now() -> float:
     """Return seconds on a clock that never steps back and keeps counting through suspend."""

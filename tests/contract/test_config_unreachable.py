@@ -20,11 +20,8 @@ import pymysql
 import pytest
 
 from lockrun import ExitCode
-from lockrun.backends import parse_uri
-from lockrun.backends import timeout_for as redis_timeout
+from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.mysql import parse as mysql_parse
-from lockrun.backends.mysql import timeout_for as mysql_timeout
-from lockrun.backends.postgres import timeout_for as postgres_timeout
 from lockrun.uri import redact
 from tests.support.cli import lockrun, one_line, wait_for
 from tests.support.harness import SERVERS
@@ -71,7 +68,7 @@ REACH: Final = {
         tcp=lambda where: f"redis://app:{SECRET}@{where}/0",
         socket=lambda directory: (f"unix://{directory}/nothing.sock", "nothing.sock"),
         no_host="nonexistent.invalid",
-        timeout=redis_timeout(float(SHORT_TTL)),
+        timeout=timeout_for(float(SHORT_TTL)),
     ),
     "mysql": Reach(
         tcp=lambda where: f"mysql://root:{SECRET}@{where}/lockrun",
@@ -80,7 +77,7 @@ REACH: Final = {
             "nothing.sock",
         ),
         no_host="nonexistent.invalid",
-        timeout=mysql_timeout(float(SHORT_TTL)),
+        timeout=timeout_for(float(SHORT_TTL), durable=True),
     ),
     "postgres": Reach(
         tcp=lambda where: f"postgresql://app:{SECRET}@{where}/lockrun",
@@ -89,7 +86,9 @@ REACH: Final = {
             f"{directory}/.s.PGSQL.5999",
         ),
         no_host="resolve",
-        timeout=max(2, math.ceil(postgres_timeout(float(SHORT_TTL)))),  # libpq's least is 2 s
+        timeout=max(
+            2, math.ceil(timeout_for(float(SHORT_TTL), durable=True))
+        ),  # libpq's least is 2 s
     ),
 }
 # The ways to run into the server: a run, a verbose wait (whose first call asks who holds

@@ -409,13 +409,16 @@ MIN_TIMEOUT: Final = 1.0
 MAX_TIMEOUT: Final = 5.0
 
 
-def timeout_for(ttl: float) -> float:
+def timeout_for(ttl: float, *, durable: bool = False) -> float:
     """Return the timeout of a connect, and of an answer, for leases of *ttl* seconds.
 
     A twentieth of the lease, so that the supervisor can ask again several times before it
-    must give a long lease up; never less than `MIN_TIMEOUT` nor more than `MAX_TIMEOUT`.
+    must give a long lease up; a tenth where each grant commits to disk (*durable*: MySQL and
+    PostgreSQL, whose busy servers take longer than Redis). Never less than `MIN_TIMEOUT` nor
+    more than `MAX_TIMEOUT`. A check on an SQL holding session waits a whole lease instead
+    (`SessionLease.refresh`).
     """
-    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / 20))
+    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / (10 if durable else 20)))
 
 
 def open_backend(

@@ -40,8 +40,6 @@ import pymysql
 from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import (
-    MAX_TIMEOUT,
-    MIN_TIMEOUT,
     Holder,
     LockState,
     Request,
@@ -50,6 +48,7 @@ from lockrun.backends import (
     read_json,
     readable_file,
     slots_mismatch,
+    timeout_for,
 )
 from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, MAX_WAIT
@@ -59,7 +58,7 @@ from lockrun.errors import (
     LockrunError,
     TakenOver,
 )
-from lockrun.timing import now
+from lockrun.timing import DEFAULT_TTL, now
 from lockrun.uri import (
     Secrets,
     option_name,
@@ -74,7 +73,6 @@ if TYPE_CHECKING:
 
     from lockrun.uri import LockURI
 
-DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _OPTIONS: Final = frozenset(
     {"unix_socket", "ssl_ca", "ssl_cert", "ssl_key", "read_default_file", "charset"}
 )
@@ -330,17 +328,6 @@ def _check_tls(uri: LockURI, kwargs: Mapping[str, object]) -> None:
         raise ConfigError(msg) from None
 
 
-def timeout_for(ttl: float) -> float:
-    """Return the timeout of a connect, and of a statement, for leases of *ttl* seconds.
-
-    A tenth of the lease (statements commit to disk, and a busy server takes longer than
-    Redis, whose timeout is a twentieth), within the bounds every server backend shares
-    (`backends.MIN_TIMEOUT`). A check on the holding session waits a whole lease instead
-    (`SessionLease.refresh`).
-    """
-    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / 10))
-
-
 def lock_key(namespace: str, name: str) -> str:
     r"""Return the GET_LOCK name of (namespace, name) without its ``:slot`` or ``:gate``.
 
@@ -573,7 +560,7 @@ class MySQLBackend(SessionLockBackend[Session]):
         self.where = settings.where
         self.ttl = ttl
         self.note = note
-        self.timeout = timeout_for(ttl)
+        self.timeout = timeout_for(ttl, durable=True)
         self.checked = False  # whether the server was found usable (not a Galera node)
         self.tables: bool | None = None  # whether lockrun's tables are usable; None: unknown
 

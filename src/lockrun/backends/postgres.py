@@ -43,8 +43,6 @@ from psycopg import pq
 
 from lockrun.backends import (
     MAX_RECORD,
-    MAX_TIMEOUT,
-    MIN_TIMEOUT,
     Holder,
     Identity,
     LockState,
@@ -52,11 +50,12 @@ from lockrun.backends import (
     read_identity,
     readable_file,
     slots_mismatch,
+    timeout_for,
 )
 from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError, TakenOver
-from lockrun.timing import now
+from lockrun.timing import DEFAULT_TTL, now
 from lockrun.uri import Secrets, scrub, secrets_of
 
 if TYPE_CHECKING:
@@ -65,7 +64,6 @@ if TYPE_CHECKING:
 
     from lockrun.uri import LockURI
 
-DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _MAX_LOCK_TIMEOUT: Final = 2_147_483_647  # ms: the largest lock_timeout; 0 would mean none
 _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot learn N
 _V13: Final = 130000  # pg_current_xact_id()
@@ -194,11 +192,6 @@ def _halves(key: int) -> tuple[int, int]:
     """Return pg_locks' (classid, objid) of a bigint key."""
     unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
     return unsigned >> 32, unsigned & 0xFFFF_FFFF
-
-
-def timeout_for(ttl: float) -> float:
-    """Return the timeout of a statement for leases of *ttl* seconds (as MySQL's: 1–5 s)."""
-    return min(MAX_TIMEOUT, max(MIN_TIMEOUT, ttl / 10))
 
 
 class Settings(NamedTuple):
@@ -532,7 +525,7 @@ class PostgresBackend(SessionLockBackend[Session]):
         self.ttl = ttl
         self.warn = warn
         self.note = note
-        self.timeout = timeout_for(ttl)
+        self.timeout = timeout_for(ttl, durable=True)
         self.connect_timeout = max(2, math.ceil(self.timeout))  # libpq's least is 2 s
         self.version = 0  # server_version_num, once a session told it
         self.checked = False  # whether the server was found usable (a primary, no pooler)

@@ -54,7 +54,7 @@ from lockrun.errors import (
     LockrunError,
     TakenOver,
 )
-from lockrun.timing import now
+from lockrun.timing import DEFAULT_TTL, RECONNECT_INTERVAL, now
 from lockrun.uri import Secrets, option_name, scrub, secrets_of
 
 if TYPE_CHECKING:
@@ -65,11 +65,9 @@ if TYPE_CHECKING:
     from lockrun.uri import LockURI
 
 DEFAULT_PORT: Final = 6379
-_RECONNECT: Final = 1.0  # a queued waiter that lost the server asks again this often
 _DROP_ROUNDS: Final = 8  # dead waiters passed over per release, 1 or more at a time
 SENTINEL_PORT: Final = 26379
 PREFIX: Final = "lockrun"
-DEFAULT_TTL: Final = 30.0  # for timeouts when no ttl is given (`lockrun status`)
 _TLS_OPTIONS: Final = frozenset(
     {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 )
@@ -1471,7 +1469,7 @@ class RedisBackend:
             raise err
         if deadline is not None and current >= deadline:
             raise err
-        time.sleep(min(_RECONNECT, ttl / 10))
+        time.sleep(min(RECONNECT_INTERVAL, ttl / 10))
         return heard
 
     def _sentinels_answer(self, cause: BaseException | None) -> bool:

@@ -42,14 +42,13 @@ from lockrun.errors import (
     LockrunError,
     TakenOver,
 )
-from lockrun.timing import now
+from lockrun.timing import RECONNECT_INTERVAL, now
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from lockrun.backends import Request
 
-_RECONNECT: Final = 1.0  # a queued waiter that lost the server tries again this often
 # A released session is kept for the next acquisition (docs/api.md "Connections") for at
 # most this part of a lease: the server ends a session idle for a whole lease.
 _KEPT_FOR: Final = 0.5
@@ -157,7 +156,7 @@ class SessionLockBackend(abc.ABC, Generic[S]):
                 lost = now() if lost is None or attempt.queued else lost
                 if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
                     raise failure from err
-                time.sleep(min(_RECONNECT, self.ttl / 10))
+                time.sleep(min(RECONNECT_INTERVAL, self.ttl / 10))
             finally:
                 self._attempts.remove(attempt)
 

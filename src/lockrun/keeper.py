@@ -1022,21 +1022,14 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         held = self.held
         if held is None:
             return None
-        sent = now()
-        try:
-            self.lease.refresh()  # bounded by the backend's timeouts, which fit the ttl
-        except TakenOver as err:  # still ours, and proved so
-            held.taken = err
-        except LeaseLost as err:
-            held.lost = err
-        except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
+        err = held.confirm()  # bounded by the backend's timeouts, which fit the ttl
+        if err is not None:
             return BackendUnavailable(
                 f"{self.name}: the lock service did not confirm the lease now ({err}); the "
                 "keeper holds on and renews, and gives the lock up if that fails for a ttl"
             )
-        else:
-            held.confirmed = sent
-            self.renew_at = sent + self.every
+        if held.lost is None:
+            self.renew_at = held.clock.confirmed + self.every
         return None
 
     def _lost(self, why: LeaseLost | TakenOver | TimedOut) -> None:

@@ -32,6 +32,7 @@ from lockrun.errors import (
     TakenOver,
     UsageError,
 )
+from lockrun.lease_clock import Answer, LeaseClock, Verdict
 from lockrun.names import check_name
 from lockrun.timing import DEFAULT_TTL, clock_time, format_duration, now
 from lockrun.uri import DEFAULT_URI
@@ -120,7 +121,7 @@ class Lease:
         self.slot = lease.slot
         self.fence = lease.fence
         self.ttl = lease.ttl
-        self.confirmed = lease.confirmed  # `timing.now` of the request that last proved it ours
+        self.clock = LeaseClock(lease.ttl, lease.confirmed)  # docs/design.md A10
         self.lost: LeaseLost | None = None  # what a renewal found, if the lease is gone
         self.taken: TakenOver | None = None  # a take-over another acquirer asked for
         self.released = False
@@ -129,7 +130,7 @@ class Lease:
         self._pid = os.getpid()  # the process that holds it: a forked child is another
 
     def check(self) -> None:
-        """Raise `LeaseLost` if the lease is gone, released, or unconfirmed for a ttl; else return.
+        """Raise `LeaseLost` if the lease is gone, released, or unconfirmed at its deadline.
 
         Raise `TakenOver` if another acquirer asked for a take-over: the slot is still ours
         until `release`, which the taker waits for.
@@ -149,8 +150,9 @@ class Lease:
             raise self.lost
         if self.taken is not None:
             raise self.taken
-        if self.ttl is not None and now() - self.confirmed >= self.ttl:
-            msg = f"the lease was not confirmed for {format_duration(self.ttl)}"
+        if self.clock.verdict(now()) is Verdict.LOST:
+            unconfirmed = format_duration(now() - self.clock.confirmed)
+            msg = f"the lease was not confirmed for {unconfirmed}"
             raise LeaseLost(msg)
 
     def release(self) -> None:
@@ -169,24 +171,45 @@ class Lease:
         if self.lost is not None:
             raise self.lost
 
+    @property
+    def confirmed(self) -> float:
+        """Return the `timing.now` of the request that last proved the lease ours."""
+        return self.clock.confirmed
+
     def renew(self) -> float | None:
-        """Prove the lease still ours; return seconds until the next renewal, None once lost."""
-        ttl = self.ttl or 0.0
+        """Prove the lease still ours; return seconds until the next renewal, None once lost.
+
+        A renewal without an answer is a doubt, asked again after `lease_clock.RETRY`; the
+        lease is lost once still unconfirmed at its deadline (docs/design.md A10).
+        """
+        doubt = self.confirm()
+        if doubt is not None and self.clock.verdict(now()) is Verdict.LOST:
+            self.lost = LeaseLost(f"lease could not be confirmed: {doubt}")
+        if self.lost is not None:
+            return None
+        return max(0.0, self.clock.refresh_due() - now())
+
+    def confirm(self) -> Exception | None:
+        """Ask the service once whether the lease is ours; return why it did not say (None: it did).
+
+        What it said is kept: a take-over asked for (`taken`), a lease gone (`lost`).
+        """
         sent = now()
+        self.clock.sending(sent)
         try:
             self._lease.refresh()
         except TakenOver as err:  # still ours, and proved so
             self.taken = err
+            self.clock.answered(sent, Answer.TAKEN)
         except LeaseLost as err:
             self.lost = err
-            return None
+            self.clock.answered(sent, Answer.LOST)
         except Exception as err:  # noqa: BLE001 - unavailable, refused, a reply askew: a doubt
-            if now() - self.confirmed >= ttl:
-                self.lost = LeaseLost(f"lease could not be confirmed: {err}")
-                return None
-            return 1.0
-        self.confirmed = sent
-        return max(0.0, sent + ttl / 3 - now())
+            self.clock.answered(sent, Answer.DOUBT, str(err))
+            return err
+        else:
+            self.clock.answered(sent, Answer.HELD)
+        return None
 
 
 class Lock:
@@ -399,9 +422,8 @@ class _Renewal:
     """
 
     def __init__(self, held: Lease) -> None:
-        ttl = held.ttl or 0.0
         self.held = held
-        self.due = held.confirmed + ttl / 3  # counted from the request, as in supervise.py
+        self.due = held.clock.refresh_due()  # counted from the request, as in supervise.py
         self.cancelled = threading.Event()
         self.thread: threading.Thread | None = None
 

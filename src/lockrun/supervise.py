@@ -29,6 +29,7 @@ from lockrun.errors import (
     TakenOver,
     TimedOut,
 )
+from lockrun.lease_clock import Answer, LeaseClock, Verdict
 from lockrun.timing import format_duration, now
 
 if TYPE_CHECKING:
@@ -56,12 +57,8 @@ _WATCHED: Final = FORWARDED | {signal.SIGCHLD, _HANGUP, _BELL}
 _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (docs/design.md A9).
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
-_RETRY: Final = 1.0  # an unconfirmed lease is asked about again this often
+
 _POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally ~1 ms)
-# The share of a lease held in reserve when it cannot be confirmed: KILL is due this much
-# before the service may give the slot away (clock drift, scheduling). Refreshes run in a
-# thread, so one that hangs cannot delay the stop.
-_MARGIN: Final = 0.1
 
 
 class Killed(int):
@@ -666,14 +663,13 @@ class _Watch:
         self.terminal = False
         self.reaped = False
         self.forward = forward  # the signals passed on to the command
-        self.confirmed = lease.confirmed  # when the last successful refresh was sent
-        self.doubt: BackendUnavailable | None = None  # why the lease is unconfirmed, if it is
+        self.clock = LeaseClock(
+            lease.ttl, lease.confirmed, every=limits.refresh_every, kill_after=limits.kill_after
+        )
         self.asking: _Ask | None = None
-        self.next_refresh = self.confirmed + limits.refresh_every
         self.time_limit: float | None = None
         self.kill_at: float | None = None
         self.failure: LeaseLost | TimedOut | TakenOver | None = None
-        self.rung = False  # a take-over bell rang since the last refresh was sent
 
     def confirm_before_start(self) -> None:
         """Renew a lease that a stall since the grant has left due, before anything runs.
@@ -681,7 +677,7 @@ class _Watch:
         Nothing ran either way: `LeaseLost` (76) if the server says it is gone, as for any
         lost lock, and `BackendUnavailable` (69) if the server cannot be asked.
         """
-        if self.lease.ttl is None or now() < self.next_refresh:
+        if self.lease.ttl is None or now() < self.clock.next_refresh:
             self._expect()
             return
         sent = now()
@@ -690,7 +686,7 @@ class _Watch:
         except (LeaseLost, BackendUnavailable) as err:
             msg = f"the lease could not be confirmed before the command started: {err}; nothing ran"
             raise type(err)(msg) from err
-        self._confirm(sent)
+        self._confirm(sent, Answer.HELD)
 
     def start(self, pid: int) -> None:
         """Watch *pid*, the command just spawned; KILL it if the lease ran out meanwhile.
@@ -703,17 +699,16 @@ class _Watch:
         self.group = self.group or pid
         if self.limits.max_time is not None:
             self.time_limit = now() + self.limits.max_time
-        if self.lease.ttl is not None and now() >= self._deadline():
+        if now() >= self.clock.deadline():
             self._signal_group(signal.SIGKILL)
             self.failure = LeaseLost(
                 "the lease ran out while the command was started (lockrun stalled); "
                 "killed it at once"
             )
 
-    def _confirm(self, sent: float) -> None:
+    def _confirm(self, sent: float, answer: Answer) -> None:
         """Count the lease from *sent*, when the refresh that proved it went out."""
-        self.confirmed, self.doubt = sent, None
-        self.next_refresh = sent + self.limits.refresh_every
+        self.clock.answered(sent, answer)
         self._expect()
 
     def _expect(self) -> None:
@@ -727,8 +722,7 @@ class _Watch:
         # Halfway between the latest TERM of ours (a refresh that hangs is a doubt only
         # after _RETRY) and the deadline: while we run, we send it, not both; a stopped
         # lockrun's command still gets some grace, and KILL lands when ours would.
-        deadline = self._deadline()
-        ours = min(max(self._term_due(), self.next_refresh + _RETRY), deadline)
+        deadline, ours = self.clock.deadline(), self.clock.latest_term()
         self.guardian.expect(ours + (deadline - ours) / 2, deadline, late)
 
     def run(self) -> int:
@@ -750,7 +744,7 @@ class _Watch:
                 elif info.si_signo == _HANGUP:
                     self._on_hangup()
                 elif info.si_signo == _BELL:
-                    self.rung = True  # asked at the next timer, or after the refresh under way
+                    self.clock.ring()  # asked at the next timer, or after the refresh under way
                 elif info.si_signo in self.forward:
                     self._signal_group(info.si_signo)
         except BaseException:
@@ -764,11 +758,10 @@ class _Watch:
             if self.asking is not None:
                 timers.append(now() + _POLL)
             else:
-                timers.append(now() if self.rung else self.next_refresh)
-            if self.doubt is not None:
-                timers.append(self._term_due())
-            if self.lease.ttl is not None:
-                timers.append(self._deadline())
+                timers.append(max(now(), self.clock.refresh_due()))
+            if self.clock.doubt is not None:
+                timers.append(self.clock.term_due())
+            timers.append(self.clock.deadline())
             if self.time_limit is not None:
                 timers.append(self.time_limit)
         if self.kill_at is not None:
@@ -788,19 +781,20 @@ class _Watch:
             return
         if self._collect(current):
             return
-        if self.lease.ttl is not None and current >= self._deadline():
+        verdict = self.clock.verdict(current)
+        if verdict is Verdict.LOST:
             # A lockrun that could not run (a stop, a stall before the spawn), or a lease
             # too short for a refresh to be doubted first: it may be someone else's now.
             # The guardian has acted already, unless the command started after it did.
             # Woken past it: as for a lock known lost, TERM and a short grace.
             self._begin_stop(self._unconfirmed(), kill_by=current + self.limits.lost_kill_after)
-        elif self.doubt is not None and current >= self._term_due():
+        elif verdict is Verdict.GIVE_UP:
             # The lease may still be ours: the grace must not outlast it.
-            lost = LeaseLost(f"lease could not be confirmed: {self.doubt}")
-            self._begin_stop(lost, kill_by=self._deadline())
-        elif self.asking is None and (self.rung or current >= self.next_refresh):
-            self.rung = False
+            lost = LeaseLost(f"lease could not be confirmed: {self.clock.doubt}")
+            self._begin_stop(lost, kill_by=self.clock.deadline())
+        elif current >= self.clock.refresh_due():
             self.asking = _Ask(self.lease)
+            self.clock.sending(self.asking.sent)
 
     def _on_hangup(self) -> None:
         """Stop at once if the server closed a session of the lease (not for a stray SIGURG)."""
@@ -817,53 +811,30 @@ class _Watch:
         if ask is None:
             return False
         if ask.is_alive():
-            if current - ask.sent >= _RETRY and self.doubt is None:
-                self.doubt = BackendUnavailable(f"no answer for {current - ask.sent:.1f}s")
+            self.clock.waiting(current)
             return False
         self.asking = None
         # A bell that rang while the refresh ran may have been that refresh's own answer (a
         # bell on the session's socket: PostgreSQL's LISTEN). What the refresh read is
         # gone from the socket, so the bell counts only if one is still readable.
-        self.rung = self.rung and _readable(self.lease.bells)
+        self.clock.rung = self.clock.rung and _readable(self.lease.bells)
         if ask.error is None:
-            self._confirm(ask.sent)
+            self._confirm(ask.sent, Answer.HELD)
         elif isinstance(ask.error, TakenOver):  # still ours, proved: stop with the usual grace
-            self._confirm(ask.sent)
-            self._begin_stop(
-                ask.error, kill_by=None if self.lease.ttl is None else self._deadline()
-            )
+            self._confirm(ask.sent, Answer.TAKEN)
+            self._begin_stop(ask.error, kill_by=self.clock.deadline())
             return True
         elif isinstance(ask.error, LeaseLost):
+            self.clock.answered(ask.sent, Answer.LOST)
             self._begin_stop(ask.error, kill_by=now() + self.limits.lost_kill_after)
             return True
         elif isinstance(ask.error, LockrunError):  # unavailable, or refused (a failover to
             # a server that no longer has our database): the lease is in doubt either way
-            self.doubt = (
-                ask.error
-                if isinstance(ask.error, BackendUnavailable)
-                else BackendUnavailable(str(ask.error))
-            )
+            self.clock.answered(ask.sent, Answer.DOUBT, str(ask.error))
             self.log(f"lease not confirmed ({ask.error}); retrying")
-            self.next_refresh = ask.sent + _RETRY
         else:
             raise ask.error  # a bug: status 70, after _stop_now
         return False
-
-    def _deadline(self) -> float:
-        """When KILL must have landed unless the lease is confirmed again (a tenth early)."""
-        ttl = self.lease.ttl
-        if ttl is None:
-            return self.confirmed
-        return self.confirmed + ttl * (1 - _MARGIN)
-
-    def _term_due(self) -> float:
-        """When a doubted lease is given up: --kill-after before the deadline.
-
-        A --kill-after longer than half the lease is shortened to that, so a refresh that
-        hangs for a moment does not stop the command at once.
-        """
-        ttl = self.lease.ttl or 0.0
-        return self._deadline() - min(self.limits.kill_after, ttl * (1 - _MARGIN) / 2)
 
     def _begin_stop(
         self, failure: LeaseLost | TimedOut | TakenOver, *, kill_by: float | None = None
@@ -907,8 +878,8 @@ class _Watch:
 
     def _unconfirmed(self) -> LeaseLost:
         """Say why a lease that ran out unconfirmed stopped the command."""
-        if self.doubt is not None:  # we were about to stop it ourselves
-            return LeaseLost(f"lease could not be confirmed: {self.doubt}")
+        if self.clock.doubt is not None:  # we were about to stop it ourselves
+            return LeaseLost(f"lease could not be confirmed: {self.clock.doubt}")
         if self.guardian is not None and self.guardian.acted():
             return LeaseLost(
                 "lockrun could not renew the lease in time (was it stopped or starved?); "

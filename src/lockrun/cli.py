@@ -18,7 +18,6 @@ from lockrun.backends import flockwait, parse_uri
 from lockrun.bounds import MAX_SLOTS
 from lockrun.errors import (
     ExitCode,
-    Interrupted,
     LockBusy,
     LockrunError,
     OutOfFiles,
@@ -1191,9 +1190,6 @@ def _exit_status(command: click.Command, prog: str, args: list[str]) -> int:
         return ExitCode.USAGE
     except click.Abort:  # Ctrl-C outside a wait, e.g. while parsing
         return ExitCode.INTERRUPTED
-    except Interrupted as err:
-        say(str(err))
-        return err.status
     except LockrunError as err:
         say(str(err))
         return err.exit_code

@@ -31,9 +31,9 @@ from lockrun.errors import (
     TakenOver,
     UsageError,
 )
+from lockrun.hold import INTERRUPTS, acquired, make_request, quiet, report_for, take
 from lockrun.names import check_name
-from lockrun.progress import WaitReport
-from lockrun.runner import _INTERRUPTS, _acquire, check_options
+from lockrun.runner import check_options
 from lockrun.supervise import FORWARDED
 from lockrun.timing import clock_time, format_duration, now
 from lockrun.uri import SCHEMES
@@ -209,37 +209,20 @@ def acquire(
     check_options(options)
     name = check_name(options.name or "")
     namespace = check_name(options.namespace, "namespace")
-    verbose = log if options.verbose else _quiet
-    request = Request(
-        namespace,
-        name,
-        options.slots,
-        options.ttl,
-        Holder.me(("lockrun", "acquire", "--no-keeper", name))._replace(shared=options.shared),
-        shared=options.shared,
-        take_over=options.take_over,
-        hold=options.hold_at_least,
-        lease_id=secrets.token_hex(10),
-    )
+    verbose = log if options.verbose else quiet
+    holder = ("lockrun", "acquire", "--no-keeper", name)
+    request = make_request(options, namespace, name, holder, secrets.token_hex(10))
     with _Interrupts(verbose, name) as interrupts:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         try:
             keeps = cast("Keeps", backend)  # check_leased: a backend whose locks are leases
             interrupts.watch(keeps)
-            report = (
-                WaitReport(request, uri, log=log, live=live)
-                if options.verbose and options.wait != 0
-                else None
-            )
+            report = report_for(options, request, uri, log, live)
             started = now()
-            lease = interrupts.wait(lambda: _acquire(backend, request, options.wait, report))
+            lease = interrupts.wait(lambda: take(backend, request, options.wait, report))
             if report is not None:
                 report.stop()
-            fence = "" if lease.fence is None else f", fence {lease.fence}"
-            verbose(
-                f"acquired {name} slot {lease.slot} of {options.slots} "
-                f"after {format_duration(now() - started)}{fence}"
-            )
+            verbose(acquired(request, lease, started))
             token = _token(keeps, request, options)
             _hand_over(lease, token, deliver, interrupts)
         finally:
@@ -318,7 +301,7 @@ class _Interrupts:
             signo = signal.sigwait(self.watched)
             if self.closing:
                 return
-            if signo not in _INTERRUPTS:
+            if signo not in INTERRUPTS:
                 what = signal.Signals(signo).name
                 self.verbose(
                     f"{what} while waiting for {self.name}: no command to pass it to; dropped"
@@ -346,10 +329,6 @@ class _Interrupts:
             what = signal.Signals(signo).name
             msg = f"{what} while waiting for {self.name}; nothing is held"
             raise Interrupted(msg, signo=signo) from None
-
-
-def _quiet(_line: str) -> None:
-    pass
 
 
 # -- renew and release ----------------------------------------------------------------------
@@ -418,7 +397,8 @@ def _ask(token: LeaseToken, backend: Keeps, asking: Callable[[], _T]) -> _T:
             raise ConfigError(msg) from None
         raise LeaseLost(f"{token.name}: {err}") from None
     except (TakenOver, BackendUnavailable, ConfigError) as err:
-        raise type(err)(f"{token.name}: {err}") from None
+        err.about(token.name)
+        raise
 
 
 __all__ = ["LeaseToken", "acquire", "is_lease_token", "parse_token", "release", "renew"]

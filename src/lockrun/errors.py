@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import os
 from enum import IntEnum
-from typing import ClassVar
+from typing import Self
 
 from lockrun.uri import hide
 
@@ -21,7 +21,7 @@ class ExitCode(IntEnum):
     SOFTWARE = 70  # EX_SOFTWARE: a bug in lockrun
     OSERR = 71  # EX_OSERR: out of open files (ulimit -n), as sysexits says of "cannot create pipe"
     BUSY = 75  # EX_TEMPFAIL: held by others and --wait expired; -E moves it
-    IOERR = 74  # EX_IOERR: `lockrun status` could not write its answer
+    IOERR = 74  # EX_IOERR: `lockrun status` its answer, or `lockrun acquire` its token, unwritten
     LOST = 76  # EX_PROTOCOL: the lock was lost while the command ran; the command was stopped
     NOPERM = 77  # EX_NOPERM: `lockrun release`: the token's keeper is another user's
     CONFIG = 78  # EX_CONFIG: bad URI, missing driver, unusable lock directory, --slots mismatch
@@ -40,11 +40,25 @@ class LockrunError(Exception):
     it (docs/security.md "Passwords in URIs").
     """
 
-    exit_code: ClassVar[ExitCode] = ExitCode.SOFTWARE
+    exit_code: int = ExitCode.SOFTWARE
+    # The lock it concerns: every lockrun-made status line names it (docs/semantics.md
+    # "Exit status"), and `str()` begins with it. Set once, by `about`.
+    lock: str | None = None
 
     def __init__(self, *args: object) -> None:
         """Keep *args*, with every password `lockrun.uri.hide` knows replaced by ``***``."""
         super().__init__(*(hide(arg) if isinstance(arg, str) else arg for arg in args))
+
+    def __str__(self) -> str:
+        """Return the message, after the lock's name if it concerns one."""
+        text = super().__str__()
+        return text if self.lock is None else f"{self.lock}: {text}"
+
+    def about(self, lock: str) -> Self:
+        """Name *lock* in the message, unless one is named already; return the error."""
+        if self.lock is None:
+            self.lock = lock
+        return self
 
 
 class UsageError(LockrunError, ValueError):
@@ -125,14 +139,14 @@ class CommandNotExecutable(LockrunError):
 
 
 class Interrupted(LockrunError):
-    """INT, TERM or HUP arrived while waiting for the lock; the status is 128+N."""
+    """INT, TERM, HUP or QUIT arrived while waiting for the lock; the status is 128+N."""
 
-    exit_code = ExitCode.INTERRUPTED
+    exit_code: int = ExitCode.INTERRUPTED
 
     def __init__(self, message: str, *, signo: int) -> None:
-        """Remember the signal: the CLI exits 128 + *signo* (130 for INT, 143 for TERM)."""
+        """Exit 128 + *signo*: 129 for HUP, 130 for INT, 131 for QUIT, 143 for TERM."""
         super().__init__(message)
-        self.status = 128 + signo
+        self.exit_code = 128 + signo
 
 
 class TimedOut(LockrunError):

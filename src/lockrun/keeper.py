@@ -26,7 +26,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Self
 
-from lockrun.backends import Holder, Request, _user, open_backend, parse_uri
+from lockrun.backends import Request, _user, open_backend, parse_uri
 from lockrun.backends.directories import open_directory
 from lockrun.errors import (
     BackendUnavailable,
@@ -41,18 +41,21 @@ from lockrun.errors import (
     TimedOut,
     UsageError,
 )
-from lockrun.lock import Lease as Held
-from lockrun.names import check_name
-from lockrun.progress import WaitReport
-from lockrun.runner import (
-    _INTERRUPTS,
-    _acquire,
-    _interruptible,
-    _release,
-    check_options,
+from lockrun.hold import (
+    INTERRUPTS,
+    acquired,
+    interruptible,
+    make_request,
+    quiet,
+    release,
+    report_for,
+    take,
     unheard,
 )
-from lockrun.supervise import FORWARDED, Stat, _hung_up, _readable, stat_of
+from lockrun.lock import Lease as Held
+from lockrun.names import check_name
+from lockrun.runner import check_options
+from lockrun.supervise import FORWARDED, Stat, hung_up, readable, stat_of
 from lockrun.timing import clock_time, format_duration, now
 
 if TYPE_CHECKING:
@@ -423,7 +426,7 @@ def watch_owner(owner: int | None, options: Options) -> int | None:
         msg = f"--owner {owner}: cannot watch it: {err.strerror}"
         raise ConfigError(msg) from None
     never = _never_exits(owner)  # read after the pidfd: still that process if it lives
-    if _readable([pidfd]):  # it exited already
+    if readable([pidfd]):  # it exited already
         os.close(pidfd)
         msg = f"--owner {owner}: that process has exited"
         raise UsageError(msg)
@@ -589,10 +592,10 @@ def _relay(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signo)
 
-    for signo in _INTERRUPTS:
+    for signo in INTERRUPTS:
         if signal.getsignal(signo) is not signal.SIG_IGN:  # nohup's HUP stays ignored
             signal.signal(signo, forward)
-    for signo in FORWARDED - _INTERRUPTS:  # USR1, USR2: dropped while waiting, as by a run
+    for signo in FORWARDED - INTERRUPTS:  # USR1, USR2: dropped while waiting, as by a run
         signal.signal(signo, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, saved)
     with link:
@@ -673,33 +676,22 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         """Take the lock, then keep it until something ends the keeper; return its status."""
         options = self.options
         name = options.name or ""
-        verbose = log if options.verbose else _quiet
+        verbose = log if options.verbose else quiet
         os.setpgid(0, 0)  # our own group: a Ctrl-C reaches the parent, which passes it on once
         _die_with(self.parent.pid)
         _prctl(_PR_SET_NAME, KEEPER_NAME)
         _close_inherited({self.parent.link.fileno(), *([self.pidfd] if self.pidfd else [])})
         owner = "none" if self.owner is None else str(self.owner)
-        request = Request(
-            options.namespace,
-            name,
-            options.slots,
-            options.ttl,
-            Holder.me(("lockrun", "acquire", "--owner", owner, name))._replace(
-                shared=options.shared
-            ),
-            shared=options.shared,
-            take_over=options.take_over,
-            hold=options.hold_at_least,
-        )
+        holder = ("lockrun", "acquire", "--owner", owner, name)
+        request = make_request(options, options.namespace, name, holder)
         report = None
-        with _interruptible(name, verbose):
+        with interruptible(name, verbose):
             signal.pthread_sigmask(signal.SIG_SETMASK, self.parent.mask)  # a TERM ends the wait
             backend = open_backend(self.uri, ttl=options.ttl, warn=log, note=verbose)
             try:
-                if options.verbose and options.wait != 0:
-                    report = WaitReport(request, self.uri, log=log, live=live)
+                report = report_for(options, request, self.uri, log, live)
                 started = now()
-                lease = _acquire(backend, request, options.wait, report)
+                lease = take(backend, request, options.wait, report)
             except BaseException:
                 backend.close()
                 raise
@@ -707,15 +699,11 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         try:
             if report is not None:
                 report.stop()
-            fence = "" if lease.fence is None else f", fence {lease.fence}"
-            verbose(
-                f"acquired {name} slot {lease.slot} of {options.slots} "
-                f"after {format_duration(now() - started)}{fence}"
-            )
+            verbose(acquired(request, lease, started))
             try:
                 keeper = _Keeper(options, request, lease, self.pidfd, verbose, self.section)
             except BaseException:  # no door: nobody could release it
-                _release(lease, request, now(), 0.0, verbose)
+                release(lease, request, now(), 0.0, verbose)
                 raise
             try:
                 with _Signals() as keeper.signals:
@@ -766,10 +754,6 @@ class _Child:  # pragma: no cover - runs in the forked keeper; its coverage is s
         link.close()
 
 
-def _quiet(_line: str) -> None:
-    pass
-
-
 def _die_with(parent: int | None) -> None:  # pragma: no cover - runs in the keeper
     """Have the kernel TERM us when *parent* dies (None: no longer): prctl(2) PDEATHSIG.
 
@@ -809,10 +793,10 @@ class _Signals:  # pragma: no cover - runs in the keeper
         self._wakeup = -1
 
     def __enter__(self) -> Self:
-        for signo in _INTERRUPTS:
+        for signo in INTERRUPTS:
             if signal.getsignal(signo) is not signal.SIG_IGN:  # nohup's HUP stays ignored
                 signal.signal(signo, _noted)
-        for signo in FORWARDED - _INTERRUPTS:  # USR1, USR2: there is no command to pass them
+        for signo in FORWARDED - INTERRUPTS:  # USR1, USR2: there is no command to pass them
             signal.signal(signo, signal.SIG_IGN)
         self._wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # pending ones arrive now
@@ -825,12 +809,12 @@ class _Signals:  # pragma: no cover - runs in the keeper
         os.close(self._write)
 
     def received(self) -> set[int]:
-        """Return the signals of _INTERRUPTS that arrived since the last call."""
+        """Return the signals of INTERRUPTS that arrived since the last call."""
         got: set[int] = set()
         with contextlib.suppress(BlockingIOError):
             while data := os.read(self.fd, 64):
                 got.update(data)
-        return got & set(_INTERRUPTS)
+        return got & set(INTERRUPTS)
 
 
 def _noted(_signo: int, _frame: object) -> None:  # pragma: no cover - runs in the keeper
@@ -936,7 +920,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             self._unwatch_step(fd)
             if not self.steps:
                 self._follow_section()
-        elif what == "session" and _hung_up(self.lease.sessions):
+        elif what == "session" and hung_up(self.lease.sessions):
             lost = "the session holding the lock ended (the server hung up); its locks are gone"
             self._lost(LeaseLost(lost))
         elif what == "bell":
@@ -952,7 +936,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         if self.section is None:
             self.finish()  # nobody is left to ask why
             return
-        for fd in [fd for fd in self.steps if _readable([fd])]:  # ended, event or not
+        for fd in [fd for fd in self.steps if readable([fd])]:  # ended, event or not
             self._unwatch_step(fd)
         known = set(self.steps.values())
         for pid, start in self.section.members().items():
@@ -963,7 +947,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
             except OSError:  # gone already
                 continue
             info = stat_of(pid)  # read after the pidfd: still that process if it lives
-            if info is None or info.start != start or _readable([pidfd]):
+            if info is None or info.start != start or readable([pidfd]):
                 os.close(pidfd)
                 continue
             self.steps[pidfd] = pid
@@ -1037,7 +1021,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         with contextlib.suppress(LockrunError):
             # A taker runs next and a lost lock is no one's: only --max-time keeps a window.
             self._give_back(keep_window=isinstance(why, TimedOut))
-        self.ended = type(why)(f"{self.name}: {why}")
+        self.ended = why.about(self.name)
         self.linger = now() + LINGER
 
     def _give_back(self, *, keep_window: bool) -> tuple[int, str]:
@@ -1052,7 +1036,7 @@ class _Keeper:  # pragma: no cover - runs in the forked keeper
         self._unwatch("bell", "session")
         took = now() - self.held_since
         hold = self.options.hold_at_least if keep_window else 0.0
-        if not _release(self.lease, self.request, self.held_since, hold, self.verbose):
+        if not release(self.lease, self.request, self.held_since, hold, self.verbose):
             return BackendUnavailable.exit_code, f"{self.name}: {unheard(self.name, took)}"
         left = f" (taken {format_duration(hold - took)} more: --hold-at-least)" * (hold > took)
         return 0, f"released {self.name} after {format_duration(took)}{left}"

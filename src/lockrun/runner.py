@@ -7,14 +7,11 @@ Python API (`lockrun.lock.Lock`) shares `acquire` and the defaults with it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 from typing import TYPE_CHECKING, Final, NamedTuple, cast
 
 from lockrun.backends import (
     Backend,
-    Holder,
     Lease,
     Leased,
     LockState,
@@ -35,26 +32,34 @@ from lockrun.errors import (
     BackendUnavailable,
     CommandNotExecutable,
     CommandNotFound,
-    ConfigError,
     ExitCode,
-    Interrupted,
     LeaseLost,
     TakenOver,
     TimedOut,
     UsageError,
 )
-from lockrun.lock import DEFAULT_NAMESPACE, acquire
+from lockrun.hold import (
+    Waiting,
+    acquired,
+    deferred,
+    interruptible,
+    make_request,
+    quiet,
+    release,
+    report_for,
+    take,
+)
+from lockrun.lock import DEFAULT_NAMESPACE
 from lockrun.names import check_name, default_name
-from lockrun.progress import WaitReport
 from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
-from lockrun.timing import DEFAULT_TTL, format_duration, now
+from lockrun.timing import DEFAULT_TTL, now
 from lockrun.uri import DEFAULT_URI, redact
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
-    from types import FrameType
+    from collections.abc import Callable, Sequence
 
     from lockrun.monitor import Account
+    from lockrun.progress import WaitReport
 
 DEFAULT_KILL_AFTER: Final = 10.0
 # Once the lock is known gone someone else may hold it: a short grace (docs/semantics.md G3).
@@ -115,22 +120,13 @@ def run(
     check_options(options)
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
-    verbose = log if options.verbose else lambda _line: None
+    verbose = log if options.verbose else quiet
     if options.name is None:
         verbose(f"lock name {name} (derived from the command; set it with --name)")
-    request = Request(
-        namespace,
-        name,
-        options.slots,
-        options.ttl,
-        Holder.me(argv)._replace(shared=options.shared),
-        shared=options.shared,
-        take_over=options.take_over,
-        hold=options.hold_at_least,
-    )
+    request = make_request(options, namespace, name, argv)
     account = _account(options, request, log)
     try:
-        with _interruptible(name, verbose) as waiting:
+        with interruptible(name, verbose) as waiting:
             if account is not None:
                 account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
@@ -140,11 +136,7 @@ def run(
             abandon = cast("Leased", backend).abandon if uri.kind.leased else None
             guardian = Guardian(abandon) if options.close or not uri.kind.inherits_fds else None
             try:
-                report = (
-                    WaitReport(request, uri, log=log, live=live)
-                    if options.verbose and options.wait != 0
-                    else None
-                )
+                report = report_for(options, request, uri, log, live)
                 status = _hold_and_run(
                     backend, request, argv, options, verbose, guardian, waiting, report, account
                 )
@@ -177,31 +169,26 @@ def _hold_and_run(
     options: Options,
     verbose: Callable[[str], None],
     guardian: Guardian | None,
-    waiting: _Waiting,
+    waiting: Waiting,
     report: WaitReport | None,
     account: Account | None,
 ) -> int:
     started = now()
-    lease = _acquire(backend, request, options.wait, report)
-    held_since = started  # for the message only; set again at once
-    hold = 0.0  # how much longer the slot stays taken once released (--hold-at-least)
+    lease = take(backend, request, options.wait, report)
     # From here on the signals of FORWARDED belong to the command: supervise() forwards them
     # while it runs, and one that comes after it ended must not rewrite its exit status. One
-    # that lands before they are deferred still finds the slot released by the finally below.
+    # that lands before they are deferred still finds the slot released by the finally below,
+    # with no --hold-at-least window: nothing ran.
+    held_since, hold = started, 0.0
     try:
-        held_since = now()
-        hold = options.hold_at_least
+        held_since, hold = now(), options.hold_at_least
         if account is not None:
             account.held(lease.slot, lease.fence)
-        with _deferred(FORWARDED):
+        with deferred(FORWARDED):
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
                 report.stop()
-            fence = "" if lease.fence is None else f", fence {lease.fence}"
-            verbose(
-                f"acquired {request.name} slot {lease.slot} of {request.slots} "
-                f"after {format_duration(now() - started)}{fence}"
-            )
+            verbose(acquired(request, lease, started))
             limits = Limits(
                 options.ttl / 3,
                 options.max_time,
@@ -239,61 +226,14 @@ def _hold_and_run(
         if not isinstance(err, TimedOut):  # a run that was cut short keeps its window, but
             hold = 0.0  # nothing ran, a lost lock is no one's, and a taker runs next
         # docs/semantics.md "Exit status": every lockrun-made status line names the lock.
-        raise type(err)(f"{request.name}: {err}") from err
+        err.about(request.name)
+        raise
     finally:
         if account is not None:
             account.released()
         if guardian is not None:
             guardian.forget()  # ours to release now; were we to die meanwhile, it lapses
-        _release(lease, request, held_since, hold, verbose)
-
-
-def _acquire(
-    backend: Backend, request: Request, wait: float | None, report: WaitReport | None
-) -> Lease:
-    """Take *request*'s slot, with -v's report of the wait (*report*) if there is one."""
-    try:
-        if report is not None:
-            try:
-                states = backend.status(request.namespace, request.name)
-            except BackendUnavailable:  # only a report: acquire() judges the outage itself
-                states = []
-            report.start(states)
-        return acquire(backend, request, wait)
-    except BaseException as err:
-        if report is not None:
-            report.stop()
-        if isinstance(
-            err, BackendUnavailable | ConfigError | TakenOver
-        ):  # docs/semantics.md "Exit status": the line names the lock
-            raise type(err)(f"{request.name}: {err}") from err
-        raise
-
-
-def _release(
-    lease: Lease, request: Request, held_since: float, hold: float, verbose: Callable[[str], None]
-) -> bool:
-    """Release *lease*, leaving it taken until *hold* seconds after *held_since*.
-
-    Return whether the service heard it (`Lease.release`); -v says which.
-    """
-    took = now() - held_since
-    hold -= took
-    if not lease.release(hold=max(0.0, hold)):
-        verbose(unheard(request.name, took))
-        return False
-    if hold > 0:
-        verbose(f"left {request.name} taken for {format_duration(hold)} more (--hold-at-least)")
-    verbose(f"released {request.name} after {format_duration(took)}")
-    return True
-
-
-def unheard(name: str, took: float) -> str:
-    """Say that the release of *name*, held *took* seconds, never reached the service."""
-    return (
-        f"could not tell the server to release {name} after {format_duration(took)}; "
-        'it frees by itself (docs/semantics.md "A killed holder")'
-    )
+        release(lease, request, held_since, hold, verbose)
 
 
 def check_options(options: Options) -> None:
@@ -339,63 +279,6 @@ def command_environment(request: Request, lease: Lease) -> dict[str, str]:
     else:
         env.pop("LOCKRUN_FENCE", None)
     return env
-
-
-# While lockrun waits there is no command yet: these end the wait (exit 128+N, nothing held);
-# USR1 and USR2 are noted under -v and dropped. Once the command runs, every signal of
-# FORWARDED is the command's (supervise.py).
-_INTERRUPTS: Final = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
-
-
-class _Waiting:
-    """Whether we still wait for the lock, and which signals the caller had us ignore."""
-
-    def __init__(self) -> None:
-        self.over = False
-        self.ignored: frozenset[int] = frozenset()  # nohup's HUP: never forwarded either
-
-
-@contextlib.contextmanager
-def _interruptible(name: str, log: Callable[[str], None]) -> Iterator[_Waiting]:
-    """Turn INT, TERM, HUP and QUIT into `Interrupted`: waits unwind and release what they hold."""
-    waiting = _Waiting()
-
-    def interrupt(signo: int, _frame: FrameType | None) -> None:
-        if waiting.over:  # after the command: its status stands, lockrun is leaving anyway
-            return
-        what = signal.Signals(signo).name
-        if signo not in _INTERRUPTS:
-            log(f"{what} while waiting for {name}: no command yet to pass it to; dropped")
-            return
-        raise Interrupted(f"{what} while waiting for {name}; nothing is held", signo=signo)
-
-    previous = {}
-    ignored = set()
-    for signo in FORWARDED:
-        # Under nohup or `trap '' HUP` the signal stays ignored, for us and for the command.
-        if signal.getsignal(signo) is signal.SIG_IGN:
-            ignored.add(signo)
-        else:
-            previous[signo] = signal.signal(signo, interrupt)
-    waiting.ignored = frozenset(ignored)
-    try:
-        yield waiting
-    finally:
-        for signo, handler in previous.items():
-            # Once the lock was held, lockrun only finishes: the command's status stands.
-            signal.signal(signo, signal.SIG_IGN if waiting.over else handler)
-
-
-@contextlib.contextmanager
-def _deferred(signals: frozenset[signal.Signals]) -> Iterator[None]:
-    """Block *signals* for the block; drop those that arrived unclaimed before unblocking."""
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        while signal.sigtimedwait(signals, 0) is not None:
-            pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
 def states_for_status(uri: str, namespace: str, name: str | None) -> list[LockState]:

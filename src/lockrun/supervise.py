@@ -560,12 +560,12 @@ def _hangup_poll(fds: Sequence[int]) -> select.poll:
     return poll
 
 
-def _hung_up(fds: Sequence[int]) -> bool:
+def hung_up(fds: Sequence[int]) -> bool:
     """Return whether the far end has closed any of the sockets *fds* (or they are gone)."""
     return any(events & _HUNG_UP for _, events in _hangup_poll(fds).poll(0))
 
 
-def _readable(fds: Sequence[int]) -> bool:
+def readable(fds: Sequence[int]) -> bool:
     """Return whether any of *fds* has something to read right now."""
     poller = select.poll()
     for fd in fds:
@@ -798,7 +798,7 @@ class _Watch:
 
     def _on_hangup(self) -> None:
         """Stop at once if the server closed a session of the lease (not for a stray SIGURG)."""
-        if self.failure is None and _hung_up(self.lease.sessions):
+        if self.failure is None and hung_up(self.lease.sessions):
             lost = "the session holding the lock ended (the server hung up); its locks are gone"
             self._begin_stop(LeaseLost(lost), kill_by=now() + self.limits.lost_kill_after)
 
@@ -817,7 +817,7 @@ class _Watch:
         # A bell that rang while the refresh ran may have been that refresh's own answer (a
         # bell on the session's socket: PostgreSQL's LISTEN). What the refresh read is
         # gone from the socket, so the bell counts only if one is still readable.
-        self.clock.rung = self.clock.rung and _readable(self.lease.bells)
+        self.clock.rung = self.clock.rung and readable(self.lease.bells)
         if ask.error is None:
             self._confirm(ask.sent, Answer.HELD)
         elif isinstance(ask.error, TakenOver):  # still ours, proved: stop with the usual grace

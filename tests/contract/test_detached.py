@@ -255,7 +255,7 @@ def test_a_signal_before_the_wait_or_after_the_grant_holds_nothing(
         interrupts.watch(cast("Keeps", backend))  # the signal came first: ends the wait at once
         with pytest.raises(Interrupted, match=f"TERM while waiting for {name}") as raised:
             interrupts.wait(lambda: acquire_slot(backend, request, 60))
-        assert raised.value.status == 143
+        assert raised.value.exit_code == 143
         assert queue_length(redis_uri, name) == 0
         release(str(ours), redis_uri)
         lease = acquire_slot(backend, request, 0)  # granted; the TERM is still on record

@@ -171,7 +171,7 @@ def test_a_take_over_waits_for_the_renewal_that_lets_go(
 def kept(uri: str, name: str, **options: object) -> str:
     """Take *name* with --no-keeper, in this process; return the token."""
     tokens: list[str] = []
-    settings = Options(name, uri, ttl=30.0, **options)  # type: ignore[arg-type]
+    settings = Options(name=name, uri=uri, ttl=30.0, **options)  # type: ignore[arg-type]
     assert acquire(settings, tokens.append, log=lambda _line: None) == 0
     return tokens[0]
 

@@ -47,7 +47,7 @@ def co_tenant(redis_uri: str) -> Iterator[redis.Redis]:
 def kept(uri: str, name: str, *, hold: float = 0.0) -> str:
     """Take *name* with --no-keeper, in this process, and return the token it printed."""
     tokens: list[str] = []
-    options = Options(name, uri, ttl=TTL, hold_at_least=hold)
+    options = Options(name=name, uri=uri, ttl=TTL, hold_at_least=hold)
     assert acquire(options, tokens.append, log=lambda _line: None) == 0
     return tokens[0]
 

@@ -197,7 +197,7 @@ def test_an_owner_that_is_no_process_is_a_usage_error(file_uri: str, name: str) 
     for text in ("0", "-1", "4194305", "99999999999999999999", "me", "\x1c0", "٣"):
         with pytest.raises(UsageError, match="--owner takes a process id"):
             parse_owner(text)
-    options = Options(name, file_uri)
+    options = Options(name=name, uri=file_uri)
     for owner in (None, 1):
         with pytest.raises(UsageError, match="give --max-time too"):
             watch_owner(owner, options)
@@ -286,7 +286,7 @@ def namespace_init() -> Iterator[int]:
 @needs_root  # unshare --pid
 def test_an_owner_that_never_exits_needs_max_time(file_uri: str, name: str) -> None:
     """kthreadd, any kernel thread, a pid namespace's init: as pid 1, 64 without --max-time."""
-    options = Options(name, file_uri)
+    options = Options(name=name, uri=file_uri)
     with namespace_init() as init:
         for owner in (2, kernel_thread(), init):
             with pytest.raises(UsageError, match=f"pid {owner}, .*never exits.*give --max-time"):

@@ -26,7 +26,8 @@ import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Self
 
-from lockrun.backends import Holder, Request, _user, open_backend, parse_uri
+from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import user_name as _user
 from lockrun.backends.directories import open_directory
 from lockrun.errors import (
     BackendUnavailable,

@@ -348,7 +348,7 @@ class FileBackend:
 
 
 def _with_grace(deadline: float | None) -> float | None:
-    """Return how long a one-shot try waits on a gate: its holder may only be passing by."""
+    """Return the deadline of a wait on a gate: a one-shot try too waits for a passing head."""
     from lockrun.backends.abstract import GATE_GRACE  # noqa: PLC0415 - waiters only
 
     return None if deadline is None else max(deadline, now() + GATE_GRACE)

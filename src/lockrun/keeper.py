@@ -26,7 +26,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Self
 
-from lockrun.backends import Request, _user, open_backend, parse_uri
+from lockrun.backends import Request, open_backend, parse_uri, user_name
 from lockrun.backends.directories import open_directory
 from lockrun.errors import (
     BackendUnavailable,
@@ -304,7 +304,7 @@ def _ask_once(token: Token, verb: str, deadline: float) -> tuple[int, str] | Non
             door.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
         if uid != token.uid:  # never show the secret to, nor believe, a squatter
-            msg = f"{_GONE}; user {_user(uid)} listens on its name instead, and was not asked"
+            msg = f"{_GONE}; user {user_name(uid)} listens on its name instead, and was not asked"
             raise LeaseLost(msg)
         try:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -384,7 +384,7 @@ def open_env_file(path: str) -> int:
     elif info.st_uid not in {os.geteuid(), 0}:
         # As --uri-file's rule (docs/security.md): a file another user made (in /tmp, say)
         # is theirs to read, and to feed to whoever evaluates it next.
-        problem = f"owned by {_user(info.st_uid)}, not by you or root"
+        problem = f"owned by {user_name(info.st_uid)}, not by you or root"
     if problem is not None:
         os.close(fd)
         msg = f"--env-file {path}: {problem}; refusing to write to it"

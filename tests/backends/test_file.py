@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from lockrun import LeaseLost, Lock
-from lockrun.backends import Holder, Request, open_backend, parse_uri
-from lockrun.backends import file as file_backend
-from lockrun.backends.file import FileBackend, FileLease
+from lockrun.backends import Holder, Request, inotify, open_backend, parse_uri
+from lockrun.backends.file import FileBackend, FileLease, records
 from lockrun.timing import now
 from tests.support.cli import (
     RING_TTL,
@@ -393,7 +392,7 @@ def test_without_inotify_a_lease_has_no_bell(
     kept: FileBackend, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No inotify (not Linux, or no instance left): no bell, refreshes alone hear a taker."""
-    monkeypatch.setattr(file_backend, "_INOTIFY", [lambda *_: -1])
+    monkeypatch.setattr(inotify, "_CALLS", [lambda *_: -1])
     lease = take(kept, name)
     assert lease.bells == ()
     lease.release()
@@ -410,11 +409,11 @@ def test_records_and_requests_count_from_us_root_and_our_groups_only(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(os, "getegid", lambda: 1000)
     monkeypatch.setattr(os, "getgroups", lambda: [50])
-    monkeypatch.setattr(file_backend, "_member", lambda uid, gid: (uid, gid) == (54321, 50))
-    assert file_backend._stranger(info(1000, 1000, 0o100644)) is None
-    assert file_backend._stranger(info(0, 0, 0o100644)) is None
-    assert file_backend._stranger(info(54321, 50, 0o100664)) is None  # a fellow member's
+    monkeypatch.setattr(records, "_member", lambda uid, gid: (uid, gid) == (54321, 50))
+    assert records.stranger(info(1000, 1000, 0o100644)) is None
+    assert records.stranger(info(0, 0, 0o100644)) is None
+    assert records.stranger(info(54321, 50, 0o100664)) is None  # a fellow member's
     # Our group, but its owner no member: a set-group-ID directory gave it the group.
-    assert file_backend._stranger(info(54322, 50, 0o100644)) == "uid 54322"
-    assert file_backend._stranger(info(54321, 54321, 0o100644)) == "uid 54321"
-    assert file_backend._stranger(info(1000, 1000, 0o100666)) == "every user"
+    assert records.stranger(info(54322, 50, 0o100644)) == "uid 54322"
+    assert records.stranger(info(54321, 54321, 0o100644)) == "uid 54321"
+    assert records.stranger(info(1000, 1000, 0o100666)) == "every user"

@@ -36,9 +36,9 @@ from lockrun.backends import (
     read_json,
     resp,
 )
-from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
+from lockrun.backends.file.records import read_record
 from lockrun.bounds import MAX_FENCE
 from lockrun.detached import parse_token as parse_lease_token
 from lockrun.keeper import (
@@ -174,7 +174,7 @@ def _record(text: str, data: bytes) -> None:
         Holder.from_dict(read_json(text))
     identity = read_identity(text)
     assert identity is None or identity.slots >= 1
-    file_backend._record(data, "x")
+    read_record(data, "x")
     postgres_backend._tagged(text)
     redis_backend._slots(text)
     raw = text.encode(errors="surrogateescape")

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from lockrun.backends import Holder, Request
 from lockrun.backends import abstract as abstract_backend
 from lockrun.backends import file as file_backend
+from lockrun.backends.file.records import window_end
 from lockrun.bounds import MAX_WAIT
 from lockrun.errors import TakenOver
 from tests.support.cli import Held, lockrun, one_line, wait_for
@@ -356,7 +357,7 @@ def test_forged_windows_and_readers_are_not_shown(
 )
 def test_windows_in_lock_files_decode_within_bounds_or_are_none(content: bytes) -> None:
     """Whatever a co-user writes into a lock file: no window, or one within a year from now."""
-    until = file_backend._window(content, "sales")
+    until = window_end(content, "sales")
     if until is not None:
         assert time.time() < until <= time.time() + MAX_WAIT + 86400
 

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from lockrun import ConfigError, Lock, UsageError
 from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
-from lockrun.backends import file as file_backend
 from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
+from lockrun.backends.file.records import read_record
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
 from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
@@ -299,13 +299,13 @@ def test_deeply_nested_records_are_no_records(depth: int) -> None:
     assert read_json(deep(3)) == [[[]]]
     assert read_json(deep(depth)) is None
     assert read_identity(deep(depth)) is None
-    assert file_backend._record(deep(depth).encode(), "x") is None
+    assert read_record(deep(depth).encode(), "x") is None
 
 
 @given(content=st.binary(max_size=300) | st.builds(lambda d: json.dumps(d).encode(), holder_like()))
 def test_lock_file_records_decode_or_are_ignored(content: bytes) -> None:
     """Whatever a co-user writes into a lock file: a record of this lock, or None."""
-    record = file_backend._record(content, "sales")
+    record = read_record(content, "sales")
     if record is not None:
         assert record.name == "sales"
         assert 1 <= record.slots <= MAX_SLOTS

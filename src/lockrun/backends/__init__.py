@@ -53,7 +53,9 @@ class Holder(NamedTuple):
     @classmethod
     def me(cls, argv: Sequence[str]) -> Holder:
         """Describe this process as the holder of *argv* (its command line cut to a record)."""
-        return cls(os.uname().nodename, os.getpid(), _user(os.geteuid()), cut(argv), time.time())
+        return cls(
+            os.uname().nodename, os.getpid(), user_name(os.geteuid()), cut(argv), time.time()
+        )
 
     @classmethod
     def from_dict(cls, data: object) -> Holder:
@@ -207,7 +209,8 @@ def _stamp(value: object) -> float | None:
 _USER_NAMES: dict[int, str] = {}
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """Name user *uid* as the user database does; the number if it has no name (cached)."""
     name = _USER_NAMES.get(uid)
     if name is None:
         try:
@@ -227,7 +230,7 @@ def describe_pid(pid: int) -> Holder:
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return Holder(os.uname().nodename, pid, "?", ())
-    return Holder(os.uname().nodename, pid, _user(uid), cut(argv))
+    return Holder(os.uname().nodename, pid, user_name(uid), cut(argv))
 
 
 class Request(NamedTuple):

@@ -117,34 +117,34 @@ def _walk(path: str, make_below: str | None, mode: int, what: str) -> int:
     """
     fd = os.open("/", _DIRECTORY)
     walked = ""  # the path so far, for messages and for *make_below*
-    given = [part for part in path.split("/") if part not in {"", "."}]
+    given = _components(path)
     pending = [(part, at == len(given) - 1) for at, part in reversed(list(enumerate(given)))]
     links = 0
     try:
         while pending:
             name, last = pending.pop()
-            info = _lstat(name, fd, make=make_below is not None and _under(walked, make_below))
-            if info is None:
-                with contextlib.suppress(FileExistsError):  # another lockrun made it first
-                    os.mkdir(name, mode, dir_fd=fd)
-                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
-                links += 1
-                where = os.path.join(walked or "/", name)
-                target = _trusted_target(where, name, fd, info, last=last, links=links, what=what)
-                parts = [part for part in target.split("/") if part not in {"", "."}]
-                pending += [(part, False) for part in reversed(parts)]
-                if target.startswith("/"):
-                    os.close(fd)
-                    fd, walked = os.open("/", _DIRECTORY), ""
+            info = _lstat(name, fd, mode, make=_under(walked, make_below))
+            if not stat.S_ISLNK(info.st_mode):
+                inner = os.open(name, _DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd, walked = inner, os.path.normpath(os.path.join(walked or "/", name))
                 continue
-            inner = os.open(name, _DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd, walked = inner, os.path.normpath(os.path.join(walked or "/", name))
+            links += 1
+            where = os.path.join(walked or "/", name)
+            target = _trusted_target(where, name, fd, info, last=last, links=links, what=what)
+            pending += [(part, False) for part in reversed(_components(target))]
+            if target.startswith("/"):
+                os.close(fd)
+                fd, walked = os.open("/", _DIRECTORY), ""
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _components(path: str) -> list[str]:
+    """Return the names that *path* walks through, in order (no empty ones, no ".")."""
+    return [part for part in path.split("/") if part not in {"", "."}]
 
 
 def _trusted_target(
@@ -160,18 +160,22 @@ def _trusted_target(
     return os.readlink(name, dir_fd=fd)
 
 
-def _lstat(name: str, fd: int, *, make: bool) -> os.stat_result | None:
-    """Return *name*'s lstat in *fd*; None if it is missing and ours to make."""
+def _lstat(name: str, fd: int, mode: int, *, make: bool) -> os.stat_result:
+    """Return *name*'s lstat in *fd*; if it is missing and *make*, make it a directory first."""
     try:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         if not make:
             raise
-        return None
+    with contextlib.suppress(FileExistsError):  # another lockrun made it first
+        os.mkdir(name, mode, dir_fd=fd)
+    return os.stat(name, dir_fd=fd, follow_symlinks=False)
 
 
-def _under(walked: str, top: str) -> bool:
-    """Whether the component after *walked* lies below *top* (and may be made)."""
+def _under(walked: str, top: str | None) -> bool:
+    """Whether the component after *walked* lies below *top* (and may be made); None: none may."""
+    if top is None:
+        return False
     walked = walked or "/"
     return walked == top or walked.startswith(top.rstrip("/") + "/")
 

@@ -8,7 +8,7 @@ semaphore (never ``hashtext``: 32 bits collide); `keys` derives them.
 
 The semaphore is `lockrun.backends.sessionlock`'s, on pg_advisory_lock (`backend`): the
 server grants in arrival order, and one ``lock_timeout`` bounds a wait (asking again would
-put us at the back of the queue; ``--wait forever`` sets none; `waits`). The head of a
+put us at the back of the queue; ``--wait forever`` sets none; `waiting`). The head of a
 semaphore's queue terminates its losing helper sessions with pg_terminate_backend.
 
 A slot lives with its session (`session`, opened by `server`): the server frees it when the

@@ -15,11 +15,12 @@ from psycopg import pq
 from lockrun.backends.sessionlock import GATE, Attempt, SessionLease, SessionLockBackend
 from lockrun.errors import LockrunError
 
-from . import grant, modes, status, waits
+from . import grant, modes, waiting
 from .keys import Keys, application_name, comment, halves
 from .rows import Check, Others
 from .server import Server
 from .session import QUERY_CANCELED, NoAnswer, PgError, Session, transient
+from .status import states
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -138,7 +139,7 @@ class PostgresBackend(SessionLockBackend[Session]):
         with contextlib.suppress(LockrunError, PgError):
             session = self.server.session()
             try:
-                waits.terminate(session, pids, self.timeout)
+                waiting.terminate(session, pids, self.timeout)
             finally:
                 session.close()
 
@@ -166,10 +167,10 @@ class PostgresBackend(SessionLockBackend[Session]):
         if seconds == 0:
             got = session.one("SELECT pg_try_advisory_lock($1::bigint)", key, timeout=self.timeout)
             return got == "t"
-        answers, error = waits.queue(self.server, session, key, part, seconds, attempt)
+        answers, error = waiting.queue(self.server, session, key, part, seconds, attempt)
         if not answers:  # the wait itself failed
             modes.give_up(self.server, session, attempt, error)
-            return waits.ran_out(error, self._cancelled(part))
+            return waiting.ran_out(error, self._cancelled(part))
         if attempt.slots == 1:
             window = modes.read_window(self.server, session, key, answers[1:], error)
             if window is not None:
@@ -177,10 +178,10 @@ class PostgresBackend(SessionLockBackend[Session]):
         return True
 
     def _first_free(self, session: Session, attempt: Attempt[Session]) -> int:
-        return int(session.one(waits.first_free(attempt.key), timeout=self.timeout) or -1)
+        return int(session.one(waiting.first_free(attempt.key), timeout=self.timeout) or -1)
 
     def _ask(self, session: Session, slot: int, seconds: float, attempt: Attempt[Session]) -> None:
-        session.send_simple(waits.wait_for(seconds, attempt.key.slots[slot]))
+        session.send_simple(waiting.wait_for(seconds, attempt.key.slots[slot]))
 
     def _answer(self, session: Session, slot: int) -> bool | None:
         if not session.ready():
@@ -190,7 +191,7 @@ class PostgresBackend(SessionLockBackend[Session]):
             # may come in a later packet: it is on its way, wait for it (it was 69).
             session.receive(self.timeout)
         except PgError as err:
-            return waits.ran_out(err, self._cancelled(slot))
+            return waiting.ran_out(err, self._cancelled(slot))
         return True
 
     def _release_gate(self, session: Session, attempt: Attempt[Session]) -> None:
@@ -208,11 +209,11 @@ class PostgresBackend(SessionLockBackend[Session]):
         first, *helpers = sessions
         losers = [helper for helper in helpers if helper is not winner]
         if losers:
-            waits.terminate(winner, [loser.pid for loser in losers], self.timeout)
+            waiting.terminate(winner, [loser.pid for loser in losers], self.timeout)
             for loser in losers:
                 loser.abandon()
         if first is not winner:
-            waits.cancel_first(self.server, winner, first)
+            waiting.cancel_first(self.server, winner, first)
 
     def _grant(self, session: Session, attempt: Attempt[Session], slot: int) -> Lease:
         """Draw a fence, name the session, take the shared (name, N) lock, check N.
@@ -323,7 +324,7 @@ class PostgresBackend(SessionLockBackend[Session]):
         """Report holders and waiters of *name*, or of every lock in *namespace*."""
         session = self.server.session()
         try:
-            return status.read(self.server, session, namespace, name)
+            return states(self.server, session, namespace, name)
         except PgError as err:
             raise self.failure(err) from err
         finally:

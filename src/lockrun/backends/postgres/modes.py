@@ -3,7 +3,7 @@
 --hold-at-least leaves a row in the table ``lockrun_holds``, made on first use, that every
 one-slot grant reads; --take-over holds the name's ``stop`` key while it waits and NOTIFYs
 the holders, which LISTEN from their grant (docs/design.md A8). --shared needs no more than
-the lock's mode (`waits.wait_for`).
+the lock's mode (`waiting.wait_for`).
 """
 
 from __future__ import annotations

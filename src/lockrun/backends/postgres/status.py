@@ -33,7 +33,7 @@ _PROBED_SLOTS: Final = 64  # `status` looks at this many slots when it cannot le
 _WINDOWS_SHOWN: Final = 10000  # `status` reads at most this many open windows
 
 
-def read(server: Server, session: Session, namespace: str, name: str | None) -> list[LockState]:
+def states(server: Server, session: Session, namespace: str, name: str | None) -> list[LockState]:
     """Report holders and waiters of *name*, or of every lock in *namespace*."""
     windows = _windows(server, session)
     if name is not None:

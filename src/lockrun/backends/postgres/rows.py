@@ -8,7 +8,7 @@ order of its statement; the classifiers are pure, for unit tests without a serve
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
 from lockrun.backends import Holder, Identity, read_identity
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
@@ -156,7 +156,7 @@ def parse_window(rows: Sequence[Row]) -> Window | None:
     return Window(min(remaining, MAX_WAIT))
 
 
-OpenWindow = tuple[Identity | None, float]  # the run, as its row says; its end (Unix time)
+OpenWindow: TypeAlias = tuple[Identity | None, float]  # the run, as its row says; its end
 
 
 def open_windows(rows: Sequence[Row]) -> dict[int, OpenWindow]:

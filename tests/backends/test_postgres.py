@@ -25,7 +25,8 @@ import pytest
 
 from lockrun import ConfigError, ExitCode, Lock
 from lockrun.backends import Holder, Request, open_backend, parse_uri
-from lockrun.backends.postgres import _application_name, _halves, lock_key, parse, slots_key
+from lockrun.backends.postgres import lock_key, parse, slots_key
+from lockrun.backends.postgres.keys import application_name, halves
 from lockrun.errors import LeaseLost
 from lockrun.uri import redact
 from tests.support.cli import finish, lockrun, one_line, queue_length, wait_for
@@ -141,8 +142,8 @@ def test_keys_are_signed_and_differ_between_namespaces() -> None:
         assert slots_key("a", name) != slots_key("b", name)
     # NUL separates the parts: moving text between namespace and name changes the key.
     assert lock_key("ab", "c", 0) != lock_key("a", "bc", 0)
-    assert _halves(-1) == (0xFFFF_FFFF, 0xFFFF_FFFF)
-    assert _halves(lock_key("a", "x", 0)) == (
+    assert halves(-1) == (0xFFFF_FFFF, 0xFFFF_FFFF)
+    assert halves(lock_key("a", "x", 0)) == (
         (lock_key("a", "x", 0) & 0xFFFF_FFFF_FFFF_FFFF) >> 32,
         lock_key("a", "x", 0) & 0xFFFF_FFFF,
     )
@@ -265,7 +266,7 @@ def test_parse_hides_a_password_holding_a_double_quote() -> None:
 )
 def test_application_name_fits_63_bytes_at_a_character_boundary(name: str, slot: int) -> None:
     """lockrun:NAME:SLOT keeps the longest prefix of NAME that fits 63 bytes, whole characters."""
-    application = _application_name(name, slot)
+    application = application_name(name, slot)
     raw = application.encode()
     assert len(raw) <= 63
     assert application.startswith("lockrun:")
@@ -287,7 +288,7 @@ def test_a_holder_shows_in_pg_locks_under_its_application_name(
 ) -> None:
     """The slot-0 key (classid, objid, objsubid 1) and the (hash, N) lock; the README query."""
     key = lock_key("default", name, 0)
-    classid, objid = _halves(key)
+    classid, objid = halves(key)
     holder = held("--uri", postgres_uri, "-n", name)
     assert holder.slot == 0
     rows = query(
@@ -330,7 +331,7 @@ def test_a_long_name_is_cut_to_the_application_name_postgres_keeps(
 ) -> None:
     """A name of 250+ bytes: the session's application_name is lockrun:PREFIX:0, 63 bytes."""
     long_name = f"{name}{tail}"
-    expected = _application_name(long_name, 0)
+    expected = application_name(long_name, 0)
     holder = held("--uri", postgres_uri, "-n", long_name)
     readme = query(postgres_uri, README_QUERY)
     [application] = {row[0] for row in readme if row[3] == lock_key("default", long_name, 0)}
@@ -769,7 +770,7 @@ def test_sessions_outlast_the_lease_and_commit_to_disk(pg_server: PostgresServer
     the same fence out twice.
     """
     backend = open_backend(parse_uri(pg_server.tcp_uri), ttl=30)
-    session = backend.session()  # type: ignore[attr-defined]
+    session = backend.server.session()  # type: ignore[attr-defined]
     try:
         idle, interval, count, commit, idle_limit = session.rows(
             "SELECT current_setting('tcp_keepalives_idle'), "

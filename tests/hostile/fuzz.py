@@ -36,9 +36,9 @@ from lockrun.backends import (
     read_json,
     resp,
 )
-from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.backends.file.records import read_record
+from lockrun.backends.postgres import keys as postgres_keys
 from lockrun.bounds import MAX_FENCE
 from lockrun.detached import parse_token as parse_lease_token
 from lockrun.keeper import (
@@ -175,7 +175,7 @@ def _record(text: str, data: bytes) -> None:
     identity = read_identity(text)
     assert identity is None or identity.slots >= 1
     read_record(data, "x")
-    postgres_backend._tagged(text)
+    postgres_keys.tagged(text)
     redis_backend._slots(text)
     raw = text.encode(errors="surrogateescape")
     for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):

@@ -13,7 +13,6 @@ import json
 import threading
 import time
 import uuid
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -22,14 +21,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lockrun.backends import Holder, Request, open_backend, parse_uri
-from lockrun.backends import postgres as backend
 from lockrun.backends.postgres import WINDOWS, lock_key
+from lockrun.backends.postgres.keys import Keys, channel
 from lockrun.bounds import MAX_WAIT
 from lockrun.errors import ExitCode
 from lockrun.timing import now
 from tests.support.cli import clean, lock_state, lockrun, one_line, start, statuses_read, wait_for
 from tests.support.net import postgres_query as query
-from tests.support.strategies import holder_like
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -69,29 +67,26 @@ def made_by_lockrun(uri: str) -> None:
     assert run(uri, f"maker-{uuid.uuid4().hex[:8]}", "--hold-at-least", "0.1").returncode == 0
 
 
-FORGED_UNTIL = ("infinity", "294276-12-31 23:59:59+00", "now() + interval '1 hour'")
+# One record per defect class: another lock's good record (shown as "?"), one too large for a
+# row of status (cut by the server), and SQL that would close the comment. The rest of the
+# forged values are decoded in-process: tests/unit/test_postgres_rows.py.
 FORGED_HOLDER = (
-    "",
-    "not json",
-    '{"token": 1, "namespace": [], "name": null}',
     json.dumps({"token": "t", "namespace": "default", "name": "another", "slots": 1,
                 "holder": {"host": "h", "pid": 1, "user": "u"}}),
     "x" * 1_000_000,
-    *SQL_ISH,
+    SQL_ISH[1],
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("until", FORGED_UNTIL)
 def test_a_forged_window_is_busy_for_at_most_366_days(
-    pg_server: PostgresServer, mallory: psycopg.Connection[Any], until: str, name: str
+    pg_server: PostgresServer, mallory: psycopg.Connection[Any], name: str
 ) -> None:
-    """A window forged by another role, however long: busy (75), one line, cut at 366 days."""
+    """A window forged by another role, for ever: busy (75), one line, cut at 366 days."""
     made_by_lockrun(pg_server.uri)
     for index, holder in enumerate(FORGED_HOLDER):
         lock = f"{name}-{index}"
-        until_sql = until if until.startswith("now()") else f"'{until}'::timestamptz"
         mallory.execute(
-            f"INSERT INTO {WINDOWS} VALUES (%s, {until_sql}, %s)",  # noqa: S608
+            f"INSERT INTO {WINDOWS} VALUES (%s, 'infinity'::timestamptz, %s)",  # noqa: S608
             (lock_key("default", lock, 0), holder),
         )
         # Every window is an hour or more: a waiter that waited it out would fail `lockrun`'s
@@ -173,12 +168,12 @@ def test_a_forged_taker_is_obeyed_and_named_in_one_line(
 
     That is what any lockrun could ask; the holder names what the server says of it.
     """
-    keys = backend._Keys("default", name, 1)
+    keys = Keys("default", name, 1)
     holder = start("--uri", postgres_uri, "-n", name, "--", "sleep", "60")
     with psycopg.connect(postgres_uri, autocommit=True) as other:
         wait_for(lambda: lock_state(postgres_uri, name)["holders"], what="the holder")
         other.execute("SELECT pg_advisory_lock_shared(%s)", (keys.stop,))
-        other.execute("SELECT pg_notify(%s, '')", (backend._channel(keys),))
+        other.execute("SELECT pg_notify(%s, '')", (channel(keys),))
         waits = threading.Thread(
             target=other.execute, args=(f"{comment} SELECT pg_advisory_lock({keys.slots[0]})",)
         )
@@ -187,61 +182,6 @@ def test_a_forged_taker_is_obeyed_and_named_in_one_line(
         waits.join(30)  # granted once the holder let go
     assert holder.returncode == ExitCode.TAKEN_OVER
     assert one_line(said).startswith(f"lockrun: {name}: taken over by ")
-
-
-# -- decoders, over anything ---------------------------------------------------------------------
-
-_texts = (
-    st.none()
-    | st.text(max_size=40)
-    | st.sampled_from(
-        ["NaN", "Infinity", "-Infinity", "1e308", "-1", "0", "31622400", "1e400", "12abc"]
-    )
-)
-
-
-@settings(suppress_health_check=[HealthCheck.too_slow])
-@given(rows=st.lists(st.tuples(_texts, _texts), max_size=3))
-def test_window_answers_of_any_text_decode_within_bounds(
-    rows: list[tuple[str | None, str | None]],
-) -> None:
-    """What a window read returns, whatever a row held: no window, or one of 366 days at most."""
-    window = backend._parse_window(list(rows))
-    assert window is None or 0 < window.remaining <= MAX_WAIT
-
-
-@given(
-    rows=st.lists(
-        st.tuples(_texts, _texts, _texts | st.builds(json.dumps, holder_like())), max_size=4
-    )
-)
-def test_status_rows_of_any_text_decode_within_bounds(
-    rows: list[tuple[str | None, str | None, str | None]],
-) -> None:
-    """Rows of lockrun_holds as status reads them: ends a clock could show, records or None."""
-    for identity, until in backend._open_windows(list(rows)).values():
-        assert 0 < until <= 2**40
-        holder = backend._held_over((identity, until), "default", "x")
-        assert holder.until == until
-        assert holder.slot == 0
-
-
-@settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    rows=st.lists(
-        st.tuples(_texts, _texts | st.builds(json.dumps, holder_like()), _texts, _texts, _texts),
-        max_size=3,
-    ),
-    heard=st.sets(st.integers(0, 2**31)),
-)
-@example(rows=[("1", None, None, None, "t")], heard=set())
-def test_stop_key_rows_of_any_shape_name_a_taker_or_none(
-    rows: list[tuple[str | None, ...]], heard: set[int]
-) -> None:
-    """Whoever holds the stop key, however pg_stat_activity describes them: a name, or none."""
-    lease = SimpleNamespace(token="mine", names=("default", "x"))  # noqa: S106 - _taker reads these
-    taker = backend._taker(list(rows), lease, heard)  # type: ignore[arg-type]
-    assert taker is None or isinstance(taker, str)
 
 
 _names = st.text(

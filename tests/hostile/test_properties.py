@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from lockrun import ConfigError, Lock, UsageError
 from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
-from lockrun.backends import postgres as postgres_backend
 from lockrun.backends import redis as redis_backend
 from lockrun.backends.file.records import read_record
+from lockrun.backends.postgres import keys as postgres_keys
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
 from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
@@ -328,7 +328,7 @@ def test_fences_stay_64_bit_and_above_the_clock(previous: bytes) -> None:
 @given(query=st.text(max_size=200))
 def test_sql_comments_from_anyone_decode_or_are_ignored(query: str) -> None:
     """pg_stat_activity's query text of any session: an identity or None."""
-    identity = postgres_backend._tagged(query)
+    identity = postgres_keys.tagged(query)
     assert identity is None or 1 <= identity.slots <= MAX_SLOTS
 
 
@@ -419,7 +419,7 @@ def test_any_name_goes_into_postgresql_statements_as_data(postgres_uri: str, nam
     """
     import psycopg
 
-    cut = postgres_backend._application_name(name, 0)
+    cut = postgres_keys.application_name(name, 0)
     with Lock(name, uri=postgres_uri, namespace="props") as lease:
         assert lease.fence
         with psycopg.connect(postgres_uri, autocommit=True) as server:
@@ -427,7 +427,7 @@ def test_any_name_goes_into_postgresql_statements_as_data(postgres_uri: str, nam
                 "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
                 "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
                 "AND l.objsubid = 1 AND (l.classid::bigint << 32 | l.objid::bigint) = %s",
-                (postgres_backend.lock_key("props", name, 0),),
+                (postgres_keys.lock_key("props", name, 0),),
             ).fetchall()
     if cut.isascii() and cut.isprintable():
         assert shown == cut

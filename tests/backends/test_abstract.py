@@ -38,6 +38,22 @@ def test_abstract_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
         abstract_backend.connect(parse_uri("abstract:"))
 
 
+def test_a_name_too_long_is_a_bug_said_as_such() -> None:
+    """Our names fit sun_path (`_MAX_BASE`): one that does not raises, it is never "taken"."""
+    with pytest.raises(OSError, match="too long"):
+        abstract_backend.bind_listener("x" * 200)
+    with pytest.raises(OSError, match="too long"):
+        abstract_backend.connect_to("x" * 200)
+
+
+def test_a_marker_whose_name_is_taken_is_left_out(name: str) -> None:
+    """Markers are best effort: a name bound already (a squatter's) gives no marker."""
+    first = abstract_backend.bind_marker(f"lockrun/edge/default/{name}/w/1/1")
+    assert first is not None
+    with first:
+        assert abstract_backend.bind_marker(f"lockrun/edge/default/{name}/w/1/1") is None
+
+
 def test_the_socket_table_is_read_for_one_lock_only(name: str) -> None:
     """Names of a lock are found among the others; a name it is a prefix of is not one."""
     base = f"lockrun/edge/default/{name}"

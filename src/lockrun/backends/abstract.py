@@ -77,7 +77,7 @@ def bind_listener(name: str) -> socket.socket | None:
         sock.close()
         if err.errno == errno.EADDRINUSE:
             return None
-        raise  # pragma: no cover - our names are short and valid: a bug worth a traceback
+        raise  # our names are short and valid: a bug worth a traceback
     sock.listen(_BACKLOG)
     return sock
 
@@ -87,7 +87,7 @@ def bind_marker(name: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         sock.bind("\0" + name)
-    except OSError:  # pragma: no cover - pid and microsecond make the name unique
+    except OSError:  # taken: pid and time make our names unique, so a squatter's
         sock.close()
         return None
     return sock
@@ -103,7 +103,7 @@ def connect_to(name: str) -> socket.socket | None:
         sock.close()
         if err.errno in {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN}:
             return None
-        raise  # pragma: no cover - our names are short and valid: a bug worth a traceback
+        raise  # our names are short and valid: a bug worth a traceback
     return sock
 
 
@@ -413,20 +413,17 @@ class AbstractBackend:
         """
         fresh = not payload
         counter = _counter(payload)
-        # What to look at: holders on a name that was free; readers too if the name was free
-        # or a reader handed it on. Each is one read of /proc/net/unix, which a hand-over
-        # from a writer never pays.
-        kinds = "h" if fresh else ""
-        own = None
         try:
             if request.shared:
-                own = _bind_own(f"{base}/r")  # listed first, then looking: A3
-                if kinds:
-                    _check(base, request, own.close, kinds)
+                reader = _bind_own(f"{base}/r")  # listed first, then looking: A3
+                if fresh:
+                    _check(base, request, reader.close, "h")
                 hand_over(listener, counter + _SHARED_FLAG)
-                return AbstractLease(0, None, own, None)
-            if fresh or _SHARED_FLAG in payload:
-                kinds += "r"
+                return AbstractLease(0, None, reader, None)
+            # What to look at: holders on a name that was free, readers on it or after a
+            # reader's hand-over. Each is one read of /proc/net/unix, which a hand-over from
+            # a writer never pays.
+            kinds = "hr" if fresh else "r" if _SHARED_FLAG in payload else ""
             own = _mark(base, 0, 1)
             if kinds and (readers := _check(base, request, _closer(own), kinds)):
                 _closer(own)()

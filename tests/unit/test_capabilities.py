@@ -6,13 +6,16 @@ keeper) and the Python API call before anything is opened (docs/semantics.md "Fl
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, get_args
 
 import pytest
 
 from lockrun import AsyncLock, ExitCode, Lock, UsageError
 from lockrun import bounds as bounds_module
-from lockrun.backends import parse_uri
+from lockrun.backends import Connect, parse_uri
+from lockrun.backends import abstract as abstract_backend
+from lockrun.backends import file as file_backend
 from lockrun.bounds import check_modes, check_offered
 from lockrun.uri import MODES, SCHEMES, Mode, Scheme
 
@@ -27,6 +30,8 @@ OFFERED: dict[str, frozenset[Mode]] = {
     "mysql": MODES,
     "postgres": MODES,
 }
+# mypy checks each local backend's factory against the `Connect` protocol here.
+LOCAL_FACTORIES: tuple[Connect, ...] = (file_backend.connect, abstract_backend.connect)
 CASES = [(scheme, mode) for scheme in SCHEMES for mode in get_args(Mode)]
 
 
@@ -156,3 +161,11 @@ def test_the_uri_names_the_row_that_is_checked() -> None:
         uri = parse_uri(text)
         assert uri.kind == SCHEMES[uri.scheme]
         check_offered(uri.scheme, sorted(MODES))
+
+
+def test_every_backend_module_has_its_factory() -> None:
+    """Each row's module has the ``connect`` that `open_backend` calls (typed: `Connect`)."""
+    for backend in {scheme.backend for scheme in SCHEMES.values()}:
+        module = importlib.import_module(f"lockrun.backends.{backend}")
+        assert callable(module.connect), backend
+    assert all(callable(connect) for connect in LOCAL_FACTORIES)

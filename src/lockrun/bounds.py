@@ -1,7 +1,8 @@
 """The bounds of every number lockrun takes, checked once for the CLI and the Python API.
 
 A number out of bounds is a usage error (64; `UsageError` in the API) before anything is
-opened, so no backend meets a slot count, a lease or a wait it cannot express. docs/semantics.md's
+opened, so no backend meets a slot count, a lease or a wait it cannot express; nor a mode it
+does not offer (`check_modes`, from the registry's `Scheme.modes`). docs/semantics.md's
 "Options" table lists the bounds.
 """
 

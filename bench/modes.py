@@ -417,6 +417,8 @@ def takeover_trial(bench: Bench, kind: str) -> tuple[float, float]:
         if status == 75 and holder.poll() is None:
             msg = f"the holder ran on; the taker gave up after {TAKER_WAIT:g} s (75)"
             raise Unsupported(msg)
+        if status == 64:  # a mode the backend declines (uri.Scheme.modes)
+            raise Unsupported(f"exit 64 from {core.command_line(taker)}: {procs.stderr_of(taker)}")
         if status != 0:
             raise Broken(f"exit {status} from {core.command_line(taker)}: {procs.stderr_of(taker)}")
         expect(procs, holder, 79)

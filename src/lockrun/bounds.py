@@ -1,17 +1,22 @@
 """The bounds of every number lockrun takes, checked once for the CLI and the Python API.
 
 A number out of bounds is a usage error (64; `UsageError` in the API) before anything is
-opened, so no backend meets a slot count, a lease or a wait it cannot express. docs/semantics.md's
+opened, so no backend meets a slot count, a lease or a wait it cannot express; nor a mode it
+does not offer (`check_modes`, from the registry's `Scheme.modes`). docs/semantics.md's
 "Options" table lists the bounds.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final, get_args
 
 from lockrun.errors import UsageError
 from lockrun.timing import format_duration
+from lockrun.uri import SCHEMES, Mode
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 MAX_SLOTS: Final = 1000  # a semaphore's head holds one server session (or file) per slot
 MIN_TTL: Final = 1.0  # a lease must outlast a slow answer and the command's start
@@ -62,33 +67,63 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
 
 
 def check_modes(
-    slots: int, *, shared: bool, hold: object, take_over: bool = False, cli: bool = False
+    slots: int,
+    *,
+    shared: bool,
+    hold: object,
+    take_over: bool = False,
+    cli: bool = False,
+    scheme: str | None = None,
 ) -> float:
     """Return the seconds of *hold* if a hold, *shared* and *take_over* combine with *slots*.
 
     Each mode keeps one lock: with N slots, which slot would a reader or a window take,
     and whom would a taker stop, one holder or all N? Refused rather than guessed
-    (docs/semantics.md "Fleet modes"). *cli* spells the options as the command line does.
+    (docs/semantics.md "Fleet modes"), as is a mode *scheme*'s backend does not offer
+    (`check_offered`). *cli* spells the options as the command line does.
     """
-    spell = {
-        "slots": "--slots",
-        "shared": "--shared",
-        "hold": "--hold-at-least",
-        "take_over": "--take-over",
-    }
-    if not cli:
-        spell = {key: key if key != "hold" else "hold_at_least" for key in spell}
-    check_flag(shared, spell["shared"])
-    check_flag(take_over, spell["take_over"])
-    seconds = check_seconds(hold, spell["hold"], high=MAX_WAIT)
-    if slots > 1 and (shared or seconds or take_over):
-        what = spell["shared"] if shared else spell["hold"] if seconds else spell["take_over"]
-        msg = f"{what} applies to a lock of one slot, not to {spell['slots']} {slots}"
+    check_flag(shared, _spelled("shared", cli=cli))
+    check_flag(take_over, _spelled("take-over", cli=cli))
+    seconds = check_seconds(hold, _spelled("hold-at-least", cli=cli), high=MAX_WAIT)
+    asked = {"shared": shared, "hold-at-least": seconds > 0, "take-over": take_over}
+    modes = [mode for mode in get_args(Mode) if asked[mode]]
+    if scheme is not None:
+        check_offered(scheme, modes, cli=cli)
+    if slots > 1 and modes:
+        what, many = _spelled(modes[0], cli=cli), _spelled("slots", cli=cli)
+        msg = f"{what} applies to a lock of one slot, not to {many} {slots}"
         raise UsageError(msg)
     if shared and seconds:
-        msg = f"{spell['shared']} and {spell['hold']} do not combine: a hold keeps one run's lock"
+        both = f"{_spelled('shared', cli=cli)} and {_spelled('hold-at-least', cli=cli)}"
+        msg = f"{both} do not combine: a hold keeps one run's lock"
         raise UsageError(msg)
     return seconds
+
+
+def check_offered(scheme: str, modes: Iterable[Mode], *, cli: bool = True) -> None:
+    """Raise `UsageError` for the first of *modes* that *scheme*'s backend does not offer.
+
+    The registry says what each offers (`lockrun.uri.Scheme.modes`); the command line,
+    ``lockrun acquire`` and the Python API all ask here, before anything is opened, so a
+    backend never meets a mode it would have to guess at (docs/semantics.md "Fleet modes").
+    """
+    offered = SCHEMES[scheme].modes
+    for mode in modes:
+        if mode not in offered:
+            others = [_spelled(each, cli=cli) for each in get_args(Mode) if each in offered]
+            if not others:
+                which = "no mode is"
+            elif len(others) == 1:
+                which = f"only {others[0]} is"
+            else:
+                which = f"only {', '.join(others[:-1])} and {others[-1]} are"
+            msg = f"{_spelled(mode, cli=cli)} is not supported by {scheme}: ({which})"
+            raise UsageError(msg)
+
+
+def _spelled(option: str, *, cli: bool) -> str:
+    """Spell *option* (a `Mode`, or "slots") as the command line or the Python API does."""
+    return f"--{option}" if cli else option.replace("-", "_")
 
 
 def check_flag(value: object, what: str) -> bool:

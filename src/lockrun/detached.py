@@ -54,7 +54,7 @@ _TOKEN: Final = re.compile(
     r"\.(0|[1-9][0-9]{0,10})\.([A-Za-z0-9_-]{2,340})\.([A-Za-z0-9_-]{2,340})",
     re.ASCII,
 )
-LEASED: Final = tuple(scheme for scheme, kind in SCHEMES.items() if kind.leased)
+LEASED: Final = tuple(scheme for scheme, kind in SCHEMES.items() if kind.detachable)
 _T = TypeVar("_T")
 
 
@@ -179,7 +179,7 @@ def _service(backend: Keeps) -> str:
 
 def check_leased(uri: LockURI) -> None:
     """Raise `UsageError` (64) unless *uri*'s service can keep a lock with no process."""
-    if not uri.kind.leased:
+    if not uri.kind.detachable:
         schemes = ", ".join(f"{scheme}:" for scheme in LEASED)
         msg = (
             f"--no-keeper needs a lock service that keeps a lease with no process ({schemes}); "
@@ -368,7 +368,7 @@ def _find(text: str, uri_text: str) -> tuple[LeaseToken, Kept, Keeps]:
     """Parse the token and the URI, and return the lease the token names there."""
     token = parse_token(text)
     uri = parse_uri(uri_text)
-    if not uri.kind.leased:
+    if not uri.kind.detachable:
         default = " (the default: no --uri, --uri-file or LOCKRUN_URI)" * (uri_text == "file:")
         msg = (
             f"this token's lease is kept by a Redis server, but the lock URI is "

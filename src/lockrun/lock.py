@@ -254,7 +254,11 @@ class Lock:
         self.ttl = check_ttl(ttl)
         self.shared = shared
         self.hold_at_least = check_modes(
-            self.slots, shared=shared, hold=hold_at_least, take_over=take_over
+            self.slots,
+            shared=shared,
+            hold=hold_at_least,
+            take_over=take_over,
+            scheme=self._uri.scheme,
         )
         self.take_over = take_over
         self.reentrant = reentrant

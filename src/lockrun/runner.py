@@ -251,6 +251,7 @@ def check_options(options: Options) -> None:
         hold=options.hold_at_least,
         take_over=options.take_over,
         cli=True,
+        scheme=parse_uri(options.uri).scheme,
     )
     if options.take_over and options.wait == 0:
         msg = "--take-over waits for the holders to stop: give it a --wait (e.g. --wait 1m)"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 import re
 import threading
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple, get_args
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -30,8 +30,14 @@ class URIError(ValueError):
     """
 
 
+# The fleet modes a backend may offer, as the command line spells them after "--"
+# (docs/semantics.md "Fleet modes"); the Python API spells them with "_".
+Mode = Literal["shared", "hold-at-least", "take-over"]
+MODES: Final[frozenset[Mode]] = frozenset(get_args(Mode))
+
+
 class Scheme(NamedTuple):
-    """One URI scheme: its backend, and what that backend holds a lock with."""
+    """One URI scheme: its backend, what that backend holds a lock with, and what it offers."""
 
     backend: str  # the module under lockrun.backends that serves it
     usage: str  # the URI's form, as --uri's help shows it
@@ -44,6 +50,12 @@ class Scheme(NamedTuple):
     leased: bool = False
     # The lock belongs to a server session: it ends when that connection does.
     session: bool = False
+    # The fleet modes its backend offers; any other is refused before anything is opened
+    # (`lockrun.bounds.check_modes`), so a new backend can start with none.
+    modes: frozenset[Mode] = frozenset()
+    # It can leave a lock held with no process (`lockrun acquire --no-keeper`): the server
+    # keeps the lease, and the backend implements `lockrun.detached.Keeps`.
+    detachable: bool = False
 
     @property
     def local(self) -> bool:
@@ -52,47 +64,95 @@ class Scheme(NamedTuple):
 
 
 # A plain table, no plugin discovery: a backend is a module and rows here (CONTRIBUTING.md).
+# abstract: declines --hold-at-least and --take-over: it stores nothing, and a window would
+# need a process of its own, a take-over a bell on every holder (docs/design.md A3).
 SCHEMES: Final[Mapping[str, Scheme]] = {
     "file": Scheme(
         "file",
         "file:[///DIR]",
         {"file:": "flock(2) in the default directory", "file:///": "flock(2) in a directory"},
         inherits_fds=True,
+        modes=MODES,
     ),
-    "abstract": Scheme("abstract", "abstract:[PREFIX]", {"abstract:": "Linux abstract sockets"}),
-    "redis": Scheme("redis", "redis://HOST[:PORT][/DB]", {"redis://": "Redis"}, leased=True),
-    "rediss": Scheme("redis", "rediss://…", {"rediss://": "Redis over TLS"}, leased=True),
+    "abstract": Scheme(
+        "abstract",
+        "abstract:[PREFIX]",
+        {"abstract:": "Linux abstract sockets"},
+        modes=frozenset({"shared"}),
+    ),
+    "redis": Scheme(
+        "redis",
+        "redis://HOST[:PORT][/DB]",
+        {"redis://": "Redis"},
+        leased=True,
+        modes=MODES,
+        detachable=True,
+    ),
+    "rediss": Scheme(
+        "redis",
+        "rediss://…",
+        {"rediss://": "Redis over TLS"},
+        leased=True,
+        modes=MODES,
+        detachable=True,
+    ),
     "unix": Scheme(
-        "redis", "unix:///PATH.sock", {"unix:///": "Redis on a unix socket"}, leased=True
+        "redis",
+        "unix:///PATH.sock",
+        {"unix:///": "Redis on a unix socket"},
+        leased=True,
+        modes=MODES,
+        detachable=True,
     ),
     "redis+sentinel": Scheme(
         "redis",
         "redis+sentinel://H1,H2/SERVICE",
         {"redis+sentinel://": "Redis behind Sentinel"},
         leased=True,
+        modes=MODES,
+        detachable=True,
     ),
     "redis+cluster": Scheme(
         "redis",
         "redis+cluster://H1[:PORT],H2[:PORT]",
         {"redis+cluster://": "Redis Cluster"},
         leased=True,
+        modes=MODES,
+        detachable=True,
     ),
     "rediss+cluster": Scheme(
-        "redis", "rediss+cluster://…", {"rediss+cluster://": "Redis Cluster over TLS"}, leased=True
+        "redis",
+        "rediss+cluster://…",
+        {"rediss+cluster://": "Redis Cluster over TLS"},
+        leased=True,
+        modes=MODES,
+        detachable=True,
     ),
     "mysql": Scheme(
-        "mysql", "mysql://[USER@]HOST[:PORT]/DB", {"mysql://": "MySQL / MariaDB"}, session=True
+        "mysql",
+        "mysql://[USER@]HOST[:PORT]/DB",
+        {"mysql://": "MySQL / MariaDB"},
+        session=True,
+        modes=MODES,
     ),
-    "mariadb": Scheme("mysql", "mariadb://…", {"mariadb://": "MariaDB / MySQL"}, session=True),
+    "mariadb": Scheme(
+        "mysql", "mariadb://…", {"mariadb://": "MariaDB / MySQL"}, session=True, modes=MODES
+    ),
     "postgresql": Scheme(
         "postgres",
         "postgresql://[USER@]HOST[:PORT]/DB (any libpq URI)",
         {"postgresql://": "PostgreSQL"},
         extra="postgres",
         session=True,
+        modes=MODES,
     ),
     "postgres": Scheme(
-        "postgres", "postgres://…", {"postgres://": "PostgreSQL"}, extra="postgres", session=True
+        "postgres",
+        "postgres://…",
+        {"postgres://": "PostgreSQL"},
+        extra="postgres",
+        session=True,
+        modes=MODES,
     ),
 }
 # The backends, in the table's order: what the contract tests and the benchmarks loop over.

@@ -1,24 +1,21 @@
-"""The abstract: backend: a name bound but not listening, Linux only, the socket table, modes."""
+"""The abstract: backend: a name bound but not listening, Linux only, the socket table, modes.
+
+Of the modes it offers --shared; --hold-at-least and --take-over are refused (`Scheme.modes`).
+"""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
-import time
-from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun import ConfigError
+from lockrun import ConfigError, ExitCode
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
-from tests.support.cli import RING_TTL, lock_state, lockrun, take_over_ring, wait_for
-
-if TYPE_CHECKING:
-    from pathlib import Path
+from tests.support.cli import lockrun, one_line
 
 
 def test_abstract_name_bound_but_not_listening_is_waited_out(name: str) -> None:
@@ -39,6 +36,22 @@ def test_abstract_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(ConfigError, match="needs Linux abstract UNIX sockets; this is darwin"):
         abstract_backend.connect(parse_uri("abstract:"))
+
+
+def test_a_name_too_long_is_a_bug_said_as_such() -> None:
+    """Our names fit sun_path (`_MAX_BASE`): one that does not raises, it is never "taken"."""
+    with pytest.raises(OSError, match="too long"):
+        abstract_backend.bind_listener("x" * 200)
+    with pytest.raises(OSError, match="too long"):
+        abstract_backend.connect_to("x" * 200)
+
+
+def test_a_marker_whose_name_is_taken_is_left_out(name: str) -> None:
+    """Markers are best effort: a name bound already (a squatter's) gives no marker."""
+    first = abstract_backend.bind_marker(f"lockrun/edge/default/{name}/w/1/1")
+    assert first is not None
+    with first:
+        assert abstract_backend.bind_marker(f"lockrun/edge/default/{name}/w/1/1") is None
 
 
 def test_the_socket_table_is_read_for_one_lock_only(name: str) -> None:
@@ -91,52 +104,53 @@ def test_a_reader_lists_itself_and_passes_the_slot_on(name: str) -> None:
     writer.release()
 
 
-def test_a_window_is_kept_by_a_detached_keeper_until_it_ends(name: str) -> None:
-    """The keeper: its own session, nothing of lockrun's caller open; status names the run."""
-    uri = f"abstract:modes-{os.getpid()}"
-    base = abstract_backend._base(f"modes-{os.getpid()}", "default", name)
-    asked = time.time()
-    ran = lockrun("--uri", uri, "-n", name, "--hold-at-least", "30", "--", "sh", "-c", "echo $PPID")
-    assert ran.returncode == 0, ran.stderr
-    run = int(ran.stdout)
-    keeper = abstract_backend._listener_pid(f"{base}/0")
-    assert keeper is not None
-    assert keeper != run
-    assert os.getsid(keeper) != os.getsid(0)  # a session of its own: no terminal, no job control
-    for fd in ("0", "1", "2"):
-        assert os.readlink(f"/proc/{keeper}/fd/{fd}") == os.devnull
-    others = [fd for fd in os.listdir(f"/proc/{keeper}/fd") if fd not in {"0", "1", "2"}]
-    kinds = {fd: os.readlink(f"/proc/{keeper}/fd/{fd}") for fd in others}
-    assert all(kind.startswith("socket:") for kind in kinds.values()), kinds
-    (holder,) = lock_state(uri, name)["holders"]
-    assert holder["pid"] == run
-    assert asked + 30 - 0.05 <= holder["until"] <= time.time() + 30  # granted in between
-    os.kill(keeper, signal.SIGTERM)  # ends the window early, as documented
-    wait_for(lambda: lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0)
+def test_a_readers_socket_accepts_what_connects_to_it(name: str) -> None:
+    """A reader's bell is its socket: refresh accepts probes, so they never fill its backlog."""
+    backend = open_backend(parse_uri("abstract:modes"))
+    base = abstract_backend._base("modes", "default", name)
+    reader = backend.acquire(request(name, shared=True), now())
+    assert reader is not None
+    (socket_name,) = [path for path, _ in abstract_backend._abstract_names(f"{base}/r")]
+    for _ in range(3):
+        assert listening(socket_name)  # status's probe: connects and hangs up
+    (bell,) = reader.bells
+    with socket.socket(fileno=os.dup(bell)) as listener:
+        assert abstract_backend.wait_readable([listener], 0)
+        reader.refresh()
+        assert not abstract_backend.wait_readable([listener], 0)
+    reader.release()
+    assert reader.bells == ()
 
 
-def test_a_windows_marker_fits_the_longest_readable_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A base of 70 bytes, the largest pid and the longest window: within 107 bytes."""
-    base = "lockrun/prefix/default/" + "x" * 47
-    assert len(base) == abstract_backend._MAX_BASE
-    monkeypatch.setattr(os, "getpid", lambda: 4194304)  # pid_max's largest
-    with socket.socket(socket.AF_UNIX) as unused:
-        lease = abstract_backend.AbstractLease(
-            0, 1, unused, None, base=base, since_ms=int(time.time() * 1000)
-        )
-        name = lease._window_name(366 * 86400.0)
-    monkeypatch.undo()
-    assert len(name.encode()) <= 107
-    marker = abstract_backend._MARKER.fullmatch(name)
-    assert marker is not None
-    assert marker["pid"] == "4194304"
-    assert int(marker["until"], 36) >= 366 * 86400 * 1000
+def test_a_writer_has_no_bell(name: str) -> None:
+    """Nobody rings a writer on abstract: (no --take-over): its lease offers no bell."""
+    backend = open_backend(parse_uri("abstract:modes"))
+    writer = backend.acquire(request(name), now())
+    assert writer is not None
+    assert writer.bells == ()
+    writer.refresh()  # the slot lives as long as we do: nothing to prove
+    writer.release()
 
 
-@pytest.mark.parametrize("options", [(), ("--shared",)])
-def test_a_holder_hears_a_taker_at_once(
-    name: str, tmp_path: Path, options: tuple[str, ...]
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("-u", "URI", "--take-over", "-w", "5", "-n", "NAME", "--", "true"),
+        ("-u", "URI", "--hold-at-least", "1h", "-n", "NAME", "--", "true"),
+        ("acquire", "-u", "URI", "--take-over", "-w", "5", "NAME"),
+        ("acquire", "-u", "URI", "--hold-at-least", "1h", "NAME"),
+        ("acquire", "-u", "URI", "--no-keeper", "--ttl", "1m", "--take-over", "-w", "5", "NAME"),
+    ],
+)
+def test_the_modes_abstract_declines_are_refused_before_anything_is_opened(
+    name: str, argv: tuple[str, ...]
 ) -> None:
-    """The taker rings the holder's marker (a reader's socket): TERM well under ttl/3."""
-    uri = f"abstract:modes-{os.getpid()}"
-    assert take_over_ring(uri, tmp_path, name, *options) < RING_TTL / 3  # the bell, no renewal
+    """--hold-at-least and --take-over on abstract: exit 64, one line, nothing left behind."""
+    prefix = f"declined-{os.getpid()}"
+    given = {"URI": f"abstract:{prefix}", "NAME": name}
+    result = lockrun(*(given.get(word, word) for word in argv))
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    said = one_line(result.stderr)
+    assert "is not supported by abstract: (only --shared is)" in said or "--no-keeper" in said
+    assert result.stdout == ""
+    assert not list(abstract_backend._abstract_names(f"lockrun/{prefix}"))

@@ -198,7 +198,13 @@ class ModesPool(Pool):
     def top_up(self) -> None:
         """Start processes of random kinds until the pool is *size* strong again."""
         self.reap()
-        kinds = [kind for kind, (_, weight) in MODES.items() for _ in range(weight)]
+        offered = parse_uri(self.uri).kind.modes  # abstract: has no takers or windows
+        kinds = [
+            kind
+            for kind, (options, weight) in MODES.items()
+            if not options or options[0].removeprefix("--") in offered
+            for _ in range(weight)
+        ]
         while len(self.live) < self.size:
             kind = self.rng.choice(kinds)
             self.start(*MODES[kind][0], hold=self.rng.uniform(0.1, 0.5), tag=kind)

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from lockrun import ExitCode, Lock, LockBusy, TakenOver
+from lockrun import ExitCode, Lock, LockBusy, TakenOver, UsageError
+from lockrun.backends import parse_uri
+from lockrun.uri import MODES
 from tests.support.cli import (
     LOCKRUN,
     TEST_TTL,
@@ -35,6 +37,8 @@ from tests.support.harness import on_valkey_too
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
+
+    from lockrun.uri import Mode
 
 HOUR = 3600.0  # a window no test outlives: whatever ends sooner is not the window's doing
 # How long a holder may take to notice a take-over: at once where a bell rings (local), at
@@ -58,11 +62,23 @@ def read_log(log: Path) -> list[tuple[str, float]]:
     ]
 
 
+def offers(uri: str, mode: Mode) -> bool:
+    """Whether *uri*'s backend offers *mode* (`Scheme.modes`); the others refuse it (64)."""
+    return mode in parse_uri(uri).kind.modes
+
+
+def needs(uri: str, mode: Mode) -> None:
+    """Skip the test unless *uri*'s backend offers *mode*."""
+    if not offers(uri, mode):
+        pytest.skip(f"{parse_uri(uri).scheme}: declines --{mode} (Scheme.modes)")
+
+
 # --hold-at-least ------------------------------------------------------------------------------
 
 
 def test_hold_keeps_the_lock_taken_after_a_short_command(uri: str, name: str) -> None:
     """A run with --hold-at-least returns at once, and the lock stays busy until its window ends."""
+    needs(uri, "hold-at-least")
     # An hour's window: lockrun returning at all (`lockrun` gives up after 60 s) proves it did
     # not stay for the window, however loaded the machine.
     asked = time.time()
@@ -80,6 +96,7 @@ def test_hold_keeps_the_lock_taken_after_a_short_command(uri: str, name: str) ->
 
 def test_a_window_frees_the_lock_as_it_ends(uri: str, name: str) -> None:
     """Once a --hold-at-least window has ended, the lock is free again and keeps no holder."""
+    needs(uri, "hold-at-least")
     assert lockrun("--uri", uri, "-n", name, "--hold-at-least", "2", "--", "true").returncode == 0
     wait_for(
         lambda: lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0,
@@ -93,6 +110,7 @@ def test_a_waiter_starts_only_once_the_window_has_ended(
     uri: str, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """A waiter behind a window runs as it ends: not before, and without polling for long."""
+    needs(uri, "hold-at-least")
     log = tmp_path / "log"
     hold = 2.0
     # The window counts from the grant, which comes after this and before the first stamp:
@@ -116,6 +134,7 @@ def test_a_waiter_starts_only_once_the_window_has_ended(
 
 def test_a_window_longer_than_the_wait_is_busy(uri: str, name: str) -> None:
     """--wait shorter than what remains of a window exits 75, not after the window."""
+    needs(uri, "hold-at-least")
     window = ("--hold-at-least", f"{HOUR:g}")
     assert lockrun("--uri", uri, "-n", name, *window, "--", "true").returncode == 0
     # A waiter that waited the window out would run (0) an hour on: 75 is the wait's end.
@@ -125,6 +144,7 @@ def test_a_window_longer_than_the_wait_is_busy(uri: str, name: str) -> None:
 
 def test_a_command_longer_than_its_hold_frees_the_lock_at_once(uri: str, name: str) -> None:
     """A hold shorter than the run adds nothing: the lock is free when the command ends."""
+    needs(uri, "hold-at-least")
     result = lockrun("--uri", uri, "-n", name, "--hold-at-least", "0.2", "--", "sleep", "0.5")
     assert result.returncode == 0, result.stderr
     assert lockrun("--uri", uri, "-n", name, "--", "true").returncode == 0
@@ -132,6 +152,7 @@ def test_a_command_longer_than_its_hold_frees_the_lock_at_once(uri: str, name: s
 
 def test_hold_runs_a_fleets_short_job_once_per_tick(uri: str, name: str, tmp_path: Path) -> None:
     """Five 'hosts' whose cron fires up to a second apart run a 0.1 s job once, not five times."""
+    needs(uri, "hold-at-least")
     log = tmp_path / "ran"
     job = (
         shlex.join([*LOCKRUN, "--uri", uri, "-n", name, "--hold-at-least", "30", "-q", "--"])
@@ -148,6 +169,7 @@ def test_hold_runs_a_fleets_short_job_once_per_tick(uri: str, name: str, tmp_pat
 
 def test_a_failed_or_missing_command_holds_as_a_run_does(uri: str, name: str) -> None:
     """A command that fails still holds its window; one that cannot start holds nothing."""
+    needs(uri, "hold-at-least")
     failed = lockrun("--uri", uri, "-n", name, "--hold-at-least", "30", "--", "false")
     assert failed.returncode == 1
     assert lockrun("--uri", uri, "-n", f"{name}", "--", "true").returncode == ExitCode.BUSY
@@ -159,6 +181,7 @@ def test_a_failed_or_missing_command_holds_as_a_run_does(uri: str, name: str) ->
 
 def test_api_hold_at_least_keeps_the_lock_after_the_block(uri: str, name: str) -> None:
     """`Lock(hold_at_least=…)` leaves the lock taken after the block, for others and itself."""
+    needs(uri, "hold-at-least")
     with Lock(name, uri=uri, hold_at_least=30):
         pass
     with pytest.raises(LockBusy, match="--hold-at-least"):
@@ -181,9 +204,28 @@ def test_modes_that_do_not_combine_are_usage_errors(
     uri: str, name: str, options: tuple[str, ...], said: str
 ) -> None:
     """Each refused combination exits 64 with one line, before anything is taken."""
+    for mode in sorted(MODES - parse_uri(uri).kind.modes):
+        if f"--{mode}" in options:
+            pytest.skip(f"--{mode} is refused by itself here (the test below)")
     result = lockrun("--uri", uri, "-n", name, *options, "--", "true")
     assert result.returncode == ExitCode.USAGE, result.stderr
     assert said in one_line(result.stderr)
+    assert lock_state(uri, name)["holders"] == []
+
+
+def test_a_mode_the_backend_declines_is_a_usage_error(uri: str, name: str) -> None:
+    """Each mode its scheme does not offer: 64 and one line (CLI), UsageError (API), no holder."""
+    declined = sorted(MODES - parse_uri(uri).kind.modes)
+    if not declined:
+        pytest.skip("this backend offers every mode")
+    for mode in declined:
+        value = {"hold-at-least": ("1h",), "take-over": ("--wait", "5")}.get(mode, ())
+        result = lockrun("--uri", uri, "-n", name, f"--{mode}", *value, "--", "true")
+        assert result.returncode == ExitCode.USAGE, result.stderr
+        assert f"--{mode} is not supported by {parse_uri(uri).scheme}:" in one_line(result.stderr)
+        keyword = {mode.replace("-", "_"): 3600 if mode == "hold-at-least" else True}
+        with pytest.raises(UsageError, match="is not supported by"):
+            Lock(name, uri=uri, wait=5, **keyword)  # type: ignore[arg-type]
     assert lock_state(uri, name)["holders"] == []
 
 
@@ -320,6 +362,7 @@ def test_take_over_stops_the_holder_and_runs_after_it(
     uri: str, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
     """The holder's command gets TERM, its lockrun exits 79; the taker runs only after it ended."""
+    needs(uri, "take-over")
     log = tmp_path / "log"
     holder = start(
         *("--uri", uri, "-n", name, "--"),
@@ -347,6 +390,7 @@ def test_take_over_stops_the_holder_and_runs_after_it(
 
 def test_take_over_kills_a_holder_that_ignores_term(uri: str, name: str, tmp_path: Path) -> None:
     """A command that ignores TERM is killed after --kill-after; the taker never overlaps it."""
+    needs(uri, "take-over")
     log = tmp_path / "log"
     stubborn = f"trap '' TERM; {stamp(log, 'begin')}; while :; do sleep 0.05; done"
     holder = start("--uri", uri, "-n", name, "--kill-after", "1", "--", "sh", "-c", stubborn)
@@ -361,12 +405,14 @@ def test_take_over_kills_a_holder_that_ignores_term(uri: str, name: str, tmp_pat
 
 def test_take_over_of_a_free_lock_just_runs(uri: str, name: str) -> None:
     """Nobody to stop: the taker runs at once."""
+    needs(uri, "take-over")
     result = lockrun("--uri", uri, "-n", name, "--take-over", "--wait", "5", "--", "true")
     assert result.returncode == 0, result.stderr
 
 
 def test_a_waiter_ahead_of_a_taker_gives_way(uri: str, name: str, tmp_path: Path) -> None:
     """A waiter queued before the taker exits 79 without running its command."""
+    needs(uri, "take-over")
     log = tmp_path / "log"
     holder = start(
         *("--uri", uri, "-n", name, "--"),
@@ -391,6 +437,7 @@ def test_a_taker_that_dies_leaves_no_stop_behind(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """SIGKILL of a waiting taker: the holder keeps running, and later holders are not stopped."""
+    needs(uri, "take-over")
     holder = held("--uri", uri, "-n", name, "--kill-after", "1")
     # A taker that cannot wait long enough for the holder gives up (75) and leaves nothing.
     taker = start("--uri", uri, "-n", name, "--take-over", "--wait", "forever", "--", "true")
@@ -414,6 +461,7 @@ def test_a_taker_that_dies_leaves_no_stop_behind(
 
 def test_api_holder_sees_a_take_over_in_check(uri: str, name: str) -> None:
     """A Python holder's `lease.check()` raises `TakenOver`; the taker gets in after release."""
+    needs(uri, "take-over")
     with Lock(name, uri=uri, ttl=float(TEST_TTL)) as lease:  # renewed as often as the CLI's
         taker = start("--uri", uri, "-n", name, "--take-over", "--wait", "60", "--", "true")
         deadline = time.monotonic() + 60  # the taker's --wait: a hang guard, not a budget
@@ -441,6 +489,8 @@ def test_status_shows_readers_as_sharing_and_a_window_as_held_until(
     assert len(rows) == 2
     assert all(" sharing " in row for row in rows), table.stdout
     assert [reader.finish() for reader in readers] == [0, 0]
+    if not offers(uri, "hold-at-least"):
+        return
     other = f"{name}-held"
     assert lockrun("--uri", uri, "-n", other, "--hold-at-least", "60", "--", "true").returncode == 0
     table = lockrun("status", "--uri", uri, other)
@@ -452,6 +502,7 @@ def test_a_shared_taker_joins_readers_and_stops_a_writer(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """--shared --take-over shares with the readers it finds; a writer it stops (79)."""
+    needs(uri, "take-over")
     reader = held("--uri", uri, "-n", name, "--shared")
     joined = lockrun(
         *("--uri", uri, "-n", name, "--shared", "--take-over", "--wait", "30", "--", "true")

@@ -258,7 +258,7 @@ def test_a_symlink_planted_as_the_gate_of_a_lock_is_refused_when_waiting(
     assert precious.read_text() == PRECIOUS
 
 
-# -- abstract: forged requests, windows and readers -----------------------------------------
+# -- abstract: squatted names of the modes it declines, and readers --------------------------
 
 # Listen on each name of argv (pid "self": this process's) until stdin closes.
 SQUAT = """
@@ -294,13 +294,13 @@ def prefix() -> str:
 
 
 @needs_root
-def test_a_forged_stop_request_naming_another_process_stops_nobody(
+def test_stop_requests_in_the_old_form_stop_nobody(
     mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
 ) -> None:
-    """Mallory's request says pid 1 asks: SO_PEERCRED says otherwise; nobody gives way."""
+    """abstract: has no --take-over (`Scheme.modes`): a request squatted by anyone is nothing."""
     base = abstract_backend._base(prefix, "default", name)
     uri = f"abstract:{prefix}"
-    with squatting(mallory, f"{base}/x/1/1"):
+    with squatting(mallory, f"{base}/x/1/1", f"{base}/x/1/self"):
         holder = held("--uri", uri, "-n", name)
         assert holder.process.poll() is None
         assert holder.finish() == 0
@@ -309,25 +309,13 @@ def test_a_forged_stop_request_naming_another_process_stops_nobody(
 
 
 @needs_root
-def test_a_local_users_own_stop_request_is_heard_on_abstract(
-    mallory: Runner, prefix: str, name: str
-) -> None:
-    """Anyone local may queue on abstract:, so anyone may take over: the grantee gives way."""
-    base = abstract_backend._base(prefix, "default", name)
-    with squatting(mallory, f"{base}/x/1/self"):
-        result = lockrun("--uri", f"abstract:{prefix}", "-n", name, "--", "true")
-        assert result.returncode == 79
-        assert f"taken over by {mallory.user.name}@" in one_line(result.stderr)
-
-
-@needs_root
 def test_forged_windows_and_readers_are_not_shown(
     mallory: Runner, prefix: str, name: str, held: Callable[..., Held]
 ) -> None:
-    """A window marker no keeper backs, a reader naming pid 1: neither shown nor believed."""
+    """A window's marker (abstract: has none now), a reader naming pid 1: neither believed."""
     base = abstract_backend._base(prefix, "default", name)
     uri = f"abstract:{prefix}"
-    window = f"{base}/h0.1/{int(time.time() * 1000)}/1/u{abstract_backend._base36(3_600_000)}"
+    window = f"{base}/h0.1/{int(time.time() * 1000)}/1/u255s0"  # a window's, in the old form
     with squatting(mallory, window):
         result = lockrun("--uri", uri, "-n", name, "-w", "5", "--", "true")
         assert (result.returncode, result.stderr) == (0, "")  # no window held it

@@ -360,6 +360,20 @@ class Backend(Protocol):
         """Drop connections; held leases are released by their own `release`."""
 
 
+class Connect(Protocol):
+    """A backend module's ``connect``, the factory `open_backend` calls for a `Scheme`'s row."""
+
+    def __call__(
+        self,
+        uri: LockURI,
+        *,
+        ttl: float | None = None,
+        warn: Callable[[str], None] | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> Backend:
+        """Return a backend for *uri*; a bad URI or a missing driver is a `ConfigError`."""
+
+
 def slots_mismatch(
     request: Request, slots: int, holder: Holder | None = None, where: str = ""
 ) -> ConfigError:
@@ -449,9 +463,9 @@ def open_backend(
         )
         msg = f"{uri.scheme}: needs {what}: {hint}"
         raise ConfigError(msg) from err
+    connect: Connect = module.connect
     # Backends split hosts with `host_port` below, so a bad one is already a ConfigError.
-    backend: Backend = module.connect(uri, ttl=ttl, warn=warn or _warn, note=note)
-    return backend
+    return connect(uri, ttl=ttl, warn=warn or _warn, note=note)
 
 
 def _install_hint(extra: str | None) -> str:

@@ -6,6 +6,9 @@ Waiters connect to the holder and sit in its accept backlog, which is FIFO. On r
 holder accepts the oldest waiter and hands it the listening socket itself with SCM_RIGHTS,
 so the name never becomes free for a latecomer to take. With N slots every waiter first
 queues the same way on a gate name; only the gate's holder (the head) waits on the slots.
+Of the fleet modes it offers --shared only: with no storage, a --hold-at-least window would
+need a process of its own and a --take-over a bell on every holder (docs/design.md A3), so
+the registry declines them (`lockrun.uri.SCHEMES`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import errno
 import os
 import re
 import select
-import signal
 import socket
 import stat
 import struct
@@ -32,7 +34,7 @@ from lockrun.backends import (
     next_fence,
     slots_mismatch,
 )
-from lockrun.errors import BackendUnavailable, ConfigError, TakenOver
+from lockrun.errors import BackendUnavailable, ConfigError
 from lockrun.names import escape, unescape
 from lockrun.timing import now
 
@@ -75,7 +77,7 @@ def bind_listener(name: str) -> socket.socket | None:
         sock.close()
         if err.errno == errno.EADDRINUSE:
             return None
-        raise  # pragma: no cover - our names are short and valid: a bug worth a traceback
+        raise  # our names are short and valid: a bug worth a traceback
     sock.listen(_BACKLOG)
     return sock
 
@@ -85,7 +87,7 @@ def bind_marker(name: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         sock.bind("\0" + name)
-    except OSError:  # pragma: no cover - pid and microsecond make the name unique
+    except OSError:  # taken: pid and time make our names unique, so a squatter's
         sock.close()
         return None
     return sock
@@ -101,7 +103,7 @@ def connect_to(name: str) -> socket.socket | None:
         sock.close()
         if err.errno in {errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN}:
             return None
-        raise  # pragma: no cover - our names are short and valid: a bug worth a traceback
+        raise  # our names are short and valid: a bug worth a traceback
     return sock
 
 
@@ -181,17 +183,13 @@ def hand_over(listener: socket.socket, payload: bytes) -> None:
                 return
 
 
-def take(
-    names: list[str], deadline: float | None, stop: StopRequest | None = None
-) -> tuple[int, socket.socket, bytes] | None:
+def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, bytes] | None:
     """Hold one of *names*: bind a free one, else wait for a holder to hand theirs over.
 
     A connection, once made, is kept until its holder hangs up or hands over: making it
-    again would move us to the back of that holder's queue. With *stop* (a take-over), the
-    holders are rung once more as soon as we are queued, and its probes drained meanwhile.
+    again would move us to the back of that holder's queue.
     """
     conns: dict[int, socket.socket] = {}
-    rung = stop is None
     try:
         while True:
             for index, name in enumerate(names):
@@ -201,13 +199,9 @@ def take(
             if wait == 0:
                 return None
             _connect_all(names, conns)
-            if stop is not None and not rung and conns:
-                # Queued: a holder granted since the first ring is rung now (docs/design.md A3).
-                stop.ring()
-                rung = True
             if len(conns) < len(names):  # a name in transition: look again soon
                 wait = min(wait, TRANSITION)
-            if (got := _await_hand_over(conns, names, wait, stop)) is not None:
+            if (got := _await_hand_over(conns, names, wait)) is not None:
                 return got
     finally:
         for conn in conns.values():
@@ -222,16 +216,10 @@ def _connect_all(names: list[str], conns: dict[int, socket.socket]) -> None:
 
 
 def _await_hand_over(
-    conns: dict[int, socket.socket],
-    names: list[str],
-    wait: float,
-    stop: StopRequest | None = None,
+    conns: dict[int, socket.socket], names: list[str], wait: float
 ) -> tuple[int, socket.socket, bytes] | None:
     """Wait for a holder among *conns* to hand over; drop those that hung up instead."""
-    watched = list(conns.values()) + ([stop.sock] if stop is not None else [])
-    ready = wait_readable(watched, wait)
-    if stop is not None and stop.sock in ready:
-        stop.drain()
+    ready = wait_readable(list(conns.values()), wait)
     for index, conn in list(conns.items()):
         if conn in ready:
             if (got := _receive(conn, names[index])) is not None:
@@ -253,11 +241,6 @@ def accept_all(listener: socket.socket) -> list[socket.socket]:
         accepted.append(conn)
 
 
-def _readable(sock: socket.socket) -> bool:
-    """Whether *sock* is readable now: for a listener, whether anyone waits in its backlog."""
-    return bool(wait_readable([sock], 0))
-
-
 # -- the backend ---------------------------------------------------------------------------
 
 
@@ -273,21 +256,11 @@ def _base(prefix: str, namespace: str, name: str) -> str:
 
 _SHARED_FLAG: Final = b" r"  # in a hand-over's payload: readers may hold the lock too
 _NAME_TRIES: Final = 1000  # µs to try for a name of our own before calling them squatted
-_KEEPER_READY: Final = 2.0  # how long a release waits for a window's keeper to be in place
 
 
 def _counter(payload: bytes) -> bytes:
     """Return the fence counter a hand-over's *payload* carries (b"" for none)."""
     return payload.split(b" ", 1)[0]
-
-
-def _base36(number: int) -> str:
-    digits = ""
-    while True:
-        number, digit = divmod(number, 36)
-        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits
-        if not number:
-            return digits
 
 
 def _bind_own(prefix: str) -> socket.socket:
@@ -299,45 +272,6 @@ def _bind_own(prefix: str) -> socket.socket:
             return sock
     msg = f"every abstract name {prefix}/… of this process is taken (squatted?)"
     raise BackendUnavailable(msg)
-
-
-class StopRequest:
-    """A take-over request while we wait: a listening socket bound to ``BASE/x/US/PID``.
-
-    It lasts exactly as long as the socket: closed once we are granted or give up, and by
-    the kernel if we die, SIGKILL included (docs/design.md A3). A holder looks for requests
-    when rung: we send its marker a datagram, or connect to a reader's socket.
-    """
-
-    def __init__(self, base: str) -> None:
-        """Register the request for the lock *base* and ring its holders."""
-        self.base = base
-        self.sock = _bind_own(f"{base}/x")
-        self.ring()
-
-    def ring(self) -> None:
-        """Make every holder of the lock look for requests now; best effort."""
-        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        with bell:
-            bell.setblocking(False)  # noqa: FBT003 - a full receive queue: it was rung already
-            for path, _ in _abstract_names(self.base):
-                marker = _MARKER.fullmatch(path)
-                if marker is None:
-                    continue
-                with contextlib.suppress(OSError):
-                    if marker["slot"] is not None and marker["until"] is None:
-                        bell.sendto(b"!", "\0" + path)
-                    elif marker["rpid"] is not None and (conn := connect_to(path)) is not None:
-                        conn.close()  # the reader accepts it, finds it closed, and looks
-
-    def drain(self) -> None:
-        """Drop the probes of holders that checked the request (so its queue never fills)."""
-        for conn in accept_all(self.sock):
-            conn.close()
-
-    def close(self) -> None:
-        """End the request."""
-        self.sock.close()
 
 
 class AbstractLease:
@@ -357,16 +291,12 @@ class AbstractLease:
         fence: int | None,
         listener: socket.socket,
         marker: socket.socket | None,
-        *,
-        base: str = "",
-        since_ms: int = 0,
     ) -> None:
-        """Hold slot *slot* of *base* through *listener*; *fence* None: a reader."""
+        """Hold slot *slot* through *listener*, named by *marker*; *fence* None: a reader."""
         self.slot, self.fence = slot, fence
         self.confirmed = now()  # no lease: for the record only
         self._listener: socket.socket | None = listener
         self._marker = marker
-        self._base, self._since_ms = base, since_ms
         self._kept: list[socket.socket] = []  # a reader's: writers waiting for it to leave
 
     @property
@@ -376,37 +306,30 @@ class AbstractLease:
 
     @property
     def bells(self) -> tuple[int, ...]:
-        """Return what a taker rings: the marker, or a reader's own listening socket."""
-        bell = self._listener if self.fence is None else self._marker
-        return () if bell is None else (bell.fileno(),)
+        """Return a reader's own listening socket: who connects to it gets accepted (`refresh`)."""
+        listener = self._listener
+        return (listener.fileno(),) if self.fence is None and listener is not None else ()
 
     def refresh(self) -> None:
-        """Raise `TakenOver` if another acquirer asks for the lock; it lives as long as we do."""
-        listener, marker = self._listener, self._marker  # a release may run meanwhile
+        """Accept what connected to a reader's socket; the slot lives as long as we do.
+
+        Writers wait on a connection to each reader, and `status` probes it: accepted, the
+        probes cannot fill its backlog, which would tell a writer that the reader left.
+        """
+        listener = self._listener  # a release may run meanwhile
         if self.fence is None and listener is not None:
             # Keep what writers connected: a connection closed would tell them we left.
             self._kept = [conn for conn in self._kept if not _hung_up(conn)]
             self._kept += accept_all(listener)
-        elif marker is not None:
-            with contextlib.suppress(OSError):
-                while marker.recv(64, socket.MSG_DONTWAIT):
-                    pass
-        for _, pid in _markers(self._base, "x") if self._base else ():
-            raise TakenOver(_taken_by(describe_pid(pid)))
 
-    def release(self, hold: float = 0.0) -> bool:
-        """Hand the slot to the oldest waiter, or free the name.
-
-        With *hold*, a keeper process holds it until the window ends (--hold-at-least).
-        """
-        if self._marker is not None:  # first: a window's marker replaces it
+    def release(self, hold: float = 0.0) -> bool:  # noqa: ARG002 - no windows here (uri.SCHEMES)
+        """Hand the slot to the oldest waiter, or free the name."""
+        if self._marker is not None:
             self._marker.close()
             self._marker = None
         if self._listener is not None:
             if self.fence is None:
                 self._listener.close()  # a reader: the writer waiting for it sees it go
-            elif hold > 0 and self._base:
-                _keep(self._listener, self._window_name(hold), hold, str(self.fence).encode())
             else:
                 hand_over(self._listener, str(self.fence).encode())
             self._listener = None
@@ -415,19 +338,6 @@ class AbstractLease:
         self._kept = []
         return True
 
-    def _window_name(self, hold: float) -> str:
-        """Name the window's marker: the run's grant time and pid, and the window's end.
-
-        The end is in ms after the grant, in base 36: the name must fit 107 bytes with the
-        longest base (docs/backends.md).
-        """
-        after = max(0, int((time.time() + hold) * 1000) - self._since_ms)
-        return f"{self._base}/h0.1/{self._since_ms}/{os.getpid()}/u{_base36(after)}"
-
-
-def _taken_by(taker: Holder) -> str:
-    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
-
 
 def _hung_up(conn: socket.socket) -> bool:
     """Whether the far end of *conn* closed (it never sends: anything readable is the end)."""
@@ -435,77 +345,6 @@ def _hung_up(conn: socket.socket) -> bool:
         return False
     conn.close()
     return True
-
-
-def _keep(listener: socket.socket, marker: str, hold: float, payload: bytes) -> None:
-    """Leave *listener* to a detached keeper for *hold* seconds, which then hands it over.
-
-    A double fork and a new session: nothing of ours (a cron's pipe, a caller's captured
-    output) stays open in it, so lockrun's caller sees it end at once. Returns once the
-    keeper has marked the window, so status shows it from now on. The window ends early if
-    the keeper dies (a reboot, a SIGKILL): the name is freed then (docs/design.md A3). No
-    fork, no window.
-    """
-    import warnings  # noqa: PLC0415 - only windows need it
-
-    until = now() + hold
-    ready, told = os.pipe()
-    try:
-        with warnings.catch_warnings():
-            # Python 3.12 warns of fork() in a threaded process: the child makes only system
-            # calls, on objects no other thread holds.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-    except OSError:
-        os.close(ready)
-        os.close(told)
-        hand_over(listener, payload)
-        return
-    if pid == 0:  # pragma: no cover - the child ends with _exit: coverage never hears of it
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                _keeper(listener, marker, until, payload, told)
-        finally:
-            os._exit(0)
-    os.close(told)
-    listener.close()
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
-    try:
-        waiting = select.poll()
-        waiting.register(ready, select.POLLIN)
-        waiting.poll(_KEEPER_READY * 1000)  # EOF: the keeper is in place (or has died)
-    finally:
-        os.close(ready)
-
-
-def _keeper(
-    listener: socket.socket, marker: str, until: float, payload: bytes, told: int
-) -> None:  # pragma: no cover - a forked child: see _keep
-    """Hold the slot until *until* (`timing.now`), marked as a window, then hand it over."""
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    kept = sorted({listener.fileno(), told})
-    os.closerange(3, kept[0])  # the run's pipes, sessions, markers: none of it is ours
-    os.closerange(kept[0] + 1, kept[1])
-    os.closerange(kept[1] + 1, os.sysconf("SC_OPEN_MAX"))
-    for signo in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
-        signal.signal(signo, signal.SIG_DFL)  # `kill KEEPER` ends a window early
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
-    listener.listen(_BACKLOG)  # SO_PEERCRED names the keeper now, as the window's marker
-    window = bind_listener(marker)
-    if window is not None:
-        window.setblocking(False)  # noqa: FBT003 - the socket API
-    os.close(told)  # the last writer: the releasing lockrun reads EOF, and goes
-    while (left := until - now()) > 0:
-        if window is None:
-            time.sleep(left)
-        elif wait_readable([window], left):  # status checked the marker: drop its probes
-            for conn in accept_all(window):
-                conn.close()
-    hand_over(listener, payload)
 
 
 class AbstractBackend:
@@ -522,68 +361,41 @@ class AbstractBackend:
             return self._acquire_one(base, request, deadline)
         _agree(base, request)
         slots = [f"{base}/{slot}" for slot in range(request.slots)]
-        stop = StopRequest(base) if request.take_over else None
-        try:
-            with self._waiting(base, request):
-                gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
-                gate = take([f"{base}/g"], gate_deadline, stop)
-                if gate is None:
+        with self._waiting(base, request):
+            gate_deadline = None if deadline is None else max(deadline, now() + GATE_GRACE)
+            gate = take([f"{base}/g"], gate_deadline)
+            if gate is None:
+                return None
+            _, gate_listener, counter = gate
+            lease = None
+            try:
+                taken = take(slots, deadline)
+                if taken is None:
                     return None
-                _, gate_listener, counter = gate
-                lease = None
-                try:
-                    taken = take(slots, deadline)
-                    if taken is None:
-                        return None
-                    if stop is not None:
-                        stop.close()  # granted: our own request ends here
-                        stop = None
-                    lease = self._grant(base, request.slots, taken, counter)
-                    # A taker queued behind us? One not queued yet rings our marker later.
-                    if _readable(gate_listener):
-                        _check(base, request, lease.release, "x")
-                finally:
-                    fence = b"" if lease is None else str(lease.fence).encode()
-                    hand_over(gate_listener, fence or counter)
-                return lease
-        finally:
-            if stop is not None:
-                stop.close()
+                lease = self._grant(base, request.slots, taken, counter)
+            finally:
+                fence = b"" if lease is None else str(lease.fence).encode()
+                hand_over(gate_listener, fence or counter)
+            return lease
 
     def _acquire_one(
         self, base: str, request: Request, deadline: float | None
     ) -> AbstractLease | None:
         """Take a lock of one slot, exclusive or shared (docs/design.md A3)."""
         slot = f"{base}/0"
-        stop = None
-        try:
-            taken = None
-            if (listener := bind_listener(slot)) is not None:
-                taken = (0, listener, b"")
-            else:
-                window = _agree(base, request)
-                if (
-                    window is not None
-                    and deadline is not None
-                    and (deadline - now() < window - time.time())
-                ):
-                    return None  # the window outlasts our wait: busy at once
-                if request.take_over:
-                    stop = StopRequest(base)
-                if request.shared and deadline is not None:
-                    # A one-shot reader waits briefly for a reader on its way in (A3).
-                    deadline = max(deadline, now() + GATE_GRACE)
-                with self._waiting(base, request):
-                    taken = take([slot], deadline, stop)
-            if taken is None:
-                return None
-            if stop is not None:
-                stop.close()  # granted: our own request ends here
-                stop = None
-            return self._hold(base, request, deadline, taken[1], taken[2])
-        finally:
-            if stop is not None:
-                stop.close()
+        taken = None
+        if (listener := bind_listener(slot)) is not None:
+            taken = (0, listener, b"")
+        else:
+            _agree(base, request)
+            if request.shared and deadline is not None:
+                # A one-shot reader waits briefly for a reader on its way in (A3).
+                deadline = max(deadline, now() + GATE_GRACE)
+            with self._waiting(base, request):
+                taken = take([slot], deadline)
+        if taken is None:
+            return None
+        return self._hold(base, request, deadline, taken[1], taken[2])
 
     def _hold(
         self,
@@ -596,36 +408,30 @@ class AbstractBackend:
         """Make the slot's *listener*, ours now, a lease; or give it back.
 
         A writer keeps it, waiting first until no reader is left; a reader lists itself and
-        passes it on at once. Before either runs, it looks for a take-over request (if
-        anyone may have made one: the name was free, or someone queues behind us).
+        passes it on at once. On a name that was free, either first looks for holders of
+        another --slots.
         """
         fresh = not payload
         counter = _counter(payload)
-        # What to look at: all on a name that was free; after a hand-over, requests if
-        # anyone queues behind us, readers if a reader handed it on. Each is one read of
-        # /proc/net/unix, which a hand-over with nobody behind it never pays.
-        kinds = "hx" if fresh else "x" if _readable(listener) else ""
-        own = None
         try:
             if request.shared:
-                own = _bind_own(f"{base}/r")  # listed first, then looking: A3
-                if kinds:
-                    _check(base, request, own.close, kinds)
+                reader = _bind_own(f"{base}/r")  # listed first, then looking: A3
+                if fresh:
+                    _check(base, request, reader.close, "h")
                 hand_over(listener, counter + _SHARED_FLAG)
-                return AbstractLease(0, None, own, None, base=base)
-            if fresh or _SHARED_FLAG in payload:
-                kinds += "r"
-            own, since_ms = _mark(base, 0, 1)
+                return AbstractLease(0, None, reader, None)
+            # What to look at: holders on a name that was free, readers on it or after a
+            # reader's hand-over. Each is one read of /proc/net/unix, which a hand-over from
+            # a writer never pays.
+            kinds = "hr" if fresh else "r" if _SHARED_FLAG in payload else ""
+            own = _mark(base, 0, 1)
             if kinds and (readers := _check(base, request, _closer(own), kinds)):
                 _closer(own)()
                 if not self._wait_for_readers(base, request, readers, deadline):
                     hand_over(listener, payload)
                     return None
-                own, since_ms = _mark(base, 0, 1)
-                _check(base, request, _closer(own), "x")
-            return AbstractLease(
-                0, next_fence(counter), listener, own, base=base, since_ms=since_ms
-            )
+                own = _mark(base, 0, 1)
+            return AbstractLease(0, next_fence(counter), listener, own)
         except BaseException:
             if listener.fileno() >= 0:
                 hand_over(listener, payload)
@@ -641,9 +447,7 @@ class AbstractBackend:
         """
         conns: dict[str, socket.socket] = {}
         left = set(readers)
-        with self._waiting(base, request), contextlib.ExitStack() as asking:
-            if request.take_over:  # a taker that found the slot free: ask the readers now
-                asking.callback(StopRequest(base).close)
+        with self._waiting(base, request):
             try:
                 while True:
                     for name in list(left - conns.keys()):
@@ -684,9 +488,9 @@ class AbstractBackend:
         counter: bytes = b"",
     ) -> AbstractLease:
         slot, listener, payload = taken
-        fence = next_fence(counter or payload)
-        marker, since_ms = _mark(base, slot, slots)
-        return AbstractLease(slot, fence, listener, marker, base=base, since_ms=since_ms)
+        return AbstractLease(
+            slot, next_fence(counter or payload), listener, _mark(base, slot, slots)
+        )
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """List the locks of this prefix and *namespace* that have holders or waiters."""
@@ -722,82 +526,62 @@ class AbstractBackend:
         """Nothing to close: there is no connection."""
 
 
-def _mark(base: str, slot: int, slots: int) -> tuple[socket.socket | None, int]:
-    """Bind the marker that names us holder of *slot*; return it and the grant's time in ms."""
-    since_ms = int(time.time() * 1000)
-    return bind_marker(f"{base}/h{slot}.{slots}/{since_ms}/{os.getpid()}"), since_ms
+def _mark(base: str, slot: int, slots: int) -> socket.socket | None:
+    """Bind the marker that names us holder of *slot*, and since when (in ms)."""
+    return bind_marker(f"{base}/h{slot}.{slots}/{int(time.time() * 1000)}/{os.getpid()}")
 
 
 def _closer(sock: socket.socket | None) -> Callable[[], None]:
     return (lambda: None) if sock is None else sock.close
 
 
-def _agree(base: str, request: Request) -> float | None:
-    """Raise `ConfigError` if a live holder of *base* uses another --slots.
-
-    Return the end (Unix time) of a --hold-at-least window on it, if one is open.
-    """
-    window = None
+def _agree(base: str, request: Request) -> None:
+    """Raise `ConfigError` if a live holder of *base* uses another --slots."""
     for marker, pid in _markers(base, "hr"):
-        holder = _described(marker, pid)
         theirs = 1 if marker["rpid"] is not None else int(marker["slots"])
         if theirs != request.slots:
-            raise slots_mismatch(request, theirs, holder)
-        if holder.until is not None:
-            window = holder.until
-    return window
+            raise slots_mismatch(request, theirs, _described(marker, pid))
 
 
 def _check(
-    base: str, request: Request, give_back: Callable[[], object], kinds: str = "hrx"
+    base: str, request: Request, give_back: Callable[[], object], kinds: str = "hr"
 ) -> list[str]:
-    """Look, as a new holder of *base*, at its other holders and at take-over requests.
+    """Look, as a new holder of *base*, at its other holders: markers of *kinds* (h, r).
 
-    Raise `ConfigError` for one of another --slots and `TakenOver` for a request (a later
-    acquirer asks: we give way), calling *give_back* first; look only at markers of *kinds*
-    (h, r, x). Return the names of the
-    readers' sockets: every one, believed or not, since a writer must never run beside a
-    reader the kernel cannot name to us (another PID namespace); a forged one only holds
-    the lock as a squatter could.
+    Raise `ConfigError` for one of another --slots, calling *give_back* first. Return the
+    names of the readers' sockets: every one, believed or not, since a writer must never run
+    beside a reader the kernel cannot name to us (another PID namespace); a forged one only
+    holds the lock as a squatter could.
     """
     readers: list[str] = []
-    problem: ConfigError | TakenOver | None = None
     for marker, pid in _markers(base, kinds, unchecked="r"):
-        theirs = 1 if marker["rpid"] is not None else int(marker["slots"] or 1)
-        if marker["xpid"] is not None:
-            problem = problem or TakenOver(_taken_by(describe_pid(pid)))
-        elif marker["rpid"] is not None:
+        if marker["rpid"] is not None:
             readers.append(marker[0])
-            if request.slots != 1 and pid == _listener_pid(marker[0]):
-                problem = slots_mismatch(request, 1, _described(marker, pid))
-                break
-        elif theirs != request.slots:
-            problem = slots_mismatch(request, theirs, _described(marker, pid))
-            break
-    if problem is not None:
+            if request.slots == 1 or pid != _listener_pid(marker[0]):
+                continue
+            theirs = 1
+        elif (theirs := int(marker["slots"] or 1)) == request.slots:
+            continue
         give_back()
-        raise problem
+        raise slots_mismatch(request, theirs, _described(marker, pid))
     return readers
 
 
 _MARKER: Final = re.compile(
     r"(?P<base>lockrun/(?:#[0-9a-f]+|[^/]*/[^/]*/[^/]*))/"
-    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)(?:/u(?P<until>[0-9a-z]{1,8}))?"
+    r"(?:h(?P<slot>\d+)\.(?P<slots>\d+)/(?P<ms>\d+)/(?P<pid>\d+)"
     r"|w/(?P<us>\d+)/(?P<wpid>\d+)(?P<wshared>/s)?"
-    r"|r/(?P<rus>\d+)/(?P<rpid>\d+)"
-    r"|x/(?P<xus>\d+)/(?P<xpid>\d+))",
+    r"|r/(?P<rus>\d+)/(?P<rpid>\d+))",
     re.ASCII,
 )
 _READABLE: Final = re.compile(r"lockrun/(?P<prefix>[^/#]*)/(?P<ns>[^/]*)/(?P<name>[^/]*)")
 
 
 def _kind(marker: re.Match[str]) -> str:
-    """Return what *marker* marks: h(older), w(aiter), r(eader) or x (a take-over request)."""
+    """Return what *marker* marks: h(older), w(aiter) or r(eader)."""
     if marker["slot"] is not None:
         return "h"
-    if marker["wpid"] is not None:
-        return "w"
-    return "r" if marker["rpid"] is not None else "x"
+    return "w" if marker["wpid"] is not None else "r"
 
 
 def _described(marker: re.Match[str], pid: int) -> Holder:
@@ -808,30 +592,22 @@ def _described(marker: re.Match[str], pid: int) -> Holder:
         return holder._replace(shared=marker["wshared"] is not None)
     if kind == "r":
         return describe_pid(pid)._replace(since=int(marker["rus"]) / 1e6, slot=0, shared=True)
-    if kind == "x":
-        return describe_pid(pid)
-    holder = describe_pid(pid)._replace(since=int(marker["ms"]) / 1e3, slot=int(marker["slot"]))
-    if marker["until"] is not None:  # a window: the keeper is *pid*; the run was marker's pid
-        until = (int(marker["ms"]) + int(marker["until"], 36)) / 1e3
-        holder = holder._replace(pid=int(marker["pid"]), until=until)
-    return holder
+    return describe_pid(pid)._replace(since=int(marker["ms"]) / 1e3, slot=int(marker["slot"]))
 
 
 def _markers(
-    base: str | None = None, kinds: str = "hwrx", unchecked: str = ""
+    base: str | None = None, kinds: str = "hwr", unchecked: str = ""
 ) -> Iterator[tuple[re.Match[str], int]]:
     """Yield the markers of *kinds* (of *base* only, if given) the kernel backs, with their pid.
 
     Anyone can bind any abstract name, and a name may hold a line break that forges a line
     of /proc/net/unix. A holder marker is believed only if the kernel says that the process
     it names listens on the slot it names: SO_PEERCRED of a connection to the slot gives the
-    PID of the last process to call listen(2) on it, which a taker does (`_receive`); a
-    window's marker, a listening socket, only if the same process listens on it and on the
-    slot. A reader's socket or a take-over request (listening sockets) only if the process
-    the name names listens on it. A waiter marker, an unconnected socket, only if the
-    process it names has that very socket open, where /proc lets us look (our own
-    processes, or all of them as root). Markers of the kinds in *unchecked* are yielded
-    unchecked, with the pid they name.
+    PID of the last process to call listen(2) on it, which a taker does (`_receive`). A
+    reader's socket (a listening socket) only if the process the name names listens on it.
+    A waiter marker, an unconnected socket, only if the process it names has that very
+    socket open, where /proc lets us look (our own processes, or all of them as root).
+    Markers of the kinds in *unchecked* are yielded unchecked, with the pid they name.
     """
     seen = set()
     for path, inode in _abstract_names(base):
@@ -853,16 +629,14 @@ def _believed(marker: re.Match[str], kind: str, path: str, inode: str) -> int | 
     if kind == "w":
         pid = int(marker["wpid"])
         return pid if _has_socket(pid, inode) else None
-    if kind in "rx":
-        pid = int(marker["rpid"] if kind == "r" else marker["xpid"])
+    if kind == "r":
+        pid = int(marker["rpid"])
         return pid if pid and _listener_pid(path) == pid else None
     slot = int(marker["slot"])
     if slot >= int(marker["slots"]):
         return None
     holder = _listener_pid(f"{marker['base']}/{slot}")
-    if marker["until"] is None:
-        return holder if holder and holder == int(marker["pid"]) else None
-    return holder if holder and _listener_pid(path) == holder else None
+    return holder if holder and holder == int(marker["pid"]) else None
 
 
 def _listener_pid(name: str) -> int | None:

@@ -758,14 +758,14 @@ def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
 # children, kill the others, and report who of the group is still alive.
 LAST_ACT = """
 import os, subprocess, sys
-from lockrun import supervise
+from lockrun import processes
 os.setpgid(0, 0)
 for _ in range(3):  # each with two children of its own, in the same group
     subprocess.Popen(["sh", "-c", "sleep 1000 & sleep 1000 & wait"])
-while len(supervise._members(os.getpgrp())) < 10:
+while len(processes.members(os.getpgrp())) < 10:
     pass
-supervise._kill_the_others()
-print(supervise._members(os.getpgrp()) == [os.getpid()])
+processes.kill_the_others()
+print(processes.members(os.getpgrp()) == [os.getpid()])
 """
 
 
@@ -783,7 +783,7 @@ def test_the_guardian_outlives_every_process_it_kills() -> None:
 # lets it go: prints how long lockrun's side took, and whether the guardian stood down.
 STOPPED_GUARDIAN = """
 import os, signal, sys, time
-from lockrun.supervise import Guardian
+from lockrun.guardian import Guardian
 guardian = Guardian()
 os.kill(guardian.pid, signal.SIGSTOP)
 began = time.monotonic()

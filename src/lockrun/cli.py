@@ -9,7 +9,7 @@ import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar, cast
 
 import click
 
@@ -44,11 +44,6 @@ if TYPE_CHECKING:
     from click.shell_completion import CompletionItem, ShellComplete
 
     from lockrun.backends import Holder, LockState
-
-    # How acquire holds: given the token's delivery, the live line and our private fds.
-    _Holding: TypeAlias = Callable[
-        [Callable[[str], None], Callable[[str], None] | None, tuple[int, ...]], int
-    ]
 
 _Command = TypeVar("_Command", bound="Callable[..., object]")
 _HELP: Final = ("-h", "--help")
@@ -728,7 +723,7 @@ def acquire_command(
     when its owner exits, after --max-time, and on TERM. --no-keeper leaves the lock
     to the lock service instead: until `lockrun release`, or --ttl after the last renew.
     """
-    from lockrun import keeper  # noqa: PLC0415 - kept off the start-up path of the run command
+    from lockrun import delivery, detached, keeper  # noqa: PLC0415 - off the run command's start-up
 
     _keep_secret(uri)
     if export and env_file is not None:
@@ -737,7 +732,7 @@ def acquire_command(
     if var != TOKEN_VARIABLE and not export and env_file is None:
         msg = "--var names the variable of --export or --env-file"
         raise click.UsageError(msg)
-    keeper.check_variable(var)
+    delivery.check_variable(var)
     options = Options(
         name=name,
         uri=uri,
@@ -751,18 +746,27 @@ def acquire_command(
         hold_at_least=hold_at_least or 0.0,
         take_over=take_over,
     )
-    holding = _holding(options, owner, no_keeper=no_keeper)  # checked before --env-file is made
-    private = () if env_file is None else (keeper.open_env_file(env_file),)
+    who = _check_holding(options, owner, no_keeper=no_keeper)  # before --env-file is made
+    private = () if env_file is None else (delivery.open_env_file(env_file),)
 
     def deliver(token: str) -> None:
         if private:
-            keeper.append_line(private[0], f"{var}={token}", f"--env-file {env_file}")
+            delivery.append_line(private[0], f"{var}={token}", f"--env-file {env_file}")
         else:
             _print(f"export {var}={token}" if export else token)
 
     live = _LIVE.show if verbose and _on_terminal() else None
     try:
-        return holding(deliver, live, private)
+        if no_keeper:
+            return detached.acquire(options, deliver, log=say, live=live)
+        return keeper.acquire(
+            options,
+            who,
+            lambda grant: deliver(str(grant.token)),
+            log=say,
+            live=live,
+            private=private,
+        )
     except LockBusy as err:
         if not quiet:
             say(str(err))
@@ -773,20 +777,15 @@ def acquire_command(
                 os.close(fd)
 
 
-def _holding(options: Options, owner: str | None, *, no_keeper: bool) -> _Holding:
-    """Check what only a keeper, or only --no-keeper, takes; return how acquire holds."""
-    from lockrun import detached, keeper  # noqa: PLC0415 - off the run command's start-up
+def _check_holding(options: Options, owner: str | None, *, no_keeper: bool) -> int | None:
+    """Check what only a keeper, or only --no-keeper, takes; return the keeper's owner pid."""
+    from lockrun import detached, section  # noqa: PLC0415 - off the run command's start-up
 
     if no_keeper:
         _check_no_keeper(owner, options.max_time)
         detached.check_leased(parse_uri(options.uri))
-        return lambda deliver, live, _private: detached.acquire(
-            options, deliver, log=say, live=live
-        )
-    who = keeper.default_owner() if owner is None else keeper.parse_owner(owner)
-    return lambda deliver, live, private: keeper.acquire(
-        options, who, lambda grant: deliver(str(grant.token)), log=say, live=live, private=private
-    )
+        return None
+    return section.default_owner() if owner is None else section.parse_owner(owner)
 
 
 def _check_no_keeper(owner: str | None, max_time: float | None) -> None:
@@ -825,11 +824,11 @@ def _token(token: str | None) -> str:
 
 def _by_token(token: str | None, verb: str, uri: Callable[[], str]) -> str:
     """Ask the keeper of the token, or the service that keeps its lease, to *verb* it."""
-    from lockrun import detached, keeper  # noqa: PLC0415 - off the run command's start-up
+    from lockrun import detached, door  # noqa: PLC0415 - off the run command's start-up
 
     text = _token(token)
     if not detached.is_lease_token(text):
-        return keeper.ask(text, verb)
+        return door.ask(text, verb)
     chosen = uri()
     _keep_secret(chosen)
     return detached.release(text, chosen) if verb == "release" else detached.renew(text, chosen)

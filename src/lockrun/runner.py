@@ -38,6 +38,7 @@ from lockrun.errors import (
     TimedOut,
     UsageError,
 )
+from lockrun.guardian import Guardian
 from lockrun.hold import (
     Waiting,
     acquired,
@@ -51,7 +52,7 @@ from lockrun.hold import (
 )
 from lockrun.lock import DEFAULT_NAMESPACE
 from lockrun.names import check_name, default_name
-from lockrun.supervise import FORWARDED, Guardian, Limits, supervise
+from lockrun.supervise import FORWARDED, Limits, supervise
 from lockrun.timing import DEFAULT_TTL, now
 from lockrun.uri import DEFAULT_URI, redact
 

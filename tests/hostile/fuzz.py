@@ -40,14 +40,10 @@ from lockrun.backends import redis as redis_backend
 from lockrun.backends.file.records import read_record
 from lockrun.backends.postgres import keys as postgres_keys
 from lockrun.bounds import MAX_FENCE
+from lockrun.delivery import check_variable
 from lockrun.detached import parse_token as parse_lease_token
-from lockrun.keeper import (
-    check_variable,
-    parse_owner,
-    parse_token,
-    read_reply,
-    read_request,
-)
+from lockrun.door import parse_token, read_reply, read_request
+from lockrun.section import parse_owner
 from lockrun.timing import parse_duration
 from lockrun.uri import HIDDEN, redact, redacted_by_lockrun, scrub, secret_spans, secrets_of
 from lockrun.urifile import read_uri_file

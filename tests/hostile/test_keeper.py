@@ -21,8 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun import UsageError
-from lockrun.keeper import PID_MAX, check_variable, parse_owner, parse_token, watch_owner
+from lockrun.delivery import check_variable
+from lockrun.door import parse_token
 from lockrun.runner import Options
+from lockrun.section import PID_MAX, parse_owner, watch_owner
 from tests.support.cli import lockrun, one_line, taken, unmeasured, wait_for
 from tests.support.users import Runner, needs_root
 

@@ -81,7 +81,7 @@ class Guardian:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
         _arm(self.switch, self.pid)
 
-    def keep(self, fds: Sequence[int], orphan: bytes | None = None) -> None:
+    def hold_fds(self, fds: Sequence[int], orphan: bytes | None = None) -> None:
         """Hand the guardian copies of *fds* to hold until it stands down.
 
         *orphan* names the lease for the backend's `abandon` should lockrun die.
@@ -226,7 +226,7 @@ def _guard(
     """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
 
     Also stop the group when a deadline of `Guardian.expect` passes unconfirmed, and free
-    the lease lockrun left (`Guardian.keep`'s *orphan*) once the group it guarded is dead.
+    the lease lockrun left (`Guardian.hold_fds`'s *orphan*) once the group it guarded is dead.
     """
     try:
         theirs.close()

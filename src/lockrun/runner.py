@@ -197,7 +197,7 @@ def _hold_and_run(
                 min(options.kill_after, options.lost_kill_after),
             )
             if guardian is not None:
-                guardian.keep(lease.fds, lease.orphan)
+                guardian.hold_fds(lease.fds, lease.orphan)
             if account is not None:
                 # Started now and never waited for: it runs beside the command, and a slow
                 # ping lengthens neither the hold nor the hand-over (docs/semantics.md

@@ -72,6 +72,13 @@ def _best_effort(*kinds: type[BaseException]) -> Iterator[None]:
         pass
 
 
+def _mode(request: Request, deadline: float | None) -> str:
+    """Return how the acquire script is to ask: try (no wait left), take (--take-over), wait."""
+    if deadline is not None and deadline <= now():
+        return "try"
+    return "take" if request.take_over else "wait"
+
+
 class RedisBackend:
     """One connection to a Redis server (or to the primary that Sentinel names)."""
 
@@ -122,9 +129,7 @@ class RedisBackend:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
         claim = Claim.of(request)
         record = json.dumps(request.holder.to_dict())
-        mode = "take" if request.take_over else "wait"
-        if deadline is not None and deadline <= now():
-            mode = "try"
+        mode = _mode(request, deadline)
         heard: float | None = None  # when the server last answered; None: not yet
         try:
             while True:

@@ -25,6 +25,7 @@ from lockrun.backends.redis.scripts import (
     info_pattern,
     keys_of,
 )
+from lockrun.backends.redis.server import Server
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 
@@ -349,6 +350,23 @@ def test_any_snapshot_of_anyones_keys_describes(
     state = r.describe(r.decode_status(reply), "ns", "n", "p")
     assert state is not None
     assert all(h.slot is None or 0 <= h.slot < MAX_SLOTS for h in state.holders)
+
+
+@given(reply=ANY_REPLY)
+def test_the_backend_answers_any_reply_with_its_type_or_one_line(reply: Any) -> None:
+    """Through `Server.call`: each script's type, or BackendUnavailable naming the script (69)."""
+    server = Server(settings_of("redis://h"), 5.0, lambda _line: None)
+    server.mode_known = True  # as if HELLO had said: no cluster
+    server._on_a_pooled_connection = lambda *_args, **_kwargs: reply  # type: ignore[method-assign]
+    for script in SCRIPTS.values():
+        said: list[str] = []
+        try:
+            decoded = server.call(script, Claim.reading("p"))
+        except BackendUnavailable as err:
+            said.append(str(err))
+        else:
+            assert decoded is None or isinstance(decoded, tuple)
+        assert said in ([], [f"redis://h: the server's reply is not Redis's (to {script.name})"])
 
 
 def test_the_backend_says_not_redis_in_one_line() -> None:

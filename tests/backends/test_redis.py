@@ -18,6 +18,8 @@ import pytest
 from lockrun import ConfigError, ExitCode, Lock, TakenOver
 from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
 from lockrun.backends.redis import Claim, connect, key_prefix, parse
+from lockrun.backends.redis.replies import Granted, Queued
+from lockrun.backends.redis.scripts import ACQUIRE
 from lockrun.errors import LeaseLost
 from lockrun.timing import now
 from tests.support.cli import finish, lockrun, one_line, start, wait_for
@@ -661,12 +663,12 @@ def test_a_retried_acquire_gets_the_same_slot_and_fence(
     backend = connect(parse_uri(redis_server.uri), ttl=30)
     claim = Claim(key_prefix("default", name), "retried", 1, 30_000)
     try:
-        first = backend.call("acquire", claim, "{}", "try", identify=False)
-        again = backend.call("acquire", claim, "{}", "try", identify=False)
+        first = backend.call(ACQUIRE, claim, "{}", "try", identify=False)
+        again = backend.call(ACQUIRE, claim, "{}", "try", identify=False)
         other_claim = Claim(claim.prefix, "other", 1, 30_000)
-        other = backend.call("acquire", other_claim, "{}", "try", identify=False)
+        other = backend.call(ACQUIRE, other_claim, "{}", "try", identify=False)
     finally:
         backend.close()
-    assert first[0] == 1
-    assert again[:3] == first[:3]
-    assert other[0] == 0  # busy: no second slot
+    assert isinstance(first, Granted)
+    assert again == first
+    assert isinstance(other, Queued)  # busy: no second slot

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockrun.backends import Holder, Request, open_backend, parse_uri
-from lockrun.backends import redis as redis_backend
 from lockrun.backends.redis import key_prefix
+from lockrun.backends.redis.scripts import SCRIPTS, keys_of
 from lockrun.errors import ExitCode
 from lockrun.timing import now
 from tests.support.cli import (
@@ -66,7 +66,7 @@ def primaries(cluster: Cluster) -> list[int]:
 def test_every_key_of_a_lock_is_in_the_slot_of_its_hash_tag(namespace: str, name: str) -> None:
     """Whatever the name (braces and all), every key of it, wake lists included, is in one slot."""
     prefix = key_prefix(namespace, name)
-    keys = [*redis_backend._keys(prefix), f"{prefix}:wake:0123abcd", f"{prefix}:wake:s:ff"]
+    keys = [*keys_of(prefix), f"{prefix}:wake:0123abcd", f"{prefix}:wake:s:ff"]
     assert {slot_of(key) for key in keys} == {slot_of(prefix)}
 
 
@@ -75,14 +75,16 @@ def test_the_scripts_touch_only_their_declared_keys_and_the_wake_lists() -> None
     declared = {"holders", "queue", "waiters", "ticket", "fence", "owners", "info", "cfg"}
     declared |= {"clients", "stop"}
     keyless = {"TIME"}
-    for script, text in redis_backend._SCRIPTS.items():
+    for script, text in ((name, each.text) for name, each in SCRIPTS.items()):
         for command, first in re.findall(r"redis\.p?call\('(\w+)'(?:, ([^,)]+))?", text):
             if command in keyless:
                 continue
             wake = first.startswith("prefix .. ':wake:' ..")
             looped = first == "key" and "ipairs({" in text  # a loop over declared keys, or a wake
             assert first in declared or wake or looped, (script, command, first)
-    for loop in re.findall(r"ipairs\(\{([^}]*)\}\)", "".join(redis_backend._SCRIPTS.values())):
+    for loop in re.findall(
+        r"ipairs\(\{([^}]*)\}\)", "".join(each.text for each in SCRIPTS.values())
+    ):
         assert set(re.split(r",\s*", loop)) <= declared, loop
 
 
@@ -361,7 +363,7 @@ def test_a_moved_answer_switches_a_plain_uri_where_hello_hid_the_cluster(
     other = redis_cluster.other_primary(redis_cluster.owner(slot))
     notes: list[str] = []
     backend = open_backend(parse_uri(f"redis://127.0.0.1:{other}"), ttl=5.0, note=notes.append)
-    backend._mode_known = True  # type: ignore[attr-defined]  # as if HELLO had said nothing
+    backend.server.mode_known = True  # type: ignore[attr-defined]  # as if HELLO had said nothing
     try:
         lease = backend.acquire(Request("default", name, 1, 5.0, Holder.me(["x"])), now() + 5)
         assert lease is not None

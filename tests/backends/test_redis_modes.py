@@ -19,6 +19,7 @@ import redis
 from lockrun import ExitCode, TakenOver
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends.redis import SHARED, RedisBackend, RedisLease, key_prefix
+from lockrun.backends.redis.scripts import RELEASE, RENEW
 from lockrun.bounds import MAX_WAIT
 from lockrun.errors import ConfigError
 from lockrun.timing import now
@@ -244,8 +245,8 @@ def test_a_window_takes_no_renewal_and_a_retried_release_keeps_it(
     lease.release(hold=2.0)
     holders = f"{key_prefix('default', name)}:holders"
     ends = keys.zscore(holders, lease.claim.token)
-    assert backend.call("renew", lease.claim) == 0
-    assert backend.call("release", lease.claim, 60_000) == []  # D3: the same release again
+    assert backend.call(RENEW, lease.claim) is None  # lost
+    assert backend.call(RELEASE, lease.claim, 60_000) == ()  # D3: the same release again
     assert keys.zscore(holders, lease.claim.token) == ends
 
 

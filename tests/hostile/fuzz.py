@@ -28,17 +28,15 @@ from redis.exceptions import RedisError
 from lockrun import ConfigError, UsageError, metrics
 from lockrun.backends import (
     Holder,
-    cluster,
     next_fence,
     open_backend,
     parse_uri,
     read_identity,
     read_json,
-    resp,
 )
-from lockrun.backends import redis as redis_backend
 from lockrun.backends.file.records import read_record
 from lockrun.backends.postgres import keys as postgres_keys
+from lockrun.backends.redis import cluster, replies, resp, topology
 from lockrun.bounds import MAX_FENCE
 from lockrun.delivery import check_variable
 from lockrun.detached import parse_token as parse_lease_token
@@ -172,10 +170,10 @@ def _record(text: str, data: bytes) -> None:
     assert identity is None or identity.slots >= 1
     read_record(data, "x")
     postgres_keys.tagged(text)
-    redis_backend._slots(text)
+    replies.stored_slots(text)
     raw = text.encode(errors="surrogateescape")
     for reply in ([text, text], [raw, raw], [b"flags", raw], {b"flags": raw}, text):
-        redis_backend._SentinelView.read(reply, reply, [reply, reply])
+        topology.SentinelView.read(reply, reply, [reply, reply])
         assert cluster.live_replicas(reply) >= 0
         for entry in (reply, [0, 1, reply], [0, 1, [text, raw]], [0, 1, [raw, text, raw]]):
             assert all(0 < port < 65536 for _, port in cluster.primaries_in([entry], ("h", 1)))

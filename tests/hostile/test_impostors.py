@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import pytest
 
-from lockrun.backends.redis import _SHA1
+from lockrun.backends.redis.scripts import SHA1
 from tests.support.cli import LOCKRUN, lockrun, one_line
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ _PLAUSIBLE: Final = {
 }
 # A command's name, and its next word: the SHA-1 of the script an EVALSHA names, say.
 _COMMAND: Final = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n(?:\$\d+\r\n([0-9A-Za-z_]+)\r\n)?")
-_SCRIPT_OF: Final = {sha.encode(): script for script, sha in _SHA1.items()}
+_SCRIPT_OF: Final = {sha.encode(): script for script, sha in SHA1.items()}
 
 
 class Stream(NamedTuple):
@@ -342,7 +342,7 @@ def test_a_redirect_to_a_node_the_cluster_does_not_list_is_refused(scheme: str, 
     impostor = Impostor("ok", plausible=True)
     moved = f"-MOVED 1234 127.0.0.1:{stranger.port}\r\n".encode()
     itself = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % impostor.port
-    impostor.scripts.update(dict.fromkeys(_SHA1, moved))
+    impostor.scripts.update(dict.fromkeys(SHA1, moved))
     impostor.commands[b"CLUSTER"] = itself
     try:
         uri = f"{scheme}://:s3cret-pw@127.0.0.1:{impostor.port}"

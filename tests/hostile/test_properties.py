@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from lockrun import ConfigError, Lock, UsageError
 from lockrun.backends import Holder, next_fence, open_backend, parse_uri, read_identity, read_json
-from lockrun.backends import redis as redis_backend
 from lockrun.backends.file.records import read_record
 from lockrun.backends.postgres import keys as postgres_keys
+from lockrun.backends.redis import replies, topology
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS, check_seconds, check_slots, check_wait
 from lockrun.timing import format_duration, parse_duration
 from lockrun.uri import HIDDEN, URIError, redact, redacted_by_lockrun, scrub, secrets_of
@@ -338,9 +338,9 @@ def test_sql_comments_from_anyone_decode_or_are_ignored(query: str) -> None:
 )
 def test_redis_counters_from_anyone_decode_or_are_ignored(owner: str, slots: str) -> None:
     """The owners hash and the stored N of a Redis lock: read only when they are ours."""
-    n = redis_backend._slots(slots)
+    n = replies.stored_slots(slots)
     assert n is None or 1 <= n <= MAX_SLOTS
-    match = redis_backend._OWNER.fullmatch(owner)
+    match = replies.OWNER.fullmatch(owner)
     if match is not None:
         assert all(int(match[part]) < 10**19 for part in ("slot", "fence", "granted"))
 
@@ -368,7 +368,7 @@ def test_sentinel_replies_of_any_shape_decode_or_are_ignored(
     address: object, master: object, replicas: object
 ) -> None:
     """A sentinel (or a server posing as one) may answer anything: a view, or no vote."""
-    view = redis_backend._SentinelView.read(address, master, replicas)
+    view = topology.SentinelView.read(address, master, replicas)
     if view is not None:
         host, port = view.primary
         assert isinstance(host, str)
@@ -390,12 +390,12 @@ def test_sentinel_views_count_replicas_that_are_up_and_see_failovers(resp3: bool
         reply(flags="slave,o_down", master_link_status="ok"),
     ]
     master = reply(flags="master,failover_in_progress", num_slaves="3")
-    view = redis_backend._SentinelView.read([b"10.0.0.1", b"6380"], master, replicas)
-    assert view == redis_backend._SentinelView(("10.0.0.1", 6380), 1, failing_over=True)
+    view = topology.SentinelView.read([b"10.0.0.1", b"6380"], master, replicas)
+    assert view == topology.SentinelView(("10.0.0.1", 6380), 1, failing_over=True)
     for port in (b"port", "²".encode(), b"-1", b""):  # "²".isdigit(), but no int
-        assert redis_backend._SentinelView.read((b"h", port), master, replicas) is None
-    calm = redis_backend._SentinelView.read(["h", "1"], reply(flags="master"), [])
-    assert calm == redis_backend._SentinelView(("h", 1), 0, failing_over=False)
+        assert topology.SentinelView.read((b"h", port), master, replicas) is None
+    calm = topology.SentinelView.read(["h", "1"], reply(flags="master"), [])
+    assert calm == topology.SentinelView(("h", 1), 0, failing_over=False)
 
 
 # Any character but NUL, SQL's quoting and comment characters often.

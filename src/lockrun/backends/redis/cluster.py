@@ -141,36 +141,33 @@ class Router:
         deadline = now() + budget
         address, asking, answered = self.node(slot), False, False
         last: Exception | None = None
-        hops = tries = 0
-        while tries == 0 or (hops < _HOPS and now() < deadline):
-            tries += 1
+        hops = 0
+        while True:  # once at least, then while hops and time are left
             pool = self.client(address).connection_pool
-            try:
-                connection = pool.get_connection()
-            except (errors.ConnectionError, errors.TimeoutError, OSError) as err:
-                last, address, asking = err, self.after(address), False
+            connection = _connect(pool)
+            if isinstance(connection, Exception):  # no answer: ask the next node
+                last, address, asking = connection, self.after(address), False
                 hops += 1
-                continue
-            try:
-                return attempt(connection, asking)
-            except (NotDurable, Unsettled):
-                raise
-            except (errors.AskError, errors.TryAgainError, errors.ClusterDownError) as err:
-                address, asking = self._redirect(slot, address, err, connection)
-                answered, last = True, err
-                if isinstance(err, errors.TryAgainError):
-                    time.sleep(max(0.0, min(_PAUSE, deadline - now())))
-                else:
+            else:
+                try:
+                    return attempt(connection, asking)
+                except (NotDurable, Unsettled):
+                    raise
+                except (errors.AskError, errors.TryAgainError, errors.ClusterDownError) as err:
+                    address, asking = self._redirect(slot, address, err, connection, deadline)
+                    answered, last = True, err
+                    hops += not isinstance(err, errors.TryAgainError)  # a pause, no hop
+                except errors.ConnectionError as err:  # refused or reset: ask the next node
+                    connection.disconnect()
+                    last, address, asking = err, self.after(address), False
                     hops += 1
-            except errors.ConnectionError as err:  # refused or reset: ask the next node
-                connection.disconnect()  # type: ignore[no-untyped-call]
-                last, address, asking = err, self.after(address), False
-                hops += 1
-            except BaseException:
-                connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may still be on its way: never reuse it
-                raise
-            finally:
-                pool.release(connection)
+                except BaseException:
+                    connection.disconnect()  # a reply may still be on its way: never reuse it
+                    raise
+                finally:
+                    pool.release(connection)
+            if not _left(hops, deadline):
+                break
         if answered:
             msg = f"no node of the cluster could serve this lock within {budget:g}s ({last})"
             raise Unsettled(msg)
@@ -183,12 +180,14 @@ class Router:
         address: Address,
         err: Exception,
         connection: Any,  # noqa: ANN401 - redis-py's Connection
+        deadline: float,
     ) -> tuple[Address, bool]:
         """Return where to ask next after the cluster's *err* for *slot*, and whether ASKING.
 
         MOVED: the slot is served there from now on. ASK: ask there, once. TRYAGAIN: ask
-        the node that serves the slot again. CLUSTERDOWN: raise `Unsettled`. A node the
-        cluster does not list: `Unlisted` (`vouch`, asked on *connection*).
+        the node that serves the slot again, after a pause (within *deadline*).
+        CLUSTERDOWN: raise `Unsettled`. A node the cluster does not list: `Unlisted`
+        (`vouch`, asked on *connection*).
         """
         if isinstance(err, errors.AskError):  # MovedError is one too
             redirected = (err.host or address[0], int(err.port))  # "": the node we asked
@@ -200,6 +199,7 @@ class Router:
         if isinstance(err, errors.ClusterDownError):
             msg = f"the cluster cannot serve this lock now: {err}"
             raise Unsettled(msg) from err
+        time.sleep(max(0.0, min(_PAUSE, deadline - now())))  # TRYAGAIN: the keys move
         return self.node(slot), False
 
     def primaries(self) -> list[Address]:
@@ -279,12 +279,33 @@ def nodes_in(reply: Any, asked: Address, *, replicas: bool = True) -> list[Addre
     for entry in reply if isinstance(reply, list) else []:
         nodes = entry[2:] if isinstance(entry, list) else []
         for node in nodes if replicas else nodes[:1]:
-            if not (isinstance(node, list) and len(node) >= 2):  # noqa: PLR2004 - host, port
-                continue
-            port = _text(node[1])
-            if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
-                found.append((_text(node[0]) or asked[0], int(port)))
+            address = _address(node, asked)
+            if address is not None:
+                found.append(address)
     return list(dict.fromkeys(found))
+
+
+def _address(node: Any, asked: Address) -> Address | None:  # noqa: ANN401 - a raw reply's entry
+    """Return the address of one node of a CLUSTER SLOTS entry, HOST, PORT, ID…; None if unread."""
+    if not (isinstance(node, list) and len(node) >= 2):  # noqa: PLR2004 - host, port
+        return None
+    port = _text(node[1])
+    if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # noqa: PLR2004
+        return (_text(node[0]) or asked[0], int(port))
+    return None
+
+
+def _connect(pool: Any) -> Any:  # noqa: ANN401 - redis-py's ConnectionPool and Connection
+    """Return a connection of *pool*, or the error that kept it from connecting."""
+    try:
+        return pool.get_connection()
+    except (errors.ConnectionError, errors.TimeoutError, OSError) as err:
+        return err
+
+
+def _left(hops: int, deadline: float) -> bool:
+    """Return whether another node may be asked: hops and time are left."""
+    return hops < _HOPS and now() < deadline
 
 
 def live_replicas(reply: Any) -> int:  # noqa: ANN401 - a raw reply

@@ -18,9 +18,9 @@ import secrets
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Final, NamedTuple, Self, TypeVar
 
-from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import Detachable, Holder, Request, open_backend, parse_uri
 from lockrun.bounds import MAX_SLOTS, MAX_TTL, MAX_WAIT, MIN_TTL, check_modes
 from lockrun.errors import (
     BackendUnavailable,
@@ -41,7 +41,7 @@ from lockrun.uri import SCHEMES
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends import Lease
+    from lockrun.backends import Backend, Detached, Lease
     from lockrun.runner import Options
     from lockrun.uri import LockURI
 
@@ -61,7 +61,7 @@ _T = TypeVar("_T")
 class LeaseToken(NamedTuple):
     """What `acquire --no-keeper` prints: which lease, of which lock, on which service."""
 
-    service: str  # 8 hex digits: a hash of `Keeps.place`
+    service: str  # 8 hex digits: a hash of `Detachable.place`
     lease_id: str  # 20 hex digits, chosen at random by the acquire
     shared: bool
     slots: int
@@ -143,37 +143,16 @@ def _decode(text: str) -> str | None:
     return decoded if _encode(decoded) == text else None
 
 
-class Kept(Protocol):
-    """A lease kept with no process, as a later process finds it (`Keeps.kept`)."""
-
-    def renew(self) -> None:
-        """Extend it by its ttl; `LeaseLost` if gone, `TakenOver` (released) if a taker waits."""
-
-    def release(self) -> tuple[str | None, float]:
-        """Release it; `LeaseLost` if gone. Return a waiting taker's record, and the window."""
-
-
-class Keeps(Protocol):
-    """A backend whose locks are leases, which it can keep with no process of ours."""
-
-    @property
-    def where(self) -> str:
-        """The service's URI, with no password: for messages."""
-
-    def place(self) -> str:
-        """Name the service, alike for every spelling of its URI, with no credentials."""
-
-    def kept(self, request: Request, hold: float) -> Kept:
-        """Return the lease *request*'s ``lease_id`` names (its holder is no one's)."""
-
-    def interrupt(self) -> None:
-        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`."""
-
-    def close(self) -> None:
-        """Drop the connections."""
+def _detachable(backend: Backend) -> Detachable:
+    """Return *backend*, a `Detachable` as its scheme's row says (`check_leased`)."""
+    if not isinstance(backend, Detachable):  # pragma: no cover - the registry's promise broken
+        backend.close()
+        msg = "this lock service cannot hold a lock with no process"
+        raise ConfigError(msg)
+    return backend
 
 
-def _service(backend: Keeps) -> str:
+def _service(backend: Detachable) -> str:
     return hashlib.sha256(backend.place().encode()).hexdigest()[:8]
 
 
@@ -215,15 +194,15 @@ def acquire(
     with _Interrupts(verbose, name) as interrupts:
         backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
         try:
-            keeps = cast("Keeps", backend)  # check_leased: a backend whose locks are leases
-            interrupts.watch(keeps)
+            detachable = _detachable(backend)
+            interrupts.watch(detachable)
             report = report_for(options, request, uri, log, live)
             started = now()
             lease = interrupts.wait(lambda: take(backend, request, options.wait, report))
             if report is not None:
                 report.stop()
             verbose(acquired(request, lease, started))
-            token = _token(keeps, request, options)
+            token = _token(detachable, request, options)
             _hand_over(lease, token, deliver, interrupts)
         finally:
             backend.close()
@@ -232,7 +211,7 @@ def acquire(
     return 0
 
 
-def _token(backend: Keeps, request: Request, options: Options) -> LeaseToken:
+def _token(backend: Detachable, request: Request, options: Options) -> LeaseToken:
     return LeaseToken(
         _service(backend),
         request.lease_id,
@@ -275,7 +254,7 @@ class _Interrupts:
         self.verbose = verbose
         self.name = name
         self.signo = 0
-        self.backend: Keeps | None = None
+        self.backend: Detachable | None = None
         self.closing = False
         # nohup's HUP stays ignored; USR1 and USR2 are noted and dropped, as while a run waits
         ignored = {each for each in FORWARDED if signal.getsignal(each) is signal.SIG_IGN}
@@ -310,7 +289,7 @@ class _Interrupts:
             self.signo = self.signo or signo
             self._interrupt()
 
-    def watch(self, backend: Keeps) -> None:
+    def watch(self, backend: Detachable) -> None:
         """Interrupt *backend*'s wait on a signal, at once if one came already."""
         self.backend = backend
         if self.signo:
@@ -339,9 +318,9 @@ def renew(text: str, uri: str) -> str:
 
     `LeaseLost` (76) if it is gone, `TakenOver` (79) if a taker waited (it is released).
     """
-    token, kept, backend = _find(text, uri)
+    token, lease, backend = _find(text, uri)
     try:
-        _ask(token, backend, kept.renew)
+        _ask(token, backend, lease.renew)
     finally:
         backend.close()
     ends = clock_time(time.time() + token.ttl_ms / 1000)
@@ -353,9 +332,9 @@ def release(text: str, uri: str) -> str:
 
     0 means it was held until the release. `LeaseLost` (76) if it was gone already.
     """
-    token, kept, backend = _find(text, uri)
+    token, lease, backend = _find(text, uri)
     try:
-        taker, window = _ask(token, backend, kept.release)
+        taker, window = _ask(token, backend, lease.release)
     finally:
         backend.close()
     said = f"released {token.name}"
@@ -364,7 +343,7 @@ def release(text: str, uri: str) -> str:
     return said if taker is None else f"{said}; a take-over waited, and runs next"
 
 
-def _find(text: str, uri_text: str) -> tuple[LeaseToken, Kept, Keeps]:
+def _find(text: str, uri_text: str) -> tuple[LeaseToken, Detached, Detachable]:
     """Parse the token and the URI, and return the lease the token names there."""
     token = parse_token(text)
     uri = parse_uri(uri_text)
@@ -375,11 +354,11 @@ def _find(text: str, uri_text: str) -> tuple[LeaseToken, Kept, Keeps]:
             f"{uri.redacted}{default}: give the Redis URI `acquire --no-keeper` used"
         )
         raise ConfigError(msg)
-    backend: Keeps = open_backend(uri, ttl=token.ttl_ms / 1000)  # type: ignore[assignment]  # leased
-    return token, backend.kept(token.request(), token.hold_ms / 1000), backend
+    backend = _detachable(open_backend(uri, ttl=token.ttl_ms / 1000))
+    return token, backend.detached(token.request(), token.hold_ms / 1000), backend
 
 
-def _ask(token: LeaseToken, backend: Keeps, asking: Callable[[], _T]) -> _T:
+def _ask(token: LeaseToken, backend: Detachable, asking: Callable[[], _T]) -> _T:
     """Return what *asking* returns; name the lock in what it raises.
 
     A lease not found through a URI other than the acquire's may be on another service:

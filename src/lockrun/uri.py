@@ -54,7 +54,7 @@ class Scheme(NamedTuple):
     # (`lockrun.bounds.check_modes`), so a new backend can start with none.
     modes: frozenset[Mode] = frozenset()
     # It can leave a lock held with no process (`lockrun acquire --no-keeper`): the server
-    # keeps the lease, and the backend implements `lockrun.detached.Keeps`.
+    # keeps the lease, and the backend is a `lockrun.backends.Detachable`.
     detachable: bool = False
 
     @property

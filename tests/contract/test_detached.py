@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, cast
 import pytest
 
 from lockrun import Lock, LockBusy
-from lockrun.backends import open_backend, parse_uri
-from lockrun.detached import Keeps, _hand_over, _Interrupts, acquire, parse_token, release
+from lockrun.backends import Detachable, open_backend, parse_uri
+from lockrun.detached import _hand_over, _Interrupts, acquire, parse_token, release
 from lockrun.errors import Interrupted
 from lockrun.lock import acquire as acquire_slot
 from lockrun.runner import Options
@@ -252,7 +252,9 @@ def test_a_signal_before_the_wait_or_after_the_grant_holds_nothing(
         signal.pthread_kill(interrupts.thread.ident, signal.SIGTERM)  # at the thread alone
         wait_for(lambda: interrupts.signo == signal.SIGTERM, what="the thread to take it")
         backend = open_backend(parse_uri(redis_uri), ttl=30)
-        interrupts.watch(cast("Keeps", backend))  # the signal came first: ends the wait at once
+        interrupts.watch(
+            cast("Detachable", backend)
+        )  # the signal came first: ends the wait at once
         with pytest.raises(Interrupted, match=f"TERM while waiting for {name}") as raised:
             interrupts.wait(lambda: acquire_slot(backend, request, 60))
         assert raised.value.exit_code == 143

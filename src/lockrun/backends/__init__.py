@@ -15,7 +15,7 @@ import re
 import sys
 import time
 import zipimport
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, runtime_checkable
 
 from lockrun.bounds import MAX_FENCE, MAX_SLOTS
 from lockrun.errors import ConfigError
@@ -358,6 +358,40 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Drop connections; held leases are released by their own `release`."""
+
+
+class Detached(Protocol):
+    """A lease held by no process (`acquire --no-keeper`), as a later process finds it."""
+
+    def renew(self) -> None:
+        """Extend it by its ttl; `LeaseLost` if gone, `TakenOver` (released) if a taker waits."""
+
+    def release(self) -> tuple[str | None, float]:
+        """Release it; `LeaseLost` if gone. Return a waiting taker's record, and the window."""
+
+
+@runtime_checkable
+class Detachable(Protocol):
+    """A backend that can leave a lock held with no process (`Scheme.detachable`)."""
+
+    @property
+    def where(self) -> str:
+        """The service's URI, with no password: for messages."""
+
+    def place(self) -> str:
+        """Name the service, alike for every spelling of its URI, with no credentials."""
+
+    def detached(self, request: Request, hold: float) -> Detached:
+        """Return the lease *request*'s ``lease_id`` names (its holder is no one's)."""
+
+    def interrupt(self) -> None:
+        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`."""
+
+    def acquire(self, request: Request, deadline: float | None) -> Lease | None:
+        """As `Backend.acquire`."""
+
+    def close(self) -> None:
+        """Drop the connections."""
 
 
 class Connect(Protocol):

@@ -426,7 +426,7 @@ class RedisBackend:
             return f"uri {self.settings.where}"  # as written, without its password
         return f"tcp {str(kwargs['host']).lower()}:{kwargs['port']}/{db}"
 
-    def kept(self, request: Request, hold: float) -> DetachedLease:
+    def detached(self, request: Request, hold: float) -> DetachedLease:
         """Return the lease that *request*'s ``lease_id`` names, held by no process.
 
         *request* is the one `acquire` was given, as its token tells it (no holder); *hold*

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from lockrun.monitor import Account
     from lockrun.progress import WaitReport
+    from lockrun.uri import LockURI
 
 DEFAULT_KILL_AFTER: Final = 10.0
 # Once the lock is known gone someone else may hold it: a short grace (docs/semantics.md G3).
@@ -115,9 +116,6 @@ def run(
     HUP are left ignored, so a late signal cannot replace the command's status.
     """
     uri = parse_uri(options.uri)
-    if options.close and not uri.kind.inherits_fds:
-        msg = f"--close applies to the file: backend only, not {uri.scheme}:"
-        raise UsageError(msg)
     check_options(options)
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
@@ -128,14 +126,9 @@ def run(
     account = _account(options, request, log)
     try:
         with interruptible(name, verbose) as waiting:
-            if account is not None:
-                account.ignored = waiting.ignored
+            account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
-            # Only lock fds the command inherits keep the lock if we die; otherwise a guardian
-            # must take the command's group down with us (docs/semantics.md G2), and free a
-            # lease that would outlive us (G5).
-            abandon = cast("Leased", backend).abandon if uri.kind.leased else None
-            guardian = Guardian(abandon) if options.close or not uri.kind.inherits_fds else None
+            guardian = _guardian(uri, options, backend)
             try:
                 report = report_for(options, request, uri, log, live)
                 status = _hold_and_run(
@@ -146,18 +139,50 @@ def run(
                     guardian.stand_down()
                 backend.close()
     except Exception as err:
-        if account is not None:  # only now: the guardian's copies of the lock fds are closed
-            account.close(err, conflict=options.conflict_exit_code)
+        account.close(err, conflict=options.conflict_exit_code)  # the guardian's fds are closed
         raise
-    if account is not None:
-        account.close(status, conflict=options.conflict_exit_code)
+    account.close(status, conflict=options.conflict_exit_code)
     return status
 
 
-def _account(options: Options, request: Request, log: Callable[[str], None]) -> Account | None:
-    """Return the account of a run that something monitors; None if nothing does."""
-    if not (options.on_start or options.on_busy or options.on_exit or options.metrics_file):
+def _guardian(uri: LockURI, options: Options, backend: Backend) -> Guardian | None:
+    """Return the guardian of a run whose command does not hold the lock itself.
+
+    Only lock fds the command inherits keep the lock if we die; otherwise a guardian must
+    take the command's group down with us (docs/semantics.md G2), and free a lease that
+    would outlive us (G5).
+    """
+    if uri.kind.inherits_fds and not options.close:
         return None
+    return Guardian(cast("Leased", backend).abandon if uri.kind.leased else None)
+
+
+class _Unmonitored:
+    """The account of a run that nothing monitors: `monitor.Account`'s shape, noting nothing."""
+
+    def __init__(self) -> None:
+        """Note nothing ignored yet."""
+        self.ignored: frozenset[int] = frozenset()
+
+    def held(self, slot: int, fence: int | None) -> None:
+        """Note nothing."""
+
+    def starting(self) -> None:
+        """Start no hook."""
+
+    def released(self) -> None:
+        """Note nothing."""
+
+    def close(self, result: int | BaseException, *, conflict: int) -> None:
+        """Report nothing."""
+
+
+def _account(
+    options: Options, request: Request, log: Callable[[str], None]
+) -> Account | _Unmonitored:
+    """Return the account of the run: `monitor.Account` if something monitors it."""
+    if not (options.on_start or options.on_busy or options.on_exit or options.metrics_file):
+        return _Unmonitored()
     from lockrun.monitor import Account  # noqa: PLC0415 - unmonitored runs do without it
 
     return Account(options, request, redact(options.uri), log)
@@ -172,7 +197,7 @@ def _hold_and_run(
     guardian: Guardian | None,
     waiting: Waiting,
     report: WaitReport | None,
-    account: Account | None,
+    account: Account | _Unmonitored,
 ) -> int:
     started = now()
     lease = take(backend, request, options.wait, report)
@@ -183,8 +208,7 @@ def _hold_and_run(
     held_since, hold = started, 0.0
     try:
         held_since, hold = now(), options.hold_at_least
-        if account is not None:
-            account.held(lease.slot, lease.fence)
+        account.held(lease.slot, lease.fence)
         with deferred(FORWARDED):
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
@@ -198,11 +222,10 @@ def _hold_and_run(
             )
             if guardian is not None:
                 guardian.hold_fds(lease.fds, lease.orphan)
-            if account is not None:
-                # Started now and never waited for: it runs beside the command, and a slow
-                # ping lengthens neither the hold nor the hand-over (docs/semantics.md
-                # "Monitoring"). Before the spawn, which makes the lock's fds inheritable.
-                account.starting()
+            # Started now and never waited for: it runs beside the command, and a slow ping
+            # lengthens neither the hold nor the hand-over (docs/semantics.md "Monitoring").
+            # Before the spawn, which makes the lock's fds inheritable.
+            account.starting()
             return supervise(
                 argv,
                 lease,
@@ -230,8 +253,7 @@ def _hold_and_run(
         err.about(request.name)
         raise
     finally:
-        if account is not None:
-            account.released()
+        account.released()
         if guardian is not None:
             guardian.forget()  # ours to release now; were we to die meanwhile, it lapses
         release(lease, request, held_since, hold, verbose)
@@ -239,6 +261,10 @@ def _hold_and_run(
 
 def check_options(options: Options) -> None:
     """Raise `UsageError` for a number of *options* out of its bounds (`lockrun.bounds`)."""
+    uri = parse_uri(options.uri)
+    if options.close and not uri.kind.inherits_fds:
+        msg = f"--close applies to the file: backend only, not {uri.scheme}:"
+        raise UsageError(msg)
     check_slots(options.slots, "--slots")
     check_wait(options.wait, "--wait")
     check_ttl(options.ttl, "--ttl")
@@ -252,7 +278,7 @@ def check_options(options: Options) -> None:
         hold=options.hold_at_least,
         take_over=options.take_over,
         cli=True,
-        scheme=parse_uri(options.uri).scheme,
+        scheme=uri.scheme,
     )
     if options.take_over and options.wait == 0:
         msg = "--take-over waits for the holders to stop: give it a --wait (e.g. --wait 1m)"

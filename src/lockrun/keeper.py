@@ -261,24 +261,7 @@ class _Child:
         """Give the parent the token; detach once it says it wrote it, else release."""
         link = self.parent.link
         link.send(grant_message(Grant(keeper.token, keeper.lease.fence)))
-        poll = select.poll()
-        for fd in (link.fileno(), keeper.signals.fd, self.pidfd):
-            if fd is not None:
-                poll.register(fd, select.POLLIN)
-        while True:
-            ready = {fd for fd, _ in poll.poll()}
-            if self.pidfd in ready:
-                keeper.finish()
-                msg = f"{keeper.name}: its owner (pid {self.owner}) exited; released the lock"
-                raise LeaseLost(msg)
-            if keeper.signals.fd in ready:
-                signo = keeper.end_on_signals()
-                if signo:
-                    what = signal.Signals(signo).name
-                    msg = f"{what} before the token of {keeper.name} was handed over; released it"
-                    raise Interrupted(msg, signo=signo)
-            if link.fileno() in ready:
-                break
+        self._await_answer(keeper)
         if link.recv(16) != ACK:  # the parent could not write it (and says so), or died
             keeper.finish()
             return
@@ -292,6 +275,24 @@ class _Child:
         with contextlib.suppress(OSError):
             link.send(HELD)
         link.close()
+
+    def _await_answer(self, keeper: _Keeper) -> None:
+        """Wait for the parent's answer; release and raise if the owner or a signal ends us."""
+        poll = select.poll()
+        for fd in (self.parent.link.fileno(), keeper.signals.fd, self.pidfd):
+            if fd is not None:
+                poll.register(fd, select.POLLIN)
+        ready: set[int] = set()
+        while self.parent.link.fileno() not in ready:  # the owner's end and signals first
+            ready = {fd for fd, _ in poll.poll()}
+            if self.pidfd in ready:
+                keeper.finish()
+                msg = f"{keeper.name}: its owner (pid {self.owner}) exited; released the lock"
+                raise LeaseLost(msg)
+            if keeper.signals.fd in ready and (signo := keeper.end_on_signals()):
+                what = signal.Signals(signo).name
+                msg = f"{what} before the token of {keeper.name} was handed over; released it"
+                raise Interrupted(msg, signo=signo)
 
 
 def _die_with(parent: int | None) -> None:
@@ -480,19 +481,11 @@ class _Keeper:
             self._unwatch_step(fd)
         known = set(self.steps.values())
         for pid, start in self.section.members().items():
-            if pid in known:
-                continue
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError:  # gone already
-                continue
-            info = stat_of(pid)  # read after the pidfd: still that process if it lives
-            if info is None or info.start != start or readable([pidfd]):
-                os.close(pidfd)
-                continue
-            self.steps[pidfd] = pid
-            self.watched.pop(pidfd, None)  # a number a closed session had: not it any more
-            self._watch(pidfd, "step", select.EPOLLIN)
+            pidfd = None if pid in known else _pidfd_of(pid, start)
+            if pidfd is not None:
+                self.steps[pidfd] = pid
+                self.watched.pop(pidfd, None)  # a number a closed session had: not it now
+                self._watch(pidfd, "step", select.EPOLLIN)
         if self.steps:
             self.rescan_at = now() + RESCAN
         else:
@@ -507,17 +500,20 @@ class _Keeper:
         os.close(fd)
 
     def _tick(self) -> None:
+        """Do what is due: look for the section, hang up on the slow, renew, time out."""
         current = now()
         if self.rescan_at is not None and current >= self.rescan_at and not self.finished:
             self._follow_section()
-        for fd, client in list(self.clients.items()):
-            if current >= client.deadline:
-                self._hang_up(fd)
+        for fd in [fd for fd, client in self.clients.items() if current >= client.deadline]:
+            self._hang_up(fd)
         if self.held is None:
             self.finished = current >= self.linger
-            return
-        held = self._check(renew=current >= self.renew_at)
-        if held and self.deadline is not None and now() >= self.deadline:
+        elif self._check(renew=current >= self.renew_at):
+            self._time_out()
+
+    def _time_out(self) -> None:
+        """End the hold once --max-time (counted again by each `renew`) is up."""
+        if self.deadline is not None and now() >= self.deadline:
             limit = format_duration(self.options.max_time or 0.0)
             self._lost(TimedOut(f"--max-time {limit} expired; the lock was released"))
 
@@ -688,6 +684,19 @@ class _Keeper:
             self._unwatch_step(fd)
         self.door.close()
         self.epoll.close()
+
+
+def _pidfd_of(pid: int, start: int) -> int | None:
+    """Return a pidfd of the live process *pid* that started at *start* (None: not it)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+    info = stat_of(pid)  # read after the pidfd: still that process if it lives
+    if info is None or info.start != start or readable([pidfd]):
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 def _open_door() -> tuple[Token, socket.socket]:

@@ -182,18 +182,27 @@ class Section(NamedTuple):
         return {
             pid: info.start
             for pid, info in processes.items()
-            if pid != me
-            # After acquire's tick: /proc counts starts in ticks (10 ms), and a step forked
-            # just before acquire often began in the same one; none of the section can, as
-            # it starts only once acquire has printed its token and exited.
-            and info.start > self.since
+            if pid != me and self._candidate(info) and self._belongs(pid, info, processes)
+        }
+
+    def _candidate(self, info: Stat) -> bool:
+        """Whether *info* is a live process, not a keeper, started after the acquire.
+
+        After acquire's tick: /proc counts starts in ticks (10 ms), and a step forked just
+        before acquire often began in the same one; none of the section can, as it starts
+        only once acquire has printed its token and exited.
+        """
+        return (
+            info.start > self.since
             and info.state not in {b"Z", b"X"}  # exited, not yet reaped
             and info.name != KEEPER_NAME
-            and (
-                (info.group == self.group and (self.leader or self._orphaned(info, processes)))
-                or self._carries_token(pid)
-            )
-        }
+        )
+
+    def _belongs(self, pid: int, info: Stat, processes: dict[int, Stat]) -> bool:
+        """Whether the candidate *pid* is of the section: by its group, or by the token."""
+        if info.group == self.group and (self.leader or self._orphaned(info, processes)):
+            return True
+        return self._carries_token(pid)
 
     def _orphaned(self, info: Stat, processes: dict[int, Stat]) -> bool:
         """Whether *info*, or its oldest ancestor started since the acquire, init adopted."""

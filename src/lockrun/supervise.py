@@ -372,20 +372,24 @@ class _Watch:
                 )
                 if info is None or not genuine(info):
                     self._on_timer()
-                elif info.si_signo == signal.SIGCHLD:
-                    status = self._reap()
-                    if status is not None:
-                        return self._outcome(status)
-                elif info.si_signo == _HANGUP:
-                    self._on_hangup()
-                elif info.si_signo == _BELL:
-                    self.clock.ring()  # asked at the next timer, or after the refresh under way
-                elif info.si_signo in self.forward:
-                    self._signal_group(info.si_signo)
+                elif (status := self._on_signal(info.si_signo)) is not None:
+                    return self._outcome(status)
         except BaseException:
             if not self.reaped:
                 self._stop_now()
             raise
+
+    def _on_signal(self, signo: int) -> int | None:
+        """Serve a signal of ours; return the command's status once it ended."""
+        if signo == signal.SIGCHLD:
+            return self._reap()
+        if signo == _HANGUP:
+            self._on_hangup()
+        elif signo == _BELL:
+            self.clock.ring()  # asked at the next timer, or after the refresh under way
+        elif signo in self.forward:
+            self._signal_group(signo)
+        return None
 
     def _next_timer(self) -> float:
         timers = []
@@ -404,18 +408,24 @@ class _Watch:
         return min(timers, default=float("inf"))
 
     def _on_timer(self) -> None:
+        """Do what is due: KILL, the time limit, a renewal's outcome, the lease clock."""
         current = now()
         if self.kill_at is not None and current >= self.kill_at:
             self._signal_group(signal.SIGKILL)
             self.kill_at = None
-        if self.failure is not None:
-            return
-        if self.time_limit is not None and current >= self.time_limit:
-            limit = format_duration(self.limits.max_time or 0.0)
-            self._begin_stop(TimedOut(f"--max-time {limit} expired; stopped the command"))
-            return
-        if self._collect(current):
-            return
+        if self.failure is None and not self._timed_out(current) and not self._collect(current):
+            self._on_clock(current)
+
+    def _timed_out(self, current: float) -> bool:
+        """Begin the stop if --max-time is up; return whether it was."""
+        if self.time_limit is None or current < self.time_limit:
+            return False
+        limit = format_duration(self.limits.max_time or 0.0)
+        self._begin_stop(TimedOut(f"--max-time {limit} expired; stopped the command"))
+        return True
+
+    def _on_clock(self, current: float) -> None:
+        """Act on the lease clock's verdict: stop for a lost or doubted lease, or renew."""
         verdict = self.clock.verdict(current)
         if verdict is Verdict.LOST:
             # A lockrun that could not run (a stop, a stall before the spawn), or a lease

@@ -24,7 +24,8 @@ from lockrun.errors import ExitCode, LockrunError, OutOfFiles, out_of_files
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-# What `dispatch` chooses among is the package's too: the tests and the man page ask it.
+# The commands `dispatch` chooses among are named here too: tests/test_man.py and the
+# other tests read them from the package.
 __all__ = [
     "COMPLETE_VAR",
     "SUBCOMMANDS",

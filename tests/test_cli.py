@@ -26,6 +26,7 @@ from lockrun import ConfigError, ExitCode, Lock, LockBusy, cli
 from lockrun.backends import Holder, Request, parse_uri
 from lockrun.backends import file as file_backend
 from lockrun.backends.directories import Default
+from lockrun.cli import output
 from tests.support.cli import (
     LOCKRUN,
     Held,
@@ -675,15 +676,15 @@ def test_a_line_said_while_the_live_line_shows_goes_above_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A line said during the wait erases the live line, prints, then draws it again."""
-    cli._LIVE.show("waiting for x — 3s")
-    cli.say("queued again")
-    cli._LIVE.show("")
+    output.LIVE.show("waiting for x — 3s")
+    output.say("queued again")
+    output.LIVE.show("")
     assert capsys.readouterr().err == (
         "\r\x1b[Klockrun: waiting for x — 3s"
         "\r\x1b[Klockrun: queued again\nlockrun: waiting for x — 3s"
         "\r\x1b[K"
     )
-    cli.say("after")
+    output.say("after")
     assert capsys.readouterr().err == "lockrun: after\n"
 
 

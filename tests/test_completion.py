@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lockrun.cli import URI_STARTS
+from lockrun.cli.params import URI_STARTS
 from lockrun.uri import SCHEMES
 from tests.support.cli import lockrun
 from tests.support.servers import installed

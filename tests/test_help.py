@@ -18,6 +18,7 @@ import click
 import pytest
 
 from lockrun import cli
+from lockrun.cli.params import Grouped
 from tests.support.cli import lockrun, wait_for
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def _options(command: click.Command) -> set[str]:
 def test_every_option_is_in_exactly_one_group(word: str) -> None:
     """Each option of the command is listed under one heading, and no heading names another."""
     command = COMMANDS[word]
-    assert isinstance(command, cli._Grouped)
+    assert isinstance(command, Grouped)
     grouped = [name for _, names in command.groups for name in names]
     assert sorted(grouped) == sorted(_options(command))
 
@@ -60,7 +61,7 @@ def test_every_option_is_in_exactly_one_group(word: str) -> None:
 def test_each_heading_shows_its_options_one_line_each(word: str) -> None:
     """Under each heading, each option of its group has one line, and nothing else is there."""
     command = COMMANDS[word]
-    assert isinstance(command, cli._Grouped)
+    assert isinstance(command, Grouped)
     sections = dict(re.findall(r"^(\S[^\n]*):\n((?:  [^\n]*\n)+)", shown(word), re.MULTILINE))
     for heading, names in command.groups:
         lines = sections[heading].splitlines()

@@ -121,7 +121,7 @@ class Newcomer:
         if (Path(python).parent / "activate").exists():  # a venv's, not the .pyz's python3
             code = "import lockrun.cli; print(lockrun.cli.__file__)"
             where = Path(self.run(python, "-c", code).stdout.strip())
-            assert where.read_bytes() == (ROOT / "src/lockrun/cli.py").read_bytes()
+            assert where.read_bytes() == (ROOT / "src/lockrun/cli/__init__.py").read_bytes()
         uri = f"file://{self.home}/locks"
         ran = self.run("lockrun", "-u", uri, "-n", "hello", "--", "echo", "ran")
         assert (ran.returncode, ran.stdout, ran.stderr) == (0, "ran\n", "")

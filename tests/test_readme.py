@@ -343,13 +343,14 @@ def _lockruns(words: list[str]) -> Iterator[list[str]]:
 def _check_command_line(words: list[str]) -> None:
     """Parse *words* as lockrun's CLI does; its UsageError if they are no valid command line."""
     from lockrun import cli
+    from lockrun.cli import tokens
 
     command, prog, args = cli.run_command, "lockrun", words
     if words[:1] and words[0] in cli.SUBCOMMANDS:
         command, prog, args = cli.SUBCOMMANDS[words[0]][0], f"lockrun {words[0]}", words[1:]
     with command.make_context(prog, list(args)) as context:
-        if command is cli.acquire_command and context.params["no_keeper"]:
-            cli._check_no_keeper(context.params["owner"], context.params["max_time"])
+        if command is tokens.acquire_command and context.params["no_keeper"]:
+            tokens._check_no_keeper(context.params["owner"], context.params["max_time"])
 
 
 def test_the_yaml_examples_run_valid_lockrun_command_lines() -> None:

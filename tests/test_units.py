@@ -325,13 +325,13 @@ def test_the_api_renewer_takes_a_refused_renewal_for_a_doubt() -> None:
 # -- which command a command line is for (#29 7b) ---------------------------------------------
 
 _COMMANDS = (cli.run_command, *(command for command, _ in cli.SUBCOMMANDS.values()))
-_SPELLINGS = sorted({spelling for command in _COMMANDS for spelling in cli._grammar(command)})
+_SPELLINGS = sorted({spelling for command in _COMMANDS for spelling in cli.grammar(command)})
 
 
 def test_every_spelling_takes_a_value_in_every_command_or_in_none() -> None:
     """`-w` takes a value wherever it is an option: the words after options read one way."""
     for spelling in _SPELLINGS:
-        takes = {cli._grammar(command).get(spelling) for command in _COMMANDS} - {None}
+        takes = {cli.grammar(command).get(spelling) for command in _COMMANDS} - {None}
         assert len(takes) == 1, spelling
 
 
@@ -339,7 +339,7 @@ def test_every_spelling_takes_a_value_in_every_command_or_in_none() -> None:
 def _option_words(draw: st.DrawFn) -> list[str]:
     """One option as a command line may spell it, with its value if it takes one."""
     spelling = draw(st.sampled_from(_SPELLINGS))
-    takes = any(cli._grammar(command).get(spelling) for command in _COMMANDS)
+    takes = any(cli.grammar(command).get(spelling) for command in _COMMANDS)
     if not takes:
         return [spelling]
     value = draw(st.sampled_from([*cli.SUBCOMMANDS, "--", "-", "5", "x y", "-q"]))
@@ -367,7 +367,7 @@ def test_a_subcommand_word_after_options_is_never_a_program(
         assert args == [*options, *rest]
     else:
         assert f"-- {subcommand} …" in refused
-        taken = cli._grammar(cli.SUBCOMMANDS[subcommand][0])
+        taken = cli.grammar(cli.SUBCOMMANDS[subcommand][0])
         assert any(word.partition("=")[0] not in taken for word in options if word[:1] == "-")
     program = [*options, "--", subcommand, *rest]
     if "--" not in options:  # else the first `--` already ended the options

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 from hypothesis import settings
 
+from lockrun.uri import SCHEMES
 from tests.support.cli import TEST_TTL, Held, start
 from tests.support.clusters import Cluster
 from tests.support.servers import (
@@ -210,8 +211,35 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
 PORTABLE = Path(__file__).with_name("portable.txt")
 
 
+# Fixtures that are, or start, a server of the tests'; and the backends' names a
+# parametrized fixture (harness, shared_harness, rig, target) takes that need one.
+SERVER_FIXTURES: Final = frozenset(
+    {
+        "redis_uri", "redis_cluster", "valkey", "valkey_cluster", "redis_server",
+        "mysql_uri", "maria_server", "postgres_uri", "pg_server",
+    }
+)  # fmt: skip
+SERVER_KINDS: Final = frozenset(
+    {*(scheme for scheme, kind in SCHEMES.items() if not kind.local), "valkey", "valkey-cluster"}
+)
+
+
+def _needs_server(item: pytest.Item) -> bool:
+    """Whether *item* talks to a server: it takes one, or a harness of a server backend."""
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(isinstance(value, str) and value in SERVER_KINDS for value in params.values())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests tests/portable.txt lists `portable`: the set run on every Python."""
+    """Mark the tests that need a server `server`, and those tests/portable.txt lists.
+
+    The listed ones are marked `portable`: the set run on every Python.
+    """
+    for item in items:
+        if _needs_server(item):
+            item.add_marker(pytest.mark.server)
     entries = [line.split("#", 1)[0].strip() for line in PORTABLE.read_text().splitlines()]
     files = {entry for entry in entries if entry and "::" not in entry}
     tests = {entry for entry in entries if "::" in entry}

@@ -21,8 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun.backends import parse_uri
-from lockrun.backends.mysql import _MAX_HOLD_US, MARKS, _found, lock_key
+from lockrun.backends.mysql import MARKS, lock_key
 from lockrun.backends.mysql import parse as mysql_parse
+from lockrun.backends.mysql.modes import found_marks
+from lockrun.backends.mysql.statements import MAX_HOLD_US
 from lockrun.bounds import MAX_WAIT
 from tests.support.cli import Held, lock_state, lockrun, one_line, statuses_read, wait_for
 from tests.support.net import mysql_query as query
@@ -78,15 +80,15 @@ _cells = (
 @given(st.lists(st.lists(_cells, max_size=7).map(tuple) | _cells, max_size=8), _cells)
 def test_any_rows_of_marks_decode_to_a_bounded_window(rows: list[Any], stop: object) -> None:
     """Whatever the rows hold, the decoder returns a window in [0, a year] and hex readers."""
-    found = _found(rows, stop)
-    assert 0 <= found.window <= _MAX_HOLD_US / 1e6 <= MAX_WAIT
+    found = found_marks(rows, stop)
+    assert 0 <= found.window <= MAX_HOLD_US / 1e6 <= MAX_WAIT
     assert all(len(mark) == 18 and mark.startswith("r:") for mark in found.readers)
 
 
 def test_a_window_read_back_is_cut_to_the_longest_hold() -> None:
     """Microseconds past a year (a forged until), or not a number: no window longer than that."""
     for left in (2**62, decimal.Decimal("1e30"), -5, float("inf"), "9" * 30, None, True):
-        window = _found([("hold", 1, left, None)]).window
+        window = found_marks([("hold", 1, left, None)]).window
         assert 0 <= window <= MAX_WAIT
 
 

@@ -70,6 +70,11 @@ class Reply(Generic[T]):
         return self.index < len(self.batch.answers)
 
     @property
+    def failed(self) -> bool:
+        """Whether the server answered every statement before this one, and stopped here."""
+        return self.index == len(self.batch.answers)
+
+    @property
     def value(self) -> T:
         """Return the answer, read; a statement not answered reads as no rows."""
         answers = self.batch.answers

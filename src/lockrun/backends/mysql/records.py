@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pymysql
 from pymysql.constants import ER
 
-from lockrun.backends.mysql.batch import Batch, first_row, last_id, rows, value
+from lockrun.backends.mysql.batch import Batch, Reply, first_row, last_id, rows, value
 from lockrun.backends.mysql.modes import HOLD_OPTION, Found, found_marks, mismatch
 from lockrun.backends.mysql.session import NO_TABLES, STATEMENT_ERRORS, said, tableless
 from lockrun.backends.mysql.statements import (
@@ -37,7 +37,7 @@ from lockrun.backends.sessionlock import GATE
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends.mysql.batch import Reply
+    from lockrun.backends import Request
     from lockrun.backends.mysql.modes import Modes
     from lockrun.backends.mysql.session import Server, Session
     from lockrun.backends.sessionlock import Attempt
@@ -52,6 +52,38 @@ class Drawn(NamedTuple):
     record: str  # the holder's JSON, as recorded
 
 
+class Check(NamedTuple):
+    """The check of N with a try: the batch, and the names of its statements."""
+
+    batch: Batch
+    other: Reply[tuple[Any, ...] | None]  # a live holder of another N
+    tried: Reply[Any]  # the try's answer
+    shared: Reply[tuple[Any, ...] | None] | None  # a live shared holder, for a user of N > 1
+
+    def found(self) -> tuple[Any, ...] | None:
+        """Return the (slots, holder) row of a live user of another N, if the check found one."""
+        return self.other.value or (None if self.shared is None else self.shared.value)
+
+
+class Grant(NamedTuple):
+    """The grant's batch, and the names of the statements whose answers count."""
+
+    batch: Batch
+    fence: Reply[int]
+    stop: Reply[Any]  # the session holding KEY:stop, if any
+    other: Reply[tuple[Any, ...] | None]  # a live user of another N
+    last: Reply[Any]  # N > 1: a live shared holder's row; N = 1: the rows of the marks
+
+
+def check_batch(key: str, slots: int, statement: str) -> Check:
+    """Return the check for a live holder of another N, with *statement* after it."""
+    batch = Batch()
+    other = batch.add(MISMATCH, (key, slots), read=first_row)
+    tried = batch.add(statement, read=value)
+    shared = batch.add(SHARED_MISMATCH, (key, key), read=first_row) if slots > 1 else None
+    return Check(batch, other, tried, shared)
+
+
 def checked(
     session: Session,
     attempt: Attempt[Session],
@@ -63,27 +95,55 @@ def checked(
     One round trip; return the try's answer. A holder of another N is refused (78), once
     the lock the try caught, if any (*caught* names it from the answer), is let go.
     Without the tables nobody recorded anything: the try runs alone. A user of N > 1
-    also looks for shared holders, who use one slot, where their table is.
+    also looks for shared holders, who use one slot, where their table is (it may be
+    missing).
     """
-    key = attempt.key
-    batch = Batch()
-    other = batch.add(MISMATCH, (key, attempt.slots), read=first_row)
-    tried = batch.add(statement, read=value)
-    shared = batch.add(SHARED_MISMATCH, (key, key), read=first_row) if attempt.slots > 1 else None
+    check = check_batch(attempt.key, attempt.slots, statement)
     try:
-        session.run(batch)
+        session.run(check.batch)
     except STATEMENT_ERRORS as err:
-        if not tableless(err) or (other.answered and not tried.answered):
+        if not tableless(err) or check.tried.failed:
             raise
-        if not other.answered:
+        if not check.other.answered:
             return session.one(statement)  # the grant finds out about the tables and says so
-    found = other.value or (None if shared is None else shared.value)  # its table may be missing
+    found = check.found()
     if found is not None:
-        lock = caught(tried.value)
+        lock = caught(check.tried.value)
         if lock is not None:
             session.one("SELECT RELEASE_LOCK(%s)", (lock,))
         raise mismatch(attempt.request, found)
-    return tried.value
+    return check.tried.value
+
+
+def grant_batch(key: str, request: Request, slot: int, record: str, *, gate: bool) -> Grant:
+    """Return the grant's statements for *slot* of *key*, in the order the server runs them.
+
+    The record and the fence in one transaction; the gate's release (*gate*: this session
+    holds it); then the reads, which need no commit, the last two of which may find their
+    tables out of reach.
+    """
+    batch = Batch()
+    batch.add("START TRANSACTION")
+    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record))
+    fence = batch.add(NEXT_FENCE, (key,), read=last_id)
+    batch.add("COMMIT")
+    if gate:
+        batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))
+    stop = batch.add("SELECT IS_USED_LOCK(%s)", (f"{key}:{STOP}",), read=value)
+    other = batch.add(MISMATCH, (key, request.slots), read=first_row)
+    if request.slots > 1:
+        last: Reply[Any] = batch.add(SHARED_MISMATCH, (key, key), read=first_row)
+    else:
+        last = batch.add(MARKS_OF, (key, key), read=rows)
+    return Grant(batch, fence, stop, other, last)
+
+
+def read_grant(grant: Grant, slots: int, record: str) -> Drawn:
+    """Decode the answers to *grant*, a grant of a lock of *slots* slots."""
+    stop = grant.stop.value
+    if slots > 1:
+        return Drawn(grant.fence.value, grant.other.value or grant.last.value, Found(stop), record)
+    return Drawn(grant.fence.value, grant.other.value, found_marks(grant.last.value, stop), record)
 
 
 def draw(
@@ -96,28 +156,15 @@ def draw(
     the record and the check are left out too, and the marks are read (in a round trip of
     their own) only by an attempt that waited or has a mode.
     """
-    request, key = attempt.request, attempt.key
+    request = attempt.request
     record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
     if server.tables is False:
         plain = attempt.mode is None and not attempt.queued and not request.hold
         return Drawn(None, None, Found() if plain else modes.look(session, attempt), record)
-    batch = Batch()
-    batch.add("START TRANSACTION")
-    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record))
-    fence = batch.add(NEXT_FENCE, (key,), read=last_id)
-    batch.add("COMMIT")
     gate = attempt.gate is session
-    if gate:
-        batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))
-    # The reads that follow the commit; the last two may find their tables out of reach.
-    stop = batch.add("SELECT IS_USED_LOCK(%s)", (f"{key}:{STOP}",), read=value)
-    other = batch.add(MISMATCH, (key, request.slots), read=first_row)
-    if request.slots > 1:
-        last: Reply[Any] = batch.add(SHARED_MISMATCH, (key, key), read=first_row)
-    else:
-        last = batch.add(MARKS_OF, (key, key), read=rows)
+    grant = grant_batch(attempt.key, request, slot, record, gate=gate)
     try:
-        _run_making_tables(session, batch, optional=other.index)
+        _run_making_tables(session, grant.batch, optional=grant.other.index)
     except STATEMENT_ERRORS as err:
         if err.args[0] not in NO_TABLES:
             raise
@@ -130,11 +177,9 @@ def draw(
     server.tables = True
     if gate:
         session.gate_left = attempt
-    if request.hold and not last.answered:  # the marks could not be read:
+    if request.hold and not grant.last.answered:  # the marks could not be read:
         raise modes.no_marks(HOLD_OPTION)  # no window could be kept: said before the run
-    if request.slots > 1:
-        return Drawn(fence.value, other.value or last.value, Found(stop=stop.value), record)
-    return Drawn(fence.value, other.value, found_marks(last.value, stop.value), record)
+    return read_grant(grant, request.slots, record)
 
 
 def _run_making_tables(session: Session, batch: Batch, optional: int) -> None:

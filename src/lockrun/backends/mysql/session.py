@@ -296,7 +296,7 @@ class Server:
             connection = _Connection(
                 **self.settings.kwargs,
                 autocommit=True,
-                client_flag=CLIENT.MULTI_STATEMENTS,  # a grant in one round trip (design.md A7)
+                client_flag=CLIENT.MULTI_STATEMENTS,  # docs/design.md A7
                 connect_timeout=self.timeout,
                 read_timeout=self.timeout,
                 write_timeout=self.timeout,

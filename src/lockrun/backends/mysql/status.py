@@ -89,10 +89,10 @@ def _recorded(session: Session, namespace: str) -> list[str]:
     return names
 
 
-def _state(session: Session, namespace: str, name: str, waiters: list[Waiter]) -> LockState:
+def _state(session: Session, namespace: str, name: str, everyone: list[Waiter]) -> LockState:
     """Read one lock: who holds which slot (IS_USED_LOCK, our records), who waits."""
     key = lock_key(namespace, name)
-    queue = [waiter for waiter in waiters if waiter.lock.startswith(f"{key}:")]
+    queue = [waiter for waiter in everyone if waiter.lock.startswith(f"{key}:")]
     records: dict[int, HolderRow] = {}
     with contextlib.suppress(*STATEMENT_ERRORS):
         decoded = (holder_row(row) for row in session.rows(HOLDERS_OF, (key,)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import decimal
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import given
@@ -50,6 +50,9 @@ from lockrun.backends.mysql.uri import address, carries, login, parse
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
 from lockrun.errors import ConfigError
 from tests.support.strategies import deep, holder_like, json_values
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 KEY = lock_key("default", "rows")
 NOW_US = 1_790_000_000_000_000  # the server's clock, as MARKS_OF's last column reads it
@@ -479,3 +482,15 @@ def test_a_name_the_charset_cannot_carry_is_refused_before_any_statement() -> No
     carries(parse(parse_uri("mysql://db/app")), "default", "名")
     with pytest.raises(ConfigError, match="charset latin1 cannot carry the name '名'"):
         carries(parse(parse_uri("mysql://db/app?charset=latin1")), "default", "名")
+
+
+def test_an_option_file_that_does_not_parse_is_refused_naming_its_line_not_its_text(
+    tmp_path: Path,
+) -> None:
+    """An option before any [section]: 78 naming the file and line, none of its text."""
+    cnf = tmp_path / "broken.cnf"
+    cnf.write_text("password=QXZJKWV\n[client]\nuser=app\n")
+    with pytest.raises(ConfigError) as raised:
+        parse(parse_uri(f"mysql://db/app?read_default_file={cnf}"))
+    assert f"read_default_file {cnf} line 1: not a MySQL option file" in str(raised.value)
+    assert "QXZJKWV" not in str(raised.value)

@@ -20,8 +20,18 @@ from hypothesis import strategies as st
 
 from lockrun.backends import Holder, Request, parse_uri
 from lockrun.backends.mysql.batch import Answer, Batch, first_row, last_id, rows, value
-from lockrun.backends.mysql.modes import Found, MarkRow, found_marks, mark_kind, mark_row, mismatch
+from lockrun.backends.mysql.modes import (
+    Found,
+    MarkRow,
+    Mode,
+    Modes,
+    found_marks,
+    mark_kind,
+    mark_row,
+    mismatch,
+)
 from lockrun.backends.mysql.records import check_batch, grant_batch, read_grant
+from lockrun.backends.mysql.session import Server
 from lockrun.backends.mysql.statements import (
     MARKS_OF,
     MAX_HOLD_US,
@@ -47,8 +57,10 @@ from lockrun.backends.mysql.status import (
     waiter,
 )
 from lockrun.backends.mysql.uri import address, carries, login, parse
+from lockrun.backends.sessionlock import Attempt
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
-from lockrun.errors import ConfigError
+from lockrun.errors import BackendUnavailable, ConfigError, TakenOver
+from lockrun.timing import now
 from tests.support.strategies import deep, holder_like, json_values
 
 if TYPE_CHECKING:
@@ -494,3 +506,92 @@ def test_an_option_file_that_does_not_parse_is_refused_naming_its_line_not_its_t
         parse(parse_uri(f"mysql://db/app?read_default_file={cnf}"))
     assert f"read_default_file {cnf} line 1: not a MySQL option file" in str(raised.value)
     assert "QXZJKWV" not in str(raised.value)
+
+
+# -- what a grant does with what it found (the modes' decisions) ----------------------------------
+
+
+class FakeSession:
+    """A session whose statements are recorded and answered from a script, first match wins."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+        self.sent: list[str] = []
+
+    def one(self, sql: str, args: object = None, *, timeout: float | None = 0) -> Any:  # noqa: ARG002
+        row = self.row(sql, args)
+        return None if row is None else row[0]
+
+    def row(self, sql: str, args: object = None, *, timeout: float | None = 0) -> Any:  # noqa: ARG002
+        self.sent.append(sql)
+        return next((row for start, row in self.answers.items() if sql.startswith(start)), None)
+
+    def run(self, batch: Batch) -> None:
+        batch.answers.clear()
+        for sql, args in batch.statements:
+            row = self.row(sql, args)
+            batch.answers.append(Answer(() if row is None else (row,), 0))
+
+
+def fake(answers: dict[str, Any]) -> Any:
+    """Return a `FakeSession` typed as the session it stands in for."""
+    return FakeSession(answers)
+
+
+def modes_and_attempt(deadline: float | None, **fields: Any) -> tuple[Modes, Attempt[Any]]:
+    """Return the modes of a server never reached, and an attempt on `KEY` until *deadline*."""
+    settings = parse(parse_uri("mysql://db/app"))
+    server = Server(settings, 30.0, lambda _line: None, lambda part: BackendUnavailable(str(part)))
+    return Modes(server), Attempt(request(**fields), KEY, "token", "/* tag */", deadline)
+
+
+def test_a_take_over_asked_after_this_attempt_makes_it_give_way_or_be_busy() -> None:
+    """Found a stop lock: a waiter gives way naming the taker; a try past its deadline is busy."""
+    modes, attempt = modes_and_attempt(None)
+    session = fake({"SELECT holder FROM lockrun_marks": (RECORD_JSON,)})
+    with pytest.raises(TakenOver, match="taken over by alice@box pid 42"):
+        modes.settle(session, attempt, f"{KEY}:0", Found(stop=7))
+    modes, attempt = modes_and_attempt(0.0)
+    assert not modes.settle(fake({}), attempt, f"{KEY}:0", Found(stop=7))
+
+
+def test_a_window_is_slept_out_on_the_server_unless_the_deadline_comes_first() -> None:
+    """A window shorter than the wait: SLEEP holding slot 0, then a new look; longer: busy."""
+    modes, attempt = modes_and_attempt(now() + 3600)
+    session = fake({"SELECT IS_USED_LOCK": (None,)})
+    assert modes.settle(session, attempt, f"{KEY}:0", Found(window=0.01))
+    assert session.sent[0].startswith(f"SELECT SLEEP(0.010) AS '{KEY}:0' /* tag */")
+    modes, attempt = modes_and_attempt(now() + 1)
+    assert not modes.settle(fake({}), attempt, f"{KEY}:0", Found(window=60.0))
+
+
+def test_shared_holders_are_waited_for_by_an_exclusive_request_only() -> None:
+    """Each reader's lock is waited for, then let go; a shared request enters beside them."""
+    reader = "r:00000000deadbeef"
+    modes, attempt = modes_and_attempt(None)
+    session = fake({"SELECT GET_LOCK": (1,), "SELECT IS_USED_LOCK": (None,)})
+    assert modes.settle(session, attempt, f"{KEY}:0", Found(readers=(reader,)))
+    assert session.sent[:2] == [
+        f"SELECT GET_LOCK('{KEY}:{reader}', 31536000.000) /* tag */",
+        "SELECT RELEASE_LOCK(%s)",
+    ]
+    modes, attempt = modes_and_attempt(None, shared=True)
+    quiet = fake({})
+    assert modes.settle(quiet, attempt, f"{KEY}:0", Found(readers=(reader,)))
+    assert quiet.sent == []
+
+
+def test_a_taker_ends_a_window_and_its_stop_request_unless_a_newer_taker_got_it() -> None:
+    """A taker deletes the window and lets KEY:stop go; a newer taker in the release wins."""
+    modes, attempt = modes_and_attempt(None, take_over=True)
+    session = fake({"SELECT IS_USED_LOCK": (None,)})
+    attempt.mode = Mode()
+    attempt.mode.stop = session
+    assert modes.settle(session, attempt, f"{KEY}:0", Found(window=5.0))
+    assert session.sent[0].startswith("DELETE FROM lockrun_marks WHERE lock_key = %s AND mark")
+    assert session.sent[-2:] == ["SELECT RELEASE_LOCK(%s)", "SELECT IS_USED_LOCK(%s)"]
+    assert attempt.mode.stop is None
+    newer = fake({"SELECT IS_USED_LOCK": (99,), "SELECT holder": (RECORD_JSON,)})
+    attempt.mode.stop = newer
+    with pytest.raises(TakenOver, match="taken over by alice@box pid 42"):
+        modes.settle(newer, attempt, f"{KEY}:0", Found())

@@ -230,6 +230,33 @@ def test_parse_rejects_bad_uris_without_showing_the_password(text: str, needle: 
 
 
 @pytest.mark.parametrize(
+    ("query_text", "refused"),
+    [
+        ("ssl_ca={dir}", "ssl_ca {dir}: no such readable file"),
+        ("ssl_ca={dir}/garbage.pem", "ssl_ca {dir}/garbage.pem: unusable ("),
+        (
+            "ssl_ca={dir}/ca.crt&ssl_cert={dir}/garbage.pem&ssl_key={dir}/client.key",
+            "ssl_cert {dir}/garbage.pem: unusable (",
+        ),
+        (
+            "ssl_ca={dir}/ca.crt&ssl_cert={dir}/client.crt&ssl_key={dir}/server.key",
+            "ssl_cert {dir}/client.crt: unusable (",
+        ),
+    ],
+    ids=["ca-is-a-directory", "ca-not-a-certificate", "cert-not-a-certificate", "foreign-key"],
+)
+def test_parse_refuses_unusable_tls_files(
+    query_text: str, refused: str, certificates: Path
+) -> None:
+    """A CA or certificate that is no PEM, or a key of another certificate: 78, naming it."""
+    uri = f"mysql://u:{SECRET}@db/app?{query_text.format(dir=certificates)}"
+    with pytest.raises(ConfigError) as raised:
+        parse(parse_uri(uri))
+    assert refused.format(dir=certificates) in str(raised.value)
+    assert SECRET not in str(raised.value)
+
+
+@pytest.mark.parametrize(
     ("namespace", "name"),
     [
         ("default", "x"),
@@ -555,19 +582,15 @@ def test_a_malformed_option_file_exits_78_in_one_line(tmp_path: Path, name: str)
     assert "broken.cnf" in line
 
 
-@pytest.mark.parametrize(
-    "query_text",
-    [
-        "ssl_ca={dir}",
-        "ssl_ca={dir}/garbage.pem",
-        "ssl_ca={dir}/ca.crt&ssl_cert={dir}/garbage.pem&ssl_key={dir}/client.key",
-        "ssl_ca={dir}/ca.crt&ssl_cert={dir}/client.crt&ssl_key={dir}/server.key",
-    ],
-    ids=["ca-is-a-directory", "ca-not-a-certificate", "cert-not-a-certificate", "foreign-key"],
-)
-def test_unusable_tls_files_exit_78(query_text: str, certificates: Path, name: str) -> None:
-    """A CA or certificate that is no PEM, or a key of another certificate: 78, naming TLS."""
-    uri = f"mysql://root@127.0.0.1:{free_port()}/lockrun?{query_text.format(dir=certificates)}"
+def test_unusable_tls_files_exit_78(certificates: Path, name: str) -> None:
+    """A key of another certificate: 78 in one line, not the server's failure.
+
+    Each kind of unusable file is refused by `parse`, in process
+    (test_parse_refuses_unusable_tls_files): this run is the one end to end.
+    """
+    query_text = f"ssl_ca={certificates}/ca.crt&ssl_cert={certificates}/client.crt"
+    query_text += f"&ssl_key={certificates}/server.key"
+    uri = f"mysql://root@127.0.0.1:{free_port()}/lockrun?{query_text}"
     result = lockrun("--uri", uri, "-n", name, "--", "echo", "ran")
     line = one_line(result.stderr)
     assert "does not answer like" not in line

@@ -19,7 +19,7 @@ from pymysql.constants import COMMAND
 
 from lockrun import ExitCode
 from lockrun.backends import Holder, Request, open_backend, parse_uri
-from lockrun.backends.mysql import _TABLES, MARKS, lock_key
+from lockrun.backends.mysql import MARKS, TABLES, lock_key
 from lockrun.timing import now
 from tests.support.cli import (
     Held,
@@ -62,7 +62,7 @@ def old_server() -> Iterator[MariaServer]:
     server = MariaServer()
     try:
         server.command("CREATE DATABASE old")
-        for statement in _TABLES:
+        for statement in TABLES:
             if MARKS not in statement:
                 server.command(f"USE old; {statement}")
         create_user(server, "old", "pw-old", "SELECT, INSERT, UPDATE, DELETE ON old.*")

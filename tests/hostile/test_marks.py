@@ -10,23 +10,20 @@ line, the time taken and what status prints.
 from __future__ import annotations
 
 import contextlib
-import decimal
 import json
 import time
 from typing import TYPE_CHECKING, Any
 
 import pymysql
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from lockrun.backends import parse_uri
-from lockrun.backends.mysql import _MAX_HOLD_US, MARKS, _found, lock_key
+from lockrun.backends.mysql import MARKS, lock_key
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.bounds import MAX_WAIT
 from tests.support.cli import Held, lock_state, lockrun, one_line, statuses_read, wait_for
 from tests.support.net import mysql_query as query
-from tests.support.strategies import deep, json_values
+from tests.support.strategies import deep
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -64,32 +61,6 @@ def make_tables(uri: str, name: str) -> None:
     assert shared.returncode == 0, shared.stderr
 
 
-# -- the decoder --------------------------------------------------------------------------
-
-_cells = (
-    json_values
-    | st.decimals(allow_nan=False)
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.binary(max_size=20)
-    | st.sampled_from(["hold", "r:0123456789abcdef", "r:zz", "stop", "r:"])
-)
-
-
-@given(st.lists(st.lists(_cells, max_size=7).map(tuple) | _cells, max_size=8), _cells)
-def test_any_rows_of_marks_decode_to_a_bounded_window(rows: list[Any], stop: object) -> None:
-    """Whatever the rows hold, the decoder returns a window in [0, a year] and hex readers."""
-    found = _found(rows, stop)
-    assert 0 <= found.window <= _MAX_HOLD_US / 1e6 <= MAX_WAIT
-    assert all(len(mark) == 18 and mark.startswith("r:") for mark in found.readers)
-
-
-def test_a_window_read_back_is_cut_to_the_longest_hold() -> None:
-    """Microseconds past a year (a forged until), or not a number: no window longer than that."""
-    for left in (2**62, decimal.Decimal("1e30"), -5, float("inf"), "9" * 30, None, True):
-        window = _found([("hold", 1, left, None)]).window
-        assert 0 <= window <= MAX_WAIT
-
-
 # -- forged rows ----------------------------------------------------------------------------
 
 
@@ -108,28 +79,19 @@ def test_a_forged_window_far_ahead_is_busy_for_a_year_at_most(mysql_uri: str, na
     statuses_read(mysql_uri, name)
 
 
+# One row per kind of forgery, each end to end: a window at the server's arithmetic's
+# edge, a dead reader with a junk record (swept), a stop row nobody holds the lock of, and a
+# mark too long for GET_LOCK's name. What the decoder makes of any row, and of each of
+# these, is tests/unit/test_mysql_rows.py's.
 @pytest.mark.parametrize(
     ("mark", "until", "record"),
     [
         ("hold", 2**63 - 1, deep(30_000)),
-        ("hold", -(2**63), "{}"),
-        ("hold", 0, "not json"),
         ("r:0123456789abcdef", 0, '{"pid": "x", "host": [], "user": null}'),
-        ("r:zz", 0, "'; DROP TABLE lockrun_holders; --"),
-        ("r:", 10**15, "ÿ" * 30_000),
         ("stop", 2**62, "*/ SELECT 1 /*"),
         ("r:0123456789abcdef0123", 0, "{}"),
     ],
-    ids=[
-        "hold-max",
-        "hold-min",
-        "hold-junk",
-        "reader-types",
-        "reader-sql",
-        "reader-short",
-        "stop",
-        "reader-long",
-    ],
+    ids=["hold-max", "reader-types", "stop", "reader-long"],
 )
 def test_forged_rows_change_no_decision(
     mysql_uri: str, name: str, mark: str, until: int, record: str

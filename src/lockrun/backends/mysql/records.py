@@ -1,0 +1,214 @@
+"""lockrun_holders and lockrun_fence: the check of N, and the grant's one round trip.
+
+The grant is one round trip and one commit (docs/design.md A7): the holder's record and
+the fence in one transaction, then the check for users of another N, which sees every
+record committed before ours, and the reads of a take-over's stop lock and of
+lockrun_marks, which need no commit. Each statement is named where it is added
+(`lockrun.backends.mysql.batch`), so the server sees them in this order and each answer is
+read by its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import pymysql
+from pymysql.constants import ER
+
+from lockrun.backends.mysql.batch import Batch, Reply, first_row, last_id, rows, value
+from lockrun.backends.mysql.modes import HOLD_OPTION, Found, found_marks, mismatch
+from lockrun.backends.mysql.session import NO_TABLES, STATEMENT_ERRORS, said, tableless
+from lockrun.backends.mysql.statements import (
+    FENCES,
+    HOLDERS,
+    MARKS_OF,
+    MISMATCH,
+    NEXT_FENCE,
+    RECORD,
+    SHARED_MISMATCH,
+    STOP,
+    TABLES,
+)
+from lockrun.backends.sessionlock import GATE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lockrun.backends import Request
+    from lockrun.backends.mysql.modes import Modes
+    from lockrun.backends.mysql.session import Server, Session
+    from lockrun.backends.sessionlock import Attempt
+
+
+class Drawn(NamedTuple):
+    """What the grant's round trip drew and read."""
+
+    fence: int | None  # None where the tables are out of reach
+    other: tuple[Any, ...] | None  # a live user of another N: its (slots, holder) row
+    found: Found  # what the modes' marks say
+    record: str  # the holder's JSON, as recorded
+
+
+class Check(NamedTuple):
+    """The check of N with a try: the batch, and the names of its statements."""
+
+    batch: Batch
+    other: Reply[tuple[Any, ...] | None]  # a live holder of another N
+    tried: Reply[Any]  # the try's answer
+    shared: Reply[tuple[Any, ...] | None] | None  # a live shared holder, for a user of N > 1
+
+    def found(self) -> tuple[Any, ...] | None:
+        """Return the (slots, holder) row of a live user of another N, if the check found one."""
+        return self.other.value or (None if self.shared is None else self.shared.value)
+
+
+class Grant(NamedTuple):
+    """The grant's batch, and the names of the statements whose answers count."""
+
+    batch: Batch
+    fence: Reply[int]
+    stop: Reply[Any]  # the session holding KEY:stop, if any
+    other: Reply[tuple[Any, ...] | None]  # a live user of another N
+    last: Reply[Any]  # N > 1: a live shared holder's row; N = 1: the rows of the marks
+
+
+def check_batch(key: str, slots: int, statement: str) -> Check:
+    """Return the check for a live holder of another N, with *statement* after it."""
+    batch = Batch()
+    other = batch.add(MISMATCH, (key, slots), read=first_row)
+    tried = batch.add(statement, read=value)
+    shared = batch.add(SHARED_MISMATCH, (key, key), read=first_row) if slots > 1 else None
+    return Check(batch, other, tried, shared)
+
+
+def checked(
+    session: Session,
+    attempt: Attempt[Session],
+    statement: str,
+    caught: Callable[[Any], str | None],
+) -> Any:  # noqa: ANN401 - the try's answer
+    """Check for a live holder of another N, then run *statement*, a try that never waits.
+
+    One round trip; return the try's answer. A holder of another N is refused (78), once
+    the lock the try caught, if any (*caught* names it from the answer), is let go.
+    Without the tables nobody recorded anything: the try runs alone. A user of N > 1
+    also looks for shared holders, who use one slot, where their table is (it may be
+    missing).
+    """
+    check = check_batch(attempt.key, attempt.slots, statement)
+    try:
+        session.run(check.batch)
+    except STATEMENT_ERRORS as err:
+        if not tableless(err) or check.tried.failed:
+            raise
+        if not check.other.answered:
+            return session.one(statement)  # the grant finds out about the tables and says so
+    found = check.found()
+    if found is not None:
+        lock = caught(check.tried.value)
+        if lock is not None:
+            session.one("SELECT RELEASE_LOCK(%s)", (lock,))
+        raise mismatch(attempt.request, found)
+    return check.tried.value
+
+
+def grant_batch(key: str, request: Request, slot: int, record: str, *, gate: bool) -> Grant:
+    """Return the grant's statements for *slot* of *key*, in the order the server runs them.
+
+    The record and the fence in one transaction; the gate's release (*gate*: this session
+    holds it); then the reads, which need no commit, the last two of which may find their
+    tables out of reach.
+    """
+    batch = Batch()
+    batch.add("START TRANSACTION")
+    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record))
+    fence = batch.add(NEXT_FENCE, (key,), read=last_id)
+    batch.add("COMMIT")
+    if gate:
+        batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))
+    stop = batch.add("SELECT IS_USED_LOCK(%s)", (f"{key}:{STOP}",), read=value)
+    other = batch.add(MISMATCH, (key, request.slots), read=first_row)
+    if request.slots > 1:
+        last: Reply[Any] = batch.add(SHARED_MISMATCH, (key, key), read=first_row)
+    else:
+        last = batch.add(MARKS_OF, (key, key), read=rows)
+    return Grant(batch, fence, stop, other, last)
+
+
+def read_grant(grant: Grant, slots: int, record: str) -> Drawn:
+    """Decode the answers to *grant*, a grant of a lock of *slots* slots."""
+    stop = grant.stop.value
+    if slots > 1:
+        return Drawn(grant.fence.value, grant.other.value or grant.last.value, Found(stop), record)
+    return Drawn(grant.fence.value, grant.other.value, found_marks(grant.last.value, stop), record)
+
+
+def draw(
+    server: Server, modes: Modes, session: Session, attempt: Attempt[Session], slot: int
+) -> Drawn:
+    """Record the holder, draw a fence, check for another N, look at the modes' marks.
+
+    The holder of the gate lets it go in the same round trip, after the commit
+    (`MySQLBackend._release_gate`). The fence is None where the tables are out of reach;
+    the record and the check are left out too, and the marks are read (in a round trip of
+    their own) only by an attempt that waited or has a mode.
+    """
+    request = attempt.request
+    record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
+    if server.tables is False:
+        plain = attempt.mode is None and not attempt.queued and not request.hold
+        return Drawn(None, None, Found() if plain else modes.look(session, attempt), record)
+    gate = attempt.gate is session
+    grant = grant_batch(attempt.key, request, slot, record, gate=gate)
+    try:
+        _run_making_tables(session, grant.batch, optional=grant.other.index)
+    except STATEMENT_ERRORS as err:
+        if err.args[0] not in NO_TABLES:
+            raise
+        server.tables = False
+        server.note(
+            f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
+            f"{server.where} ({said(server.settings, err)}); LOCKRUN_FENCE stays unset"
+        )
+        return Drawn(None, None, modes.look(session, attempt), record)
+    server.tables = True
+    if gate:
+        session.gate_left = attempt
+    if request.hold and not grant.last.answered:  # the marks could not be read:
+        raise modes.no_marks(HOLD_OPTION)  # no window could be kept: said before the run
+    return read_grant(grant, request.slots, record)
+
+
+def _run_making_tables(session: Session, batch: Batch, optional: int) -> None:
+    """Run the grant's *batch*; on first use, make the tables and run it again."""
+    try:
+        _run_grant(session, batch, optional)
+    except pymysql.err.ProgrammingError as err:
+        if err.args[0] != ER.NO_SUCH_TABLE:
+            raise
+    else:
+        return
+    for statement in TABLES:
+        session.one(statement)
+    _run_grant(session, batch, optional)
+
+
+def _run_grant(session: Session, batch: Batch, optional: int) -> None:
+    """Run the grant's *batch* in one round trip.
+
+    The statements from *optional* on (reads of the records and marks) may find their
+    table out of reach: as without the tables, there is nothing to find, and the batch
+    ends there. Any other error is raised after a rollback, so that the session, which may
+    serve more acquisitions, is never left in a transaction.
+    """
+    try:
+        session.run(batch)
+    except pymysql.err.Error as err:
+        if len(batch.answers) >= optional and tableless(err):
+            return
+        with contextlib.suppress(pymysql.err.Error):  # best effort: the session may be gone
+            session.one("ROLLBACK")
+        raise

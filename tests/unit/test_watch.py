@@ -251,16 +251,19 @@ def test_an_unavailable_refresh_is_a_doubt_and_a_good_one_keeps_the_command(
     tmp_path: Path,
 ) -> None:
     """One refresh fails, the next proves the lease: logged, and the command's status stands."""
-    answers: list[Exception | None] = [BackendUnavailable("connection refused"), None]
+    ready, failed, go = (tmp_path / part for part in ("ready", "failed", "go"))
+    refused = BackendUnavailable("connection refused")
 
     def refresh() -> None:
-        answer = answers.pop(0) if answers else None
-        if answer is not None:
-            raise answer
-        (tmp_path / "go").touch()  # proved again: the command may end now
+        if not ready.exists():  # before the spawn, or while sh starts: the lease is ours
+            return
+        if not failed.exists():
+            failed.touch()
+            raise refused
+        go.touch()  # proved again: the command may end now
 
     lines: list[str] = []
-    wait_for_go = 'while [ ! -e "$1"/go ]; do sleep 0.01; done; exit 5'
+    wait_for_go = 'touch "$1"/ready; while [ ! -e "$1"/go ]; do sleep 0.01; done; exit 5'
     status = watched(sh(wait_for_go, str(tmp_path)), Lease(refresh), log=lines.append)
     assert status == 5
     assert lines[0] == "lease not confirmed (connection refused); retrying"

@@ -248,9 +248,10 @@ def test_a_command_that_ignores_term_is_killed_after_the_grace() -> None:
 
 
 def test_an_unavailable_refresh_is_a_doubt_and_a_good_one_keeps_the_command(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One refresh fails, the next proves the lease: logged, and the command's status stands."""
+    monkeypatch.setattr("lockrun.lease_clock.RETRY", 0.05)  # the doubt is asked again sooner
     ready, failed, go = (tmp_path / part for part in ("ready", "failed", "go"))
     refused = BackendUnavailable("connection refused")
 

@@ -199,15 +199,24 @@ def test_a_file_that_cannot_be_executed_is_126(tmp_path: Path) -> None:
         watched([str(script)], Lease(fine))
 
 
-def test_a_local_lock_is_never_refreshed() -> None:
-    """No ttl (a lock of file:): nothing to renew, the status is the command's."""
+def test_a_local_lock_is_never_lost_by_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ttl (a lock of file:): refreshes that fail are doubts, never a loss; its status stands."""
+    monkeypatch.setattr("lockrun.lease_clock.RETRY", 0.05)  # doubts asked again sooner
+    refused = BackendUnavailable("the lock file is unreadable")
 
-    def never() -> None:
-        pytest.fail("a local lock was refreshed")
+    def refresh() -> None:
+        if lease.refreshes >= 3:
+            (tmp_path / "go").touch()
+        raise refused
 
-    lease = Lease(never, ttl=None)
-    assert watched(["sh", "-c", "exit 4"], lease) == 4
-    assert lease.refreshes == 0
+    lease = Lease(refresh, ttl=None)
+    lines: list[str] = []
+    wait_for_go = 'while [ ! -e "$1"/go ]; do sleep 0.01; done; exit 4'
+    assert watched(sh(wait_for_go, str(tmp_path)), lease, log=lines.append) == 4
+    assert lease.refreshes >= 3
+    assert lines[0] == "lease not confirmed (the lock file is unreadable); retrying"
 
 
 # -- the lease ------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ _REPLIES: Final = {
     ExitCode.CONFIG: ConfigError,
     ExitCode.TAKEN_OVER: TakenOver,
     ExitCode.TIMEOUT: TimedOut,
+    ExitCode.USAGE: UsageError,  # what the keeper answers a request that is none of ours
 }
 VERBS: Final = ("release", "renew")
 ANSWER: Final = 30.0  # how long `release` waits for the keeper (a release may reach a server)

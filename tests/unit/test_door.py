@@ -202,6 +202,7 @@ def test_the_longest_request_is_read() -> None:
         (b"76 gone", (76, "gone")),
         (b"69 " + BUSY.encode(), (69, BUSY)),
         (b"124 late", (124, "late")),
+        (b"64 not a request a keeper answers", (64, "not a request a keeper answers")),
         (b"0", (0, "")),
         (b"0 caf\xff", (0, "caf\ufffd")),  # a message that is not UTF-8 is shown, replaced
     ],
@@ -496,3 +497,26 @@ def test_a_squatter_on_a_keepers_name_is_neither_told_the_secret_nor_believed(
     ):
         ask(str(squatted), "release")
     assert all(b"S" * 24 not in data for data in heard)
+
+
+def test_every_status_the_keeper_answers_is_one_a_client_reads() -> None:
+    """Both sides of the door agree: each `answer(…, ExitCode.X, …)` in the keeper reads back.
+
+    A status the client does not know would turn the keeper's word into "none a keeper
+    gives" (69): the keeper's junk answer (64) once did.
+    """
+    import ast
+    import inspect
+
+    from lockrun import keeper
+
+    answered = {
+        ExitCode[node.args[1].attr]
+        for node in ast.walk(ast.parse(inspect.getsource(keeper)))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "answer"
+        and isinstance(node.args[1], ast.Attribute)
+    }
+    assert answered  # the keeper does answer with named statuses
+    for status in answered:
+        assert read_reply(f"{int(status)} said".encode()) == (int(status), "said")

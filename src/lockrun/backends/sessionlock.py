@@ -451,6 +451,7 @@ class SessionLocks(Generic[S, K, X]):
             return -1, None
 
     def _queue(self, attempt: Attempt[S, K, X]) -> tuple[int, S | None]:
+        """Register the mode, then take one slot, or one of N: at once, or at the gate."""
         first = self._open(attempt)
         if not self.requests.begin(first, attempt):
             return -1, None

@@ -21,6 +21,7 @@ from lockrun.backends.sessionlock import (
     Attempt,
     Holding,
     Kept,
+    Outage,
     SessionLease,
     SessionLocks,
     quiet,
@@ -32,7 +33,7 @@ from lockrun.errors import (
     LeaseLost,
     LockrunError,
 )
-from lockrun.timing import now
+from lockrun.timing import RECONNECT_INTERVAL, now
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -627,3 +628,31 @@ def test_a_lease_whose_session_ended_is_lost(fake: Fixture) -> None:
     with pytest.raises(LeaseLost, match="the session holding the lock ended"):
         lease.refresh()
     assert not lease.release()
+
+
+def attempt(deadline: float | None = None, *, queued: bool = False) -> Try:
+    """Return an attempt at one slot of jobs until *deadline*, queued or not."""
+    tried = Try(Request("default", "jobs", 1, TTL, HOLDER), "k:jobs", "token", "", deadline)
+    tried.queued = queued
+    return tried
+
+
+def test_an_outage_is_ridden_out_only_by_a_waiter_that_queued() -> None:
+    """A refusal, or a connection lost before the queue, is said at once; a queued one waits."""
+    outage = Outage(TTL)
+    assert not outage.rides_out(attempt(queued=True), passing=False)
+    assert not outage.rides_out(attempt(), passing=True)
+    assert outage.pause == min(RECONNECT_INTERVAL, TTL / 10)
+    assert outage.rides_out(attempt(queued=True), passing=True)
+    assert outage.rides_out(attempt(), passing=True)  # not back in yet: still within a ttl
+
+
+def test_an_outage_ends_a_ttl_after_the_waiter_was_last_queued_or_at_its_deadline() -> None:
+    """Past a ttl since the last queued attempt, or past the deadline: said, not ridden out."""
+    outage = Outage(TTL)
+    assert outage.rides_out(attempt(queued=True), passing=True)
+    assert outage.since is not None
+    outage.since -= TTL + 0.1
+    assert not outage.rides_out(attempt(), passing=True)
+    assert outage.rides_out(attempt(queued=True), passing=True)  # queued again: a new ttl
+    assert not outage.rides_out(attempt(now() - 1, queued=True), passing=True)

@@ -323,6 +323,29 @@ class Holding(Generic[S]):
 # -- the order of things -------------------------------------------------------------------
 
 
+class Outage:
+    """The lost connection of a queued waiter: it queues again, for up to a ttl."""
+
+    def __init__(self, ttl: float) -> None:
+        """Ride out an outage of up to *ttl* seconds."""
+        self.ttl = ttl
+        self.pause = min(RECONNECT_INTERVAL, ttl / 10)  # between two tries to get back in
+        self.since: float | None = None  # when the connection of a queued attempt was lost
+
+    def rides_out(self, attempt: Attempt[S, K, X], *, passing: bool) -> bool:
+        """Whether *attempt*, which failed (*passing*: a lost connection), may queue again.
+
+        Only a waiter that got as far as the queue rides an outage out, until a ttl after
+        it was last queued or its deadline; failing to get in at all is said at once.
+        """
+        if not passing or (not attempt.queued and self.since is None):
+            return False
+        if self.since is None or attempt.queued:
+            self.since = now()
+        deadline = attempt.deadline
+        return now() - self.since <= self.ttl and (deadline is None or now() < deadline)
+
+
 class SessionLocks(Generic[S, K, X]):
     """The semaphore's order of things, over a backend's ports."""
 
@@ -352,7 +375,7 @@ class SessionLocks(Generic[S, K, X]):
         """
         token = os.urandom(8).hex()
         key, tag = self.requests.names(request, token)
-        lost: float | None = None  # when the connection of a queued attempt was lost
+        outage = Outage(self.ttl)
         while True:
             attempt = Attempt[S, K, X](request, key, token, tag, deadline)
             self._attempts.append(attempt)
@@ -368,12 +391,9 @@ class SessionLocks(Generic[S, K, X]):
                 failure, passing = verdict
                 if attempt.reused and passing and not attempt.queued:
                     continue  # the server ended it while it was kept: a new one, at once
-                if not passing or (not attempt.queued and lost is None):
+                if not outage.rides_out(attempt, passing=passing):
                     raise failure from err
-                lost = now() if lost is None or attempt.queued else lost
-                if now() - lost > self.ttl or (deadline is not None and now() >= deadline):
-                    raise failure from err
-                time.sleep(min(RECONNECT_INTERVAL, self.ttl / 10))
+                time.sleep(outage.pause)
             finally:
                 self._attempts.remove(attempt)
 

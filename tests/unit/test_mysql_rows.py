@@ -538,7 +538,9 @@ def fake(answers: dict[str, Any]) -> Any:
     return FakeSession(answers)
 
 
-def modes_and_attempt(deadline: float | None, **fields: Any) -> tuple[Modes, Attempt[Any]]:
+def modes_and_attempt(
+    deadline: float | None, **fields: Any
+) -> tuple[Modes, Attempt[Any, str, Mode]]:
     """Return the modes of a server never reached, and an attempt on `KEY` until *deadline*."""
     settings = parse(parse_uri("mysql://db/app"))
     server = Server(settings, 30.0, lambda _line: None, lambda part: BackendUnavailable(str(part)))
@@ -585,13 +587,13 @@ def test_a_taker_ends_a_window_and_its_stop_request_unless_a_newer_taker_got_it(
     """A taker deletes the window and lets KEY:stop go; a newer taker in the release wins."""
     modes, attempt = modes_and_attempt(None, take_over=True)
     session = fake({"SELECT IS_USED_LOCK": (None,)})
-    attempt.mode = Mode()
-    attempt.mode.stop = session
+    attempt.state = Mode()
+    attempt.state.stop = session
     assert modes.settle(session, attempt, f"{KEY}:0", Found(window=5.0))
     assert session.sent[0].startswith("DELETE FROM lockrun_marks WHERE lock_key = %s AND mark")
     assert session.sent[-2:] == ["SELECT RELEASE_LOCK(%s)", "SELECT IS_USED_LOCK(%s)"]
-    assert attempt.mode.stop is None
+    assert attempt.state.stop is None
     newer = fake({"SELECT IS_USED_LOCK": (99,), "SELECT holder": (RECORD_JSON,)})
-    attempt.mode.stop = newer
+    attempt.state.stop = newer
     with pytest.raises(TakenOver, match="taken over by alice@box pid 42"):
         modes.settle(newer, attempt, f"{KEY}:0", Found())

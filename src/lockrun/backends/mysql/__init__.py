@@ -21,12 +21,14 @@ holders, who takes over.
 The modules: `uri` (the URI as PyMySQL's settings), `session` (PyMySQL's connection, bounded;
 sessions, waits and failures), `statements` (lock names, the tables and their statements),
 `batch` (named statement batches), `records` (the check of N and the grant's round trip),
-`modes`, `status`, and `backend` (`SessionLockBackend`'s hooks and the lease).
+`modes`, `status`, `ports` (the semaphore's statements, requests and faults), `lease` (the
+statements on a held slot) and `backend`, which composes them.
 """
 
 from __future__ import annotations
 
-from lockrun.backends.mysql.backend import MySQLBackend, MySQLLease, connect
+from lockrun.backends.mysql.backend import MySQLBackend, connect
+from lockrun.backends.mysql.lease import MySQLLease
 from lockrun.backends.mysql.statements import FENCES, HOLDERS, MARKS, TABLES, lock_key
 from lockrun.backends.mysql.uri import Settings, parse
 

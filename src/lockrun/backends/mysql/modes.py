@@ -55,7 +55,7 @@ _WHO_PAUSE: Final = 0.05
 
 
 class Mode:
-    """What a shared or take-over attempt registered and found (`Attempt.mode`)."""
+    """What a shared or take-over attempt registered and found (`Attempt.state`)."""
 
     def __init__(self) -> None:
         """Start with nothing registered."""
@@ -128,14 +128,21 @@ def micros(value: object) -> float:
     return seconds if 0 <= seconds <= MAX_HOLD_US / 1_000_000 else 0.0
 
 
-def reading(attempt: Attempt[Session]) -> bool:
+def reading(attempt: Attempt[Session, str, Mode]) -> bool:
     """Whether *attempt* enters as a shared holder beside others (a shared taker does not)."""
-    return attempt.request.shared and (attempt.mode is None or attempt.mode.stop is None)
+    return attempt.request.shared and (attempt.state is None or attempt.state.stop is None)
 
 
-def keepable(session: Session, attempt: Attempt[Session]) -> bool:
+def _registered(attempt: Attempt[Session, str, Mode]) -> Mode:
+    """Return what `Modes.begin` registered for *attempt*, a shared or take-over one."""
+    mode = attempt.state
+    assert mode is not None  # noqa: S101 - begin gives every shared request its Mode
+    return mode
+
+
+def keepable(session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
     """Whether *session* holds nothing: not a taker's stop request."""
-    return attempt.mode is None or attempt.mode.stop is not session
+    return attempt.state is None or attempt.state.stop is not session
 
 
 def mismatch(request: Request, row: tuple[Any, ...]) -> ConfigError:
@@ -157,7 +164,7 @@ class Modes:
 
     # -- before the first try -------------------------------------------------------------
 
-    def begin(self, session: Session, attempt: Attempt[Session]) -> bool:
+    def begin(self, session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
         """Give a shared or take-over request its state; a taker asks for the stop first.
 
         The stop request is the GET_LOCK KEY:stop, held by the taker's first session while
@@ -167,7 +174,7 @@ class Modes:
         request = attempt.request
         if not (request.shared or request.take_over):
             return True
-        attempt.mode = mode = Mode()
+        attempt.state = mode = Mode()
         if not request.take_over:
             return True
         if request.shared:  # a shared taker that can join the readers stops nobody
@@ -180,7 +187,7 @@ class Modes:
         mode.stop = session
         return True
 
-    def _ask_stop(self, session: Session, attempt: Attempt[Session]) -> bool:
+    def _ask_stop(self, session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
         """Take KEY:stop and write the row naming the taker, or wait in KEY:stop's queue."""
         request, key = attempt.request, attempt.key
         stop = f"{key}:{STOP}"
@@ -207,7 +214,7 @@ class Modes:
     # -- shared holders -------------------------------------------------------------------
 
     def enter_shared(
-        self, session: Session, seconds: float | None, attempt: Attempt[Session]
+        self, session: Session, seconds: float | None, attempt: Attempt[Session, str, Mode]
     ) -> bool:
         """Enter as a shared holder at once if no one holds or waits for the lock.
 
@@ -215,7 +222,7 @@ class Modes:
         through slot 0 (`grant_shared`). Consecutive shared requests at the head of the
         queue so all enter, and a later one never overtakes a queued exclusive one.
         """
-        mode: Mode = attempt.mode
+        mode = _registered(attempt)
         if not mode.tried:
             mode.tried = True
             if self.join(session, attempt):
@@ -225,7 +232,7 @@ class Modes:
             return False
         return self.server.get(session, f"{attempt.key}:0", seconds, attempt, 0)
 
-    def join(self, session: Session, attempt: Attempt[Session]) -> bool:
+    def join(self, session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
         """Take this shared holder's lock and row; True if they count, else leave none.
 
         The row counts only if, once it is written, nobody holds slot 0, asks for a
@@ -256,12 +263,12 @@ class Modes:
         unmark(session, key, mark)
         return False
 
-    def grant_shared(self, session: Session, attempt: Attempt[Session]) -> bool:
+    def grant_shared(self, session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
         """Hold the lock shared: entered by the try, or now through slot 0, which it holds.
 
         False if what the grant found made the lock busy: slot 0 is given back.
         """
-        mode: Mode = attempt.mode
+        mode = _registered(attempt)
         if mode.entered:
             return True
         slot0 = f"{attempt.key}:0"
@@ -279,7 +286,7 @@ class Modes:
         return True
 
     def _mark(
-        self, session: Session, attempt: Attempt[Session], batch: Batch, got: Reply[Any]
+        self, session: Session, attempt: Attempt[Session, str, Mode], batch: Batch, got: Reply[Any]
     ) -> bool:
         """Run a shared holder's *batch*; False, leaving no row, if its lock is not ours.
 
@@ -336,7 +343,7 @@ class Modes:
 
     # -- after the slot is ours -----------------------------------------------------------
 
-    def look(self, session: Session, attempt: Attempt[Session]) -> Found:
+    def look(self, session: Session, attempt: Attempt[Session, str, Mode]) -> Found:
         """Read, after the slot is ours: a take-over asked, a window, shared holders."""
         key = attempt.key
         batch = Batch()
@@ -351,12 +358,14 @@ class Modes:
                 raise self.no_marks(HOLD_OPTION, err) from err
         return found_marks(marks.value, stop.value)
 
-    def settle(self, session: Session, attempt: Attempt[Session], lock: str, found: Found) -> bool:
+    def settle(
+        self, session: Session, attempt: Attempt[Session, str, Mode], lock: str, found: Found
+    ) -> bool:
         """With *lock* (slot 0) ours, wait out what the grant *found*; False: busy.
 
         Each wait (`_step`) is followed by a new look; a taker then ends its stop request.
         """
-        mode: Mode | None = attempt.mode
+        mode = attempt.state
         taker = mode is not None and mode.stop is not None
         while True:
             if found.swept:
@@ -376,7 +385,13 @@ class Modes:
         return True
 
     def _step(
-        self, session: Session, attempt: Attempt[Session], lock: str, found: Found, *, taker: bool
+        self,
+        session: Session,
+        attempt: Attempt[Session, str, Mode],
+        lock: str,
+        found: Found,
+        *,
+        taker: bool,
     ) -> bool | None:
         """Wait once for what *found* says: True once waited, False if busy, None if free.
 
@@ -399,7 +414,7 @@ class Modes:
         return None
 
     def _wait_window(
-        self, session: Session, attempt: Attempt[Session], lock: str, window: float
+        self, session: Session, attempt: Attempt[Session, str, Mode], lock: str, window: float
     ) -> bool:
         """Sleep a piece of *window* holding *lock*; False if the deadline comes first."""
         deadline = attempt.deadline
@@ -409,7 +424,7 @@ class Modes:
         return True
 
     def _wait_readers(
-        self, session: Session, attempt: Attempt[Session], readers: Sequence[str]
+        self, session: Session, attempt: Attempt[Session, str, Mode], readers: Sequence[str]
     ) -> bool:
         """Wait until each shared holder of *readers* has left; False if the deadline comes."""
         for mark in readers:
@@ -422,7 +437,7 @@ class Modes:
         return True
 
     def _sleep(
-        self, session: Session, lock: str, seconds: float, attempt: Attempt[Session]
+        self, session: Session, lock: str, seconds: float, attempt: Attempt[Session, str, Mode]
     ) -> None:
         """Sleep on the server, holding *lock*: a statement that runs is not idle.
 
@@ -475,7 +490,7 @@ class Modes:
         return where
 
 
-def _reader_batch(attempt: Attempt[Session]) -> tuple[Batch, Reply[Any]]:
+def _reader_batch(attempt: Attempt[Session, str, Mode]) -> tuple[Batch, Reply[Any]]:
     """Start a shared holder's batch: its row, then its lock (whose answer is returned)."""
     request, key = attempt.request, attempt.key
     mark = f"r:{attempt.token}"
@@ -493,7 +508,7 @@ def unmark(session: Session, key: str, mark: str) -> None:
     session.one("SELECT RELEASE_LOCK(%s)", (f"{key}:{mark}",))
 
 
-def _past(attempt: Attempt[Session]) -> bool:
+def _past(attempt: Attempt[Session, str, Mode]) -> bool:
     return attempt.deadline is not None and now() >= attempt.deadline
 
 

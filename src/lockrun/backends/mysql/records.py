@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from lockrun.backends import Request
-    from lockrun.backends.mysql.modes import Modes
+    from lockrun.backends.mysql.modes import Mode, Modes
     from lockrun.backends.mysql.session import Server, Session
     from lockrun.backends.sessionlock import Attempt
 
@@ -86,7 +86,7 @@ def check_batch(key: str, slots: int, statement: str) -> Check:
 
 def checked(
     session: Session,
-    attempt: Attempt[Session],
+    attempt: Attempt[Session, str, Mode],
     statement: str,
     caught: Callable[[Any], str | None],
 ) -> Any:  # noqa: ANN401 - the try's answer
@@ -147,7 +147,7 @@ def read_grant(grant: Grant, slots: int, record: str) -> Drawn:
 
 
 def draw(
-    server: Server, modes: Modes, session: Session, attempt: Attempt[Session], slot: int
+    server: Server, modes: Modes, session: Session, attempt: Attempt[Session, str, Mode], slot: int
 ) -> Drawn:
     """Record the holder, draw a fence, check for another N, look at the modes' marks.
 
@@ -159,7 +159,7 @@ def draw(
     request = attempt.request
     record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
     if server.tables is False:
-        plain = attempt.mode is None and not attempt.queued and not request.hold
+        plain = attempt.state is None and not attempt.queued and not request.hold
         return Drawn(None, None, Found() if plain else modes.look(session, attempt), record)
     gate = attempt.gate is session
     grant = grant_batch(attempt.key, request, slot, record, gate=gate)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from lockrun.backends.mysql.batch import Batch
+    from lockrun.backends.mysql.modes import Mode
     from lockrun.backends.mysql.uri import Settings
     from lockrun.backends.sessionlock import Attempt
 
@@ -372,7 +373,7 @@ class Server:
         session: Session,
         lock: str,
         seconds: float | None,
-        attempt: Attempt[Session],
+        attempt: Attempt[Session, str, Mode],
         part: int | str,
     ) -> bool:
         """Wait up to *seconds* (None: a year) in GET_LOCK for *lock*; True if ours."""
@@ -384,7 +385,9 @@ class Server:
             raise self.cancelled(part)
         return bool(got == 1)
 
-    def wait_for(self, session: Session, lock: str, attempt: Attempt[Session], part: str) -> bool:
+    def wait_for(
+        self, session: Session, lock: str, attempt: Attempt[Session, str, Mode], part: str
+    ) -> bool:
         """Wait in *lock*'s queue until it is ours (True) or the attempt's deadline passes."""
         deadline = attempt.deadline
         while True:

@@ -6,10 +6,11 @@ Keys are signed 64-bit: the first 8 bytes, big-endian, of SHA-256(namespace NUL 
 part), where part is ``0`` … ``N-1`` for the slots and ``gate`` for the queue of a
 semaphore (never ``hashtext``: 32 bits collide); `keys` derives them.
 
-The semaphore is `lockrun.backends.sessionlock`'s, on pg_advisory_lock (`backend`): the
-server grants in arrival order, and one ``lock_timeout`` bounds a wait (asking again would
-put us at the back of the queue; ``--wait forever`` sets none; `waiting`). The head of a
-semaphore's queue terminates its losing helper sessions with pg_terminate_backend.
+The semaphore is `lockrun.backends.sessionlock`'s, on pg_advisory_lock (`ports`, `lease`,
+composed by `backend`): the server grants in arrival order, and one ``lock_timeout`` bounds
+a wait (asking again would put us at the back of the queue; ``--wait forever`` sets none;
+`waiting`). The head of a semaphore's queue terminates its losing helper sessions with
+pg_terminate_backend.
 
 A slot lives with its session (`session`, opened by `server`): the server frees it when the
 connection ends, or once the session idled for its ``idle_session_timeout``, which is the

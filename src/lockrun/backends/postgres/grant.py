@@ -51,25 +51,25 @@ def judge(found: Others, request: Request) -> None:
             raise slots_mismatch(request, user.slots, user.who.holder)
 
 
-def name(session: Session, attempt: Attempt[Session], slot: int) -> None:
+def name(session: Session, attempt: Attempt[Session, Keys, Ahead], slot: int) -> None:
     """Have *session*'s statements name it the holder of *slot*, from now."""
     request = attempt.request
     session.holder = request.holder._replace(slot=slot, since=time.time(), shared=request.shared)
     session.tag = comment(request, attempt.token, session.holder)
 
 
-def try_and_grant(server: Server, session: Session, attempt: Attempt[Session]) -> bool:
+def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead]) -> bool:
     """Try a one-slot lock; if it was free, draw the fence in the same statement.
 
     One round trip either way, with the check of N after it: the grant's check if the
-    try got the lock, else the one before queueing (`_refuse_mismatch` reads it). A
+    try got the lock, else the one before queueing (`Statements.refuse_mismatch` reads it). A
     slot taken under a --hold-at-least window is waited out (`modes.sit_out`), and then
     granted afresh.
     """
     name(session, attempt, 0)
     attempt.sent = now()
     got, ahead, window = draw(server, session, attempt, 0, trying=True)
-    attempt.ahead = ahead
+    attempt.state = ahead
     if not got:  # nothing was granted: a waiter's statements name a waiter
         attempt.sent = None
         session.tag = attempt.tag
@@ -77,11 +77,13 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session]) -
     if window is not None:
         judge(ahead.others, attempt.request)  # another N is said before busy
         modes.sit_out(server, session, attempt, window)
-        attempt.sent = attempt.ahead = None  # `_grant` draws the fence from now
+        attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
     return True
 
 
-def _steps(server: Server, session: Session, attempt: Attempt[Session], slot: int) -> list[str]:
+def _steps(
+    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], slot: int
+) -> list[str]:
     """Return the grant's expressions: the fence, the name, the shared (name, N) lock.
 
     A shared holder has no fence (a fence orders writers): NULL in its place. A taker
@@ -103,7 +105,12 @@ def _steps(server: Server, session: Session, attempt: Attempt[Session], slot: in
 
 
 def _statements(
-    server: Server, session: Session, attempt: Attempt[Session], slot: int, *, trying: bool
+    server: Server,
+    session: Session,
+    attempt: Attempt[Session, Keys, Ahead],
+    slot: int,
+    *,
+    trying: bool,
 ) -> list[str]:
     """Return `draw`'s statements; `Drawn` and `Others` read the first two's rows."""
     request = attempt.request
@@ -125,7 +132,12 @@ def _statements(
 
 
 def draw(
-    server: Server, session: Session, attempt: Attempt[Session], slot: int, *, trying: bool
+    server: Server,
+    session: Session,
+    attempt: Attempt[Session, Keys, Ahead],
+    slot: int,
+    *,
+    trying: bool,
 ) -> tuple[bool, Ahead, Window | None]:
     """Try *slot* (or, not *trying*, count it as held); if ours, draw a fence: one trip.
 

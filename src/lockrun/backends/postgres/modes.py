@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import MAX_RECORD
+from lockrun.backends.sessionlock import Outlasted
 from lockrun.bounds import MAX_WAIT
 from lockrun.errors import ConfigError, TakenOver
 from lockrun.timing import now
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 
     from lockrun.backends.sessionlock import Attempt
 
-    from .backend import Lease
+    from .grant import Ahead
     from .keys import Keys
+    from .lease import Lease
     from .rows import StopRow
     from .server import Server
     from .session import Row, Session
@@ -54,10 +56,6 @@ WINDOW: Final = (
 )
 _PREPARED_READ: Final = "prepared"  # Session.windowed: lockrun_window is
 _BROKEN: Final = "inline"  # Session.windowed: a read failed; the next ones are not prepared
-
-
-class Outlasted(Exception):
-    """A window outlasts the waiter's deadline; the slot was given back (`_take` says busy)."""
 
 
 # -- --hold-at-least windows ---------------------------------------------------------------
@@ -139,7 +137,9 @@ def unreadable(server: Server, session: Session, error: PgError | None) -> None:
         )
 
 
-def sit_out(server: Server, session: Session, attempt: Attempt[Session], window: Window) -> None:
+def sit_out(
+    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], window: Window
+) -> None:
     """Wait out *window* on the slot just taken, keeping it (and so our place in line).
 
     A deadline that comes first is busy at once: the slot is given back to the next in
@@ -242,7 +242,7 @@ def unstop(server: Server, session: Session, keys: Keys) -> None:
 
 
 def give_up(
-    server: Server, session: Session, attempt: Attempt[Session], error: PgError | None
+    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], error: PgError | None
 ) -> None:
     """Let a taker's stop key go once its wait ran out at its deadline (`unstop`).
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from lockrun.backends.sessionlock import Attempt
     from lockrun.errors import BackendUnavailable
 
+    from .grant import Ahead
     from .keys import Keys
     from .server import Server
     from .session import Row, Session
@@ -52,7 +53,7 @@ def queue(
     key: int,
     part: int | str,
     seconds: float | None,
-    attempt: Attempt[Session],
+    attempt: Attempt[Session, Keys, Ahead],
 ) -> tuple[list[list[Row]], PgError | None]:
     """Wait for *key* up to *seconds*: `results` of the wait and the window check after.
 

@@ -1,7 +1,7 @@
 """The exception hierarchy (lockrun.errors): statuses, the lock's name, hidden passwords.
 
-docs/semantics.md "Exit status" is what the statuses mean; docs/security.md "Passwords in
-URIs" why a message never shows one.
+docs/semantics.md "Exit status" is what the statuses mean;
+docs/security.md "Passwords in URIs" why a message never shows one.
 """
 
 from __future__ import annotations

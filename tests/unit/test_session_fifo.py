@@ -20,7 +20,7 @@ from lockrun.backends.sessionlock import (
     GATE,
     Attempt,
     Holding,
-    Kept,
+    Idle,
     Outage,
     SessionLease,
     SessionLocks,
@@ -321,7 +321,7 @@ class Requests:
         """Register nothing."""
         return True
 
-    def keepable(self, session: FakeSession, attempt: Try) -> bool:  # noqa: ARG002
+    def reusable(self, session: FakeSession, attempt: Try) -> bool:  # noqa: ARG002
         """Every session may be kept."""
         return True
 
@@ -388,7 +388,7 @@ class Fixture:
         self.server = FakeServer()
         faults = Faults()
         self.holding = Holding(
-            Leases(self.server), faults, Kept[FakeSession](ttl, faults.errors), ttl
+            Leases(self.server), faults, Idle[FakeSession](ttl, faults.errors), ttl
         )
         self.port = Statements(self.server, self.holding)
         self.locks = SessionLocks[FakeSession, str, None](self.port, Requests(), self.holding, 0.5)
@@ -446,7 +446,7 @@ def fake() -> Iterator[Fixture]:
     """Return a fake server and the semaphore over it; close every session after."""
     fixture = Fixture()
     yield fixture
-    fixture.locks.kept.close()
+    fixture.locks.idle.close()
     for session in fixture.server.sessions:
         session.abandon()
 
@@ -580,7 +580,7 @@ def test_interrupt_ends_a_wait_at_once(fake: Fixture, slots: int) -> None:
         waiter.result()
     assert fake.server.queued(queue) == 0
     assert fake.port.log[-1] == f"end {slots}"
-    assert fake.locks.kept.reuse(lambda _session: True) is None
+    assert fake.locks.idle.reuse(lambda _session: True) is None
 
 
 def test_a_released_session_is_kept_and_reused(fake: Fixture) -> None:

@@ -20,7 +20,7 @@ of that, with no polling anywhere:
 
 The order of things is `SessionLocks`'s, given a backend's ports (docs/design.md A6): its
 statements (`SessionPort`), what it makes of a request (`RequestPort`), its driver's errors
-(`Faults`) and its lease's statements (`LeasePort`). `Kept` keeps released sessions for the
+(`Faults`) and its lease's statements (`LeasePort`). `Idle` keeps released sessions for the
 next acquisition; `SessionLease` is the slot a session holds.
 """
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # A released session is kept for the next acquisition (docs/api.md "Connections") for at
 # most this part of a lease: the server ends a session idle for a whole lease.
-_KEPT_FOR: Final = 0.5
+_IDLE_FOR: Final = 0.5
 GATE: Final = "gate"  # the part of a name whose queue the waiters of a semaphore join
 
 
@@ -195,7 +195,7 @@ class RequestPort(Protocol[S, K, X]):
         ends with its session. False if the deadline passed first (busy).
         """
 
-    def keepable(self, session: S, attempt: Attempt[S, K, X]) -> bool:
+    def reusable(self, session: S, attempt: Attempt[S, K, X]) -> bool:
         """Whether *session*, whose *attempt* got no slot, holds nothing and may be kept.
 
         False closes it instead, which frees whatever `begin` took on it.
@@ -256,7 +256,7 @@ class LeasePort(Protocol[S]):
 # -- released sessions, kept ---------------------------------------------------------------
 
 
-class Kept(Generic[S]):
+class Idle(Generic[S]):
     """Released sessions kept for the next acquisition; closed with the backend, or at exit."""
 
     def __init__(self, ttl: float, errors: tuple[type[Exception], ...]) -> None:
@@ -264,18 +264,18 @@ class Kept(Generic[S]):
         self.ttl = ttl
         self.errors = errors
         self.taking = True  # False once the backend is interrupted: nothing is kept
-        self._kept: list[tuple[S, float]] = []  # released sessions, and since when idle
+        self._sessions: list[tuple[S, float]] = []  # released sessions, and since when idle
         self._lock = threading.Lock()  # a lease may be released in another thread
-        weakref.finalize(self, _close_kept, self._kept, os.getpid())
+        weakref.finalize(self, _close_idle, self._sessions, os.getpid())
 
     def reuse(self, revive: Callable[[S], bool]) -> S | None:
         """Return a kept session that *revive* finds the server has not ended, if there is one."""
         while True:
             with self._lock:
-                if not self._kept:
+                if not self._sessions:
                     return None
-                session, since = self._kept.pop()
-            if now() - since < self.ttl * _KEPT_FOR and self._usable(session, revive):
+                session, since = self._sessions.pop()
+            if now() - since < self.ttl * _IDLE_FOR and self._usable(session, revive):
                 return session
             session.abandon()
 
@@ -291,20 +291,20 @@ class Kept(Generic[S]):
     def forget(self, sessions: Sequence[S]) -> None:
         """Stop keeping any of *sessions* (we hung up on them)."""
         with self._lock:
-            self._kept[:] = [kept for kept in self._kept if kept[0] not in sessions]
+            self._sessions[:] = [kept for kept in self._sessions if kept[0] not in sessions]
 
-    def keep(self, session: S) -> None:
+    def put(self, session: S) -> None:
         """Keep *session*, which holds no lock now, for the next acquisition (or close it)."""
         with self._lock:
-            if not self._kept and self.taking:
-                self._kept.append((session, now()))
+            if not self._sessions and self.taking:
+                self._sessions.append((session, now()))
                 return
         session.close()
 
     def close(self) -> None:
         """Close the kept session; held leases are released by their own `release`."""
         with self._lock:
-            kept, self._kept = self._kept, []
+            kept, self._sessions = self._sessions, []
         for session, _ in kept:
             session.close()
 
@@ -312,11 +312,11 @@ class Kept(Generic[S]):
 class Holding(Generic[S]):
     """What a lease of a backend works with: its statements, errors, kept sessions, ttl."""
 
-    def __init__(self, port: LeasePort[S], faults: Faults, kept: Kept[S], ttl: float) -> None:
+    def __init__(self, port: LeasePort[S], faults: Faults, idle: Idle[S], ttl: float) -> None:
         """Hold slots with *port*'s statements; a released session goes to *kept*."""
         self.port = port
         self.faults = faults
-        self.kept = kept
+        self.idle = idle
         self.ttl = ttl
 
 
@@ -360,7 +360,7 @@ class SessionLocks(Generic[S, K, X]):
         self.port = port
         self.requests = requests
         self.faults = holding.faults
-        self.kept = holding.kept
+        self.idle = holding.idle
         self.ttl = holding.ttl
         self.timeout = timeout
         self.interrupted = False  # set by `interrupt`: every wait ends, nothing is kept
@@ -404,7 +404,7 @@ class SessionLocks(Generic[S, K, X]):
         ends them there too); nothing is kept for later.
         """
         self.interrupted = True
-        self.kept.taking = False
+        self.idle.taking = False
         for attempt in list(self._attempts):
             for session in list(attempt.opened):
                 session.hang_up()
@@ -437,7 +437,7 @@ class SessionLocks(Generic[S, K, X]):
         except BaseException as err:
             for session in attempt.opened:  # mid-statement, maybe: hang up, don't say goodbye
                 session.abandon()
-            self.kept.forget(attempt.opened)  # a refused grant's release may have kept one
+            self.idle.forget(attempt.opened)  # a refused grant's release may have kept one
             ended = self.interrupted or not isinstance(err, (LockrunError, *self.faults.errors))
             if ended or isinstance(err, Interrupted):
                 self.port.end(attempt.opened)
@@ -445,8 +445,8 @@ class SessionLocks(Generic[S, K, X]):
         for session in attempt.opened:
             if lease is not None and session is lease.session:
                 continue
-            if lease is None and attempt.slots == 1 and self.requests.keepable(session, attempt):
-                self.kept.keep(session)  # a try that failed, a wait that ran out: it holds nothing
+            if lease is None and attempt.slots == 1 and self.requests.reusable(session, attempt):
+                self.idle.put(session)  # a try that failed, a wait that ran out: it holds nothing
             else:
                 session.close()  # frees the gate, and anything a loser got
         return lease
@@ -454,7 +454,7 @@ class SessionLocks(Generic[S, K, X]):
     def _open(self, attempt: Attempt[S, K, X]) -> S:
         session = None
         if not attempt.opened:
-            session = self.kept.reuse(lambda kept: self.port.revive(kept, attempt))
+            session = self.idle.reuse(lambda kept: self.port.revive(kept, attempt))
         attempt.reused = session is not None
         if session is None:
             session = self.port.open(attempt)
@@ -627,13 +627,13 @@ class SessionLease(Generic[S]):
             self.session.close()
             raise
         else:
-            self.holding.kept.keep(self.session)  # free of locks: the next acquisition's
+            self.holding.idle.put(self.session)  # free of locks: the next acquisition's
             return True
         finally:
             self.busy.release()
 
 
-def _close_kept(kept: list[tuple[S, float]], pid: int) -> None:
+def _close_idle(kept: list[tuple[S, float]], pid: int) -> None:
     """Say goodbye on *kept* sessions, unless this is a forked child (they are the parent's)."""
     if os.getpid() == pid:
         for session, _ in kept:

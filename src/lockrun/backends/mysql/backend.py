@@ -15,7 +15,7 @@ from lockrun.backends.mysql.ports import Faults, Requests, Statements
 from lockrun.backends.mysql.session import Server, Session
 from lockrun.backends.mysql.status import read_states
 from lockrun.backends.mysql.uri import Settings, carries, parse
-from lockrun.backends.sessionlock import Holding, Kept, SessionLocks, cancelled
+from lockrun.backends.sessionlock import Holding, Idle, SessionLocks, cancelled
 from lockrun.timing import DEFAULT_TTL
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class MySQLBackend:
         self.timeout = self.server.timeout
         self.modes = Modes(self.server)
         faults = Faults(self.server)
-        holding = Holding(Leases(self.modes, ttl), faults, Kept[Session](ttl, faults.errors), ttl)
+        holding = Holding(Leases(self.modes, ttl), faults, Idle[Session](ttl, faults.errors), ttl)
         self.locks = SessionLocks[Session, str, Mode](
             Statements(self.server, self.modes, holding),
             Requests(settings, self.modes),
@@ -67,7 +67,7 @@ class MySQLBackend:
 
     def close(self) -> None:
         """Close the kept session; held leases are released by their own `release`."""
-        self.locks.kept.close()
+        self.locks.idle.close()
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""

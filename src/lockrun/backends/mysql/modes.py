@@ -140,7 +140,7 @@ def _registered(attempt: Attempt[Session, str, Mode]) -> Mode:
     return mode
 
 
-def keepable(session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
+def reusable(session: Session, attempt: Attempt[Session, str, Mode]) -> bool:
     """Whether *session* holds nothing: not a taker's stop request."""
     return attempt.state is None or attempt.state.stop is not session
 

@@ -14,7 +14,7 @@ import pymysql
 
 from lockrun.backends.mysql.batch import Batch
 from lockrun.backends.mysql.lease import MySQLLease
-from lockrun.backends.mysql.modes import keepable, mismatch, reading
+from lockrun.backends.mysql.modes import mismatch, reading, reusable
 from lockrun.backends.mysql.records import checked, draw
 from lockrun.backends.mysql.session import CANCELLED, said, transient
 from lockrun.backends.mysql.statements import (
@@ -88,9 +88,9 @@ class Requests:
         """Register a shared or take-over request (`Modes.begin`)."""
         return self.modes.begin(session, attempt)
 
-    def keepable(self, session: Session, attempt: Try) -> bool:
+    def reusable(self, session: Session, attempt: Try) -> bool:
         """Whether *session* holds nothing: not a taker's stop request."""
-        return keepable(session, attempt)
+        return reusable(session, attempt)
 
 
 class Statements:

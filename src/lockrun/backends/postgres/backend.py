@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lockrun.backends.sessionlock import Holding, Kept, SessionLocks
+from lockrun.backends.sessionlock import Holding, Idle, SessionLocks
 
 from .grant import Ahead
 from .keys import Keys
@@ -45,7 +45,7 @@ class PostgresBackend:
         self.ttl = ttl
         self.timeout = self.server.timeout
         self.faults = Faults(self.server)
-        kept = Kept[Session](ttl, self.faults.errors)
+        kept = Idle[Session](ttl, self.faults.errors)
         holding = Holding(Leases(self.server), self.faults, kept, ttl)
         self.locks = SessionLocks[Session, Keys, Ahead](
             Statements(self.server, holding), Requests(), holding, self.timeout
@@ -61,7 +61,7 @@ class PostgresBackend:
 
     def close(self) -> None:
         """Close the kept session; held leases are released by their own `release`."""
-        self.locks.kept.close()
+        self.locks.idle.close()
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""

@@ -76,7 +76,7 @@ class Requests:
         """Register nothing: a taker asks to stop with its wait (`waiting.queue`)."""
         return True
 
-    def keepable(self, session: Session, attempt: Try) -> bool:  # noqa: ARG002 - all are
+    def reusable(self, session: Session, attempt: Try) -> bool:  # noqa: ARG002 - all are
         """Whether *session* may be kept: it holds nothing once its wait ended."""
         return True
 

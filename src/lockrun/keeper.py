@@ -556,12 +556,12 @@ class _Keeper:
         """Release what is left of the lock; stay a while to tell `release` *why*."""
         with contextlib.suppress(LockrunError):
             # A taker runs next and a lost lock is no one's: only --max-time keeps a window.
-            self._give_back(keep_window=isinstance(why, TimedOut))
+            self._give_back(leave_window=isinstance(why, TimedOut))
         self.ended = why.about(self.name)
         self.linger = now() + LINGER
 
-    def _give_back(self, *, keep_window: bool) -> tuple[int, str]:
-        """Release the lease (leaving the --hold-at-least window if *keep_window*).
+    def _give_back(self, *, leave_window: bool) -> tuple[int, str]:
+        """Release the lease (leaving the --hold-at-least window if *leave_window*).
 
         Return the status and line for `lockrun release`: 69 if the service never heard it
         (the lock then frees by itself).
@@ -571,7 +571,7 @@ class _Keeper:
         self.held = None
         self._unwatch("bell", "session")
         took = now() - self.held_since
-        hold = self.options.hold_at_least if keep_window else 0.0
+        hold = self.options.hold_at_least if leave_window else 0.0
         if not release(self.lease, self.request, self.held_since, hold, self.verbose):
             return BackendUnavailable.exit_code, f"{self.name}: {unheard(self.name, took)}"
         left = f" (taken {format_duration(hold - took)} more: --hold-at-least)" * (hold > took)
@@ -581,7 +581,7 @@ class _Keeper:
         """Release (its window stays) and end: the owner exited, or the parent gave up."""
         self.finished = True
         with contextlib.suppress(LockrunError):
-            self._give_back(keep_window=True)
+            self._give_back(leave_window=True)
 
     def end_on_signals(self) -> int:
         """End on INT, TERM, HUP or QUIT, releasing; return the signal (0: none came)."""
@@ -653,7 +653,7 @@ class _Keeper:
         if self.ended is not None:
             return self.ended.exit_code, str(self.ended)
         try:
-            return self._give_back(keep_window=True)
+            return self._give_back(leave_window=True)
         except LockrunError as err:
             return err.exit_code, f"{self.name}: {err}"
 
@@ -677,7 +677,7 @@ class _Keeper:
     def close(self) -> None:
         """Let go of everything: the lease if still held, the door, its clients."""
         with contextlib.suppress(LockrunError):
-            self._give_back(keep_window=True)
+            self._give_back(leave_window=True)
         for fd in list(self.clients):
             self._hang_up(fd)
         for fd in list(self.steps):

@@ -297,7 +297,9 @@ class AbstractLease:
         self.confirmed = now()  # no lease: for the record only
         self._listener: socket.socket | None = listener
         self._marker = marker
-        self._kept: list[socket.socket] = []  # a reader's: writers waiting for it to leave
+        self._waiting_writers: list[
+            socket.socket
+        ] = []  # a reader's: writers waiting for it to leave
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -319,8 +321,8 @@ class AbstractLease:
         listener = self._listener  # a release may run meanwhile
         if self.fence is None and listener is not None:
             # Keep what writers connected: a connection closed would tell them we left.
-            self._kept = [conn for conn in self._kept if not _hung_up(conn)]
-            self._kept += accept_all(listener)
+            self._waiting_writers = [conn for conn in self._waiting_writers if not _hung_up(conn)]
+            self._waiting_writers += accept_all(listener)
 
     def release(self, hold: float = 0.0) -> bool:  # noqa: ARG002 - no windows here (uri.SCHEMES)
         """Hand the slot to the oldest waiter, or free the name."""
@@ -333,9 +335,9 @@ class AbstractLease:
             else:
                 hand_over(self._listener, str(self.fence).encode())
             self._listener = None
-        for conn in self._kept:
+        for conn in self._waiting_writers:
             conn.close()
-        self._kept = []
+        self._waiting_writers = []
         return True
 
 

@@ -208,6 +208,19 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
                 stream.close()
 
 
+def pytest_configure(config: pytest.Config) -> None:  # noqa: ARG001 - pytest's hook
+    """Undo INT and QUIT left ignored by whoever started the tests, in every worker.
+
+    A shell starts a background job (``cmd &``, not interactive) with INT and QUIT ignored,
+    and lockrun keeps an ignored signal ignored, as nohup's HUP: every test that sends one
+    would wait for nothing. The tests' lockruns must start as a user's would.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 PORTABLE = Path(__file__).with_name("portable.txt")
 
 

@@ -1,0 +1,84 @@
+"""Sweeps that only feed a parser, run in this process: no lockrun start-up per case.
+
+Each was a parametrization of an end-to-end test, one `python -m lockrun` per value, where
+what varies reaches nothing but a URI's parser (or the messages made of its errors). The
+end-to-end tests keep one case each, for the process around the parser: its exit status,
+its one line, no hang (tests/hostile/test_edges.py, tests/hostile/test_redaction.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Final
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockrun.backends import open_backend, parse_uri
+from lockrun.cli import SUBCOMMANDS, _exit_status
+from lockrun.cli.output import register_secret
+from lockrun.errors import ConfigError, ExitCode
+from tests.support.strategies import assert_hidden, passwords, spell, spellings
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+# Every option that names a file a driver (or lockrun) would open and read: TLS files, a
+# MySQL option file, a libpq password file.
+FILE_OPTIONS: Final = (
+    "rediss://127.0.0.1:1/0?ssl_ca_certs={file}",
+    "redis+sentinel://127.0.0.1:1/svc?ssl_certfile={file}&ssl_keyfile={file}",
+    "mysql://u@127.0.0.1:1/db?ssl_ca={file}",
+    "mysql://u@127.0.0.1:1/db?read_default_file={file}",
+    "postgresql://u@127.0.0.1:1/db?passfile={file}",
+    "postgresql://u@127.0.0.1:1/db?sslmode=require&sslrootcert={file}",
+)
+
+
+@pytest.mark.parametrize("template", FILE_OPTIONS)
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_device_as_a_uris_file_is_a_config_error(
+    tmp_path: Path, template: str, kind: str
+) -> None:
+    """A TLS, option or password file that is a FIFO or a device: refused before any read.
+
+    Either would block its reader (or feed it forever). pytest's timeout is the hang guard:
+    a FIFO opened for reading here would never return. The CLI's 78, once:
+    tests/hostile/test_edges.py.
+    """
+    path = tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(path)
+    uri = template.format(file=path if kind == "fifo" else "/dev/zero")
+    with pytest.raises(ConfigError) as refused:
+        open_backend(parse_uri(uri), ttl=5.0).close()
+    assert "\n" not in str(refused.value)
+    assert "file" in str(refused.value)  # "no such readable file", "not a regular file …"
+
+
+SPELLINGS: Final = spellings()
+
+
+@given(name=st.sampled_from(sorted(SPELLINGS)), secret=passwords)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_status_command_says_nothing_of_a_secret(
+    name: str, secret: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`lockrun status --uri` with a secret in any spelling: a lockrun status, no secret said.
+
+    The CLI's own handling (click's parsing, the messages of its errors, what it prints) in
+    this process, as `lockrun status` runs it after its start-up; every URI names port 1, so
+    none gets past a refused connect. `run` and `acquire` would fork (a guardian, a keeper):
+    tests/hostile/test_redaction.py runs all three as processes, on the spellings of issue 29.
+    """
+    register_secret("file:")  # none: hidden only if this run registers it
+    capfd.readouterr()
+    status = _exit_status(
+        SUBCOMMANDS["status"][0], "lockrun status", ["--uri", spell(SPELLINGS[name], secret)]
+    )
+    out, err = capfd.readouterr()
+    assert status in {ExitCode.CONFIG, ExitCode.UNAVAILABLE, ExitCode.USAGE}, err
+    assert len(err.splitlines()) == 1, err  # said, in one line
+    assert "Traceback" not in out + err
+    assert_hidden(secret, out + err)

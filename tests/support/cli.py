@@ -16,9 +16,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
+import click
 import pytest
 
-from lockrun.errors import LockBusy
+from lockrun.cli import _exit_status, dispatch
+from lockrun.cli.output import say
+from lockrun.errors import ExitCode, LockBusy
 from lockrun.lock import DEFAULT_NAMESPACE, Lock
 from lockrun.runner import states_for_status
 
@@ -44,6 +47,27 @@ def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.Comple
     return subprocess.run(
         [*LOCKRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
     )
+
+
+def refused_in_process(
+    capfd: pytest.CaptureFixture[str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``lockrun ARGS`` in this process, as `lockrun` does past its start-up; capture it.
+
+    For arguments lockrun refuses before it holds or starts anything (a usage error, a bad
+    URI, a server that cannot be reached): what `main` does but exit, so a sweep of them
+    costs no interpreter start-up each. Not for a run that could hold a lock or fork.
+    """
+    capfd.readouterr()
+    try:
+        command, prog, rest = dispatch(list(args))
+    except click.UsageError as refusal:  # main's own refusal, before any command
+        say(refusal.format_message())
+        status: int = ExitCode.USAGE
+    else:
+        status = _exit_status(command, prog, rest)
+    said = capfd.readouterr()
+    return subprocess.CompletedProcess([*LOCKRUN, *args], status, said.out, said.err)
 
 
 def help_options(*subcommand: str) -> dict[str, bool]:

@@ -16,10 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lockrun.backends import open_backend, parse_uri
-from lockrun.cli import SUBCOMMANDS, _exit_status, dispatch
 from lockrun.cli.output import register_secret
 from lockrun.errors import ConfigError, ExitCode
-from tests.support.cli import one_line
+from tests.support.cli import one_line, refused_in_process
 from tests.support.strategies import assert_hidden, passwords, spell, spellings
 
 if TYPE_CHECKING:
@@ -74,15 +73,12 @@ def test_the_status_command_says_nothing_of_a_secret(
     tests/hostile/test_redaction.py runs all three as processes, on the spellings of issue 29.
     """
     register_secret("file:")  # none: hidden only if this run registers it
-    capfd.readouterr()
-    status = _exit_status(
-        SUBCOMMANDS["status"][0], "lockrun status", ["--uri", spell(SPELLINGS[name], secret)]
-    )
-    out, err = capfd.readouterr()
-    assert status in {ExitCode.CONFIG, ExitCode.UNAVAILABLE, ExitCode.USAGE}, err
-    assert len(err.splitlines()) == 1, err  # said, in one line
-    assert "Traceback" not in out + err
-    assert_hidden(secret, out + err)
+    result = refused_in_process(capfd, "status", "--uri", spell(SPELLINGS[name], secret))
+    said = result.stdout + result.stderr
+    assert result.returncode in {ExitCode.CONFIG, ExitCode.UNAVAILABLE, ExitCode.USAGE}, said
+    one_line(result.stderr)  # said, in one line
+    assert "Traceback" not in said
+    assert_hidden(secret, said)
 
 
 # Every usage error of the run command, as `lockrun ARGS` says it (tests/test_cli.py runs a few
@@ -132,8 +128,6 @@ def test_usage_errors_are_64_with_one_line(
 
     Each is refused by click or by run's checks before anything is opened or started.
     """
-    command, prog, rest = dispatch(arguments)
-    status = _exit_status(command, prog, rest)
-    out, err = capfd.readouterr()
-    assert (status, out) == (ExitCode.USAGE, "")
-    assert message in one_line(err)
+    result = refused_in_process(capfd, *arguments)
+    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
+    assert message in one_line(result.stderr)

@@ -233,9 +233,9 @@ SAYS: Final = {
 }
 
 
-# The replies only feed the drivers' parsers and lockrun's reading of their errors: the sweep
-# runs the CLI in this process (what `lockrun` does past its start-up, refused before it
-# holds anything); the test below meets one stand-in per backend from a process.
+# The replies only feed the drivers' parsers and lockrun's reading of their errors. Those to
+# `lockrun status` run the CLI in this process (what `lockrun` does past its start-up); a
+# run's stay processes: a run forks its guardian before it connects (refused_in_process).
 @pytest.mark.parametrize("mode", ["greets", "replies", "replies-to-status"])
 @pytest.mark.parametrize("reply", list(REPLIES))
 @pytest.mark.parametrize("backend", SERVERS)
@@ -247,13 +247,8 @@ def test_a_server_of_another_protocol_exits_69(
     The bytes come at once (a server that speaks first, like MySQL) or as the reply to what
     the client says first (like Redis and PostgreSQL).
     """
-    meet_another_protocol(backend, reply, mode, name, capfd)
-
-
-@pytest.mark.parametrize("backend", SERVERS)
-def test_a_server_of_another_protocol_exits_69_from_a_process(backend: str, name: str) -> None:
-    """The same from `python -m lockrun`: HTTP where the backend's server would speak."""
-    meet_another_protocol(backend, "http", "greets" if backend == "mysql" else "replies", name)
+    in_process = capfd if mode == "replies-to-status" else None
+    meet_another_protocol(backend, reply, mode, name, in_process)
 
 
 def meet_another_protocol(

@@ -49,6 +49,10 @@ def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.Comple
     )
 
 
+_FORKS: Final = [0]  # how many times this process forked: refused_in_process must not
+os.register_at_fork(after_in_parent=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+
+
 def refused_in_process(
     capfd: pytest.CaptureFixture[str], *args: str
 ) -> subprocess.CompletedProcess[str]:
@@ -56,8 +60,10 @@ def refused_in_process(
 
     For arguments lockrun refuses before it holds or starts anything (a usage error, a bad
     URI, a server that cannot be reached): what `main` does but exit, so a sweep of them
-    costs no interpreter start-up each. Not for a run that could hold a lock or fork.
+    costs no interpreter start-up each. Not for a run that gets as far as a fork (a keeper,
+    a guardian: a copy of the test's process): that fails the test.
     """
+    forks = _FORKS[0]
     capfd.readouterr()
     try:
         command, prog, rest = dispatch(list(args))
@@ -67,6 +73,7 @@ def refused_in_process(
     else:
         status = _exit_status(command, prog, rest)
     said = capfd.readouterr()
+    assert _FORKS[0] == forks, f"lockrun {shlex.join(args)} forked: run it as a process"
     return subprocess.CompletedProcess([*LOCKRUN, *args], status, said.out, said.err)
 
 

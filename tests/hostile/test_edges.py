@@ -111,9 +111,9 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     holder.finish()
 
 
-# One backend per class for the local and lease waits (file:, Redis) — the signal is taken
-# by one handler for every backend (lockrun.hold) — all five for TERM during --wait 300d,
-# each backend's own timed wait. tests/test_supervise.py sends INT to a wait on every backend.
+# QUIT and HUP go through the one handler every backend's wait shares (lockrun.hold): on
+# file: and Redis, a local wait and a server's. TERM during --wait 300d, each backend's own
+# timed wait, on all five; tests/test_supervise.py sends INT to a wait on every backend.
 _BY_CLASS: Final = ("file", "redis")
 WAITS: Final = [
     *(
@@ -269,10 +269,10 @@ def test_a_fifo_as_a_uris_file_is_refused_at_once(tmp_path: Path, name: str) -> 
     assert time.monotonic() - started < 20
 
 
-# A lock held by an fd (file:), by a lease and its guardian (Redis), by a session (PostgreSQL):
-# one of each class of what lockrun opens. abstract:'s sockets and the guardian are in
-# Redis's run, MariaDB's session is PostgreSQL's less its LISTEN; each limit of the sweep
-# below is a lockrun start-up, so five backends made it the longest test of the fast set.
+# One backend per class of lock, and of the descriptors it takes: an fd the command inherits
+# (file:), a lease renewed over a socket beside a guardian (Redis), a server session
+# (PostgreSQL). Each case of the sweep is a lockrun start-up or two: on all five backends
+# it was the longest test of the fast set (15 to 30 s each).
 @pytest.mark.parametrize("shared_harness", ["file", "redis", "postgres"], indirect=True)
 def test_too_few_descriptors_is_one_line_and_leaves_nothing_held(uri: str, name: str) -> None:
     """`ulimit -n` too small for lockrun's pipes, sockets and lock files: never 70.

@@ -108,9 +108,9 @@ def _run(command: str, uri: str) -> tuple[int, str]:
 
 
 # The sweep of every spelling through the CLI's handling runs in-process, through `status`
-# (tests/unit/test_sweeps.py): a process per example cost ~0.5 s of CPU each, for what only
-# the parsers vary. Here, the real processes of all three commands on the spellings issue 29
-# found leaking, and one of MySQL's.
+# (tests/unit/test_sweeps.py): a lockrun start-up per example made this the longest test of
+# the fast set (31 s), for what only the parsers vary. Here, the real processes of all three
+# commands on the spellings issue 29 found leaking, and one of MySQL's.
 @pytest.mark.parametrize(
     ("name", "secret", "command"),
     [

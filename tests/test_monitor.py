@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 RAN = ("ok", "failed", "killed", "timed-out", "lost", "taken-over", "not-run", "error")
+# The shells' polls look every 50 ms: each look is a fork and exec of sleep(1), and at 10 ms
+# a hook or command waiting for a file kept a CPU busy beside the other tests.
 LOOP = "while :; do sleep 0.05; done"
 
 
@@ -284,7 +286,7 @@ def test_hooks_are_read_from_the_command_line_only(
 def test_hooks_come_after_the_release(uri: str, name: str, tmp_path: Path) -> None:
     """While the on-exit hook of one run still runs, the next run gets the lock at once."""
     running, go, dump = tmp_path / "running", tmp_path / "go", tmp_path / "dump"
-    hook = f"{dumping(dump)}; touch {running}; while [ ! -e {go} ]; do sleep 0.01; done"
+    hook = f"{dumping(dump)}; touch {running}; while [ ! -e {go} ]; do sleep 0.05; done"
     first = start("--uri", uri, "-n", name, "--on-exit", hook, "--", "true")
     wait_for(running.exists, what="the first run's hook")
     second = lockrun("--uri", uri, "-n", name, "--", "true")
@@ -393,11 +395,11 @@ def test_on_start_runs_beside_the_command_holding_the_lock_and_before_on_exit(
     check = shlex.join([*LOCKRUN, "status", "--uri", file_uri, "--check", "-q", name])
     on_start = (
         f"{check}; echo held=$? >> {order}; {dumping(dump)}; touch {marked}; "
-        f"while [ ! -e {tmp_path}/command-ran ]; do sleep 0.01; done; echo start-end >> {order}"
+        f"while [ ! -e {tmp_path}/command-ran ]; do sleep 0.05; done; echo start-end >> {order}"
     )
     command = (
         f'echo "fence=$LOCKRUN_FENCE" > {tmp_path}/fence; touch {tmp_path}/command-ran; '
-        f"while [ ! -e {marked} ]; do sleep 0.01; done; exit 3"
+        f"while [ ! -e {marked} ]; do sleep 0.05; done; exit 3"
     )
     nested = os.environ | {"LOCKRUN_STATUS": "9", "LOCKRUN_OUTCOME": "ok", "LOCKRUN_ENDED_AT": "1"}
     result = lockrun(
@@ -428,8 +430,8 @@ def test_a_hanging_on_start_hook_is_stopped_while_the_command_runs(
     hook = f"trap '' TERM; sleep 3600 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
     # The command ends only once the hook's shell is gone: stopped during the run, not after.
     command = (
-        f"while [ ! -e {pids} ]; do sleep 0.01; done; read hook _ < {pids}; "
-        "while kill -0 $hook 2>/dev/null; do sleep 0.01; done; exit 3"
+        f"while [ ! -e {pids} ]; do sleep 0.05; done; read hook _ < {pids}; "
+        "while kill -0 $hook 2>/dev/null; do sleep 0.05; done; exit 3"
     )
     result = lockrun(
         *("--uri", file_uri, "-n", name, "--hook-max-time", "0.3", "--on-start", hook),
@@ -451,7 +453,7 @@ def test_on_exit_waits_for_an_on_start_hook_that_outlives_the_command(
 ) -> None:
     """The command ends first; the start hook is stopped at its time, and only then on-exit runs."""
     pid, never = tmp_path / "pid", tmp_path / "never"
-    hook = f"echo $$ > {pid}.tmp; mv {pid}.tmp {pid}; while [ ! -e {never} ]; do sleep 0.01; done"
+    hook = f"echo $$ > {pid}.tmp; mv {pid}.tmp {pid}; while [ ! -e {never} ]; do sleep 0.05; done"
     seen = f"if kill -0 $(cat {pid}); then echo alive; else echo gone; fi > {tmp_path}/seen"
     result = lockrun(
         *("--uri", file_uri, "-n", name, "--hook-max-time", "0.3", "--on-start", hook),
@@ -461,7 +463,7 @@ def test_on_exit_waits_for_an_on_start_hook_that_outlives_the_command(
             "--",
             "sh",
             "-c",
-            f"until [ -e {pid} ]; do sleep 0.01; done",
+            f"until [ -e {pid} ]; do sleep 0.05; done",
         ),
     )
     assert result.returncode == 0

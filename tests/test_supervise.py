@@ -33,6 +33,19 @@ if TYPE_CHECKING:
 
 FORWARDED = ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2")
 
+# The supervisor is one code for every backend (design-review §5.3): what a backend changes
+# is whether a guardian leads the command's group (every lock but file:'s, which the command
+# inherits as an fd: docs/design.md A1) and, for a session lock, the session's hang-up and
+# bells watched beside the forwarded signals (SIGURG, SIGIO). So the tests of signals, limits
+# and the terminal run on one backend per class, not on all five: file: (the command's own
+# group), redis (a guardian, a lease renewed) and, where the watch could matter, postgres
+# (a guardian and a session). The wait before the command is each backend's own code: the
+# tests of signals while waiting run on all five.
+OWN_GROUP_OR_GUARDIAN = pytest.mark.parametrize("shared_harness", ["file", "redis"], indirect=True)
+AND_A_SESSION = pytest.mark.parametrize(
+    "shared_harness", ["file", "redis", "postgres"], indirect=True
+)
+
 # Commands written to files and run with this Python; each announces itself by renaming a
 # file into place, so the test never sees half a line.
 ANNOUNCE = """
@@ -250,6 +263,7 @@ def test_command_killed_by_signal_is_128_plus_n(
 # -- signals (docs/semantics.md G7) ----------------------------------------------------------------
 
 
+@OWN_GROUP_OR_GUARDIAN
 @pytest.mark.parametrize("signame", FORWARDED)
 def test_signal_reaches_every_process_of_the_group_once(
     uri: str,
@@ -272,6 +286,7 @@ def test_signal_reaches_every_process_of_the_group_once(
     assert sorted(log.read_text().splitlines()) == sorted(f"{pid} {signame}" for pid in pids)
 
 
+@AND_A_SESSION  # a session: once seen hung in CI (postgres, INT)
 @pytest.mark.parametrize("signame", ["HUP", "INT", "TERM"])
 def test_forwarded_signal_does_not_end_lockrun(
     uri: str,
@@ -335,6 +350,7 @@ IGNORING_TERM = {
 }
 
 
+@OWN_GROUP_OR_GUARDIAN
 @pytest.mark.parametrize("who", ["both", "child"])
 def test_max_time_kills_processes_that_ignore_term(
     uri: str,
@@ -640,16 +656,19 @@ def test_unexpected_refresh_error_stops_and_reaps_command(
 # -- interrupted while waiting (docs/semantics.md G6) ---------------------------------------------
 
 
-@pytest.mark.parametrize(("signame", "status"), [("INT", 130), ("TERM", 143)])
 def test_signal_while_waiting_exits_and_leaves_nothing_held(
     uri: str,
     name: str,
     held: Callable[..., Held],
     spawn: Callable[..., subprocess.Popen[str]],
-    signame: str,
-    status: int,
 ) -> None:
-    """INT or TERM while waiting for a busy lock: 130 or 143, one line, nothing held after."""
+    """INT while waiting for a busy lock: 130, one line, nothing held after.
+
+    On every backend: each waits in its own way. TERM, HUP and QUIT go through the same
+    handler (lockrun.hold); tests/hostile/test_edges.py sends TERM to a wait on every
+    backend too, HUP and QUIT to a wait on file: and Redis.
+    """
+    signame, status = "INT", 130
     holder = held("--uri", uri, "--name", name)
     waiter = spawn("--uri", uri, "--name", name, "-w", "forever", "--", "true")
     wait_for(
@@ -708,6 +727,7 @@ def on_terminal() -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], int]]
         os.close(master)
 
 
+@OWN_GROUP_OR_GUARDIAN
 def test_ctrl_c_reaches_command_once(
     uri: str,
     name: str,
@@ -727,6 +747,7 @@ def test_ctrl_c_reaches_command_once(
     assert process.wait(timeout=30) == 11  # 10 + one SIGINT
 
 
+@OWN_GROUP_OR_GUARDIAN
 def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
     uri: str,
     name: str,
@@ -757,13 +778,13 @@ def test_ctrl_z_stops_lockrun_with_command_and_continue_resumes_both(
 # The guardian's last act, in a process of its own: lead a group of sh processes and their
 # children, kill the others, and report who of the group is still alive.
 LAST_ACT = """
-import os, subprocess, sys
+import os, subprocess, sys, time
 from lockrun import processes
 os.setpgid(0, 0)
 for _ in range(3):  # each with two children of its own, in the same group
     subprocess.Popen(["sh", "-c", "sleep 1000 & sleep 1000 & wait"])
 while len(processes.members(os.getpgrp())) < 10:
-    pass
+    time.sleep(0.01)  # not a spin: each round scans /proc, and the shells need the CPU
 processes.kill_the_others()
 print(processes.members(os.getpgrp()) == [os.getpid()])
 """

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import pytest
 
@@ -440,8 +440,10 @@ SECTION_STEPS = {
     "lockrun release\n"
     "wait\n",
 }
+# Its poll is a fork and exec of sleep(1): every 50 ms, not 20, keeps it off the CPU; the
+# order of "ended" and the next holder's start does not depend on it.
 SECTION_STEP = (
-    "date +%s%N > {started}; while [ ! -e {finish} ]; do sleep 0.02; done; date +%s%N > {ended}"
+    "date +%s%N > {started}; while [ ! -e {finish} ]; do sleep 0.05; done; date +%s%N > {ended}"
 )
 
 
@@ -491,12 +493,15 @@ def test_a_section_outlives_its_killed_shell_until_its_steps_end(
 
 
 @pytest.mark.parametrize("step", ["foreground", "background"])
-@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
 def test_a_section_on_every_backend_outlives_its_killed_shell(
-    step: str, signo: int, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
+    step: str, uri: str, name: str, tmp_path: Path, record: Callable[..., None]
 ) -> None:
-    """As on file:, on every backend: a shell killed by pid keeps its lock for its steps."""
-    late = section_killed("bash", step, signo, uri, name, tmp_path)
+    """As on file:, on every backend: a shell killed by pid keeps its lock for its steps.
+
+    KILL only: what ends the shell is the keeper's concern, not the backend's, and the test
+    above sends TERM and KILL from each shell on file:.
+    """
+    late = section_killed("bash", step, signal.SIGKILL, uri, name, tmp_path)
     record("the step's end to the next holder's start", seconds=late)
 
 
@@ -575,6 +580,16 @@ def test_release_in_a_section_releases_at_once_while_a_step_runs(
     assert stamp(files["got"]) <= stamp(files["ended"])
 
 
+# A partition is judged by what holds the lock, not by the backend: a lease (Redis) may still
+# be held, a session that timed out is closed (MariaDB and PostgreSQL alike, the common
+# sessionlock code). One of each: a session's case waits out its server's timeout (~10 s) on
+# a server of the test's own.
+LEASE_OR_SESSION: Final = pytest.mark.parametrize(
+    "server_harness", ["redis", "postgres"], indirect=True
+)
+
+
+@LEASE_OR_SESSION
 def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
     server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
 ) -> None:
@@ -592,6 +607,7 @@ def test_renew_asks_the_server_and_says_69_when_it_cannot_answer(
         assert (cut.returncode, "session holding the lock ended" in line) == (76, True), line
 
 
+@LEASE_OR_SESSION
 def test_a_release_the_server_never_heard_is_not_0(
     server_harness: Harness, name: str, owner: subprocess.Popen[bytes]
 ) -> None:

@@ -17,7 +17,7 @@ import pytest
 from lockrun import ConfigError, ExitCode
 from lockrun.backends import open_backend, parse_uri
 from lockrun.uri import SCHEMES, Scheme, redact
-from tests.support.cli import lockrun, one_line
+from tests.support.cli import lockrun, one_line, refused_in_process
 from tests.support.harness import SERVERS
 from tests.support.net import HOST, ME, create_user, encoded, secret_free
 from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
@@ -446,19 +446,40 @@ BAD_URIS: Final = {
 }
 
 
+def bad_uri_args(how: str, uri: str, name: str) -> tuple[str, ...]:
+    """Return the arguments of `lockrun` or `lockrun status` (*how*) that meet *uri*."""
+    if how == "status":
+        return ("status", "--uri", uri)
+    return ("-v", "--ttl", "3", "--uri", uri, "-n", name, "--", "echo", "ran")
+
+
+# Each bad URI only feeds the parsers: the sweep runs the CLI in this process (what `lockrun`
+# does past its start-up); the test below runs two as processes.
 @pytest.mark.parametrize("how", ["run", "status"])
 @pytest.mark.parametrize(("uri", "needle", "secrets"), BAD_URIS.values(), ids=BAD_URIS)
 def test_bad_uris_exit_78_without_the_password(
-    uri: str, needle: str, secrets: tuple[str, ...], how: str, name: str
+    uri: str,
+    needle: str,
+    secrets: tuple[str, ...],
+    how: str,
+    name: str,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Unknown options, malformed ports, paths and escapes: 78 before any connection, one line.
 
     No piece of a password shows, however malformed the URI around it.
     """
-    if how == "status":
-        result = lockrun("status", "--uri", uri)
-    else:
-        result = lockrun("-v", "--ttl", "3", "--uri", uri, "-n", name, "--", "echo", "ran")
+    result = refused_in_process(capfd, *bad_uri_args(how, uri, name))
+    assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
+    assert needle in one_line(result.stderr)
+    secret_free(result, *secrets)
+
+
+@pytest.mark.parametrize("how", ["run", "status"])
+def test_a_bad_uri_exits_78_without_the_password_from_a_process(how: str, name: str) -> None:
+    """The same from `python -m lockrun`: a driver's refusal (libpq's), with a password in it."""
+    uri, needle, secrets = BAD_URIS["postgres-foo"]
+    result = lockrun(*bad_uri_args(how, uri, name))
     assert (result.returncode, result.stdout) == (ExitCode.CONFIG, ""), result.stderr
     assert needle in one_line(result.stderr)
     secret_free(result, *secrets)

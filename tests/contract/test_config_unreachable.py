@@ -13,6 +13,7 @@ import hashlib
 import math
 import re
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import psycopg
@@ -23,7 +24,7 @@ from lockrun import ExitCode
 from lockrun.backends import parse_uri, timeout_for
 from lockrun.backends.mysql import parse as mysql_parse
 from lockrun.uri import redact
-from tests.support.cli import lockrun, one_line, wait_for
+from tests.support.cli import lockrun, one_line, refused_in_process, wait_for
 from tests.support.harness import SERVERS
 from tests.support.net import (
     DRIVER_TIMEOUT,
@@ -109,11 +110,25 @@ def attempt(how: str, uri: str, name: str) -> tuple[tuple[str, ...], bool]:
 
 
 def check_unavailable(
-    how: str, uri: str, name: str, needle: str, *, secrets: tuple[str, ...] = ()
+    how: str,
+    uri: str,
+    name: str,
+    needle: str,
+    *,
+    secrets: tuple[str, ...] = (),
+    capfd: pytest.CaptureFixture[str] | None = None,
 ) -> str:
-    """Run lockrun the *how* way: 69, one line naming the server and *needle*, in time."""
+    """Run lockrun the *how* way: 69, one line naming the server and *needle*, in time.
+
+    With *capfd*, in this process (`refused_in_process`): for a sweep of what a driver reads.
+    """
     args, named = attempt(how, uri, name)
-    result, elapsed = timed_lockrun(*args)
+    if capfd is None:
+        result, elapsed = timed_lockrun(*args)
+    else:
+        began = time.monotonic()
+        result = refused_in_process(capfd, *args)
+        elapsed = time.monotonic() - began
     assert (result.returncode, result.stdout) == (ExitCode.UNAVAILABLE, ""), result.stderr
     line = one_line(result.stderr)
     prefix = f"lockrun: {name}: " if named else "lockrun: "
@@ -218,24 +233,39 @@ SAYS: Final = {
 }
 
 
+# The replies only feed the drivers' parsers and lockrun's reading of their errors. Those to
+# `lockrun status` run the CLI in this process (what `lockrun` does past its start-up); a
+# run's stay processes: a run forks its guardian before it connects (refused_in_process).
 @pytest.mark.parametrize("mode", ["greets", "replies", "replies-to-status"])
 @pytest.mark.parametrize("reply", list(REPLIES))
 @pytest.mark.parametrize("backend", SERVERS)
 def test_a_server_of_another_protocol_exits_69(
-    backend: str, reply: str, mode: str, name: str
+    backend: str, reply: str, mode: str, name: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """HTTP, SSH, garbage, Redis's words or a hang-up on the port: 69, one line, quickly.
 
     The bytes come at once (a server that speaks first, like MySQL) or as the reply to what
     the client says first (like Redis and PostgreSQL).
     """
+    in_process = capfd if mode == "replies-to-status" else None
+    meet_another_protocol(backend, reply, mode, name, in_process)
+
+
+def meet_another_protocol(
+    backend: str,
+    reply: str,
+    mode: str,
+    name: str,
+    capfd: pytest.CaptureFixture[str] | None = None,
+) -> None:
+    """Run lockrun against a stand-in of *backend* that says *reply* the *mode* way: 69."""
     data, hang = REPLIES[reply]
     reach = REACH[backend]
     stand_in = Greeter(data, hang=hang) if mode == "greets" else Listener(data)
     with contextlib.closing(stand_in):
         uri = reach.tcp(f"127.0.0.1:{stand_in.port}")
         how = "status" if mode == "replies-to-status" else "run"
-        line = check_unavailable(how, uri, name, "")
+        line = check_unavailable(how, uri, name, "", capfd=capfd)
     assert f"127.0.0.1:{stand_in.port}" in line
     assert SAYS.get((backend, reply, mode), "") in line
 

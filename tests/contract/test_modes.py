@@ -28,6 +28,7 @@ from tests.support.cli import (
     lockrun,
     one_line,
     queue_length,
+    refused_in_process,
     start,
     unmeasured,
     wait_for,
@@ -201,13 +202,17 @@ def test_api_hold_at_least_keeps_the_lock_after_the_block(uri: str, name: str) -
     ],
 )
 def test_modes_that_do_not_combine_are_usage_errors(
-    uri: str, name: str, options: tuple[str, ...], said: str
+    uri: str, name: str, options: tuple[str, ...], said: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Each refused combination exits 64 with one line, before anything is taken."""
+    """Each refused combination exits 64 with one line, before anything is taken.
+
+    In this process (what `lockrun` does past its start-up): the options only feed run's
+    checks. The test below refuses modes from a process.
+    """
     for mode in sorted(MODES - parse_uri(uri).kind.modes):
         if f"--{mode}" in options:
             pytest.skip(f"--{mode} is refused by itself here (the test below)")
-    result = lockrun("--uri", uri, "-n", name, *options, "--", "true")
+    result = refused_in_process(capfd, "--uri", uri, "-n", name, *options, "--", "true")
     assert result.returncode == ExitCode.USAGE, result.stderr
     assert said in one_line(result.stderr)
     assert lock_state(uri, name)["holders"] == []

@@ -15,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import pytest
 
 from lockrun.backends import RECORD_ARGV
+from lockrun.uri import BACKENDS
 from tests.support.cli import LOCKRUN, Held, lockrun, one_line, queue_length, start, wait_for
 
 if TYPE_CHECKING:
@@ -110,10 +111,25 @@ def test_status_that_cannot_be_written_exits_74_in_one_line(
     holder.finish()
 
 
+# QUIT and HUP go through the one handler every backend's wait shares (lockrun.hold): on
+# file: and Redis, a local wait and a server's. TERM during --wait 300d, each backend's own
+# timed wait, on all five; tests/test_supervise.py sends INT to a wait on every backend.
+_BY_CLASS: Final = ("file", "redis")
+WAITS: Final = [
+    *(
+        pytest.param(signame, status, "forever", backend, id=f"{signame.lower()}-{backend}")
+        for signame, status in (("QUIT", 131), ("HUP", 129))
+        for backend in _BY_CLASS
+    ),
+    *(
+        pytest.param("TERM", 143, "300d", backend, id=f"term-during-300d-{backend}")
+        for backend in BACKENDS
+    ),
+]
+
+
 @pytest.mark.parametrize(
-    ("signame", "status", "wait"),
-    [("QUIT", 131, "forever"), ("HUP", 129, "forever"), ("TERM", 143, "300d")],
-    ids=["quit", "hup", "term-during-300d"],
+    ("signame", "status", "wait", "shared_harness"), WAITS, indirect=["shared_harness"]
 )
 def test_quit_hup_or_term_while_waiting_ends_the_wait(
     uri: str, name: str, held: Callable[..., Held], signame: str, status: int, wait: str
@@ -238,26 +254,14 @@ def test_status_escapes_what_a_terminal_would_act_on(tmp_path: Path, name: str) 
     assert holder.returncode == 0
 
 
-@pytest.mark.parametrize(
-    "template",
-    [
-        "rediss://127.0.0.1:1/0?ssl_ca_certs={file}",
-        "redis+sentinel://127.0.0.1:1/svc?ssl_certfile={file}&ssl_keyfile={file}",
-        "mysql://u@127.0.0.1:1/db?ssl_ca={file}",
-        "mysql://u@127.0.0.1:1/db?read_default_file={file}",
-        "postgresql://u@127.0.0.1:1/db?passfile={file}",
-        "postgresql://u@127.0.0.1:1/db?sslmode=require&sslrootcert={file}",
-    ],
-)
-@pytest.mark.parametrize("kind", ["fifo", "device"])
-def test_a_fifo_or_device_as_a_uris_file_is_refused_at_once(
-    tmp_path: Path, name: str, template: str, kind: str
-) -> None:
+# Every file option of every backend, FIFO and device alike: tests/unit/test_sweeps.py, in
+# this process. Here, the CLI's exit once, with libpq's password file (what libpq, not
+# lockrun, would read: a FIFO there would block lockrun in C, where no signal gets it out).
+def test_a_fifo_as_a_uris_file_is_refused_at_once(tmp_path: Path, name: str) -> None:
     """A TLS, option or password file that is a FIFO would block its reader: 78 at once."""
     path = tmp_path / "fifo"
-    if kind == "fifo":
-        os.mkfifo(path)
-    uri = template.format(file=path if kind == "fifo" else "/dev/zero")
+    os.mkfifo(path)
+    uri = f"postgresql://u@127.0.0.1:1/db?passfile={path}"
     started = time.monotonic()
     result = lockrun("--uri", uri, "-n", name, "-w", "0", "--", "true", timeout=30)
     assert result.returncode == 78, result.stderr
@@ -265,6 +269,11 @@ def test_a_fifo_or_device_as_a_uris_file_is_refused_at_once(
     assert time.monotonic() - started < 20
 
 
+# One backend per class of lock, and of the descriptors it takes: an fd the command inherits
+# (file:), a lease renewed over a socket beside a guardian (Redis), a server session
+# (PostgreSQL). Each case of the sweep is a lockrun start-up or two: on all five backends
+# it was the longest test of the fast set (15 to 30 s each).
+@pytest.mark.parametrize("shared_harness", ["file", "redis", "postgres"], indirect=True)
 def test_too_few_descriptors_is_one_line_and_leaves_nothing_held(uri: str, name: str) -> None:
     """`ulimit -n` too small for lockrun's pipes, sockets and lock files: never 70.
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import pytest
 
 from lockrun.backends.redis.scripts import SHA1
-from tests.support.cli import LOCKRUN, lockrun, one_line
+from tests.support.cli import LOCKRUN, lockrun, one_line, refused_in_process
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -178,16 +178,19 @@ def impostor(request: pytest.FixtureRequest) -> Iterator[Impostor]:
 
 @pytest.mark.parametrize("scheme", ["redis", "redis+sentinel"])
 def test_a_server_that_answers_nonsense_is_69_in_one_line(
-    impostor: Impostor, scheme: str, name: str
+    impostor: Impostor, scheme: str, name: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Run, status and the sentinels' view: one line naming the URI, status 69."""
+    """Run, status and the sentinels' view: one line naming the URI, status 69.
+
+    status meets the impostor in this process (what `lockrun status` does past its start-up:
+    the replies only feed the parsers); a run is a process, for it forks its guardian first.
+    """
     where = f"127.0.0.1:{impostor.port}"
     uri = f"redis://{where}/0" if scheme == "redis" else f"redis+sentinel://{where}/mymaster"
-    for args in (
-        ("--uri", uri, "-n", name, "--ttl", "3", "--", "true"),
-        ("status", "--uri", uri, name),
+    for result in (
+        lockrun("--uri", uri, "-n", name, "--ttl", "3", "--", "true"),
+        refused_in_process(capfd, "status", "--uri", uri, name),
     ):
-        result = lockrun(*args)
         assert result.returncode == 69, result.stderr
         assert "Traceback" not in result.stderr
         assert where in one_line(result.stderr)

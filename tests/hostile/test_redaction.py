@@ -107,13 +107,19 @@ def _run(command: str, uri: str) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
-@given(name=_names, secret=passwords, command=st.sampled_from(["run", "status", "acquire"]))
-@settings(max_examples=25)  # each a subprocess
-@example(name=_ISSUE[0][0], secret=_ISSUE[0][1], command="run")
-@example(name=_ISSUE[1][0], secret=_ISSUE[1][1], command="run")
-@example(name=_ISSUE[2][0], secret=_ISSUE[2][1], command="run")
-@example(name=_ISSUE[0][0], secret=_ISSUE[0][1], command="status")
-@example(name="mysql: user:password, no //", secret="QQQQ:", command="status")  # noqa: S106
+# The sweep of every spelling through the CLI's handling runs in-process, through `status`
+# (tests/unit/test_sweeps.py): a lockrun start-up per example made this the longest test of
+# the fast set (31 s), for what only the parsers vary. Here, the real processes of all three
+# commands on the spellings issue 29 found leaking, and one of MySQL's.
+@pytest.mark.parametrize(
+    ("name", "secret", "command"),
+    [
+        *((name, secret, "run") for name, secret in _ISSUE),
+        (*_ISSUE[0], "status"),
+        ("mysql: user:password, no //", "QQQQ:", "status"),
+        (*_ISSUE[2], "acquire"),
+    ],
+)
 def test_the_cli_says_nothing_of_a_secret(name: str, secret: str, command: str) -> None:
     """`lockrun -v … -- true`, `status` and `acquire`: no secret, one of lockrun's statuses."""
     status, said = _run(command, spell(SPELLINGS[name], secret))

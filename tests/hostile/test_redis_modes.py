@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lockrun import ExitCode
-from lockrun.backends import Holder, Request, open_backend, parse_uri
+from lockrun.backends import Holder, Lease, Request, open_backend, parse_uri
 from lockrun.backends.redis import key_prefix
 from lockrun.bounds import MAX_WAIT
-from lockrun.errors import LeaseLost, TakenOver
+from lockrun.cli.output import status_text
+from lockrun.errors import LeaseLost, LockBusy, TakenOver
+from lockrun.lock import acquire
 from lockrun.timing import now
 from tests.support.cli import lock_state, lockrun, one_line
 from tests.support.strategies import holder_like
@@ -68,11 +70,12 @@ STOP_PLANTS: dict[str, tuple[str, str | dict[str, str]]] = {
 }
 
 
-@pytest.mark.parametrize("plant", sorted(STOP_PLANTS))
-def test_a_forged_stop_key_stops_nobody(
-    redis_uri: str, co_tenant: redis.Redis, name: str, plant: str
-) -> None:
-    """Any stop key that names no waiter: the holder renews on, a take-over still works."""
+@contextlib.contextmanager
+def planted_stop(redis_uri: str, co_tenant: redis.Redis, name: str, plant: str) -> Iterator[Lease]:
+    """Hold *name* with a lease nothing renews, its bell armed, and plant a stop key under it.
+
+    Yield the lease once a refresh has shown it not stopped; closed at the end.
+    """
     stop = f"{key_prefix('default', name)}:stop"
     kind, value = STOP_PLANTS[plant]
     # A lease nothing renews: long enough to outlast a lockrun start-up at load 30.
@@ -89,15 +92,46 @@ def test_a_forged_stop_key_stops_nobody(
         else:
             co_tenant.set(stop, value)
         lease.refresh()  # not stopped
+        yield lease
+    finally:
+        backend.close()
+        co_tenant.delete(stop)
+
+
+# Each plant is read by the bell, the renewal and the take-over's script: in this process, on
+# the session's Redis, with what `lockrun status` prints of the lock. The command line once,
+# below.
+@pytest.mark.parametrize("plant", sorted(STOP_PLANTS))
+def test_a_forged_stop_key_stops_nobody(
+    redis_uri: str, co_tenant: redis.Redis, name: str, plant: str
+) -> None:
+    """Any stop key that names no waiter: the holder renews on, a take-over still works."""
+    with planted_stop(redis_uri, co_tenant, name, plant) as lease:
+        taker = open_backend(parse_uri(redis_uri), ttl=5.0)
+        try:
+            for states in (taker.status("default", name), taker.status("default", None)):
+                for as_json in (False, True):
+                    status_text(states, as_json=as_json, empty="default")
+            request = Request("default", name, 1, 5.0, Holder.me(["y"]), take_over=True)
+            with pytest.raises(LockBusy):  # the holder has not given way: 75
+                acquire(taker, request, 0.5)
+            lease.release()
+            acquire(taker, request, 5).release()
+        finally:
+            taker.close()
+
+
+def test_a_forged_stop_key_stops_nobody_on_the_command_line(
+    redis_uri: str, co_tenant: redis.Redis, name: str
+) -> None:
+    """The same through `lockrun --take-over` and `lockrun status`: 75 in one line, then 0."""
+    with planted_stop(redis_uri, co_tenant, name, "names-no-waiter") as lease:
         statuses_read(redis_uri, name)
         busy = lockrun("--uri", redis_uri, "-n", name, "--take-over", "-w", "0.5", "--", "true")
         clean(busy, ExitCode.BUSY)
         lease.release()
         result = lockrun("--uri", redis_uri, "-n", name, "--take-over", "-w", "5", "--", "true")
         clean(result, 0)
-    finally:
-        backend.close()
-        co_tenant.delete(stop)
 
 
 def forge_holder(client: redis.Redis, name: str, token: str, owner: str, ends_ms: float) -> None:
@@ -138,15 +172,45 @@ def test_a_window_until_the_year_3000_is_busy_at_once_and_read_back_capped(
         forget(co_tenant, name)
 
 
-@pytest.mark.parametrize(
-    "owner",
-    ["0 1 1 zz", "0 1 1 y:", "0 1 1 y:nobody", "0 0 1 99999999999999999999", "0 1 1  1", "s:"],
-)
+# Each entry is read by the scripts (the acquisition's Lua) and by the status decoder: in this
+# process, on the session's Redis, with the busy line's holders and what `lockrun status`
+# prints of them. The command line reads the same once, below.
+OWNERS_ENTRIES = [
+    "0 1 1 zz",
+    "0 1 1 y:",
+    "0 1 1 y:nobody",
+    "0 0 1 99999999999999999999",
+    "0 1 1  1",
+    "s:",
+]
+
+
+@pytest.mark.parametrize("owner", OWNERS_ENTRIES)
 def test_an_owners_entry_with_any_suffix_is_read_not_believed(
     redis_uri: str, co_tenant: redis.Redis, name: str, owner: str
 ) -> None:
     """A ghost holder whose owners entry has garbage after its three numbers: busy, no crash."""
     forge_holder(co_tenant, name, "ghost", owner, 10**13)  # ms: the year 2286
+    backend = open_backend(parse_uri(redis_uri), ttl=5.0)
+    try:
+        for shared in (False, True):
+            holder = Holder.me(["x"])._replace(shared=shared)
+            request = Request("default", name, 1, 5.0, holder, shared=shared)
+            with pytest.raises(LockBusy, match="busy, held by mallory@h pid 7"):  # 75's line
+                acquire(backend, request, 0)
+        for states in (backend.status("default", name), backend.status("default", None)):
+            for as_json in (False, True):
+                status_text(states, as_json=as_json, empty="default")
+    finally:
+        backend.close()
+        forget(co_tenant, name)
+
+
+def test_a_ghost_with_a_garbage_owners_entry_is_busy_to_the_command_line(
+    redis_uri: str, co_tenant: redis.Redis, name: str
+) -> None:
+    """The same through `lockrun` and `lockrun status`: 75 in one line, statuses read."""
+    forge_holder(co_tenant, name, "ghost", "0 1 1 y:nobody", 10**13)
     try:
         clean(lockrun("--uri", redis_uri, "-n", name, "--", "true"), ExitCode.BUSY)
         clean(lockrun("--uri", redis_uri, "-n", name, "--shared", "--", "true"), ExitCode.BUSY)

@@ -16,9 +16,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
+import click
 import pytest
 
-from lockrun.errors import LockBusy
+from lockrun.cli import _exit_status, dispatch
+from lockrun.cli.output import say
+from lockrun.errors import ExitCode, LockBusy
 from lockrun.lock import DEFAULT_NAMESPACE, Lock
 from lockrun.runner import states_for_status
 
@@ -44,6 +47,34 @@ def lockrun(*args: str, timeout: float = 60, **kwargs: Any) -> subprocess.Comple
     return subprocess.run(
         [*LOCKRUN, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs
     )
+
+
+_FORKS: Final = [0]  # how many times this process forked: refused_in_process must not
+os.register_at_fork(after_in_parent=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+
+
+def refused_in_process(
+    capfd: pytest.CaptureFixture[str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``lockrun ARGS`` in this process, as `lockrun` does past its start-up; capture it.
+
+    For arguments lockrun refuses before it holds or starts anything (a usage error, a bad
+    URI, a server that cannot be reached): what `main` does but exit, so a sweep of them
+    costs no interpreter start-up each. Not for a run that gets as far as a fork (a keeper,
+    a guardian: a copy of the test's process): that fails the test.
+    """
+    forks = _FORKS[0]
+    capfd.readouterr()
+    try:
+        command, prog, rest = dispatch(list(args))
+    except click.UsageError as refusal:  # main's own refusal, before any command
+        say(refusal.format_message())
+        status: int = ExitCode.USAGE
+    else:
+        status = _exit_status(command, prog, rest)
+    said = capfd.readouterr()
+    assert _FORKS[0] == forks, f"lockrun {shlex.join(args)} forked: run it as a process"
+    return subprocess.CompletedProcess([*LOCKRUN, *args], status, said.out, said.err)
 
 
 def help_options(*subcommand: str) -> dict[str, bool]:

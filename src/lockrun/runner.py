@@ -38,7 +38,6 @@ from lockrun.errors import (
     TimedOut,
     UsageError,
 )
-from lockrun.guardian import Guardian
 from lockrun.hold import (
     Waiting,
     acquired,
@@ -59,6 +58,7 @@ from lockrun.uri import DEFAULT_URI, redact
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from lockrun.guardian import Guardian
     from lockrun.monitor import Account
     from lockrun.progress import WaitReport
     from lockrun.uri import LockURI
@@ -154,6 +154,8 @@ def _guardian(uri: LockURI, options: Options, backend: Backend) -> Guardian | No
     """
     if uri.kind.inherits_fds and not options.close:
         return None
+    from lockrun.guardian import Guardian  # noqa: PLC0415 - a file: run's command holds the lock
+
     return Guardian(cast("Leased", backend).abandon if uri.kind.leased else None)
 
 

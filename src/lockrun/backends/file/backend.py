@@ -23,7 +23,6 @@ from lockrun.backends.file.records import (
     wait_out,
     window_end,
 )
-from lockrun.backends.file.status import NO_LOCKS, proc_locks, states
 from lockrun.backends.file.takeover import ask_to_stop, ring, taken_by, taker, unask
 from lockrun.backends.flockwait import SLOW_WAKE, try_flock, wait_flock
 from lockrun.bounds import MAX_SLOTS
@@ -221,6 +220,8 @@ class FileBackend:
         record = read_record(content, base)
         if record is None or record.slots == request.slots:
             return
+        from lockrun.backends.file.status import NO_LOCKS, proc_locks  # noqa: PLC0415 - rare
+
         locks = proc_locks()  # only when a record disagrees: is its writer still there?
         if locks.get(identity, NO_LOCKS).writers or window_end(content, base) is not None:
             raise slots_mismatch(request, record.slots, record.holder)
@@ -340,6 +341,8 @@ class FileBackend:
 
         Makes nothing: a directory that does not exist holds no locks.
         """
+        from lockrun.backends.file.status import states  # noqa: PLC0415 - `status` only
+
         return states(self._files, namespace, name)
 
     def close(self) -> None:

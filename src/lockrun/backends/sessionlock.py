@@ -555,6 +555,24 @@ class SessionLocks(Generic[S, K, X]):
         return -1, None
 
 
+class SessionBackend(Generic[S, K, X]):
+    """A backend of session locks: `acquire`, `interrupt` and `close` are its `SessionLocks`'."""
+
+    locks: SessionLocks[S, K, X]
+
+    def acquire(self, request: Request, deadline: float | None) -> SessionLease[S] | None:
+        """Wait in the server's queue until a slot is ours, or *deadline* passes."""
+        return self.locks.acquire(request, deadline)
+
+    def interrupt(self) -> None:
+        """From another thread: end the waits of `acquire` at once (`SessionLocks.interrupt`)."""
+        self.locks.interrupt()
+
+    def close(self) -> None:
+        """Close the idle session; held leases are released by their own `release`."""
+        self.locks.idle.close()
+
+
 class SessionLease(Generic[S]):
     """A slot held by a server session, proven every ttl/3 and never reconnected."""
 

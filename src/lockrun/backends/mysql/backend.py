@@ -15,14 +15,13 @@ from lockrun.backends.mysql.ports import Faults, Requests, Statements
 from lockrun.backends.mysql.session import Server, Session
 from lockrun.backends.mysql.status import read_states
 from lockrun.backends.mysql.uri import Settings, carries, parse
-from lockrun.backends.sessionlock import Holding, Idle, SessionLocks, cancelled
+from lockrun.backends.sessionlock import Holding, Idle, SessionBackend, SessionLocks, cancelled
 from lockrun.timing import DEFAULT_TTL
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends import LockState, Request
-    from lockrun.backends.sessionlock import SessionLease
+    from lockrun.backends import LockState
     from lockrun.uri import LockURI
 
 
@@ -37,7 +36,7 @@ def connect(
     return MySQLBackend(parse(uri), ttl or DEFAULT_TTL, note or (lambda _line: None))
 
 
-class MySQLBackend:
+class MySQLBackend(SessionBackend[Session, str, Mode]):
     """Sessions on one MySQL or MariaDB server."""
 
     def __init__(self, settings: Settings, ttl: float, note: Callable[[str], None]) -> None:
@@ -56,18 +55,6 @@ class MySQLBackend:
             holding,
             self.timeout,
         )
-
-    def acquire(self, request: Request, deadline: float | None) -> SessionLease[Session] | None:
-        """Wait in the server's queue until a slot is ours, or *deadline* passes."""
-        return self.locks.acquire(request, deadline)
-
-    def interrupt(self) -> None:
-        """From another thread: end the waits of `acquire` at once (`SessionLocks.interrupt`)."""
-        self.locks.interrupt()
-
-    def close(self) -> None:
-        """Close the kept session; held leases are released by their own `release`."""
-        self.locks.idle.close()
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""

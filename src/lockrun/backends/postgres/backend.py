@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lockrun.backends.sessionlock import Holding, Idle, SessionLocks
+from lockrun.backends.sessionlock import Holding, Idle, SessionBackend, SessionLocks
 
 from .grant import Ahead
 from .keys import Keys
@@ -22,13 +22,12 @@ from .status import states
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends import LockState, Request
-    from lockrun.backends.sessionlock import SessionLease
+    from lockrun.backends import LockState
 
     from .uri import Settings
 
 
-class PostgresBackend:
+class PostgresBackend(SessionBackend[Session, Keys, Ahead]):
     """Sessions on one PostgreSQL server (or a pooler in session mode)."""
 
     def __init__(
@@ -45,23 +44,11 @@ class PostgresBackend:
         self.ttl = ttl
         self.timeout = self.server.timeout
         self.faults = Faults(self.server)
-        kept = Idle[Session](ttl, self.faults.errors)
-        holding = Holding(Leases(self.server), self.faults, kept, ttl)
+        idle = Idle[Session](ttl, self.faults.errors)
+        holding = Holding(Leases(self.server), self.faults, idle, ttl)
         self.locks = SessionLocks[Session, Keys, Ahead](
             Statements(self.server, holding), Requests(), holding, self.timeout
         )
-
-    def acquire(self, request: Request, deadline: float | None) -> SessionLease[Session] | None:
-        """Wait in the server's queue until a slot is ours, or *deadline* passes."""
-        return self.locks.acquire(request, deadline)
-
-    def interrupt(self) -> None:
-        """From another thread: end the waits of `acquire` at once (`SessionLocks.interrupt`)."""
-        self.locks.interrupt()
-
-    def close(self) -> None:
-        """Close the kept session; held leases are released by their own `release`."""
-        self.locks.idle.close()
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace*."""

@@ -185,7 +185,7 @@ def acquire(
     """
     uri = parse_uri(options.uri)
     check_leased(uri)
-    check_options(options)
+    check_options(options, uri)
     name = check_name(options.name or "")
     namespace = check_name(options.namespace, "namespace")
     verbose = log if options.verbose else quiet

@@ -104,7 +104,7 @@ def acquire(
     an exit status (docs/semantics.md "Exit status").
     """
     uri = parse_uri(options.uri)
-    check_options(options)
+    check_options(options, uri)
     name = check_name(options.name or "")
     check_name(options.namespace, "namespace")
     pidfd = watch_owner(owner, options)

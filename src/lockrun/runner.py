@@ -116,7 +116,7 @@ def run(
     HUP are left ignored, so a late signal cannot replace the command's status.
     """
     uri = parse_uri(options.uri)
-    check_options(options)
+    check_options(options, uri)
     name = check_name(options.name) if options.name is not None else default_name(argv)
     namespace = check_name(options.namespace, "namespace")
     verbose = log if options.verbose else quiet
@@ -261,9 +261,11 @@ def _hold_and_run(
         release(lease, request, held_since, hold, verbose)
 
 
-def check_options(options: Options) -> None:
-    """Raise `UsageError` for a number of *options* out of its bounds (`lockrun.bounds`)."""
-    uri = parse_uri(options.uri)
+def check_options(options: Options, uri: LockURI) -> None:
+    """Raise `UsageError` for *options* out of their bounds (`lockrun.bounds`) or *uri*'s.
+
+    *uri* is ``options.uri`` as the caller parsed it: the modes its scheme offers, --close.
+    """
     if options.close and not uri.kind.inherits_fds:
         msg = f"--close applies to the file: backend only, not {uri.scheme}:"
         raise UsageError(msg)

@@ -22,6 +22,7 @@ from lockrun.cli.params import (
     Grouped,
     complete_command,
     conflict_option,
+    hold_at_least_option,
     namespace_option,
     quiet_option,
     shared_option,
@@ -160,13 +161,7 @@ all of them in man lockrun. DURATION: 90, 1.5, 500ms, 1m30s, 2d12h.""",
 )
 @conflict_option
 @shared_option
-@click.option(
-    "--hold-at-least",
-    type=Duration(),
-    default=None,
-    allow_from_autoenv=False,
-    help="keep the lock taken this long after the grant",
-)
+@hold_at_least_option
 @take_over_option
 @namespace_option
 @click.option("--close", is_flag=True, help="file: do not pass the lock fd to the command")

@@ -255,6 +255,13 @@ shared_option: Final = click.option(
     allow_from_autoenv=False,  # per lock, like --slots: a nested lockrun must not inherit it
     help="share the lock with other readers, or not",
 )
+hold_at_least_option: Final = click.option(
+    "--hold-at-least",
+    type=Duration(),
+    default=None,
+    allow_from_autoenv=False,
+    help="keep the lock taken this long after the grant",
+)
 take_over_option: Final = click.option(
     "--take-over",
     is_flag=True,

@@ -16,6 +16,7 @@ from lockrun.cli.params import (
     Duration,
     Grouped,
     conflict_option,
+    hold_at_least_option,
     namespace_option,
     quiet_option,
     shared_option,
@@ -80,13 +81,7 @@ No --on-start or other hook: the script's own steps can ping a monitor.""",
 )
 @conflict_option
 @shared_option
-@click.option(
-    "--hold-at-least",
-    type=Duration(),
-    default=None,
-    allow_from_autoenv=False,
-    help="keep the lock taken this long after the grant",
-)
+@hold_at_least_option
 @take_over_option
 @namespace_option
 @click.option(

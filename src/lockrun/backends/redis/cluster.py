@@ -224,6 +224,25 @@ class Router:
             client.connection_pool.disconnect()
 
 
+def wait_for_replica(
+    connection: Any,  # noqa: ANN401 - redis-py's Connection
+    where: str,
+    wait_ms: int,
+) -> None:
+    """Raise `NotDurable` unless a replica of *where* has what was just written (WAIT 1).
+
+    Behind Sentinel and in a Cluster alike, a failover promotes a replica, and
+    replication is asynchronous: a write no replica has may be forgotten.
+    """
+    connection.send_command("WAIT", 1, wait_ms)
+    if connection.read_response() == 0:
+        msg = (
+            f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
+            "a failover now could forget it"
+        )
+        raise NotDurable(msg)
+
+
 def check_durable(
     connection: Any,  # noqa: ANN401 - redis-py's Connection
     where: str,
@@ -245,13 +264,7 @@ def check_durable(
         msg = f"{where} is not a primary (it says {role[:1]})"
         raise NotDurable(msg)
     if role[2]:  # it has replicas: wait until one has what we wrote
-        connection.send_command("WAIT", 1, wait_ms)
-        if connection.read_response() == 0:
-            msg = (
-                f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
-                "a failover now could forget it"
-            )
-            raise NotDurable(msg)
+        wait_for_replica(connection, where, wait_ms)
         return
     connection.send_command("CLUSTER", "REPLICAS", _text(myself))
     live = live_replicas(connection.read_response())

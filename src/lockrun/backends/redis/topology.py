@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from redis import exceptions as errors
 
-from lockrun.backends.redis.cluster import NotDurable
+from lockrun.backends.redis.cluster import NotDurable, wait_for_replica
 from lockrun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -90,13 +90,7 @@ def check_primary(
         msg = f"a failover of {service!r} is under way"
         raise NotDurable(msg)
     if role[2]:  # it has replicas: wait until one has what we wrote
-        connection.send_command("WAIT", 1, wait_ms)
-        if connection.read_response() == 0:
-            msg = (
-                f"no replica of {where} acknowledged the lease within {wait_ms}ms; "
-                "a failover now could forget it"
-            )
-            raise NotDurable(msg)
+        wait_for_replica(connection, where, wait_ms)
     elif view.replicas:
         msg = (
             f"{where} has no replica in sync, but the sentinels see {view.replicas} up; "

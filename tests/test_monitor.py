@@ -558,6 +558,34 @@ def test_a_lost_postgres_lease_is_told_without_the_password(
     assert samples(metrics)[of(name, "lockrun_runs_total", "lost")] == 1
 
 
+def test_a_short_run_writes_the_metrics_file_once_and_syncs_nothing(
+    file_uri: str, name: str, tmp_path: Path
+) -> None:
+    """A run shorter than a second: one rename over the file (the end's), and no fsync.
+
+    It was two writes (the start's, the end's), each fsynced. The rename is what makes an
+    update atomic for the collector (docs/semantics.md "Metrics"). strace slows the run: a
+    machine so loaded that it held the lock a second gets three tries.
+    """
+    metrics, trace = tmp_path / "m.prom", tmp_path / "trace"
+    calls = ["trace=fsync,fdatasync,sync_file_range,rename,renameat,renameat2"]
+    argv = ["strace", "-f", "-qq", "-o", str(trace), "-e", *calls, *LOCKRUN]
+    renames = []
+    for _ in range(3):
+        run = subprocess.run(
+            [*argv, "--uri", file_uri, "-n", name, "--metrics-file", str(metrics), "--", "true"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        traced = trace.read_text()
+        assert "sync" not in traced, traced
+        renames.append(traced.count('"m.prom"'))
+        if renames[-1] == 1:
+            break
+    assert renames[-1] == 1, renames
+    assert samples(metrics)[of(name, "lockrun_runs_total", "ok")] == len(renames)
+
+
 # -- the metrics file under concurrency ---------------------------------------------------------
 
 

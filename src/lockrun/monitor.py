@@ -46,6 +46,9 @@ HOOK_GRACE: Final = 1.0  # between TERM and KILL to a hook that outlived --hook-
 _WATCHED: Final = FORWARDED | {signal.SIGCHLD}
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)  # as for the command (supervise.py)
 _POLL: Final = 0.02  # how soon a signal reaches an --on-start hook that outlives the command
+# How long a run holds the lock before its start is recorded on its own: a shorter run is
+# recorded once, at its end, with its start (docs/semantics.md "Metrics", issue #32).
+START_RECORD_AFTER: Final = 1.0
 # What lockrun tells the command (docs/semantics.md "What the command is told") and the
 # hooks' own: a hook of a lockrun nested in a locked job must not see its parent's, and an
 # --on-start hook none of the end's (a script shared by the hooks tells them apart so).
@@ -139,6 +142,7 @@ class Account:
         self.fence: int | None = None
         self.ignored: frozenset[int] = frozenset()  # under nohup: never forwarded to a hook
         self._starting: threading.Thread | None = None
+        self._over = threading.Event()  # set once released: no start record on its own then
         self._beside: Beside | None = None  # the --on-start hook, once started
         self._said: set[str] = set()  # the start and the end record fail alike: one line
 
@@ -147,12 +151,14 @@ class Account:
 
         In a thread, so that no flock another process holds on the metrics directory can
         delay the command (or lengthen the hold). It takes no signal: they are the loop's.
+        Only once the run has held the lock `START_RECORD_AFTER`: the end's record carries
+        the start too, so a shorter run writes the file once, not twice.
         """
         self.granted, self.started_at = now(), time.time()
         self.slot, self.fence = slot, fence
         if self.options.metrics_file:
             self._starting = threading.Thread(
-                target=self._record, args=(self._started,), name="lockrun-metrics", daemon=True
+                target=self._record_start, name="lockrun-metrics", daemon=True
             )
             saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
             try:
@@ -194,6 +200,7 @@ class Account:
 
     def released(self) -> None:
         """Note the end of the hold: the command has ended and the lock is given back."""
+        self._over.set()
         if self.granted is not None:
             self.duration, self.ended_at = now() - self.granted, time.time()
 
@@ -203,6 +210,7 @@ class Account:
         *conflict* is the status of busy (``-E``). Nothing is told of a run that neither got
         the lock nor found it busy (a usage error, an unreachable server, Ctrl-C).
         """
+        self._over.set()
         if self._starting is not None:
             self._starting.join()
         word = outcome(result, held=self.granted is not None)
@@ -260,6 +268,10 @@ class Account:
             while signal.sigtimedwait(_WATCHED, 0) is not None:
                 pass
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+
+    def _record_start(self) -> None:
+        if not self._over.wait(START_RECORD_AFTER):
+            self._record(self._started)
 
     def _record(self, change: Callable[[metrics.Locks], None]) -> None:
         if self.options.metrics_file:

@@ -6,6 +6,7 @@ import ctypes.util
 import fcntl
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -147,7 +148,7 @@ def test_two_builds_are_byte_identical(pyz: Path, tmp_path: Path) -> None:
 
 
 def test_the_archive_holds_lockrun_its_dependencies_and_their_licences(pyz: Path) -> None:
-    """Sorted, timestamped alike, no bytecode, no hiredis; licences, man page, completions."""
+    """Sorted, timestamped alike, bytecode beside each module, no hiredis; licences, man, Tab."""
     assert pyz.read_bytes().startswith(b"#!/usr/bin/env python3\n")
     with zipfile.ZipFile(pyz) as archive:
         infos = archive.infolist()
@@ -159,7 +160,9 @@ def test_the_archive_holds_lockrun_its_dependencies_and_their_licences(pyz: Path
         when = time.gmtime(int(os.environ.get("SOURCE_DATE_EPOCH") or commit.stdout))[:6]
         when = (*when[:5], when[5] // 2 * 2)  # zip's clock counts seconds in twos
         assert {(info.date_time, info.external_attr >> 16) for info in infos} == {(when, 0o100644)}
-        assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".so"))]
+        assert not [n for n in names if "__pycache__" in n or n.endswith(".so")]
+        modules = {name for name in names if name.endswith(".py")}
+        assert {name for name in names if name.endswith(".pyc")} == {f"{m}c" for m in modules}
         tops = {name.split("/")[0] for name in names}
         packages = {top for top in tops if "." not in top}
         assert packages == {"async_timeout", "click", "lockrun", "pymysql", "redis", "share"}
@@ -216,6 +219,54 @@ def test_the_system_python_runs_the_pyz_alone(
     tab = {"_LOCKRUN_COMPLETE": "bash_complete", "COMP_WORDS": "lockrun --uri-f", "COMP_CWORD": "1"}
     completed = run("lockrun", env={**host, **tab, "COMP_LINE": "lockrun --uri-f"})
     assert (completed.stdout, completed.returncode) == ("plain,--uri-file\n", 0), completed.stderr
+
+
+# Run by the system's Python: the archive's __main__ under a hook that names every source
+# compiled from it (zipimport compiles a module it finds no usable bytecode for).
+COMPILES = """
+import runpy, sys
+pyz = sys.argv.pop(1)
+def hook(event, args):
+    if event == "compile" and str(args[1]).startswith(pyz):
+        print("compiled", args[1][len(pyz):], file=sys.stderr)
+sys.addaudithook(hook)
+sys.argv[0] = "lockrun"
+runpy.run_path(pyz, run_name="__main__")
+"""
+
+
+def test_a_run_of_the_build_python_compiles_nothing_and_others_fall_back_to_source(
+    pyz: Path, system_python: str, host: dict[str, str], tmp_path: Path, name: str
+) -> None:
+    """Each module's .pyc is unchecked-hash bytecode for this Python: a run compiles nothing.
+
+    It compiled every module it imported at every run (issue #32). A Python of another
+    version finds another magic number and compiles the source: the archive without its
+    bytecode stands in for it here.
+    """
+    magic = importlib.util.MAGIC_NUMBER
+    with zipfile.ZipFile(pyz) as archive:
+        for info in archive.infolist():
+            if info.filename.endswith(".pyc"):
+                assert archive.read(info)[:8] == magic + b"\x01\0\0\0", info.filename
+        bare = tmp_path / "bare.pyz"
+        with zipfile.ZipFile(bare, "w") as stripped:
+            for info in archive.infolist():
+                if not info.filename.endswith(".pyc"):
+                    stripped.writestr(info, archive.read(info))
+    same = run(
+        system_python, "-c", "import importlib.util as u; print(u.MAGIC_NUMBER.hex())", env=host
+    )
+    if same.stdout.strip() != magic.hex():
+        pytest.skip(f"{system_python} is not this Python's version: its bytecode differs")
+    argv = ("--uri", host["LOCKRUN_URI"], "-n", name, "--", "true")
+    far = {**host, "TZ": "Pacific/Kiritimati"}  # a timestamp .pyc would be stale here (+14 h)
+    for archive_path, compiled in ((pyz, False), (bare, True)):
+        ran = run(system_python, "-I", "-c", COMPILES, archive_path, *argv, env=far)
+        assert ran.returncode == 0, ran.stderr
+        assert ("compiled /lockrun/cli/__init__.py" in ran.stderr) is compiled, ran.stderr
+        if not compiled:
+            assert ran.stderr == ""
 
 
 def test_the_pyz_takes_redis_and_mysql_locks(

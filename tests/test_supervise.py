@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from lockrun.supervise import LOCAL_BELL_AFTER
 from tests.support.cli import (
+    LOCKRUN,
     gone,
     hung,
     lockrun,
@@ -899,6 +901,93 @@ def test_a_take_over_bell_refreshes_at_once_and_stops_the_command(tmp_path: Path
     assert err.strip() == "taken over by bob@ci3 pid 77"
     assert term.exists()  # stopped with TERM, its grace, not KILL
     assert count.read_text() == "xx"
+
+
+# A local lock's supervisor (ttl None) whose lease notes when its bells were asked for.
+LOCAL_BELLED = """
+import os, sys
+from lockrun.errors import TakenOver
+from lockrun.supervise import Limits, supervise
+from lockrun.timing import now
+
+bell_path, asked_path, taken = sys.argv[1:4]
+command = sys.argv[4:]
+
+class LocalLease:
+    slot, fence, ttl, fds, sessions = 0, None, None, (), ()
+    confirmed = now()
+
+    @property
+    def bells(self):
+        with open(asked_path, "w") as f:
+            f.write(repr(now() - self.confirmed))
+        return (os.open(bell_path, os.O_RDWR | os.O_NONBLOCK),)
+
+    def refresh(self):
+        if os.path.exists(taken):
+            raise TakenOver("taken over by bob@ci3 pid 77")
+
+    def release(self, hold=0.0):
+        pass
+
+try:
+    supervise(command, LocalLease(), Limits(refresh_every=3600.0, kill_after=5.0), env=os.environ)
+except TakenOver as err:
+    print(err, file=sys.stderr)
+    sys.exit(79)
+sys.exit(0)
+"""
+
+
+def test_a_local_locks_bells_are_made_into_the_run_and_still_stop_it(tmp_path: Path) -> None:
+    """A local lease's bells are asked for LOCAL_BELL_AFTER after the grant, not before; they ring.
+
+    file:'s bell (inotify) cost every run a ctypes load and a close that sleeps in the
+    kernel (issue #32); now a run that ends sooner makes none. A late bell still stops the
+    command: the watcher starts with it.
+    """
+    bell, asked, taken = tmp_path / "bell", tmp_path / "asked", tmp_path / "taken"
+    term, ready = tmp_path / "term", tmp_path / "ready"
+    os.mkfifo(bell)
+    script = tmp_path / "local_belled.py"
+    script.write_text(LOCAL_BELLED)
+    command = python_script(tmp_path, TERM_RECORDER)
+    supervisor = subprocess.Popen(
+        [
+            *(sys.executable, str(script), str(bell), str(asked), str(taken)),
+            *(sys.executable, command, str(ready), "record", str(term), str(tmp_path / "go")),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(ready, supervisor)
+    wait_for(asked.exists, what="the bells asked for")
+    assert float(asked.read_text()) >= LOCAL_BELL_AFTER  # a lower bound: load only delays it
+    taken.touch()
+    with open(bell, "w") as ring:
+        ring.write("x")
+    _, err = supervisor.communicate(timeout=30)
+    assert (supervisor.returncode, err.strip()) == (79, "taken over by bob@ci3 pid 77")
+    assert term.exists()
+
+
+def test_a_short_file_run_makes_no_take_over_bell(tmp_path: Path, name: str) -> None:
+    """`lockrun -- true` on file: makes no inotify instance (it made one, and closed it, each run).
+
+    strace slows the run: a machine so loaded that `true` outlived LOCAL_BELL_AFTER gets
+    three tries.
+    """
+    trace = tmp_path / "trace"
+    strace = ["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=inotify_init1,inotify_init"]
+    argv = [*strace, *LOCKRUN, "--uri", f"file://{tmp_path}/locks", "-n", name, "--", "true"]
+    made = []
+    for _ in range(3):
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert (run.returncode, run.stderr) == (0, "")
+        made.append(trace.read_text().count("inotify_init"))
+        if made[-1] == 0:
+            break
+    assert made[-1] == 0, made
 
 
 @pytest.mark.parametrize("scheme", ["file", "abstract"])

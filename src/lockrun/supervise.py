@@ -58,6 +58,13 @@ _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 
 _POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally ~1 ms)
+# How long a local lock's command runs before its take-over bells are made. file:'s bell is
+# an inotify watch: ctypes to load, and a close that waits in the kernel for milliseconds
+# (an SRCU grace period), for every run. A run shorter than this makes none; a taker waits
+# at most this much longer, since a refresh as the bell is made finds a request made before
+# (docs/semantics.md "Take-over", issue #32). A server's bell is made at once, where a
+# refresh is a round trip.
+LOCAL_BELL_AFTER: Final = 0.1
 
 
 class Killed(int):
@@ -104,7 +111,7 @@ def supervise(
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
         # Watching before the command starts: nothing can fail between its start and run().
-        with _Hangups(lease.sessions, lease.bells):
+        with watch.hangups:
             watch.confirm_before_start()  # the last thing before the spawn
             if guardian is not None:
                 pass_fds = (*pass_fds, guardian.switch)
@@ -223,23 +230,35 @@ class _Hangups(threading.Thread):
 
     def __init__(self, sessions: Sequence[int], bells: Sequence[int] = ()) -> None:
         super().__init__(name="lockrun-hangups", daemon=True)
-        self._watched = bool(sessions or bells)
+        self._entered = False
+        self._watched = bool(sessions)
         self._sessions = set(sessions)
         self._epoll = select.epoll()
         for fd in sessions:
             self._epoll.register(fd, select.EPOLLRDHUP)  # HUP and ERR are always reported
-        for fd in bells:
-            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
         self._wake, self._waker = os.pipe()
         self._epoll.register(self._wake, select.EPOLLIN)
+        self.ring_on(bells)
+
+    def ring_on(self, bells: Sequence[int]) -> None:
+        """Watch *bells* too, from now on; one readable already rings once."""
+        for fd in bells:
+            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
+            self._watched = True
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start watching once entered, if there is anything to watch, and not twice."""
+        if self._entered and self._watched and self.ident is None:
+            self.start()
 
     def __enter__(self) -> None:
-        if self._watched:
-            self.start()
+        self._entered = True
+        self._begin()
 
     def __exit__(self, *_: object) -> None:
         os.write(self._waker, b"x")
-        if self._watched:
+        if self.ident is not None:
             self.join()
         self._epoll.close()
         os.close(self._wake)
@@ -302,6 +321,11 @@ class _Watch:
             lease.ttl, lease.confirmed, every=limits.refresh_every, kill_after=limits.kill_after
         )
         self.asking: _Ask | None = None
+        # A local lock's bells are made `LOCAL_BELL_AFTER` into the run, a server's now.
+        self.local = lease.ttl is None
+        self.bells: tuple[int, ...] = () if self.local else lease.bells
+        self.hangups = _Hangups(lease.sessions, self.bells)
+        self.bells_due: float | None = None
         self.time_limit: float | None = None
         self.kill_at: float | None = None
         self.failure: LeaseLost | TimedOut | TakenOver | None = None
@@ -332,6 +356,8 @@ class _Watch:
         """
         self.pid = pid
         self.group = self.group or pid
+        if self.local:
+            self.bells_due = now() + LOCAL_BELL_AFTER
         if self.limits.max_time is not None:
             self.time_limit = now() + self.limits.max_time
         if now() >= self.clock.deadline():
@@ -394,6 +420,8 @@ class _Watch:
     def _next_timer(self) -> float:
         timers = []
         if self.failure is None:
+            if self.bells_due is not None:
+                timers.append(self.bells_due)
             if self.asking is not None:
                 timers.append(now() + _POLL)
             else:
@@ -413,8 +441,19 @@ class _Watch:
         if self.kill_at is not None and current >= self.kill_at:
             self._signal_group(signal.SIGKILL)
             self.kill_at = None
+        self._make_bells(current)
         if self.failure is None and not self._timed_out(current) and not self._collect(current):
             self._on_clock(current)
+
+    def _make_bells(self, current: float) -> None:
+        """Make a local lock's bells once they are due (`LOCAL_BELL_AFTER`), and watch them."""
+        if self.failure is None and self.bells_due is not None and current >= self.bells_due:
+            self.bells_due = None
+            self.bells = self.lease.bells
+            self.hangups.ring_on(self.bells)
+            # What a bell would have heard before it was made (a taker's request, a lock
+            # file deleted), a refresh finds now.
+            self.clock.ring()
 
     def _timed_out(self, current: float) -> bool:
         """Begin the stop if --max-time is up; return whether it was."""
@@ -462,7 +501,7 @@ class _Watch:
         # A bell that rang while the refresh ran may have been that refresh's own answer (a
         # bell on the session's socket: PostgreSQL's LISTEN). What the refresh read is
         # gone from the socket, so the bell counts only if one is still readable.
-        self.clock.rung = self.clock.rung and readable(self.lease.bells)
+        self.clock.rung = self.clock.rung and readable(self.bells)
         if ask.error is None:
             self._confirm(ask.sent, Answer.HELD)
         elif isinstance(ask.error, TakenOver):  # still ours, proved: stop with the usual grace

@@ -9,7 +9,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Final
 
-from lockrun.backends import MAX_RECORD, LockState, Request, inotify, next_fence, slots_mismatch
+from lockrun.backends import MAX_RECORD, LockState, Request, next_fence, slots_mismatch
 from lockrun.backends.directories import failure
 from lockrun.backends.file.directory import Held, LockDirectory, closed_on_error
 from lockrun.backends.file.lease import FileLease
@@ -150,7 +150,6 @@ class FileBackend:
         self._record_parts(request)  # now, not after the wait
         if deadline is not None and deadline <= now() and not request.shared:
             return False  # a one-shot writer: busy
-        inotify.load()  # the bell's library: now, not on the hand-over's path
         if gate is None:
             gate = self._gate(base, line)
         return self._queue(request, held, gate, deadline, line)

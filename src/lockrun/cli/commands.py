@@ -6,7 +6,6 @@ from typing import Final
 
 import click
 
-from lockrun import __version__
 from lockrun.cli.output import (
     LIVE,
     on_terminal,
@@ -26,6 +25,7 @@ from lockrun.cli.params import (
     namespace_option,
     quiet_option,
     shared_option,
+    show_version,
     slots_option,
     take_over_option,
     ttl_option,
@@ -196,12 +196,14 @@ all of them in man lockrun. DURATION: 90, 1.5, 500ms, 1m30s, 2d12h.""",
 )
 @quiet_option
 @verbose_option
-@click.version_option(
-    __version__,
+@click.option(  # not click.version_option, which looks a translation up (Grouped.get_help_option)
     "-V",
     "--version",
-    prog_name="lockrun",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
     allow_from_autoenv=False,  # LOCKRUN_VERSION=1 must not turn every run into a version
+    callback=show_version,
     help="show the version and exit",
 )
 @click.argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from lockrun import bounds, cli, progress
 from lockrun import lock as lock_module
-from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri
+from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri, write_json
 from lockrun.errors import ConfigError, LeaseLost, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
@@ -206,6 +207,19 @@ def test_holder_records_round_trip() -> None:
     assert Holder.from_dict(holder.to_dict()) == holder
     with pytest.raises(ValueError, match="host"):
         Holder.from_dict({"pid": 1})
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(JSON_VALUES)
+def test_write_json_writes_what_json_dumps_writes(value: object) -> None:
+    """A record written without json (issue #32) is json.dumps's, byte for byte."""
+    assert write_json(value) == json.dumps(value)
 
 
 def test_import_lockrun_loads_no_click_and_no_driver() -> None:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import time
 from typing import TYPE_CHECKING, Final
 
-from lockrun.backends import MAX_RECORD, LockState, Request, next_fence, slots_mismatch
+from lockrun.backends import (
+    MAX_RECORD,
+    LockState,
+    Request,
+    next_fence,
+    slots_mismatch,
+    write_json,
+)
 from lockrun.backends.directories import failure
 from lockrun.backends.file.directory import Held, LockDirectory, closed_on_error
 from lockrun.backends.file.lease import FileLease
@@ -331,7 +337,7 @@ class FileBackend:
             record |= {"slots": request.slots} | holder._replace(since=None).to_dict()
             # Holder's fields end with since, slot, expires (tests/backends/test_file.py
             # holds the record to json.dumps's).
-            head, _, tail = json.dumps(record).rpartition(_SINCE_AND_SLOT)
+            head, _, tail = write_json(record).rpartition(_SINCE_AND_SLOT)
             self._head = (fixed, head, tail)
         return self._head[1:]
 

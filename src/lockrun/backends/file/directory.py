@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # O_NONBLOCK: opening a FIFO planted as a lock file must not hang (its reader never comes);
 # O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
 _OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_EFFECTIVE: Final = os.access in os.supports_effective_ids  # access(2) as the opens see it
 
 
 class Held(NamedTuple):
@@ -199,6 +200,10 @@ class LockDirectory:
         finally:
             os.close(fd)
 
+    def exists(self, filename: str) -> bool:
+        """Say whether the directory has an entry *filename* (a missing one costs no error)."""
+        return os.access(filename, os.F_OK, dir_fd=self.fd, effective_ids=_EFFECTIVE)
+
     def peek(self, filename: str) -> tuple[tuple[int, int] | None, bytes]:
         """Return the identity and the content of a lock file, if it is a regular file.
 
@@ -227,11 +232,13 @@ class LockDirectory:
         A record that another user could have written (docs/security.md) is dropped: only
         the counter line stays, which no decision but the fence's rests on.
         """
+        if not split(content)[1].strip():  # no record: nothing to believe or not
+            return content
         try:
             who = stranger(os.fstat(held.fd))
         except OSError:
             who = "a user lockrun cannot tell"
-        if who is None or not split(content)[1].strip():
+        if who is None:
             return content
         if self._note is not None and held.path not in self._noted:
             self._noted.add(held.path)

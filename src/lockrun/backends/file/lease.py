@@ -104,7 +104,11 @@ class FileLease:
                     if hold > 0 and self._record:
                         overwrite(self._fd, window_marker(self._record, time.time() + hold))
                     else:
-                        os.ftruncate(self._fd, self._counter)
+                        # Blanked, not cut: the next grant writes over it in place
+                        # (FileBackend._grant; readers find no record in blanks).
+                        os.pwrite(
+                            self._fd, b" " * (len(self._record) - self._counter), self._counter
+                        )
             os.close(self._fd)  # unlocks unless a command still holds a duplicate
             self._fd = None
         if self._wake is not None:  # after the unlock, so the head finds the slot free

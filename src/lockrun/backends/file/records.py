@@ -9,6 +9,7 @@ only from a file no user but us, root and our groups could write (`stranger`).
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import stat
@@ -31,6 +32,7 @@ _LONGEST_WINDOW: Final = MAX_WAIT + 86400.0
 _WINDOW_NAP: Final = 1.0  # a window's wait looks at the wall clock again this often
 
 
+@functools.lru_cache(maxsize=1024)  # every acquisition names its file: a loop, the same
 def lock_base(namespace: str, name: str) -> str:
     """Return the file-name stem of a lock: ``name``, or ``namespace.name`` outside default."""
     key = escape(name) if namespace == DEFAULT_NAMESPACE else f"{escape(namespace)}.{escape(name)}"

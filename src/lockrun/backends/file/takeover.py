@@ -85,11 +85,12 @@ def taker(fd: int) -> str | None:
     """
     try:
         found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _request_lock(fcntl.F_RDLCK, _REQUESTS, 0))
-        if stranger(os.fstat(fd)) is not None:
+        who = asker(struct.unpack(_FLOCK, found))
+        if who is not None and stranger(os.fstat(fd)) is not None:
             return None
     except OSError:  # EINVAL: no OFD locks here (Linux < 3.15, another system)
         return None
-    return asker(struct.unpack(_FLOCK, found))
+    return who
 
 
 def asker(found: tuple[int, ...]) -> str | None:

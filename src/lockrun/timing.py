@@ -15,8 +15,9 @@ from lockrun.errors import UsageError
 # order rule refuses what reads as a typo (`30m1h`, `1h1h`) rather than add it up.
 _UNITS: Final = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _BLANKS: Final = " \t\n\r\f\v"  # around it; str.strip() would also take Unicode spaces
-_COMPONENT: Final = re.compile(r"([0-9.]+)[ \t]*(ms|[dhms])?[ \t]*")
-_NUMBER: Final = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+# Compiled on first use, like lockrun.uri's (issue #32).
+_COMPONENT: Final = r"([0-9.]+)[ \t]*(ms|[dhms])?[ \t]*"
+_NUMBER: Final = r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+"
 _SHOWN: Final = 40  # characters of a bad DURATION quoted back: 400 digits are not news
 FOREVER: Final = "forever"
 
@@ -41,8 +42,8 @@ def parse_duration(text: str, *, allow_forever: bool = False) -> float | None:
         raise _invalid(text, "empty; " + _hint(allow_forever=allow_forever))
     components, position = [], 0
     while position < len(cleaned):
-        match = _COMPONENT.match(cleaned, position)
-        if match is None or not _NUMBER.fullmatch(match[1]):  # `ms`, `1.5.5s`, `5x`
+        match = re.compile(_COMPONENT).match(cleaned, position)
+        if match is None or not re.compile(_NUMBER).fullmatch(match[1]):  # `ms`, `1.5.5s`, `5x`
             raise _invalid(text, _what_is_wrong(cleaned, allow_forever=allow_forever))
         components.append((match[1], match[2]))
         position = match.end()

@@ -161,28 +161,30 @@ BACKENDS: Final = tuple(dict.fromkeys(scheme.backend for scheme in SCHEMES.value
 DEFAULT_URI: Final = "file:"
 LOCAL_SCHEMES: Final = frozenset(name for name, scheme in SCHEMES.items() if scheme.local)
 HIDDEN: Final = "***"
-_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+# The regular expressions below are source text, compiled on first use (re.compile keeps
+# them): compiled at import, they were a tenth of a file: run's start-up (issue #32).
+_SCHEME: Final = r"[A-Za-z][A-Za-z0-9+.-]*:"
 # A KEY=VALUE whose %-decoded KEY holds one of these, in any case, carries a secret
 # (password, passwd, sslpassword, sentinel_password, pwd, auth, token, client_secret…);
 # hiding too much is the safe mistake.
 _SECRET_OPTION: Final = ("pass", "pwd", "secret", "token", "auth")
 # A KEY=VALUE anywhere: a query's option, a libpq conninfo's (`key = 'value'`), or one
 # nested in a value; the KEY is what stands before the = up to a separator.
-_KEYED: Final = re.compile(r"(?<![^\s=&?#/;,'\"])([^\s=&?#/;,'\"]+)\s*=\s*")  # linear: from a start
+_KEYED: Final = r"(?<![^\s=&?#/;,'\"])([^\s=&?#/;,'\"]+)\s*=\s*"  # linear: from a start
 # A URI inside other text (a conninfo in ?dbname=, a driver's words): its authority.
-_EMBEDDED: Final = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)")
+_EMBEDDED: Final = r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://([^/?#\s'\"]*)"
 # What each of an authority's comma-separated hosts may be, after its user information:
 # HOST[:PORT] or [IPV6][:PORT]. Anything else may be a secret: ``redis://user:password``
 # with no @HOST, or ``redis://user:/password`` (a colon with no port, then a path).
-_HOST: Final = re.compile(r"(?:\[[0-9A-Fa-f:.]*(?:%25[\w.~%-]*)?\]|[^:\[\]]*)(?::[0-9]{1,5})?")
-_ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
-_ESCAPES: Final = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
-_WORD: Final = re.compile(r"[^\s&;]*")  # a value as far as it surely goes
-_QUOTED: Final = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", re.DOTALL)  # libpq's
-_ESCAPED: Final = re.compile(r"\\(.)", re.DOTALL)
+_HOST: Final = r"(?:\[[0-9A-Fa-f:.]*(?:%25[\w.~%-]*)?\]|[^:\[\]]*)(?::[0-9]{1,5})?"
+_ESCAPE: Final = r"%([0-9A-Fa-f]{2})"
+_ESCAPES: Final = r"(?:%[0-9A-Fa-f]{2})+"
+_WORD: Final = r"[^\s&;]*"  # a value as far as it surely goes
+_QUOTED: Final = r"(?s)'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\""  # libpq's
+_ESCAPED: Final = r"(?s)\\(.)"
 _DECODINGS: Final = 4  # the text and three %-decodings of it: %252525… is its writer's business
-_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
-_QUERY: Final = re.compile(r"\?([^#]*)")
+_CONTROL: Final = r"[\x00-\x1f\x7f]"
+_QUERY: Final = r"\?([^#]*)"
 # Schemes whose path is a file name, where an @ is just a character (unix:///run/a@b.sock).
 _PATH_SCHEMES: Final = LOCAL_SCHEMES | {"unix"}
 # Where a user information without a colon is often the password (redis://SECRET@host).
@@ -233,7 +235,11 @@ def parse_uri(text: object) -> LockURI:
     scheme_match = _known_scheme(text)
     if scheme_match is None:
         known = ", ".join(f"{scheme}:" for scheme in SCHEMES)
-        what = "unknown lock URI scheme in" if _SCHEME.match(text) else "malformed lock URI"
+        what = (
+            "unknown lock URI scheme in"
+            if re.compile(_SCHEME).match(text)
+            else "malformed lock URI"
+        )
         msg = f"{what} {redact(text)!r}; expected {known}"
         raise URIError(msg)
     scheme = scheme_match[0][:-1].lower()
@@ -263,7 +269,7 @@ def _refuse_unsafe(text: str, scheme: str) -> None:
     """Refuse control characters, fragments, and a user information parsers could split."""
     hint = "percent-encode it"
     problem = None
-    if _CONTROL.search(text):
+    if re.compile(_CONTROL).search(text):
         problem = "holds a control character (a line break, a tab…)"
         hint = "remove it, or percent-encode it"
     elif any("\ud800" <= char <= "\udfff" for char in text):
@@ -324,7 +330,7 @@ def _userinfo_end(text: str) -> int | None:
 
 def _known_scheme(text: str) -> re.Match[str] | None:
     """Match a known scheme and its colon at the start of *text*."""
-    match = _SCHEME.match(text)
+    match = re.compile(_SCHEME).match(text)
     return match if match is not None and match[0][:-1].lower() in SCHEMES else None
 
 
@@ -335,7 +341,7 @@ def _authority_start(text: str) -> int:
     ``SCHEME://``; other text without a known scheme (``alice:secret@host``) is all
     authority.
     """
-    match = _known_scheme(text) or _SCHEME.match(text)
+    match = _known_scheme(text) or re.compile(_SCHEME).match(text)
     start = match.end() if match else 0
     if text.startswith("//", start):
         return start + 2
@@ -438,7 +444,7 @@ def _find(text: str) -> _Found:
         found.hide_rest(start, text, start)
         _split_userinfo(authority, found, password_only=False)
     # A query item with no = is no option: a password pasted in the wrong place, maybe.
-    query = _QUERY.search(text)
+    query = re.compile(_QUERY).search(text)
     if query is not None:
         at = query.start(1)
         for item in query[1].split("&"):
@@ -459,11 +465,11 @@ def _find_in_view(text: str, view: str, where: list[int], found: _Found, *, own:
     *where* maps each position of *view* to one of *text*; *own*: a URI that starts *text*
     is its own, not one inside it.
     """
-    for match in _KEYED.finditer(view):
+    for match in re.compile(_KEYED).finditer(view):
         if _is_secret_option(match[1]):
             found.hide_rest(where[match.end()], view, match.end())
             _add_value(view, match.end(), found)
-    for match in _EMBEDDED.finditer(view):
+    for match in re.compile(_EMBEDDED).finditer(view):
         userinfo, sign, hosts = match[1].rpartition("@")
         scheme = view[match.start() : match.start(1)]
         inside = not own or where[match.start()] > 0 or not text.startswith(scheme)
@@ -489,7 +495,7 @@ def _loose_authority(text: str, found: _Found) -> str | None:
 def _plain(hosts: str, found: _Found) -> bool:
     """Whether *hosts* is a comma-separated list of HOST[:PORT] (marking a HIDDEN one)."""
     found.marked |= hosts == HIDDEN
-    return all(_HOST.fullmatch(host) for host in hosts.split(","))
+    return all(re.compile(_HOST).fullmatch(host) for host in hosts.split(","))
 
 
 def _split_userinfo(raw: str, found: _Found, *, password_only: bool) -> None:
@@ -510,9 +516,9 @@ def _add_value(view: str, at: int, found: _Found) -> None:
 
     libpq reads ``key='a b\'c'`` as ``a b'c``; a URI's option ends at ``&``.
     """
-    found.passwords.add(_WORD.match(view, at)[0])  # type: ignore[index]  # always matches
-    if (quoted := _QUOTED.match(view, at)) is not None:
-        found.passwords.add(_ESCAPED.sub(r"\1", quoted[1] or quoted[2] or ""))
+    found.passwords.add(re.compile(_WORD).match(view, at)[0])  # type: ignore[index]  # always matches
+    if (quoted := re.compile(_QUOTED).match(view, at)) is not None:
+        found.passwords.add(re.compile(_ESCAPED).sub(r"\1", quoted[1] or quoted[2] or ""))
 
 
 def _views(text: str) -> Iterator[tuple[str, list[int]]]:
@@ -520,7 +526,7 @@ def _views(text: str) -> Iterator[tuple[str, list[int]]]:
     view, where = text, list(range(len(text) + 1))
     for _ in range(_DECODINGS):
         yield view, where
-        if not _ESCAPE.search(view):
+        if not re.compile(_ESCAPE).search(view):
             return
         view, where = _decoded(view, where)
 
@@ -530,7 +536,7 @@ def _decoded(view: str, where: list[int]) -> tuple[str, list[int]]:
     chars: list[str] = []
     places: list[int] = []
     at = 0
-    for run in _ESCAPES.finditer(view):
+    for run in re.compile(_ESCAPES).finditer(view):
         chars.append(view[at : run.start()])
         places += where[at : run.start()]
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

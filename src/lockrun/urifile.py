@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # $CREDENTIALS_DIRECTORY/lockrun-uri.
 CREDENTIAL: Final = "lockrun-uri"
 MAX_SIZE: Final = 64 * 1024  # a URI is a line; anything larger was never meant for us
-_SCHEME: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_SCHEME: Final = r"([A-Za-z][A-Za-z0-9+.-]*):"
 _KINDS: Final = {
     stat.S_IFDIR: "a directory",
     stat.S_IFIFO: "a FIFO",
@@ -126,7 +126,7 @@ def _uri_in(data: bytes, where: str) -> str:
         problem = "holds more than one line; put the lock URI alone on one"
     elif not text:
         problem = "is empty"
-    elif (scheme := _SCHEME.match(text)) is None or scheme[1].lower() not in SCHEMES:
+    elif (scheme := re.compile(_SCHEME).match(text)) is None or scheme[1].lower() not in SCHEMES:
         known = ", ".join(f"{name}:" for name in SCHEMES)
         problem = (
             f"does not start with a lock URI scheme ({known}); "

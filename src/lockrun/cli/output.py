@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # What a terminal would act on, or what would forge a line or a row: C0 and C1 controls
 # (a line break in a name must not split the line cron mails), DEL, lone surrogates (not
 # UTF-8: printing one would fail), bidirectional overrides and Unicode line separators.
-_UNPRINTABLE: Final = re.compile(
+_UNPRINTABLE: Final = (
     "[\x00-\x1f\x7f-\x9f\ud800-\udfff\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]"
 )
 _SECRETS: Final[list[str]] = []  # the lock URI's, never to be printed (`hide`)
@@ -29,7 +29,7 @@ _SECRETS: Final[list[str]] = []  # the lock URI's, never to be printed (`hide`)
 
 def printable(text: str) -> str:
     """Escape every character of *text* that a terminal would act on (an ESC, a line break)."""
-    return _UNPRINTABLE.sub(_escaped, text)
+    return re.compile(_UNPRINTABLE).sub(_escaped, text)
 
 
 def _escaped(match: re.Match[str]) -> str:

@@ -168,6 +168,7 @@ class Grouped(click.Command):
                 is_flag=True,
                 expose_value=False,
                 is_eager=True,
+                allow_from_autoenv=False,  # LOCKRUN_HELP=1 must not turn every run into help
                 callback=_show_help,
                 help="show this help and exit",
             )

@@ -353,7 +353,8 @@ class Lock:
         """Say what to ask for, by this process from now (after a fork: the child)."""
         if self._me.pid != os.getpid():
             self._me = Holder.me(sys.argv)._replace(shared=self.shared)
-        holder = self._me._replace(since=time.time())
+        me = self._me  # not _replace, which costs the uncontended cycle a tenth (#32)
+        holder = Holder._make((*me[:_SINCE], time.time(), *me[_SINCE + 1 :]))
         return Request(
             self.namespace,
             self.name,
@@ -415,6 +416,7 @@ class _Held(threading.local):
 
 
 _HELD: Final = _Held()
+_SINCE: Final = Holder._fields.index("since")
 _FORKED: Final[list[Backend]] = []  # backends a forked child inherited: left alone
 
 

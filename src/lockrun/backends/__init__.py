@@ -459,6 +459,9 @@ def _slots(count: int) -> str:
     return "1 slot" if count == 1 else f"{count} slots"
 
 
+_FENCE_DIGITS: Final = len(str(MAX_FENCE))
+
+
 def next_fence(previous: bytes) -> int:
     """Return a fence token above *previous* and above the microsecond wall clock.
 
@@ -469,7 +472,7 @@ def next_fence(previous: bytes) -> int:
     user's): it counts as lost.
     """
     text = previous.strip()
-    last = int(text) if text.isdigit() and len(text) <= len(str(MAX_FENCE)) else 0
+    last = int(text) if text.isdigit() and len(text) <= _FENCE_DIGITS else 0
     if last >= MAX_FENCE:
         last = 0
     return max(last + 1, time.time_ns() // 1000)

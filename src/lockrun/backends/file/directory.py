@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # O_NONBLOCK: opening a FIFO planted as a lock file must not hang (its reader never comes);
 # O_NOFOLLOW: nor may a planted symlink take us elsewhere. Only regular files are used.
 _OPEN: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_PATHS: Final = 1024  # file names whose paths a directory remembers
 _EFFECTIVE: Final = os.access in os.supports_effective_ids  # access(2) as the opens see it
 
 
@@ -61,6 +62,7 @@ class LockDirectory:
         what `-v` shows: records not believed.
         """
         self.directory = directory
+        self._paths: dict[str, str] = {}
         self.private = private
         self.make_below = make_below
         self._note = note
@@ -116,7 +118,11 @@ class LockDirectory:
 
     def path(self, filename: str) -> str:
         """Return the path of the lock file *filename*, for messages and records."""
-        return os.path.join(self.directory, filename)
+        if (path := self._paths.get(filename)) is None:  # every grant names its file
+            path = self._paths[filename] = os.path.join(self.directory, filename)
+            if len(self._paths) > _PATHS:
+                self._paths.clear()
+        return path
 
     def open(self, filename: str) -> Held:
         """Open (or make) a lock file: a regular file, nothing else; say if it has other names."""

@@ -209,6 +209,15 @@ def test_holder_records_round_trip() -> None:
         Holder.from_dict({"pid": 1})
 
 
+@given(
+    st.from_regex(r"[0-9]{1,6}(\.[0-9]{0,3})?|\.[0-9]{1,3}", fullmatch=True),
+    st.sampled_from(["", "ms", "d", "h", "m", "s"]),
+)
+def test_a_lone_number_and_unit_reads_as_the_spaced_form_does(number: str, unit: str) -> None:
+    """`30s` (read without a regex, issue #32) is what `30 s` (read by the regex) is."""
+    assert parse_duration(f"{number}{unit}") == parse_duration(f"{number} {unit}")
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),

@@ -40,6 +40,14 @@ def parse_duration(text: str, *, allow_forever: bool = False) -> float | None:
         return None
     if not cleaned:
         raise _invalid(text, "empty; " + _hint(allow_forever=allow_forever))
+    # One number and its unit, as the defaults are (30s): read without a regex (#32).
+    unit = next((each for each in ("ms", "d", "h", "m", "s") if cleaned.endswith(each)), "")
+    number = cleaned.removesuffix(unit)
+    plain = number.replace(".", "", 1)
+    if plain.isascii() and plain.isdigit():
+        seconds = float(number) * _UNITS[unit or "s"]
+        if math.isfinite(seconds):
+            return seconds
     components, position = [], 0
     while position < len(cleaned):
         match = re.compile(_COMPONENT).match(cleaned, position)

@@ -662,8 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row(f"{group.backends[0]} backend", f"skipped: {err}")
         runs = reach.QUICK_RUNS if quick else reach.RUNS
         try:
-            reach.one_file(bench.scenario_dir("pyz"), runs)
-            reach.monitoring(bench.scenario_dir("monitoring"), runs)
+            reach.one_file(bench.scenario_dir("pyz"), runs, "zz1")
+            reach.monitoring(bench.scenario_dir("monitoring"), runs, "zz2")
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             bench.broke("one file, monitoring", Broken(str(err)))
         return bench.finish(began)

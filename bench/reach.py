@@ -76,9 +76,9 @@ def report(found: dict[str, float], baseline: str) -> None:
             row(label, numbers, f"<= {most}x", ratio <= most)
 
 
-def one_file(scratch: Path, runs: int) -> None:
+def one_file(scratch: Path, runs: int, letter: str = "a") -> None:
     """Time the pyz, run by the system's Python, against the installed command."""
-    section("(a) One file: lockrun.pyz against the installed lockrun")
+    section(f"({letter}) One file: lockrun.pyz against the installed lockrun")
     pyz = scratch / "lockrun.pyz"
     quiet(sys.executable, str(ROOT / "scripts" / "build-pyz"), "--out", str(pyz))
     files = f"file://{scratch}/locks"
@@ -129,9 +129,9 @@ def sections(scratch: Path, runs: int) -> None:
         report(medians(cases, runs), f"{backend} run of true")
 
 
-def monitoring(scratch: Path, runs: int) -> None:
+def monitoring(scratch: Path, runs: int, letter: str = "c") -> None:
     """Time a hook and the metrics file against the plain run."""
-    section("(c) Monitoring: a hook and the metrics file, against the plain run")
+    section(f"({letter}) Monitoring: a hook and the metrics file, against the plain run")
     uri = f"file://{scratch}/locks"
     metrics = scratch / "lockrun.prom"
 

@@ -19,7 +19,7 @@ from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import timeout_for
 from lockrun.backends.mysql.batch import Answer
-from lockrun.backends.mysql.statements import get_lock
+from lockrun.backends.mysql.statements import SWEEPS, TABLES, get_lock
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 from lockrun.timing import now
 from lockrun.uri import scrub
@@ -65,6 +65,9 @@ _LOST: Final = frozenset(
 # A statement stopped on the server, its session and locks intact: KILL QUERY, or a DBA's
 # max_statement_time (MariaDB) / max_execution_time (MySQL).
 CANCELLED: Final = frozenset({ER.QUERY_INTERRUPTED, ER.STATEMENT_TIMEOUT, ER.QUERY_TIMEOUT})
+# A server that offers no MEMORY engine (MySQL's disabled_storage_engines, as Group
+# Replication advises): lockrun's tables are made in InnoDB instead.
+_NO_ENGINE: Final = frozenset({ER.UNKNOWN_STORAGE_ENGINE, 3161})  # ER_DISABLED_STORAGE_ENGINE
 # What a statement that needs lockrun's tables may fail with, and so what is caught there.
 STATEMENT_ERRORS: Final = (pymysql.err.OperationalError, pymysql.err.ProgrammingError)
 
@@ -164,6 +167,8 @@ class Session:
         # (never by the session alone: a session may serve many acquisitions).
         self.unchecked: object = None  # the attempt whose check of N goes with its first try
         self.gate_left: object = None  # the attempt whose grant let the gate go already
+        # The attempt whose try drew its grant in the same round trip, and what it drew.
+        self.drawn: tuple[object, Any] | None = None
 
     def fileno(self) -> int:
         """Return the socket's descriptor."""
@@ -403,6 +408,23 @@ def said(settings: Settings, err: pymysql.err.Error) -> str:
     """Return what PyMySQL or the server said of *err*, in one line, with no secret."""
     text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
     return scrub(" ".join(text.split()), settings.secrets)
+
+
+def make_tables(session: Session) -> None:
+    """Create lockrun's tables that are missing; in InnoDB where MEMORY is not offered."""
+    for statement in TABLES:
+        try:
+            session.one(statement)
+        except pymysql.err.Error as err:
+            if not err.args or err.args[0] not in _NO_ENGINE:
+                raise
+            session.one(statement.replace("ENGINE=MEMORY", "ENGINE=InnoDB"))
+
+
+def sweep(session: Session) -> None:
+    """Delete the rows of lockrun's tables in memory that no longer count (`SWEEPS`)."""
+    for statement in SWEEPS:
+        session.one(statement)
 
 
 def tableless(err: pymysql.err.Error) -> bool:

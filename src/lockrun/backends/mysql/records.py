@@ -129,7 +129,7 @@ def grant_batch(
 ) -> Grant:
     """Return the grant's statements for *slot* of *key*, in the order the server runs them.
 
-    The record and the fence in one transaction (one commit where an earlier lockrun made
+    The fence and the record in one transaction (one commit where an earlier lockrun made
     the tables in InnoDB; nothing to flush in MEMORY), each written only if this session
     holds the slot; the gate's release (*gate*: this session holds it); then the reads,
     the last two of which may find their tables out of reach. Added to *batch*, if given:
@@ -138,8 +138,10 @@ def grant_batch(
     batch = Batch() if batch is None else batch
     lock = f"{key}:{slot}"
     batch.add("START TRANSACTION")
-    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record, lock))
+    # The fence first: a user who may not draw one (no fence, `draw`) leaves no record in
+    # MEMORY, where no rollback takes it back.
     fence = batch.add(NEXT_FENCE, (key, lock), read=last_id)
+    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record, lock))
     batch.add("COMMIT")
     if gate:
         batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))

@@ -86,6 +86,9 @@ class _Connection(pymysql.connections.Connection):
 
     deadline: float | None = None
     left = MAX_ANSWER
+    # Bytes the reader holds in its buffer (`_read_within`), and which reader: TLS makes a new one.
+    ahead = 0
+    ahead_of: object = None
 
     def connect(self, sock: socket.socket | None = None) -> None:
         """Connect, with the handshake whole within the connect timeout."""
@@ -102,34 +105,48 @@ class _Connection(pymysql.connections.Connection):
         self.left -= num_bytes
         if self.left < 0:
             self._lost(f"an answer of more than {MAX_ANSWER} bytes")
+        if self.ahead >= num_bytes and self.ahead_of is self._rfile:  # type: ignore[attr-defined]
+            self.ahead -= num_bytes  # in the buffer already: no wait, no deadline
+            return bytes(self._rfile.read1(num_bytes))  # type: ignore[attr-defined]
         saved = self._sock.gettimeout()  # type: ignore[attr-defined]
         try:
-            data = self._read_within(num_bytes, saved)
+            data, waited = self._read_within(num_bytes, saved)
         except OSError as err:
             self._lost(f"Lost connection to MySQL server during query ({err})", err)
         except BaseException:
             self._force_close()  # type: ignore[attr-defined]
             raise
-        if self._sock is not None:  # type: ignore[attr-defined]
+        if waited and self._sock is not None:  # type: ignore[attr-defined]
             self._sock.settimeout(saved)  # type: ignore[attr-defined]
         if len(data) < num_bytes:
             self._lost("Lost connection to MySQL server during query")
         return bytes(data)
 
-    def _read_within(self, num_bytes: int, saved: float | None) -> bytearray:
-        """Read up to *num_bytes* before the deadline; fewer if the server hangs up."""
+    def _read_within(self, num_bytes: int, saved: float | None) -> tuple[bytearray, bool]:
+        """Read up to *num_bytes* before the deadline; fewer if the server hangs up.
+
+        Return them, and whether the socket's timeout was changed. Each wait for the
+        socket fills the reader's buffer (one recv of up to its size), so that a reply of
+        many small packets (a batch's) costs a recv or two rather than two a packet.
+        """
         data = bytearray()
+        waited = False
+        rfile = self._rfile  # type: ignore[attr-defined]
         while len(data) < num_bytes:
-            if self.deadline is not None:
-                left = self.deadline - now()
-                if left <= 0:
-                    raise TimeoutError(errno.ETIMEDOUT, "timed out")  # as a recv's
-                self._sock.settimeout(left if saved is None else min(left, saved))  # type: ignore[attr-defined]
-            chunk = self._rfile.read1(num_bytes - len(data))  # type: ignore[attr-defined]
-            if not chunk:
-                break
+            if self.ahead <= 0 or self.ahead_of is not rfile:
+                if self.deadline is not None:
+                    left = self.deadline - now()
+                    if left <= 0:
+                        raise TimeoutError(errno.ETIMEDOUT, "timed out")  # as a recv's
+                    self._sock.settimeout(left if saved is None else min(left, saved))  # type: ignore[attr-defined]
+                    waited = True
+                self.ahead, self.ahead_of = len(rfile.peek(1)), rfile  # at most one recv
+                if not self.ahead:
+                    break
+            chunk = rfile.read1(min(self.ahead, num_bytes - len(data)))
+            self.ahead -= len(chunk)
             data += chunk
-        return data
+        return data, waited
 
     def _lost(self, msg: str, err: OSError | None = None) -> NoReturn:
         """Close at once and raise PyMySQL's error for a lost connection, saying *msg*."""

@@ -49,6 +49,7 @@ NO_TABLES: Final = frozenset(
         ER.SPECIFIC_ACCESS_DENIED_ERROR,
         ER.OPEN_AS_READONLY,
         ER.CANT_CREATE_TABLE,
+        3098,  # ER_BEFORE_DML_VALIDATION_ERROR: Group Replication takes InnoDB tables only
     }
 )
 # A connection lost or ended under us: server gone, restarted, shutting down, KILLed.

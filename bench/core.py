@@ -366,6 +366,19 @@ def family_usage(pids: Iterable[int]) -> dict[int, Usage]:
     return usage
 
 
+def pss(pids: Iterable[int]) -> float:
+    """Return the proportional set size of *pids* together, in MiB (/proc/PID/smaps_rollup).
+
+    A page shared by k processes counts 1/k for each: the memory each costs the machine.
+    """
+    total = 0  # kB
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            total += sum(int(line.split()[1]) for line in lines if line.startswith("Pss:"))
+    return total / 1024
+
+
 def spent(before: dict[int, Usage], after: dict[int, Usage]) -> Usage:
     """Return what the processes of *after* spent since *before* (a newcomer: all it used)."""
     nothing = Usage(0.0, 0.0, 0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, NamedTuple
 from urllib.parse import urlsplit
 
-from bench import api, core, modes
+from bench import api, core, modes, reach
 from bench.core import ETCD, FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
 from bench.servers import Unavailable, serving
 
@@ -41,31 +41,48 @@ if TYPE_CHECKING:
 APPEND_SCRIPT: Final = 'echo "$1 ${LOCKRUN_FENCE:-}" >> "$2"'  # $1 index, $2 order file
 FIFO_SPACING: Final = 0.1
 LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh queue
-STARTUP_TARGET: Final = 1.1
+# Start-up: a local backend's over importing click (a click program's least), a server
+# backend's over its floor (FLOORS); issue 32's targets.
+LOCAL_STARTUP_TARGET: Final = 1.15
+SERVER_STARTUP_TARGET: Final = 1.05
 FILE_HANDOFF_RATIO: Final = 1.3
 ETCD_HANDOFF_RATIO: Final = 1.2
 OTHER_HANDOFF_MS: Final = 10.0
 SLOTS: Final = (1, 3)
 # What lockrun's start-up is divided by: the interpreter importing click and the driver,
 # then connecting and one round trip; for the local backends, importing click and a flock(2).
+# Each floor connects the cheapest way that does what lockrun's connection does: PyMySQL's
+# default connect loads the system's CA store for a TLS it offers (≈20 ms) that lockrun,
+# asked for no TLS, skips, so the floor skips it too.
 DRIVERS: Final = {"redis": "redis", "mysql": "pymysql", "postgres": "psycopg"}
 FLOORS: Final = {
     "redis": ("PING", "redis.Redis.from_url({uri!r}).ping()"),
-    "mysql": ("SELECT 1", "pymysql.connect(**{mysql!r}).query('SELECT 1')"),
+    "mysql": ("SELECT 1", "pymysql.connect(**{mysql!r}, ssl_disabled=True).query('SELECT 1')"),
     "postgres": ("SELECT 1", "psycopg.connect({uri!r}).execute('SELECT 1')"),
 }
 LOCAL_FLOOR: Final = "fcntl.flock(os.open({path!r}, os.O_RDWR | os.O_CREAT, 0o600), fcntl.LOCK_EX)"
 TITLES: Final = {"redis": "Redis", "mysql": "MySQL", "postgres": "PostgreSQL"}
 # The Python API: lockrun at most this many times its peer's acquire+release median.
 API_TARGETS: Final = {
-    "file": (api.PORTALOCKER, 2.0),
+    "file": (api.PORTALOCKER, 1.5),
     "abstract": (api.PORTALOCKER, 2.0),
-    "redis": (api.REDIS_LOCK, 1.5),
+    "redis": (api.REDIS_LOCK, 1.3),
     "mysql": (api.GET_LOCK, 2.5),
     "postgres": (api.ADVISORY, 2.5),
 }
 CONTENDING: Final = 4  # processes on one name
-THROUGHPUT_SHARE: Final = 0.5  # lockrun's cycles/s, at least this share of the best peer's
+# lockrun's cycles/s, at least this share of the primitive's, as issue 32 reads it: the raw
+# GET_LOCK and advisory lock; on Redis, where SET NX cannot wait, redis-py's lock, which polls
+# it; on a file, portalocker's flock(2) (a bare open+flock+close is printed beside it).
+THROUGHPUT_SHARE: Final = 0.5
+RAW: Final = {
+    "file": api.PORTALOCKER,
+    "abstract": api.PORTALOCKER,
+    "redis": api.REDIS_LOCK,
+    "mysql": api.GET_LOCK,
+    "postgres": api.ADVISORY,
+}
+PSS_TARGET: Final = 12.0  # MiB of memory a waiting lockrun (its process tree) may cost
 FAIRNESS: Final = 0.85  # lockrun's fewest cycles per process over its most: FIFO, in turn
 API_TIMEOUT: Final = 120.0
 
@@ -155,6 +172,7 @@ def startup(bench: Bench, group: Group) -> None:
                 bench.broke(f"{backend} startup", err)
                 return
             row("server start", f"{server.ready_in:.1f} s: a fresh data directory, then a session")
+            row("durability", server.durability)
         shown = "file:DIR" if backend == "file" else lock.uri.split(":")[0] + ":"
         lockruns[backend] = f"lockrun --uri {shown}{'//…' if server else ''} -- true"
         floors[backend], floor_command = floor(backend, lock)
@@ -170,10 +188,13 @@ def startup(bench: Bench, group: Group) -> None:
         row(label, f"{median * 1000:7.1f} ms")
     for backend, label in lockruns.items():
         prefix, mine = f"{backend}: " if len(group.backends) > 1 else "", medians[label]
-        core.ratio_row(f"{prefix}lockrun / floor", mine / medians[floors[backend]], STARTUP_TARGET)
+        served = bench.server_of(backend) is not None
+        target = None if not served else SERVER_STARTUP_TARGET
+        core.ratio_row(f"{prefix}lockrun / floor", mine / medians[floors[backend]], target)
         for module in modules:
             ratio = mine / medians[f"python -c 'import {module}'"]
-            core.ratio_row(f"{prefix}lockrun / import {module}", ratio)
+            most = LOCAL_STARTUP_TARGET if not served and module == "click" else None
+            core.ratio_row(f"{prefix}lockrun / import {module}", ratio, most)
         row(f"{prefix}lockrun / flock(1)", f"{mine / medians['flock DIR/x true']:5.1f}x")
 
 
@@ -208,6 +229,8 @@ def start_etcd(bench: Bench, stack: contextlib.ExitStack) -> bool:
         stack.enter_context(serving(bench, ETCD))
         etcd = bench.servers[ETCD]
         row("etcd", f"etcd {etcd.version()}, {etcd.uri}, started in {etcd.ready_in:.1f} s")
+        row("etcd durability", etcd.durability)
+        row("etcdctl waiter queued", "once etcd counts its watch, synced (servers.Etcd.waiting)")
     except (Unavailable, Broken) as err:
         row("etcdctl lock", f"skipped: {err}")
         return False
@@ -268,6 +291,7 @@ class IdleResult:
 
     usage: Usage
     processes: int  # the waiters and their children
+    pss: float  # MiB of memory, summed over their process trees (smaps_rollup)
     drain: float
     server: Usage | None = None
     connected: int = 0  # the server's clients at the window's end, without the probe
@@ -292,7 +316,7 @@ def idle_case(
             server_start = None if server is None else server.usage()
             time.sleep(window)
             after = core.family_usage(proc.pid for proc in queue)
-            result = IdleResult(core.spent(before, after), len(after), 0.0)
+            result = IdleResult(core.spent(before, after), len(after), core.pss(after), 0.0)
             if server is not None and server_start is not None:
                 load = server.usage() - server_start
                 connected, blocked = server.clients()
@@ -320,6 +344,9 @@ def idle(bench: Bench, group: Group) -> None:
             continue
         what, usage = f"{kind} --slots {slots}", result.usage
         core.idle_row(f"{what}: waiters", usage, window)
+        memory = result.pss / waiters
+        numbers = f"{memory:5.1f} MiB PSS per waiter"
+        row(f"{what}: memory", numbers, f"<= {PSS_TARGET:g}", memory <= PSS_TARGET)
         each = f"{usage.run * 1000 / waiters:.3f} ms CPU (exact), "
         each += f"{usage.switches / waiters:.1f} wakeups; {result.processes - waiters} children"
         row(f"{what}: per waiter", each)
@@ -582,12 +609,16 @@ def api_throughput(bench: Bench, group: Group) -> None:
             f">= {FAIRNESS}",
             fair >= FAIRNESS,
         )
-        peers = [e for e in entries if e.contender in api.PEERS[backend] and not e.contender.floor]
-        if rated := [(found[e.label].rate, e.contender.name) for e in peers if e.label in found]:
-            rate, best = max(rated)
-            ratio, least = mine.rate / rate, f">= {THROUGHPUT_SHARE}x"
-            what = f"{backend}: cycles/s, lockrun / {best}"
-            row(what, f"{ratio:5.2f}x", least, ratio >= THROUGHPUT_SHARE)
+        for entry in entries:
+            if entry.contender in api.PEERS[backend] and entry.label in found:
+                ratio = mine.rate / found[entry.label].rate
+                what = f"{backend}: cycles/s, lockrun / {entry.contender.name}"
+                if entry.contender is RAW[backend]:
+                    row(
+                        what, f"{ratio:5.2f}x", f">= {THROUGHPUT_SHARE}x", ratio >= THROUGHPUT_SHARE
+                    )
+                else:
+                    core.ratio_row(what, ratio)
 
 
 SECTIONS: Final[tuple[Callable[[Bench, Group], None], ...]] = (
@@ -629,4 +660,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 last = group.letters[len(SECTIONS) - 1]
                 core.section(f"({group.letters[0]}) to ({last}) {group.title}: skipped")
                 row(f"{group.backends[0]} backend", f"skipped: {err}")
+        runs = reach.QUICK_RUNS if quick else reach.RUNS
+        try:
+            reach.one_file(bench.scenario_dir("pyz"), runs, "zz1")
+            reach.monitoring(bench.scenario_dir("monitoring"), runs, "zz2")
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            bench.broke("one file, monitoring", Broken(str(err)))
         return bench.finish(began)

@@ -3,6 +3,12 @@
 Each listens on a free loopback port too: lockrun reaches it over TCP like a real deployment.
 The probe, a session of the bench's own on the unix socket, asks who waits and how many.
 An etcd, for `etcdctl lock` beside the server backends, is asked over its JSON gateway.
+
+Every server keeps its production durability, so that no side of a ratio skips a flush the
+other pays (`durability` says which): PostgreSQL fsyncs (the tests' servers do not), MariaDB
+flushes InnoDB's log at every commit (its default), etcd's data is on the disk, and Redis
+appends every write to its AOF, fsynced once a second (its usual durable setting; Redis
+never waits for a disk on a write but with `appendfsync always`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ USER_LOCK: Final = "User lock"  # PROCESSLIST STATE of a session waiting inside 
 MAX_CONNECTIONS: Final = 400  # a session per idle waiter, and the holders
 STARTS: Final = 3  # someone else may bind the free port before the server does
 T = TypeVar("T")
+# etcd's gauges of watches, all of them and those not yet caught up (GET /metrics).
+WATCHERS: Final = "etcd_debugging_mvcc_watcher_total"
+UNSYNCED: Final = "etcd_debugging_mvcc_slow_watcher_total"
 
 
 class Unavailable(Exception):
@@ -59,6 +68,7 @@ class Server:
     """
 
     program: ClassVar[str]
+    durability: ClassVar[str]  # how the server keeps a write, for the report
     pauses: ClassVar[tuple[float, float]] = (0.002, 0.05)  # between looks at a queue of 1, of N
     sockets: ClassVar[bool] = True  # also time handoffs over its unix socket (not --quick)
     probe: Any = None  # the bench's session, opened on first use
@@ -132,6 +142,7 @@ class Server:
 
 class Redis(Server):
     program, pauses = "redis-server", (0.005, 0.1)
+    durability = "appendonly yes, appendfsync everysec"
     sockets = False  # `waiting` finds the blocked clients by their TCP port
     server: RedisServer
 
@@ -170,6 +181,7 @@ class Redis(Server):
 
 class Maria(Server):
     program = "mariadbd"
+    durability = "innodb_flush_log_at_trx_commit=1 (its default): a flush per commit"
     server: MariaServer
 
     def connect(self) -> pymysql.Connection[Any]:
@@ -207,6 +219,7 @@ class Maria(Server):
 
 class Postgres(Server):
     program = "postgres"
+    durability = "fsync=on, synchronous_commit=on (its defaults)"
     server: PostgresServer
 
     def connect(self) -> Any:  # noqa: ANN401 - psycopg is optional: `launch` checked
@@ -261,6 +274,7 @@ class Etcd(Server):
     """The server of `etcdctl lock`, the server backends' handoff peer; no probe session."""
 
     program, sockets = "etcd", False
+    durability = "data on the disk, an fsync per write (etcd's only way)"
     server: EtcdServer
 
     def call(self, path: str, body: dict[str, object] | None = None) -> Any:  # noqa: ANN401 - JSON
@@ -277,27 +291,54 @@ class Etcd(Server):
         return str(self.call("/version")["etcdserver"])
 
     def waiting(self, name: str, pids: set[int]) -> set[int]:
-        """Return *pids* once the lock *name* has a key for each of them beside the holder's.
+        """Return *pids* once each has a key under *name* and a synced watch: really queued.
 
         `etcdctl lock` puts a key NAME/LEASE for its holder and for each waiter; a lease id
-        names no process, so the count decides.
+        names no process, so the count decides. A waiter's key comes before its watch on
+        the key ahead of it, and etcd 3.4 starts that watch *unsynced* (it asks from a
+        revision already written) and catches unsynced watches up every 100 ms: a release
+        in between reaches the waiter up to 100 ms late, a queue set-up that a lockrun waiter,
+        counted only once it sleeps in the server, never pays. So a waiter counts as queued
+        once etcd's own gauges (GET /metrics) show a watch for each waiter and none
+        unsynced (../shared/research/turn3/performance.md, section 0).
         """
         key, end = (base64.b64encode(f"{name}{last}".encode()).decode() for last in "/0")
         found = self.call("/v3/kv/range", {"key": key, "range_end": end, "count_only": True})
-        return pids if int(found.get("count", 0)) > len(pids) else set()  # JSON omits a 0
+        if int(found.get("count", 0)) <= len(pids):  # JSON omits a 0
+            return set()
+        gauges = self.gauges()
+        watching = gauges.get(WATCHERS, 0) >= len(pids) and gauges.get(UNSYNCED, 1) == 0
+        return pids if watching else set()
+
+    def gauges(self) -> dict[str, float]:
+        """Return etcd's watch gauges from its Prometheus text (GET /metrics)."""
+        try:
+            # S310: the URL is our own server's, http on loopback.
+            with urllib.request.urlopen(self.uri + "/metrics", timeout=5) as answer:  # noqa: S310
+                text = answer.read().decode()
+        except (OSError, ValueError) as err:
+            raise Broken(f"{self.program} on {self.uri}: {err}") from err
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in (WATCHERS, UNSYNCED):
+                found[name] = float(value)
+        return found
 
 
 def launch(backend: str, port: int) -> Server:
     """Start *backend*'s server on loopback *port*, with room for every waiter's session."""
     if backend == ETCD:
-        return Etcd(EtcdServer(port=port, peer_port=free_port()))
+        return Etcd(EtcdServer(port=port, peer_port=free_port(), durable=True))
     if backend == "redis":
-        return Redis(RedisServer(port=port))
+        return Redis(RedisServer("--appendonly", "yes", "--appendfsync", "everysec", port=port))
     if backend == "mysql":
-        return Maria(MariaServer(f"--max-connections={MAX_CONNECTIONS}", port=port))
+        durable = "--innodb-flush-log-at-trx-commit=1"  # the default, said aloud
+        return Maria(MariaServer(f"--max-connections={MAX_CONNECTIONS}", durable, port=port))
     if importlib.util.find_spec("psycopg") is None:
         raise Unavailable("psycopg is not installed (pip install -e '.[postgres]')")  # noqa: EM101
-    return Postgres(PostgresServer(f"max_connections={MAX_CONNECTIONS}", port=port))
+    settings = f"max_connections={MAX_CONNECTIONS}"
+    return Postgres(PostgresServer(settings, port=port, durable=True))
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def test_the_server_takes_the_lock_away_and_the_holder_exits_76(
     TERM is KILLed within --lost-kill-after (1 s by default), not --kill-after (10 s here),
     plus on a lease the time until the next renewal finds it gone (up to ttl/3: README
     "Guarantees"). Then the server knows neither the holder nor the lock; what it kept
-    through a restart (Redis nothing, not even the fence; MySQL's InnoDB the last fence) is
+    through a restart (Redis and MySQL nothing, not even the fence: the clock seeds it) is
     the harness's to check.
     """
     harness = server_harness

@@ -350,17 +350,24 @@ class PostgresServer(_Server):
     LOG = "postgres.log"
 
     def __init__(
-        self, *options: str, port: int = 0, standby_of: PostgresServer | None = None
+        self,
+        *options: str,
+        port: int = 0,
+        standby_of: PostgresServer | None = None,
+        durable: bool = False,
     ) -> None:
         """Copy a fresh cluster and start it with extra ``-c`` *options*.
 
         With *standby_of*, the cluster is a base backup of that server's instead, and the
-        server its hot standby (whose pg_hba.conf must let ``lockrun`` replicate).
+        server its hot standby (whose pg_hba.conf must let ``lockrun`` replicate). The tests'
+        servers run with fsync=off (a shared machine's disk would time the disk, not the
+        tests); *durable* keeps PostgreSQL's default, fsync on, as the bench's server does.
         """
         self.directory = tempfile.mkdtemp(prefix="lr-pg-")
         self.port = port or 5432  # also names the socket file, which is in our directory
         self.tcp = bool(port)
         self.options = options
+        self.durable = durable
         self.process: subprocess.Popen[bytes] | None = None
         if os.geteuid() == 0:
             shutil.chown(self.directory, "postgres")
@@ -390,7 +397,8 @@ class PostgresServer(_Server):
     def start(self) -> None:
         """Start (or restart) the server and wait until it answers."""
         listen = f"listen_addresses={'127.0.0.1' if self.tcp else ''}"
-        settings = (listen, "fsync=off", "logging_collector=off", *self.options)
+        durability = () if self.durable else ("fsync=off",)
+        settings = (listen, *durability, "logging_collector=off", *self.options)
         where = ("-D", self.data, "-k", self.directory, "-p", str(self.port))
         flags = [arg for setting in settings for arg in ("-c", setting)]
         command = (postgres_bin("postgres"), *where, *flags)
@@ -438,18 +446,18 @@ class EtcdServer(_Server):
     """An etcd of our own for the bench's `etcdctl lock`: one member, on two loopback ports.
 
     Unlike the servers above it listens on TCP: the bench reaches every server as a real
-    deployment would. Its data is on tmpfs where there is one: etcd fsyncs every write (3.4
-    has no switch against it), and a shared machine's disk would time etcd, not its locks;
-    the bench's PostgreSQL runs with fsync=off and its Redis saves nothing, alike.
+    deployment would. etcd fsyncs every write (3.4 has no switch against it); *durable* puts
+    its data on the disk as a deployment's is, as the bench does beside its durable
+    PostgreSQL and MariaDB; otherwise on tmpfs where there is one.
     """
 
     LOG = "etcd.log"
 
-    def __init__(self, *, port: int, peer_port: int) -> None:
+    def __init__(self, *, port: int, peer_port: int, durable: bool = False) -> None:
         """Start the server in a fresh data directory: clients on *port*, peers on the other."""
         if shutil.which(ETCD) is None:
             unavailable(f"{ETCD} is not installed")
-        memory = SHM if os.path.isdir(SHM) else None
+        memory = SHM if os.path.isdir(SHM) and not durable else None
         self.directory = tempfile.mkdtemp(prefix="lr-etcd-", dir=memory)
         self.port, self.peer_port = port, peer_port
         self.process: subprocess.Popen[bytes] | None = None

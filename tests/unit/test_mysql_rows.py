@@ -143,19 +143,24 @@ def test_statements_the_server_never_reached_read_as_no_rows() -> None:
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("slots", [1, 3])
 def test_the_grant_sends_its_statements_in_one_order(*, slots: int, gate: bool) -> None:
-    """Record and fence in one transaction, the gate's release, then the reads (design A7)."""
+    """Fence and record in one transaction, the gate's release, then the reads (design A7).
+
+    Each write names the slot's lock: it happens only on the session that holds it.
+    """
     grant = grant_batch(KEY, request(slots), 2, RECORD_JSON, gate=gate)
     sent = [sql for sql, _ in grant.batch.statements]
-    expected = ["START TRANSACTION", RECORD, NEXT_FENCE, "COMMIT"]
+    expected = ["START TRANSACTION", NEXT_FENCE, RECORD, "COMMIT"]
     expected += ["SELECT RELEASE_LOCK(%s)"] if gate else []
     expected += ["SELECT IS_USED_LOCK(%s)", MISMATCH]
     expected += [SHARED_MISMATCH] if slots > 1 else [MARKS_OF]
     assert sent == expected
-    assert grant.batch.statements[1][1] == (KEY, 2, slots, "default", "rows", RECORD_JSON)
+    slot = f"{KEY}:2"
+    assert grant.batch.statements[1][1] == (KEY, slot)
+    assert grant.batch.statements[2][1] == (KEY, 2, slots, "default", "rows", RECORD_JSON, slot)
     # The last two reads may find their tables out of reach: the batch may end before them.
     assert grant.other.index == len(sent) - 2
     assert (grant.fence.index, grant.stop.index, grant.last.index) == (
-        2,
+        1,
         len(sent) - 3,
         len(sent) - 1,
     )
@@ -166,8 +171,8 @@ def test_a_grant_decodes_its_fence_a_take_over_another_n_and_the_marks() -> None
     grant = grant_batch(KEY, request(), 0, RECORD_JSON, gate=False)
     grant.batch.answers[:] = [
         Answer((), 0),
-        Answer((), 1),
         Answer((), 123),
+        Answer((), 1),
         Answer((), 0),
         Answer(((77,),), 0),
         Answer(((2, RECORD_JSON),), 0),
@@ -183,7 +188,7 @@ def test_a_grant_decodes_its_fence_a_take_over_another_n_and_the_marks() -> None
 def test_a_grant_whose_reads_found_no_table_finds_nothing() -> None:
     """Answers up to the commit and the stop only: no other N, no marks, the fence drawn."""
     grant = grant_batch(KEY, request(3), 1, RECORD_JSON, gate=True)
-    grant.batch.answers[:] = [Answer((), 0), Answer((), 1), Answer((), 9), Answer((), 0)]
+    grant.batch.answers[:] = [Answer((), 0), Answer((), 9), Answer((), 1), Answer((), 0)]
     grant.batch.answers += [Answer(((1,),), 0), Answer(((None,),), 0)]
     drawn = read_grant(grant, 3, RECORD_JSON)
     assert drawn == (9, None, Found(), RECORD_JSON)
@@ -201,7 +206,7 @@ def test_any_grant_answers_a_co_tenant_can_forge_are_a_decision(
 ) -> None:
     """Any rows of theirs: a grant, a wait or a take-over, or another N refused with 78."""
     grant = grant_batch(KEY, request(), 0, RECORD_JSON, gate=False)
-    grant.batch.answers[:] = [Answer((), 0)] * 2 + [Answer((), 5), Answer((), 0)]
+    grant.batch.answers[:] = [Answer((), 0), Answer((), 5), Answer((), 0), Answer((), 0)]
     grant.batch.answers += [Answer(((stop,),), 0), Answer(((other_slots, record),), 0)]
     grant.batch.answers.append(Answer(tuple(marks), 0))
     drawn = read_grant(grant, 1, RECORD_JSON)

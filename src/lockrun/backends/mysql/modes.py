@@ -19,7 +19,13 @@ from pymysql.constants import ER
 
 from lockrun.backends import Holder, read_identity, read_json, slots_mismatch
 from lockrun.backends.mysql.batch import Batch, first_row, rows, value
-from lockrun.backends.mysql.session import CANCELLED, STATEMENT_ERRORS, said, tableless
+from lockrun.backends.mysql.session import (
+    CANCELLED,
+    STATEMENT_ERRORS,
+    make_tables,
+    said,
+    tableless,
+)
 from lockrun.backends.mysql.statements import (
     END_WINDOW,
     HOLD,
@@ -32,7 +38,6 @@ from lockrun.backends.mysql.statements import (
     STOP,
     STOP_MARK,
     SWEEP,
-    TABLES,
     TAKER,
     UNMARK,
     WAITING,
@@ -318,8 +323,7 @@ class Modes:
                     raise
             else:
                 return
-            for statement in TABLES:
-                session.one(statement)
+            make_tables(session)
             session.run(batch)
 
     @contextlib.contextmanager

@@ -15,7 +15,7 @@ import pymysql
 from lockrun.backends.mysql.batch import Batch
 from lockrun.backends.mysql.lease import MySQLLease
 from lockrun.backends.mysql.modes import mismatch, reading, reusable
-from lockrun.backends.mysql.records import checked, draw
+from lockrun.backends.mysql.records import Drawn, checked, draw, try_drawing
 from lockrun.backends.mysql.session import CANCELLED, said, transient
 from lockrun.backends.mysql.statements import (
     FORGET,
@@ -108,19 +108,27 @@ class Statements:
 
     def revive(self, session: Session, attempt: Try) -> bool:  # noqa: ARG002 - all alike
         """Forget what an earlier acquisition left on a kept *session*; False if it ended."""
-        session.unchecked = session.gate_left = None
+        session.unchecked = session.gate_left = session.drawn = None
         return bool(session.connection.open) and quiet(session)
 
     def lock(self, session: Session, part: int | str, seconds: float | None, attempt: Try) -> bool:
         """One GET_LOCK (never a negative timeout, docs/design.md P20).
 
-        After `refuse_mismatch`, the next one tries at once, with the check in the same
-        round trip, and waits in the queue only if the lock is busy. A shared request
-        enters beside other shared holders where it can (`Modes.enter_shared`).
+        A one-slot lock's first try draws the grant in the same round trip
+        (`records.try_drawing`). After `refuse_mismatch`, the next one tries at once, with
+        the check in the same round trip, and waits in the queue only if the lock is busy.
+        A shared request enters beside other shared holders where it can
+        (`Modes.enter_shared`).
         """
         if reading(attempt) and part == 0:
             return self.modes.enter_shared(session, seconds, attempt)
         lock = f"{attempt.key}:{part}"
+        if self._draws_ahead(session, part, seconds, attempt):
+            got, drawn = try_drawing(self.server, session, attempt)
+            if got is None:  # KILL QUERY from outside
+                raise cancelled(self.server.where, part)
+            session.drawn = None if drawn is None else (attempt, drawn)
+            return bool(got == 1)
         if session.unchecked is attempt:
             session.unchecked = None
             try_now = get_lock(lock, 0, "")
@@ -130,6 +138,19 @@ class Statements:
             if got == 1 or seconds == 0:
                 return bool(got == 1)
         return self.server.get(session, lock, seconds, attempt, part)
+
+    def _draws_ahead(
+        self, session: Session, part: int | str, seconds: float | None, attempt: Try
+    ) -> bool:
+        """Whether this try of a one-slot lock may carry its grant (a batch: one round trip)."""
+        return (
+            part == 0
+            and seconds == 0
+            and attempt.slots == 1
+            and session.unchecked is not attempt
+            and session.batches
+            and self.server.tables is not False
+        )
 
     def first_free(self, session: Session, attempt: Try) -> int:
         """Take the first free slot in one statement (with the check of N, if one is due)."""
@@ -197,7 +218,11 @@ class Statements:
                 return None
             mark = f"r:{attempt.token}"
             return MySQLLease(self.holding, session, f"{key}:{mark}", 0, None, attempt, None, mark)
-        drawn = draw(self.server, self.modes, session, attempt, slot)
+        ahead, session.drawn = session.drawn, None
+        if ahead is not None and ahead[0] is attempt:
+            drawn: Drawn = ahead[1]
+        else:
+            drawn = draw(self.server, self.modes, session, attempt, slot)
         lock = f"{key}:{slot}"
         if drawn.other is not None:  # leave no row behind, and the slot free; the caller hangs up
             with contextlib.suppress(pymysql.err.Error):

@@ -1,11 +1,11 @@
-"""lockrun_holders and lockrun_fence: the check of N, and the grant's one round trip.
+"""lockrun_holders and lockrun_fence: the check of N, and the grant's round trip.
 
-The grant is one round trip and one commit (docs/design.md A7): the holder's record and
-the fence in one transaction, then the check for users of another N, which sees every
-record committed before ours, and the reads of a take-over's stop lock and of
-lockrun_marks, which need no commit. Each statement is named where it is added
-(`lockrun.backends.mysql.batch`), so the server sees them in this order and each answer is
-read by its name.
+The grant is one round trip (docs/design.md A7): the holder's record and the fence, each
+written only by the session that holds the slot, then the check for users of another N,
+which sees every record written before ours, and the reads of a take-over's stop lock and
+of lockrun_marks. A one-slot lock's first try carries the grant in its own round trip
+(`try_drawing`). Each statement is named where it is added (`lockrun.backends.mysql.batch`),
+so the server sees them in this order and each answer is read by its name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from pymysql.constants import ER
 
 from lockrun.backends.mysql.batch import Batch, Reply, first_row, last_id, rows, value
 from lockrun.backends.mysql.modes import HOLD_OPTION, Found, found_marks, mismatch
-from lockrun.backends.mysql.session import NO_TABLES, STATEMENT_ERRORS, said, tableless
+from lockrun.backends.mysql.session import (
+    NO_TABLES,
+    STATEMENT_ERRORS,
+    make_tables,
+    said,
+    sweep,
+    tableless,
+)
 from lockrun.backends.mysql.statements import (
     FENCES,
     HOLDERS,
@@ -28,11 +35,13 @@ from lockrun.backends.mysql.statements import (
     MISMATCH,
     NEXT_FENCE,
     RECORD,
+    RECORD_ROOM,
     SHARED_MISMATCH,
     STOP,
-    TABLES,
+    get_lock,
 )
 from lockrun.backends.sessionlock import GATE
+from lockrun.timing import now
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -115,17 +124,24 @@ def checked(
     return check.tried.value
 
 
-def grant_batch(key: str, request: Request, slot: int, record: str, *, gate: bool) -> Grant:
+def grant_batch(
+    key: str, request: Request, slot: int, record: str, *, gate: bool, batch: Batch | None = None
+) -> Grant:
     """Return the grant's statements for *slot* of *key*, in the order the server runs them.
 
-    The record and the fence in one transaction; the gate's release (*gate*: this session
-    holds it); then the reads, which need no commit, the last two of which may find their
-    tables out of reach.
+    The fence and the record in one transaction (one commit where an earlier lockrun made
+    the tables in InnoDB; nothing to flush in MEMORY), each written only if this session
+    holds the slot; the gate's release (*gate*: this session holds it); then the reads,
+    the last two of which may find their tables out of reach. Added to *batch*, if given:
+    after the try that takes the slot.
     """
-    batch = Batch()
+    batch = Batch() if batch is None else batch
+    lock = f"{key}:{slot}"
     batch.add("START TRANSACTION")
-    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record))
-    fence = batch.add(NEXT_FENCE, (key,), read=last_id)
+    # The fence first: a user who may not draw one (no fence, `draw`) leaves no record in
+    # MEMORY, where no rollback takes it back.
+    fence = batch.add(NEXT_FENCE, (key, lock), read=last_id)
+    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record, lock))
     batch.add("COMMIT")
     if gate:
         batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))
@@ -146,6 +162,45 @@ def read_grant(grant: Grant, slots: int, record: str) -> Drawn:
     return Drawn(grant.fence.value, grant.other.value, found_marks(grant.last.value, stop), record)
 
 
+def holder_record(request: Request, slot: int) -> str:
+    """Return the record of *request*'s holder of *slot*: ASCII JSON that fits lockrun_holders."""
+    holder = request.holder._replace(slot=slot, since=time.time())
+    record = json.dumps(holder.to_dict())
+    if len(record) > RECORD_ROOM:  # names of hundreds of characters: said without argv
+        record = json.dumps(
+            holder._replace(host=holder.host[:64], user=holder.user[:64], argv=()).to_dict()
+        )
+    return record
+
+
+def try_drawing(
+    server: Server, session: Session, attempt: Attempt[Session, str, Mode]
+) -> tuple[Any, Drawn | None]:
+    """Try slot 0 once, and draw its grant in the same round trip: (the try's answer, Drawn).
+
+    The grant's writes happen only if the try took the slot. Drawn is None where the
+    grant could not be read whole (the tables are missing or out of reach, the marks a
+    hold needs): then the grant takes a round trip of its own (`draw`), which says why.
+    """
+    request = attempt.request
+    record = holder_record(request, 0)
+    batch = Batch()
+    tried = batch.add(get_lock(f"{attempt.key}:0", 0, ""), read=value)
+    grant = grant_batch(attempt.key, request, 0, record, gate=False, batch=batch)
+    sent = now()
+    try:
+        _run_grant(session, batch, optional=grant.other.index)
+    except pymysql.err.Error:
+        if not tried.answered:
+            raise
+        return tried.value, None
+    if tried.value != 1 or (request.hold and not grant.last.answered):
+        return tried.value, None
+    server.tables = True
+    attempt.sent = sent  # the grant's time: the lease runs from the try
+    return tried.value, read_grant(grant, 1, record)
+
+
 def draw(
     server: Server, modes: Modes, session: Session, attempt: Attempt[Session, str, Mode], slot: int
 ) -> Drawn:
@@ -157,7 +212,7 @@ def draw(
     their own) only by an attempt that waited or has a mode.
     """
     request = attempt.request
-    record = json.dumps(request.holder._replace(slot=slot, since=time.time()).to_dict())
+    record = holder_record(request, slot)
     if server.tables is False:
         plain = attempt.state is None and not attempt.queued and not request.hold
         return Drawn(None, None, Found() if plain else modes.look(session, attempt), record)
@@ -183,16 +238,23 @@ def draw(
 
 
 def _run_making_tables(session: Session, batch: Batch, optional: int) -> None:
-    """Run the grant's *batch*; on first use, make the tables and run it again."""
+    """Run the grant's *batch*; on first use, make the tables and run it again.
+
+    A table in memory that is full (max_heap_table_size) is swept of rows that no longer
+    count, and the batch runs again.
+    """
     try:
         _run_grant(session, batch, optional)
-    except pymysql.err.ProgrammingError as err:
-        if err.args[0] != ER.NO_SUCH_TABLE:
+    except pymysql.err.Error as err:
+        code = err.args[0] if err.args else None
+        if code == ER.NO_SUCH_TABLE:
+            make_tables(session)
+        elif code == ER.RECORD_FILE_FULL:
+            sweep(session)
+        else:
             raise
     else:
         return
-    for statement in TABLES:
-        session.one(statement)
     _run_grant(session, batch, optional)
 
 

@@ -19,7 +19,7 @@ from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import timeout_for
 from lockrun.backends.mysql.batch import Answer
-from lockrun.backends.mysql.statements import get_lock
+from lockrun.backends.mysql.statements import SWEEPS, TABLES, get_lock
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 from lockrun.timing import now
 from lockrun.uri import scrub
@@ -49,6 +49,7 @@ NO_TABLES: Final = frozenset(
         ER.SPECIFIC_ACCESS_DENIED_ERROR,
         ER.OPEN_AS_READONLY,
         ER.CANT_CREATE_TABLE,
+        3098,  # ER_BEFORE_DML_VALIDATION_ERROR: Group Replication takes InnoDB tables only
     }
 )
 # A connection lost or ended under us: server gone, restarted, shutting down, KILLed.
@@ -65,6 +66,9 @@ _LOST: Final = frozenset(
 # A statement stopped on the server, its session and locks intact: KILL QUERY, or a DBA's
 # max_statement_time (MariaDB) / max_execution_time (MySQL).
 CANCELLED: Final = frozenset({ER.QUERY_INTERRUPTED, ER.STATEMENT_TIMEOUT, ER.QUERY_TIMEOUT})
+# A server that offers no MEMORY engine (MySQL's disabled_storage_engines, as Group
+# Replication advises): lockrun's tables are made in InnoDB instead.
+_NO_ENGINE: Final = frozenset({ER.UNKNOWN_STORAGE_ENGINE, 3161})  # ER_DISABLED_STORAGE_ENGINE
 # What a statement that needs lockrun's tables may fail with, and so what is caught there.
 STATEMENT_ERRORS: Final = (pymysql.err.OperationalError, pymysql.err.ProgrammingError)
 
@@ -83,6 +87,9 @@ class _Connection(pymysql.connections.Connection):
 
     deadline: float | None = None
     left = MAX_ANSWER
+    # Bytes the reader holds in its buffer (`_read_within`), and which reader: TLS makes a new one.
+    ahead = 0
+    ahead_of: object = None
 
     def connect(self, sock: socket.socket | None = None) -> None:
         """Connect, with the handshake whole within the connect timeout."""
@@ -99,34 +106,48 @@ class _Connection(pymysql.connections.Connection):
         self.left -= num_bytes
         if self.left < 0:
             self._lost(f"an answer of more than {MAX_ANSWER} bytes")
+        if self.ahead >= num_bytes and self.ahead_of is self._rfile:  # type: ignore[attr-defined]
+            self.ahead -= num_bytes  # in the buffer already: no wait, no deadline
+            return bytes(self._rfile.read1(num_bytes))  # type: ignore[attr-defined]
         saved = self._sock.gettimeout()  # type: ignore[attr-defined]
         try:
-            data = self._read_within(num_bytes, saved)
+            data, waited = self._read_within(num_bytes, saved)
         except OSError as err:
             self._lost(f"Lost connection to MySQL server during query ({err})", err)
         except BaseException:
             self._force_close()  # type: ignore[attr-defined]
             raise
-        if self._sock is not None:  # type: ignore[attr-defined]
+        if waited and self._sock is not None:  # type: ignore[attr-defined]
             self._sock.settimeout(saved)  # type: ignore[attr-defined]
         if len(data) < num_bytes:
             self._lost("Lost connection to MySQL server during query")
         return bytes(data)
 
-    def _read_within(self, num_bytes: int, saved: float | None) -> bytearray:
-        """Read up to *num_bytes* before the deadline; fewer if the server hangs up."""
+    def _read_within(self, num_bytes: int, saved: float | None) -> tuple[bytearray, bool]:
+        """Read up to *num_bytes* before the deadline; fewer if the server hangs up.
+
+        Return them, and whether the socket's timeout was changed. Each wait for the
+        socket fills the reader's buffer (one recv of up to its size), so that a reply of
+        many small packets (a batch's) costs a recv or two rather than two a packet.
+        """
         data = bytearray()
+        waited = False
+        rfile = self._rfile  # type: ignore[attr-defined]
         while len(data) < num_bytes:
-            if self.deadline is not None:
-                left = self.deadline - now()
-                if left <= 0:
-                    raise TimeoutError(errno.ETIMEDOUT, "timed out")  # as a recv's
-                self._sock.settimeout(left if saved is None else min(left, saved))  # type: ignore[attr-defined]
-            chunk = self._rfile.read1(num_bytes - len(data))  # type: ignore[attr-defined]
-            if not chunk:
-                break
+            if self.ahead <= 0 or self.ahead_of is not rfile:
+                if self.deadline is not None:
+                    left = self.deadline - now()
+                    if left <= 0:
+                        raise TimeoutError(errno.ETIMEDOUT, "timed out")  # as a recv's
+                    self._sock.settimeout(left if saved is None else min(left, saved))  # type: ignore[attr-defined]
+                    waited = True
+                self.ahead, self.ahead_of = len(rfile.peek(1)), rfile  # at most one recv
+                if not self.ahead:
+                    break
+            chunk = rfile.read1(min(self.ahead, num_bytes - len(data)))
+            self.ahead -= len(chunk)
             data += chunk
-        return data
+        return data, waited
 
     def _lost(self, msg: str, err: OSError | None = None) -> NoReturn:
         """Close at once and raise PyMySQL's error for a lost connection, saying *msg*."""
@@ -164,6 +185,8 @@ class Session:
         # (never by the session alone: a session may serve many acquisitions).
         self.unchecked: object = None  # the attempt whose check of N goes with its first try
         self.gate_left: object = None  # the attempt whose grant let the gate go already
+        # The attempt whose try drew its grant in the same round trip, and what it drew.
+        self.drawn: tuple[object, Any] | None = None
 
     def fileno(self) -> int:
         """Return the socket's descriptor."""
@@ -403,6 +426,23 @@ def said(settings: Settings, err: pymysql.err.Error) -> str:
     """Return what PyMySQL or the server said of *err*, in one line, with no secret."""
     text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
     return scrub(" ".join(text.split()), settings.secrets)
+
+
+def make_tables(session: Session) -> None:
+    """Create lockrun's tables that are missing; in InnoDB where MEMORY is not offered."""
+    for statement in TABLES:
+        try:
+            session.one(statement)
+        except pymysql.err.Error as err:
+            if not err.args or err.args[0] not in _NO_ENGINE:
+                raise
+            session.one(statement.replace("ENGINE=MEMORY", "ENGINE=InnoDB"))
+
+
+def sweep(session: Session) -> None:
+    """Delete the rows of lockrun's tables in memory that no longer count (`SWEEPS`)."""
+    for statement in SWEEPS:
+        session.one(statement)
 
 
 def tableless(err: pymysql.err.Error) -> bool:

@@ -18,11 +18,17 @@ if TYPE_CHECKING:
 FENCES: Final = "lockrun_fence"
 HOLDERS: Final = "lockrun_holders"
 MARKS: Final = "lockrun_marks"  # hold windows, shared holders, take-over requests
+RECORD_ROOM: Final = 2048  # bytes of a holder's record in lockrun_holders
 TABLES: Final = (
+    # The fence and the holders live in memory (docs/design.md A7): a grant writes them with
+    # no redo log to flush. A restart empties them, as it frees every GET_LOCK; the fence
+    # then starts again from the server's clock. Tables an earlier lockrun made in InnoDB
+    # work as they are, one flush a grant; `ALTER TABLE … ENGINE=MEMORY` ends it.
     f"""CREATE TABLE IF NOT EXISTS {FENCES} (
       lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,
       fence BIGINT UNSIGNED NOT NULL
-    ) ENGINE=InnoDB""",
+    ) ENGINE=MEMORY""",
+    # MEMORY has no TEXT: the record is ASCII JSON (`fitted`), in a column it fits.
     f"""CREATE TABLE IF NOT EXISTS {HOLDERS} (
       lock_key CHAR(43) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
       slot INT UNSIGNED NOT NULL,
@@ -30,9 +36,9 @@ TABLES: Final = (
       connection_id BIGINT UNSIGNED NOT NULL,
       namespace VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
       name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
-      holder TEXT CHARACTER SET utf8mb4 NOT NULL,
-      PRIMARY KEY (lock_key, slot)
-    ) ENGINE=InnoDB""",
+      holder VARCHAR({RECORD_ROOM}) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+      PRIMARY KEY USING BTREE (lock_key, slot)
+    ) ENGINE=MEMORY""",
     # One row per lock and mark: ``hold``, a --hold-at-least window ending at until_us (the
     # server's Unix time in µs); ``r:TOKEN``, a --shared holder of GET_LOCK KEY:r:TOKEN;
     # ``stop``, a --take-over request of the holder of KEY:stop (docs/design.md A7).
@@ -51,17 +57,31 @@ TABLES: Final = (
 _MICROS: Final = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
 # A counter at or past 2^63 - 1 is one lockrun never wrote (fence + 1 would overflow):
 # it counts as lost, and the clock seeds the fence again.
+# The grant's writes happen only on the session that holds the slot named last: so they
+# may follow a try in the same round trip, and do nothing if the try failed.
 NEXT_FENCE: Final = (
-    f"INSERT INTO {FENCES} (lock_key, fence) VALUES (%s, LAST_INSERT_ID({_MICROS})) "
+    f"INSERT INTO {FENCES} (lock_key, fence) SELECT %s, LAST_INSERT_ID({_MICROS}) FROM DUAL "
+    "WHERE IS_USED_LOCK(%s) = CONNECTION_ID() "
     f"ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(IF(fence >= {MAX_FENCE}, {_MICROS}, "
     f"GREATEST(fence + 1, {_MICROS})))"
 )
 RECORD: Final = (
     f"REPLACE INTO {HOLDERS} (lock_key, slot, slots, connection_id, namespace, name, holder) "
-    "VALUES (%s, %s, %s, CONNECTION_ID(), %s, %s, %s)"
+    "SELECT %s, %s, %s, CONNECTION_ID(), %s, %s, %s FROM DUAL "
+    "WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
 )
 FORGET: Final = (
     f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s AND connection_id = CONNECTION_ID()"
+)
+# What no longer counts, where a table in memory is full (max_heap_table_size): a record
+# whose session no longer holds its slot, and a fence a day behind the server's clock,
+# which seeds the next fence as high anyway (unless the clock steps a day back).
+SWEEPS: Final = (
+    (
+        f"DELETE FROM {HOLDERS} "
+        "WHERE NOT COALESCE(IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id, 0)"
+    ),
+    f"DELETE FROM {FENCES} WHERE fence < {_MICROS} - 86400000000",
 )
 # A live holder of the name with another N (its session still holds the slot it recorded).
 MISMATCH: Final = (

@@ -1,0 +1,90 @@
+"""The bench measures each peer the way its users see it (#32 "A fair bench first").
+
+On real servers: `etcdctl lock`'s waiter counts as queued only once etcd has caught its watch
+up (released earlier, the waiter pays etcd's 100 ms catch-up, not a hand-over), and the
+bench's servers keep their production durability (a flush lockrun forces is in its figures).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import TYPE_CHECKING
+
+import pytest
+
+from bench import core
+from bench.core import ETCD, Bench, Processes, Target
+from bench.servers import UNSYNCED, WATCHERS, Etcd, launch, serving
+from tests.support.servers import free_port
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+TRIALS = 5  # waiters queued one after another; each is looked at until it counts as queued
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Bench:
+    return Bench(["lockrun"], tmp_path, core.QUICK)
+
+
+@pytest.mark.slow  # an etcd, five waiters
+@pytest.mark.timeout(120)
+def test_an_etcdctl_waiter_counts_as_queued_only_with_its_watch_synced(bench: Bench) -> None:
+    """Each time `waiting` first says queued, etcd's gauges show the watch there and synced.
+
+    Looked at as fast as the bench can, from the moment the waiter starts: the first yes
+    comes only after etcd caught the watch up, which a key count alone did not wait for.
+    """
+    with serving(bench, ETCD) as server:
+        assert isinstance(server, Etcd)
+        assert server.gauges() == {WATCHERS: 0.0, UNSYNCED: 0.0}  # idle: read from etcd itself
+        for trial in range(TRIALS):
+            name, scenario = f"fair{trial}", bench.scenario_dir(f"trial{trial}")
+            target = Target(bench.lockrun, ETCD, scenario, server.uri, name)
+            with Processes(scenario) as procs:
+                go = bench.start_holders(procs, target, 1, core.HANDOFF_POLL)
+                waiter = procs.spawn(target.argv("true"))
+                while not server.waiting(name, {waiter.pid}):
+                    assert waiter.poll() is None, procs.stderr_of(waiter)
+                gauges = server.gauges()
+                assert gauges[UNSYNCED] == 0
+                assert gauges[WATCHERS] >= 1
+                go.touch()
+                procs.finish(30.0)
+
+
+@pytest.mark.slow  # three servers started
+@pytest.mark.timeout(180)
+def test_the_bench_servers_keep_production_durability() -> None:
+    """PostgreSQL fsyncs, MariaDB flushes per commit, etcd's data is on disk, Redis has an AOF."""
+    postgres = launch("postgres", free_port())
+    try:
+        assert postgres.query("SHOW fsync") == [("on",)]
+        assert postgres.query("SHOW synchronous_commit") == [("on",)]
+    finally:
+        postgres.close()
+    maria = launch("mysql", free_port())
+    try:
+        found = maria.query("SELECT @@innodb_flush_log_at_trx_commit")
+        assert found == [(1,)]
+    finally:
+        maria.close()
+    etcd = launch(ETCD, free_port())
+    try:
+        mounts = subprocess.run(
+            ["stat", "-f", "-c", "%T", etcd.server.directory],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert mounts != "tmpfs"
+    finally:
+        etcd.close()
+    redis = launch("redis", free_port())
+    try:
+        config = redis.ask(lambda probe: probe.config_get("append*"))
+        assert config["appendonly"] == "yes"
+        assert config["appendfsync"] == "everysec"
+    finally:
+        redis.close()

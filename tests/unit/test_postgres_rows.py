@@ -315,8 +315,10 @@ def test_a_stop_key_is_ours_only_if_the_try_said_so() -> None:
 
 
 def test_setup_row_is_read_by_name() -> None:
-    """A new session's pid, whether the server is a standby, whether the table exists."""
-    assert Setup.read(("77", "f", "t", "", "")) == Setup(pid=77, standby=False, windows=True)
+    """A new session's pid, whether the server is a standby, whether the tables exist."""
+    assert Setup.read(("77", "f", "t", "f", "")) == Setup(
+        pid=77, standby=False, windows=True, fences=False
+    )
 
 
 NAMES = ("default", "x")

@@ -98,10 +98,13 @@ class Statements:
     def revive(self, session: Session, attempt: Try) -> bool:
         """Check a kept session, and have it carry *attempt*'s comment from now on.
 
-        A kept session may still listen where a try of its asked (`grant.draw`): a NOTIFY
-        read there is no goodbye. Anything else is, or libpq finds the connection gone.
+        A kept session may still listen where a try or a grant of its asked (`grant.draw`):
+        a NOTIFY read there is no goodbye. Anything else is, or libpq finds the connection
+        gone. A session that holds the (name, N) lock of another name or N is not kept.
         """
         session.tag = attempt.tag
+        if session.agreed not in {None, grant.agreement(attempt)}:
+            return False  # it holds another name's (name, N) lock: closed, which frees it
         try:
             session.ready()
         except PgError:
@@ -200,8 +203,11 @@ class Statements:
                 ahead = attempt.state
             lease.holder = session.holder or lease.holder
             lease.fence = ahead.fence
+            kept, session.agreed = session.agreed, None
             grant.judge(ahead.others, attempt.request)
             modes.give_way(ahead.others.stops, lease)
+            if attempt.slots == 1 and not session.tangled and (ahead.checked or kept):
+                session.agreed = grant.agreement(attempt)  # kept: no check on its next try
         except BaseException:
             lease.release()
             raise

@@ -24,8 +24,10 @@ from lockrun.bounds import MAX_FENCE
 from .session import DUPLICATE, NOT_ALLOWED, UNDEFINED_TABLE, results
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .server import Server
-    from .session import PgError, Session
+    from .session import PgError, Row, Session
 
 FENCES: Final = "lockrun_fences"
 CREATE_FENCES: Final = (
@@ -63,6 +65,8 @@ def draw(key: str) -> str:
 
 def make(server: Server, session: Session) -> None:
     """Make the table, once per backend where it was not seen; fall back if we cannot."""
+    if server.fences != MAKE:
+        return
     session.send_simple(*CREATE_FENCES)
     _, error = results(session, server.timeout)
     if error is None or error.sqlstate == DUPLICATE:  # a race with another maker
@@ -73,6 +77,14 @@ def make(server: Server, session: Session) -> None:
         f"{server.where}: fences are transaction ids: cannot make table {FENCES} "
         f"({server.said(error)}); docs/backends.md (PostgreSQL) says how to make it ahead"
     )
+
+
+def made_since(server: Server, rows: Sequence[Row]) -> bool:
+    """Whether a fallback grant's question (`MADE`) found the table: then draw from it."""
+    if server.fences != XACT or list(rows) != [("t",)]:
+        return False
+    server.fences = TABLE
+    return True
 
 
 def refused(server: Server, error: PgError) -> bool:

@@ -162,8 +162,8 @@ def _statements(
     slot: int,
     *,
     trying: bool,
-) -> tuple[list[str], int]:
-    """Return `draw`'s statements, and how many answers come before the window's.
+) -> tuple[list[str], int, bool]:
+    """Return `draw`'s statements, the number of answers before the window's, the check's.
 
     `Drawn` reads the first's row; `Others` the second's, if the check of N runs. It
     runs unless a session that holds the (name, N) lock of a proven N tries: a grant
@@ -182,7 +182,7 @@ def _statements(
     answers = 1 + checking + xact  # PREPARE and LISTEN answer no rows
     if trying:  # in the same transaction, but with a snapshot taken after the try
         statements += modes.window_check(server, session, attempt.key.slots[slot])
-    return statements, answers
+    return statements, answers, checking
 
 
 def draw(
@@ -207,37 +207,46 @@ def draw(
     draws one. A statement that failed may have taken locks: the session is tangled,
     and its release lets go of all it holds.
     """
-    if server.fences == fences.MAKE and not attempt.request.shared:
+    if not attempt.request.shared:  # a writer's fence may need the table made
         fences.make(server, session)
-    statements, needed = _statements(server, session, attempt, slot, trying=trying)
+    statements, needed, checked = _statements(server, session, attempt, slot, trying=trying)
     session.send_simple(*statements)
     answers, error = results(session, server.timeout)
     if error is not None:
         session.unsure()
     if len(answers) < needed:  # the grant failed, not the window's read
-        if error is None or not (fences.refused(server, error) or server.durable_refused(error)):
-            raise error or PgError(NO_ANSWER)
+        _learn(server, error)
         session.tangled = True
         return draw(server, session, attempt, slot, trying=trying)  # a held slot: again
     session.listening = channel(attempt.key) if error is None else ""
     drawn = Drawn.read(answers[0], shared=attempt.request.shared)
-    checked = any(statement.startswith("EXECUTE lockrun_others") for statement in statements)
-    found = Others.read(answers[1]) if checked else _NOBODY
+    ahead = Ahead(drawn.fence, Others.read(answers[1]) if checked else _NOBODY, checked)
     if not drawn.got:
-        return False, Ahead(None, found, checked), None
+        return False, ahead._replace(fence=None), None
     if error is not None:  # the window's read failed, and rolled the grant back with it
         modes.unreadable(server, session, error)
-        session.tangled = True
-        _, ahead, _ = draw(server, session, attempt, slot, trying=False)  # ours: again
-        return True, ahead, None
+        return True, _again(server, session, attempt, slot), None
     session.stopping = False  # the grant let go of a taker's stop key
-    window = None
-    if trying:
-        key = attempt.key.slots[slot]
-        window = modes.read_window(server, session, key, answers[needed:], None)
-    if server.fences == fences.XACT and answers[needed - 1] == [("t",)]:
-        server.fences = fences.TABLE  # made since: a transaction id is no fence now
-        session.tangled = True
-        _, ahead, _ = draw(server, session, attempt, slot, trying=False)
-        return True, ahead, window
-    return True, Ahead(drawn.fence, found, checked), window
+    key = attempt.key.slots[slot]
+    window = modes.read_window(server, session, key, answers[needed:], None) if trying else None
+    if fences.made_since(server, answers[needed - 1]):  # a transaction id is no fence now
+        return True, _again(server, session, attempt, slot), window
+    return True, ahead, window
+
+
+def _learn(server: Server, error: PgError | None) -> None:
+    """Learn from a grant's *error* what to draw instead (`fences`), or raise it."""
+    if error is None or not (fences.refused(server, error) or server.durable_refused(error)):
+        raise error or PgError(NO_ANSWER)
+
+
+def _again(
+    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], slot: int
+) -> Ahead:
+    """Grant a slot that is ours once more, in a round trip of its own: what it learnt.
+
+    The session may now hold its (name, N) lock twice: it is tangled.
+    """
+    session.tangled = True
+    _, ahead, _ = draw(server, session, attempt, slot, trying=False)
+    return ahead

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import select
 import socket
@@ -89,9 +88,9 @@ class Session:
         # Whether a statement that failed, or a second grant, may have taken a lock twice:
         # then the release lets go of everything.
         self.tangled = False
-        # The statements this session prepared (`prepared`), by name; *shapes* counts the
-        # failures after which whether they are is unknown (new names, then).
-        self.statements: set[str] = set()
+        # The statements this session prepared (`prepared`): text → name; *shapes* counts
+        # the failures after which whether they are is unknown (new names, then).
+        self.statements: dict[str, str] = {}
         self.shapes = 0
 
     def fileno(self) -> int:
@@ -134,13 +133,12 @@ class Session:
         The first use on this session prepares it, in the same message. A failed message
         leaves unknown whether its PREPARE ran: `unsure` makes the next use prepare anew.
         """
-        digest = hashlib.sha256(f"{types}|{sql}".encode()).hexdigest()[:16]
-        name = f"lockrun_{self.shapes}_{digest}"
-        execute = f"EXECUTE {name}({values})"
-        if name in self.statements:
-            return [execute]
-        self.statements.add(name)
-        return [f"PREPARE {name}({types}) AS {sql}", execute]
+        name = self.statements.get(sql)
+        if name is not None:
+            return [f"EXECUTE {name}({values})"]
+        name = f"lockrun_{self.shapes}_{len(self.statements)}"
+        self.statements[sql] = name
+        return [f"PREPARE {name}({types}) AS {sql}", f"EXECUTE {name}({values})"]
 
     def unsure(self) -> None:
         """Forget which statements are prepared: a message that prepared one failed."""

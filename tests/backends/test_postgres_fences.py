@@ -138,6 +138,27 @@ def test_fences_grow_from_transaction_ids_to_the_table(
     assert fence_of(plain, name, env=as_role()) > again
 
 
+def test_a_read_only_database_gets_transaction_ids_or_no_fence(
+    pg_server: PostgresServer, name: str
+) -> None:
+    """Read-only by default: no table can be made (ids); one made before: no fence, unset."""
+    pg_server.command("CREATE DATABASE ro", database="postgres")
+    pg_server.command("ALTER DATABASE ro SET default_transaction_read_only = on")
+    uri = f"postgresql://lockrun@/ro?host={pg_server.directory}&port={pg_server.port}"
+    first = lockrun("-v", "--uri", uri, "-n", name, *FENCE)
+    assert first.returncode == 0, first.stderr
+    assert "cannot make table lockrun_fences" in first.stderr
+    assert fence_of(uri, name) > int(first.stdout)  # transaction ids, made durable
+    pg_server.command("ALTER DATABASE ro SET default_transaction_read_only = off")
+    table = "CREATE UNLOGGED TABLE lockrun_fences (key bigint PRIMARY KEY, fence bigint NOT NULL)"
+    pg_server.command(table, database="ro")
+    pg_server.command("ALTER DATABASE ro SET default_transaction_read_only = on")
+    unset = ("--", "sh", "-c", "echo ${LOCKRUN_FENCE-unset}")
+    after = lockrun("-v", "--uri", uri, "-n", name, *unset)
+    assert (after.returncode, after.stdout) == (0, "unset\n"), after.stderr
+    assert "no fence: cannot write table lockrun_fences" in after.stderr
+
+
 def test_a_kept_lock_proves_its_n_once_and_counts_as_a_user(postgres_uri: str, name: str) -> None:
     """A kept session holds the (name, N) lock between grants: another N is refused, 78.
 

@@ -282,6 +282,7 @@ def test_a_grant_row_says_whether_the_slot_is_ours_and_its_fence() -> None:
     """Got and the fence by name; a shared holder or a lost try has no fence."""
     assert Drawn.read([("t", "903", "x", "t")], shared=False) == Drawn(got=True, fence=903)
     assert Drawn.read([("t", None, "x")], shared=True) == Drawn(got=True, fence=None)
+    assert Drawn.read([("t", None, "x")], shared=False) == Drawn(got=True, fence=None)  # no table
     assert Drawn.read([("f", None, None)], shared=False) == Drawn(got=False, fence=None)
 
 

@@ -216,10 +216,8 @@ def give_back(server: Server, session: Session, lease: Lease | None = None) -> N
     """
     if lease is not None and session.agreed is not None and not session.tangled:
         unlock = "pg_advisory_unlock_shared" if lease.request.shared else "pg_advisory_unlock"
-        session.send_simple(
-            f"SELECT {unlock}({lease.key}::bigint), "
-            "set_config('application_name', 'lockrun', false)"
-        )
+        release = f"SELECT {unlock}($1), set_config('application_name', 'lockrun', false)"
+        session.send_simple(*session.prepared(release, "bigint", str(lease.key)))
         if session.answers(server.timeout)[0][0][0] == "t":
             return
     session.send_simple(*([UNLISTEN] if session.listening else []), GIVE_BACK)

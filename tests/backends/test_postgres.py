@@ -741,11 +741,11 @@ def test_another_roles_holder_shows_as_its_session(
 
 
 def test_sessions_outlast_the_lease_and_commit_to_disk(pg_server: PostgresServer) -> None:
-    """The server's keepalive gives up on a silent lockrun only after its lease; fences flush.
+    """The server's keepalive gives up on a silent lockrun only after its lease; commits flush.
 
     A server that dropped a silent holder's session sooner would free the lock before the
     supervisor stops the command; a role's synchronous_commit = off would let a crash hand
-    the same fence out twice.
+    the same transaction-id fence out twice (where lockrun_fences cannot be made).
     """
     backend = open_backend(parse_uri(pg_server.tcp_uri), ttl=30)
     session = backend.server.session()  # type: ignore[attr-defined]

@@ -358,29 +358,7 @@ def test_a_tcp_holder_shows_its_client_address_in_the_readme_query(
     assert holder.finish() == 0
 
 
-# -- C. namespaces and fences ----------------------------------------------------------------------
-
-
-def test_the_fence_is_a_transaction_id_that_only_grows(
-    postgres_uri: str, held: Callable[..., Held], name: str
-) -> None:
-    """LOCKRUN_FENCE is above pg_current_xact_id() taken before, and grows with every run."""
-    current = "SELECT pg_current_xact_id()::text::bigint"
-    [(before,)] = query(postgres_uri, current)
-    fences = []
-    for slots in ("1", "1", "2", "1"):
-        result = lockrun(
-            "--uri", postgres_uri, "-n", name, "-s", slots, "--", "printenv", "LOCKRUN_FENCE"
-        )
-        assert result.returncode == 0, result.stderr
-        fences.append(int(result.stdout))
-    assert before < fences[0]
-    assert fences == sorted(set(fences))
-    holder = held("--uri", postgres_uri, "-n", name)
-    assert holder.fence > fences[-1]
-    [(after,)] = query(postgres_uri, current)
-    assert after > holder.fence
-    assert holder.finish() == 0
+# -- C. fences: in tests/backends/test_postgres_fences.py ------------------------------------
 
 
 # -- D. passwords from libpq's environment, option values libpq refuses ----------------------------
@@ -763,11 +741,11 @@ def test_another_roles_holder_shows_as_its_session(
 
 
 def test_sessions_outlast_the_lease_and_commit_to_disk(pg_server: PostgresServer) -> None:
-    """The server's keepalive gives up on a silent lockrun only after its lease; fences flush.
+    """The server's keepalive gives up on a silent lockrun only after its lease; commits flush.
 
     A server that dropped a silent holder's session sooner would free the lock before the
     supervisor stops the command; a role's synchronous_commit = off would let a crash hand
-    the same fence out twice.
+    the same transaction-id fence out twice (where lockrun_fences cannot be made).
     """
     backend = open_backend(parse_uri(pg_server.tcp_uri), ttl=30)
     session = backend.server.session()  # type: ignore[attr-defined]

@@ -282,6 +282,7 @@ def test_a_grant_row_says_whether_the_slot_is_ours_and_its_fence() -> None:
     """Got and the fence by name; a shared holder or a lost try has no fence."""
     assert Drawn.read([("t", "903", "x", "t")], shared=False) == Drawn(got=True, fence=903)
     assert Drawn.read([("t", None, "x")], shared=True) == Drawn(got=True, fence=None)
+    assert Drawn.read([("t", None, "x")], shared=False) == Drawn(got=True, fence=None)  # no table
     assert Drawn.read([("f", None, None)], shared=False) == Drawn(got=False, fence=None)
 
 
@@ -315,8 +316,10 @@ def test_a_stop_key_is_ours_only_if_the_try_said_so() -> None:
 
 
 def test_setup_row_is_read_by_name() -> None:
-    """A new session's pid, whether the server is a standby, whether the table exists."""
-    assert Setup.read(("77", "f", "t", "", "")) == Setup(pid=77, standby=False, windows=True)
+    """A new session's pid, whether the server is a standby, whether the tables exist."""
+    assert Setup.read(("77", "f", "t", "f", "")) == Setup(
+        pid=77, standby=False, windows=True, fences=False
+    )
 
 
 NAMES = ("default", "x")

@@ -9,7 +9,7 @@ from lockrun.backends import slots_mismatch
 from lockrun.bounds import MAX_SLOTS
 from lockrun.timing import now
 
-from . import modes
+from . import fences, modes
 from .keys import application_name, channel, comment, halves
 from .rows import Drawn, Others
 from .server import V13
@@ -24,14 +24,18 @@ if TYPE_CHECKING:
     from .server import Server
     from .session import Session
 
-_GRANT_ANSWERS: Final = 2  # a grant's statements: the grant, the others (N, takers)
+_NOBODY: Final = Others([], [])  # no check ran: the session's agreement stands
 
 
 class Ahead(NamedTuple):
-    """What a grant's round trip learnt: its fence, and the rows of `lockrun_others`."""
+    """What a grant's round trip learnt: its fence, and the rows of `lockrun_others`.
+
+    *checked*: whether `lockrun_others` ran (else the session had proven N already).
+    """
 
     fence: int | None
     others: Others
+    checked: bool = True
 
 
 def others(keys: Keys, slots: int) -> str:
@@ -78,30 +82,77 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Ke
         judge(ahead.others, attempt.request)  # another N is said before busy
         modes.sit_out(server, session, attempt, window)
         attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
+        session.tangled = True  # that grant takes the (name, N) lock once more
     return True
 
 
-def _steps(
-    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], slot: int
-) -> list[str]:
-    """Return the grant's expressions: the fence, the name, the shared (name, N) lock.
+def agreement(attempt: Attempt[Session, Keys, Ahead]) -> tuple[int, int]:
+    """Return the shared (name, N) lock that *attempt*'s grant holds: (its key, N)."""
+    return attempt.key.agreed, attempt.request.slots
 
-    A shared holder has no fence (a fence orders writers): NULL in its place. A taker
-    lets its stop key go: granted, it asks nobody to stop any more.
-    """
-    request = attempt.request
+
+# The grant's parameters: the slot's key, the fence's key (the name's slot 0), the
+# application_name, the (name, N) lock's key and N, the stop key.
+_PARAMETERS: Final = "bigint, bigint, text, int, int, bigint"
+
+
+def _fence(server: Server, attempt: Attempt[Session, Keys, Ahead]) -> str:
+    """Return the expression of the grant's fence (`fences`): NULL for none."""
+    if attempt.request.shared or server.fences == fences.NONE:
+        return "NULL"
+    if server.fences == fences.TABLE:
+        return "(SELECT fence FROM drawn)"
     current = "pg_current_xact_id()::text::bigint" if server.version >= V13 else "txid_current()"
-    label = session.literal(application_name(request.name, slot))
-    steps = [
-        "NULL" if request.shared else current,
-        f"set_config('application_name', {label}, false)",
-        f"pg_try_advisory_lock_shared({attempt.key.agreed}::int, {request.slots}::int)",
-    ]
+    return f"CASE WHEN got THEN {current} END"
+
+
+def _steps(server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead]) -> list[str]:
+    """Return the grant's expressions: the name, the shared (name, N) lock.
+
+    A taker lets its stop key go: granted, it asks nobody to stop any more. A session
+    that holds the (name, N) lock from an earlier grant keeps it, and takes it no more.
+    """
+    steps = ["set_config('application_name', $3, false)"]
+    if session.agreed != agreement(attempt):
+        steps.append("pg_try_advisory_lock_shared($4, $5)")
     if session.stopping:
-        steps.append(f"pg_advisory_unlock_shared({attempt.key.stop}::bigint)")
-    if server.durable and not request.shared:
+        steps.append("pg_advisory_unlock_shared($6)")
+    if server.fences == fences.XACT and server.durable and not attempt.request.shared:
         steps.append("pg_logical_emit_message(true, 'lockrun', '') IS NOT NULL")
     return steps
+
+
+def _grant(
+    server: Server,
+    session: Session,
+    attempt: Attempt[Session, Keys, Ahead],
+    slot: int,
+    *,
+    trying: bool,
+) -> list[str]:
+    """Return the grant's statements, whose row `Drawn` reads: got, the fence, the steps.
+
+    A fence from the table is drawn by a data-modifying WITH query, which runs once
+    whether or not it is read; its lock_timeout is none (a wait's may be left set). The
+    statement is prepared once per session and shape: planning it costs more than running it.
+    """
+    request = attempt.request
+    lock = "pg_try_advisory_lock_shared" if request.shared else "pg_try_advisory_lock"
+    taking = f"{lock}($1)" if trying else "true"
+    steps = ", ".join(f"CASE WHEN got THEN {step} END" for step in _steps(server, session, attempt))
+    fence = _fence(server, attempt)
+    if fence.startswith("(SELECT"):
+        text = (
+            f"WITH try AS (SELECT {taking} AS got, "
+            "set_config('lock_timeout', '0', true) OFFSET 0), "
+            f"drawn AS ({fences.draw('$2')}) SELECT got, {fence}, {steps} FROM try"
+        )
+    else:
+        text = f"SELECT got, {fence}, {steps} FROM (SELECT {taking} AS got OFFSET 0) AS try"
+    keys = attempt.key
+    label = session.literal(application_name(request.name, slot))
+    values = (keys.slots[slot], keys.slots[0], label, keys.agreed, request.slots, keys.stop)
+    return session.prepared(text, _PARAMETERS, ", ".join(map(str, values)))
 
 
 def _statements(
@@ -111,24 +162,27 @@ def _statements(
     slot: int,
     *,
     trying: bool,
-) -> list[str]:
-    """Return `draw`'s statements; `Drawn` and `Others` read the first two's rows."""
-    request = attempt.request
-    key = attempt.key.slots[slot]
-    lock = "pg_try_advisory_lock_shared" if request.shared else "pg_try_advisory_lock"
-    taking = f"{lock}({key}::bigint)" if trying else "true"
-    steps = ", ".join(
-        f"CASE WHEN got THEN {step} END" for step in _steps(server, session, attempt, slot)
-    )
+) -> tuple[list[str], int, bool]:
+    """Return `draw`'s statements, the number of answers before the window's, the check's.
+
+    `Drawn` reads the first's row; `Others` the second's, if the check of N runs. It
+    runs unless a session that holds the (name, N) lock of a proven N tries: a grant
+    after a wait runs it for the takers waiting behind (docs/design.md A8). A fallback
+    fence (a transaction id) is followed by the question whether the table exists.
+    """
+    checking = not trying or session.agreed != agreement(attempt)
+    xact = server.fences == fences.XACT
     statements = [
-        f"SELECT got, {steps} FROM (SELECT {taking} AS got OFFSET 0) AS try",
-        others(attempt.key, request.slots),
+        *_grant(server, session, attempt, slot, trying=trying),
+        *([others(attempt.key, attempt.request.slots)] if checking else []),
+        *([fences.MADE] if xact else []),
         # from the commit on, a taker's NOTIFY rings our bell
         *modes.listen(session, attempt.key),
     ]
+    answers = 1 + checking + xact  # PREPARE and LISTEN answer no rows
     if trying:  # in the same transaction, but with a snapshot taken after the try
-        statements += modes.window_check(server, session, key)
-    return statements
+        statements += modes.window_check(server, session, attempt.key.slots[slot])
+    return statements, answers, checking
 
 
 def draw(
@@ -149,28 +203,50 @@ def draw(
     own that begins after the try (a window committed before the unlock that freed the
     slot is seen).
 
-    The fence is the id of a transaction of ours, made durable. Transaction ids only
-    grow, cluster-wide. A transaction that wrote nothing commits without waiting for
-    its record to reach disk, so a crash could hand its id out again; a logical message
-    (prefix ``lockrun``) is the smallest write that makes the commit wait for the disk.
+    The fence comes from the table of fences (`fences`), made on the first grant that
+    draws one. A statement that failed may have taken locks: the session is tangled,
+    and its release lets go of all it holds.
     """
-    session.send_simple(*_statements(server, session, attempt, slot, trying=trying))
+    if not attempt.request.shared:  # a writer's fence may need the table made
+        fences.make(server, session)
+    statements, needed, checked = _statements(server, session, attempt, slot, trying=trying)
+    session.send_simple(*statements)
     answers, error = results(session, server.timeout)
-    if len(answers) < _GRANT_ANSWERS:  # the grant failed, not the window's read
-        if error is None or not server.durable_refused(error):
-            raise error or PgError(NO_ANSWER)
+    if error is not None:
+        session.unsure()
+    if len(answers) < needed:  # the grant failed, not the window's read
+        _learn(server, error)
+        session.tangled = True
         return draw(server, session, attempt, slot, trying=trying)  # a held slot: again
     session.listening = channel(attempt.key) if error is None else ""
     drawn = Drawn.read(answers[0], shared=attempt.request.shared)
-    found = Others.read(answers[1])
+    ahead = Ahead(drawn.fence, Others.read(answers[1]) if checked else _NOBODY, checked)
     if not drawn.got:
-        return False, Ahead(None, found), None
+        return False, ahead._replace(fence=None), None
     if error is not None:  # the window's read failed, and rolled the grant back with it
         modes.unreadable(server, session, error)
-        _, ahead, _ = draw(server, session, attempt, slot, trying=False)  # ours: again
-        return True, ahead, None
+        return True, _again(server, session, attempt, slot), None
     session.stopping = False  # the grant let go of a taker's stop key
-    answered = answers[_GRANT_ANSWERS:]
     key = attempt.key.slots[slot]
-    window = modes.read_window(server, session, key, answered, None) if trying else None
-    return True, Ahead(drawn.fence, found), window
+    window = modes.read_window(server, session, key, answers[needed:], None) if trying else None
+    if fences.made_since(server, answers[needed - 1]):  # a transaction id is no fence now
+        return True, _again(server, session, attempt, slot), window
+    return True, ahead, window
+
+
+def _learn(server: Server, error: PgError | None) -> None:
+    """Learn from a grant's *error* what to draw instead (`fences`), or raise it."""
+    if error is None or not (fences.refused(server, error) or server.durable_refused(error)):
+        raise error or PgError(NO_ANSWER)
+
+
+def _again(
+    server: Server, session: Session, attempt: Attempt[Session, Keys, Ahead], slot: int
+) -> Ahead:
+    """Grant a slot that is ours once more, in a round trip of its own: what it learnt.
+
+    The session may now hold its (name, N) lock twice: it is tangled.
+    """
+    session.tangled = True
+    _, ahead, _ = draw(server, session, attempt, slot, trying=False)
+    return ahead

@@ -8,6 +8,7 @@ part), where part is ``0`` … ``N-1`` for the slots, ``gate`` for the queue of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -83,19 +84,31 @@ def identity(request: Request, token: str, holder: Holder, room: int = TAG_BYTES
     comment (PostgreSQL nests ``/* */``); a long command line is cut so the whole fits
     *room* bytes: for a comment the 1024 bytes pg_stat_activity keeps.
     """
+    first = '{"token": ' + _escaped(json.dumps(token)) + ", "
+    rest = _record(request.namespace, request.name, request.slots, holder, room - len(first) + 1)
+    return first + rest[1:]
+
+
+@functools.lru_cache(maxsize=16)  # a kept Lock's waiter says the same every time
+def _record(namespace: str, name: str, slots: int, holder: Holder, room: int) -> str:
+    """Return `identity`'s JSON but the token, in *room* bytes where the command line allows."""
     argv = holder.argv
     while True:
         record = {
-            "token": token,
-            "namespace": request.namespace,
-            "name": request.name,
-            "slots": request.slots,
+            "namespace": namespace,
+            "name": name,
+            "slots": slots,
             "holder": holder._replace(argv=argv).to_dict(),
         }
-        text = json.dumps(record).replace("/", "\\/").replace("*", "\\u002a")
+        text = _escaped(json.dumps(record))
         if len(text) <= room or not argv:
             return text
         argv = argv[: len(argv) // 2]
+
+
+def _escaped(text: str) -> str:
+    """Escape ``/`` and ``*`` in JSON *text*, which stays valid JSON."""
+    return text.replace("/", "\\/").replace("*", "\\u002a")
 
 
 def tagged(query: str) -> Identity | None:

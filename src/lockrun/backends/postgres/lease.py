@@ -117,7 +117,7 @@ class Leases:
                 lease.refused = modes.window_refused(self.server, lease, err)
             else:
                 return
-        modes.give_back(self.server, lease.session)
+        modes.give_back(self.server, lease.session, lease if isinstance(lease, Lease) else None)
 
     def hold_over(self, lease: SessionLease[Session], hold: float) -> None:  # noqa: ARG002
         """Leave the window `give_back` writes for a lease whose ``hold`` is set (`Lease`)."""

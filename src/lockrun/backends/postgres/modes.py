@@ -195,7 +195,7 @@ def leave_window(server: Server, lease: Lease, *, again: bool = True) -> None:
             return
         raise
     server.windows = True
-    session.stopping, session.listening = False, ""
+    forget(session)
     session.heard()
 
 
@@ -208,12 +208,28 @@ def window_refused(server: Server, lease: Lease, err: PgError) -> ConfigError:
     )
 
 
-def give_back(server: Server, session: Session) -> None:
-    """Unlock all that *session* holds (slot, gate, stop key); it then hears nothing."""
+def give_back(server: Server, session: Session, lease: Lease | None = None) -> None:
+    """Unlock all that *session* holds (slot, gate, stop key); it then hears nothing.
+
+    A session that keeps its (name, N) lock (`Session.agreed`) unlocks *lease*'s slot
+    alone, and listens on: its next grant needs neither the check of N nor a LISTEN.
+    """
+    if lease is not None and session.agreed is not None and not session.tangled:
+        unlock = "pg_advisory_unlock_shared" if lease.request.shared else "pg_advisory_unlock"
+        release = f"SELECT {unlock}($1), set_config('application_name', 'lockrun', false)"
+        session.send_simple(*session.prepared(release, "bigint", str(lease.key)))
+        if session.answers(server.timeout)[0][0][0] == "t":
+            return
     session.send_simple(*([UNLISTEN] if session.listening else []), GIVE_BACK)
     session.answers(server.timeout)
-    session.stopping, session.listening = False, ""
+    forget(session)
     session.heard()
+
+
+def forget(session: Session) -> None:
+    """Note that *session* holds no lock and listens nowhere (pg_advisory_unlock_all)."""
+    session.stopping, session.listening = False, ""
+    session.agreed, session.tangled = None, False
 
 
 # -- --take-over ---------------------------------------------------------------------------

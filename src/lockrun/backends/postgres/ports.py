@@ -8,7 +8,7 @@ A8); these give it pg_advisory_lock. The modes are `modes`'s, the grant's round 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from psycopg import pq
 
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from .session import Session
 
     Try = Attempt[Session, Keys, Ahead]
+
+_KEPT_KEYS: Final = 64  # names whose keys a backend keeps derived
 
 
 class Faults:
@@ -66,11 +68,19 @@ class Faults:
 class Requests:
     """A request's advisory keys and comment; the modes register nothing before a try."""
 
+    def __init__(self) -> None:
+        """Derive each name's keys once: a kept Lock asks for the same ones every time."""
+        self.keys: dict[tuple[str, str, int], Keys] = {}
+
     def names(self, request: Request, token: str) -> tuple[Keys, str]:
         """Return *request*'s keys (its slots, gate, stop) and the waiter's comment."""
-        return Keys(request.namespace, request.name, request.slots), comment(
-            request, token, request.holder
-        )
+        which = (request.namespace, request.name, request.slots)
+        keys = self.keys.get(which)
+        if keys is None:
+            if len(self.keys) >= _KEPT_KEYS:
+                self.keys.clear()
+            keys = self.keys[which] = Keys(*which)
+        return keys, comment(request, token, request.holder)
 
     def begin(self, session: Session, attempt: Try) -> bool:  # noqa: ARG002 - nothing to register
         """Register nothing: a taker asks to stop with its wait (`waiting.queue`)."""
@@ -98,10 +108,13 @@ class Statements:
     def revive(self, session: Session, attempt: Try) -> bool:
         """Check a kept session, and have it carry *attempt*'s comment from now on.
 
-        A kept session may still listen where a try of its asked (`grant.draw`): a NOTIFY
-        read there is no goodbye. Anything else is, or libpq finds the connection gone.
+        A kept session may still listen where a try or a grant of its asked (`grant.draw`):
+        a NOTIFY read there is no goodbye. Anything else is, or libpq finds the connection
+        gone. A session that holds the (name, N) lock of another name or N is not kept.
         """
         session.tag = attempt.tag
+        if session.agreed not in {None, grant.agreement(attempt)}:
+            return False  # it holds another name's (name, N) lock: closed, which frees it
         try:
             session.ready()
         except PgError:
@@ -200,8 +213,11 @@ class Statements:
                 ahead = attempt.state
             lease.holder = session.holder or lease.holder
             lease.fence = ahead.fence
+            kept, session.agreed = session.agreed, None
             grant.judge(ahead.others, attempt.request)
             modes.give_way(ahead.others.stops, lease)
+            if attempt.slots == 1 and not session.tangled and (ahead.checked or kept):
+                session.agreed = grant.agreement(attempt)  # kept: no check on its next try
         except BaseException:
             lease.release()
             raise

@@ -37,9 +37,9 @@ class Drawn(NamedTuple):
 
     @classmethod
     def read(cls, rows: Sequence[Row], *, shared: bool) -> Drawn:
-        """Decode ``SELECT got, fence, …``: one row; a shared holder has no fence."""
+        """Decode ``SELECT got, fence, …``: one row; a shared holder has no fence, nor NULL."""
         ((got, fence, *_),) = rows
-        return cls(got == "t", None if shared or got != "t" else int(fence or 0))
+        return cls(got == "t", None if shared or got != "t" or fence is None else int(fence))
 
 
 class StopRow(NamedTuple):

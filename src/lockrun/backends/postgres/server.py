@@ -10,6 +10,7 @@ import psycopg
 from lockrun.backends import timeout_for
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 
+from .fences import FENCES, MAKE, TABLE, XACT
 from .session import NOT_ALLOWED, NoAnswer, PgError, Session
 from .uri import one_line, refusal
 
@@ -70,11 +71,12 @@ class Setup(NamedTuple):
     pid: int  # pg_backend_pid(): a pooler answers the connection with its own
     standby: bool  # pg_is_in_recovery()
     windows: bool  # whether the table of windows exists
+    fences: bool  # whether the table of fences exists
 
     @classmethod
     def read(cls, row: Row) -> Setup:
         """Decode the row of `Server.setup`'s first statement."""
-        return cls(int(row[0] or 0), row[1] == "t", row[2] == "t")
+        return cls(int(row[0] or 0), row[1] == "t", row[2] == "t", row[3] == "t")
 
 
 class Server:
@@ -97,7 +99,9 @@ class Server:
         self.connect_timeout = max(2, math.ceil(self.timeout))  # libpq's least is 2 s
         self.version = 0  # server_version_num, once a session told it
         self.checked = False  # whether the server was found usable (a primary, no pooler)
-        self.durable = True  # whether fences can be made durable (pg_logical_emit_message)
+        self.fences = MAKE  # where fences come from (`fences`: the table, once seen)
+        # Whether a fallback fence (a transaction id) can be made durable (a logical message).
+        self.durable = True
         # Whether the table of --hold-at-least windows exists (then every one-slot grant
         # reads it), and whether we said it cannot be read (`modes`).
         self.windows = False
@@ -163,13 +167,15 @@ class Server:
         # use; a pooler may hand us a server session that another client prepared them on.
         session.send_simple(
             f"SELECT pg_backend_pid(), pg_is_in_recovery(), "
-            f"to_regclass('{WINDOWS}') IS NOT NULL, {calls}",
+            f"to_regclass('{WINDOWS}') IS NOT NULL, to_regclass('{FENCES}') IS NOT NULL, {calls}",
             "DEALLOCATE ALL",
             *_PREPARED.values(),
         )
         setup = Setup.read(session.answers(self.timeout)[0][0])
         session.pid = setup.pid
         self.windows = self.windows or setup.windows
+        if setup.fences and self.fences in {MAKE, XACT}:
+            self.fences = TABLE
         if setup.standby:
             msg = (
                 f"{self.settings.where} is a standby (in recovery): its advisory locks are "
@@ -189,7 +195,8 @@ class Server:
             ("tcp_keepalives_idle", str(max(1, math.ceil(self.ttl)))),
             ("tcp_keepalives_interval", str(max(1, math.ceil(self.ttl / 10)))),
             ("tcp_keepalives_count", "3"),
-            ("synchronous_commit", "local"),  # the fence's commit waits for the disk
+            # A fallback fence's commit, and a window's, wait for the disk.
+            ("synchronous_commit", "local"),
         ]
         if version >= _V17:
             settings += [("transaction_timeout", "0")]  # it ends a session mid-wait

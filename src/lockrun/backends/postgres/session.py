@@ -80,6 +80,18 @@ class Session:
         self.stopping = False  # whether it holds the stop key of a name (a taker, waiting)
         self.listening = ""  # the channel it listens on for take-overs (a holder's, a try's)
         self.windowed = ""  # whether the read of windows is prepared (lockrun_window)
+        # The (name, N) lock this session holds once, taken by a grant whose check found no
+        # user of another N, and kept from grant to grant: a user of another N who comes
+        # later sees it in its own check, so ours need not look again (docs/design.md A8).
+        # None: the release lets go of everything (pg_advisory_unlock_all).
+        self.agreed: tuple[int, int] | None = None
+        # Whether a statement that failed, or a second grant, may have taken a lock twice:
+        # then the release lets go of everything.
+        self.tangled = False
+        # The statements this session prepared (`prepared`): text → name; *shapes* counts
+        # the failures after which whether they are is unknown (new names, then).
+        self.statements: dict[str, str] = {}
+        self.shapes = 0
 
     def fileno(self) -> int:
         """Return the socket's descriptor; `PgError` once libpq has closed it."""
@@ -114,6 +126,24 @@ class Session:
             if not _ready(self.fileno(), 5.0, select.POLLOUT):
                 msg = "the server takes no more of our statement"
                 raise NoAnswer(msg)
+
+    def prepared(self, sql: str, types: str, values: str) -> list[str]:
+        """Return the statements that run *sql* ($1 … of *types*) with *values*, prepared.
+
+        The first use on this session prepares it, in the same message. A failed message
+        leaves unknown whether its PREPARE ran: `unsure` makes the next use prepare anew.
+        """
+        name = self.statements.get(sql)
+        if name is not None:
+            return [f"EXECUTE {name}({values})"]
+        name = f"lockrun_{self.shapes}_{len(self.statements)}"
+        self.statements[sql] = name
+        return [f"PREPARE {name}({types}) AS {sql}", f"EXECUTE {name}({values})"]
+
+    def unsure(self) -> None:
+        """Forget which statements are prepared: a message that prepared one failed."""
+        self.statements.clear()
+        self.shapes += 1
 
     def literal(self, text: str) -> str:
         """Return *text* quoted as a SQL string literal, as libpq escapes it for the server."""

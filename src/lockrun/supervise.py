@@ -103,12 +103,15 @@ def supervise(
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
-        # Watching before the command starts: nothing can fail between its start and run().
-        with _Hangups(lease.sessions, lease.bells):
-            watch.confirm_before_start()  # the last thing before the spawn
-            if guardian is not None:
-                pass_fds = (*pass_fds, guardian.switch)
-            watch.start(_spawn(argv, env, pass_fds, group=watch.group))
+        watch.confirm_before_start()  # the last thing before the spawn
+        if guardian is not None:
+            pass_fds = (*pass_fds, guardian.switch)
+        watch.start(_spawn(argv, env, pass_fds, group=watch.group))
+        # The command runs from here: the watchers are armed after its spawn, off the
+        # hand-over's path (a lease's bells may cost a round trip and a thread, docs/design.md
+        # A9). Nothing is missed meanwhile: a hang-up is level-triggered, and a bell made
+        # after a take-over was asked is rung already. Whatever fails now stops the command.
+        with watch.stopping_on_error(), _Hangups(lease.sessions, lease.bells):
             if guardian is not None:
                 guardian.started()
             with _terminal_for(watch.group) as terminal:
@@ -360,6 +363,16 @@ class _Watch:
         deadline, ours = self.clock.deadline(), self.clock.latest_term()
         self.guardian.expect(ours + (deadline - ours) / 2, deadline, late)
 
+    @contextlib.contextmanager
+    def stopping_on_error(self) -> Iterator[None]:
+        """Stop the command (TERM, grace, KILL, reap) if the block fails before it was reaped."""
+        try:
+            yield
+        except BaseException:
+            if not self.reaped:
+                self._stop_now()
+            raise
+
     def run(self) -> int:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
         try:
@@ -575,5 +588,6 @@ class _Watch:
             if now() >= deadline:
                 self._signal_group(signal.SIGKILL)
                 os.waitpid(self.pid, 0)
+                self.reaped = True
                 return
             signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - now()))

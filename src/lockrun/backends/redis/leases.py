@@ -164,14 +164,19 @@ class RedisLease:
             own, self._own = self._own, None
             if self._quit is not None:
                 os.eventfd_write(self._quit, 1)
-        if self._listener is not None:
-            self._listener.join()
-        for fd in (self._bell, self._quit):
-            if fd is not None:
-                os.close(fd)
-        self._bell = self._quit = None
+        # The listening thread touches the connection only under _using and while _own is
+        # it: it can no longer, so the release goes out now and the thread is joined after,
+        # off the hand-over's path.
         hold_ms = math.ceil(hold * 1000) if hold > 0 else 0
-        return self.backend.leave(self.claim, hold_ms, own=own)
+        try:
+            return self.backend.leave(self.claim, hold_ms, own=own)
+        finally:
+            if self._listener is not None:
+                self._listener.join()
+            for fd in (self._bell, self._quit):
+                if fd is not None:
+                    os.close(fd)
+            self._bell = self._quit = None
 
 
 def _pushed(connection: Any) -> bool:  # noqa: ANN401 - redis-py's Connection

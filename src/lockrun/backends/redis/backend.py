@@ -280,7 +280,7 @@ class RedisBackend:
             return None, False
         try:
             pool = self.server.client().connection_pool
-            connection: Any = pool.get_connection()
+            connection: Any = self.server.lend()
         except wire.REPLY_ERRORS:
             return None, False
         replies: list[Any] = []

@@ -218,14 +218,31 @@ class Server:
         something to read (the server closed it, an idle timeout) is made again.
         """
         if self._kept is None or self._kept_pid != os.getpid():
-            # After a fork the parent's is left alone: closing it would end the parent's.
-            self._kept, self._kept_pid = pool.make_connection(), os.getpid()
+            # Taken from the pool for good (one a first call used, often); after a fork the
+            # parent's is left alone: closing it would end the parent's.
+            self._kept, self._kept_pid = pool.get_connection(), os.getpid()
         connection = self._kept
         sock = connection._sock  # noqa: SLF001 - redis-py has no accessor
         if sock is not None and _readable(sock):
             connection.disconnect()
         connection.connect()  # a no-op while connected
         return connection
+
+    def lend(self) -> Any:  # noqa: ANN401 - redis-py's Connection
+        """Return a connection for a lease's own use, to give back to the pool after.
+
+        The kept one if no call uses it (a new one is kept for the next call): a holder's
+        bell and renewals need no connection of their own beside it.
+        """
+        pool = self.client().connection_pool
+        if self.router is None and self._keeping.acquire(blocking=False):
+            try:
+                connection = self._kept_ready(pool)
+                self._kept = None
+                return connection
+            finally:
+                self._keeping.release()
+        return pool.get_connection()
 
     def detect_cluster(self, connection: Any, moved: Exception | None = None) -> bool:  # noqa: ANN401 - redis-py's Connection
         """Switch to the cluster's ways if a plain URI's server is a node of a Redis Cluster.
@@ -372,10 +389,15 @@ class Server:
         On a cluster, a redirect ends the sleep (the wake list is only a hint): the
         waiter asks again, where the slot is now.
         """
+        # One server: on the kept connection, which the grant then uses (no second one).
+        kept = self.alone and self._keeping.acquire(blocking=False)
         try:
             pool = self.node_client(key).connection_pool
-            connection = pool.get_connection()  # may connect again, and fail
+            # may connect again, and fail
+            connection = self._kept_ready(pool) if kept else pool.get_connection()
         except wire.REPLY_ERRORS as err:
+            if kept:
+                self._keeping.release()
             raise self.failure(err) from err
         self._sleeping = connection
         try:
@@ -383,20 +405,23 @@ class Server:
                 return
             if self._named is not None:  # behind Sentinel: the wake-up is pushed there
                 topology.aim(connection, self._named)
-            connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
+            connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")
             connection.read_response(timeout=seconds + self.timeout)
         except errors.ResponseError as err:
             if not self._cluster_news(err, key, connection, seconds):
                 raise self.failure(err) from err
         except wire.REPLY_ERRORS as err:
-            connection.disconnect()  # type: ignore[no-untyped-call]
+            connection.disconnect()
             raise self.failure(err) from err
         except BaseException:
-            connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may be on its way: never reuse this connection
+            connection.disconnect()  # a reply may be on its way: never reuse this connection
             raise
         finally:
             self._sleeping = None
-            pool.release(connection)
+            if kept:
+                self._keeping.release()
+            else:
+                pool.release(connection)
 
     def _cluster_news(
         self,

@@ -103,20 +103,27 @@ def supervise(
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
-        watch.confirm_before_start()  # the last thing before the spawn
-        if guardian is not None:
-            pass_fds = (*pass_fds, guardian.switch)
-        watch.start(_spawn(argv, env, pass_fds, group=watch.group))
-        # The command runs from here: the watchers are armed after its spawn, off the
-        # hand-over's path (a lease's bells may cost a round trip and a thread, docs/design.md
-        # A9). Nothing is missed meanwhile: a hang-up is level-triggered, and a bell made
-        # after a take-over was asked is rung already. Whatever fails now stops the command.
-        with watch.stopping_on_error(), _Hangups(lease.sessions, lease.bells):
+        hangups = _Hangups(lease.sessions)
+        try:
+            watch.confirm_before_start()  # the last thing before the spawn
             if guardian is not None:
-                guardian.started()
-            with _terminal_for(watch.group) as terminal:
-                watch.terminal = terminal
-                return watch.run()
+                pass_fds = (*pass_fds, guardian.switch)
+            watch.start(_spawn(argv, env, pass_fds, group=watch.group))
+            # The command runs from here: the watchers are armed after its spawn, off the
+            # hand-over's path (a lease's bells may cost a round trip and a thread,
+            # docs/design.md A9). Nothing is missed meanwhile: a hang-up is level-triggered,
+            # and a bell made after a take-over was asked is rung already. Whatever fails
+            # now stops the command.
+            with watch.stopping_on_error():
+                hangups.ring(lease.bells)
+                with hangups:
+                    if guardian is not None:
+                        guardian.started()
+                    with _terminal_for(watch.group) as terminal:
+                        watch.terminal = terminal
+                        return watch.run()
+        finally:
+            hangups.close()
     finally:
         # A bell rung after the loop's last wait stays pending, and SIGIO's default action
         # would end lockrun (status -29) the moment it is unblocked: drop it, and a late
@@ -226,15 +233,20 @@ class _Hangups(threading.Thread):
 
     def __init__(self, sessions: Sequence[int], bells: Sequence[int] = ()) -> None:
         super().__init__(name="lockrun-hangups", daemon=True)
-        self._watched = bool(sessions or bells)
+        self._watched = False
         self._sessions = set(sessions)
         self._epoll = select.epoll()
         for fd in sessions:
             self._epoll.register(fd, select.EPOLLRDHUP)  # HUP and ERR are always reported
-        for fd in bells:
-            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
         self._wake, self._waker = os.pipe()
         self._epoll.register(self._wake, select.EPOLLIN)
+        self.ring(bells)
+
+    def ring(self, bells: Sequence[int]) -> None:
+        """Watch *bells* too (before the block starts the thread)."""
+        for fd in bells:
+            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
+        self._watched = bool(self._sessions or bells or self._watched)
 
     def __enter__(self) -> None:
         if self._watched:
@@ -244,9 +256,15 @@ class _Hangups(threading.Thread):
         os.write(self._waker, b"x")
         if self._watched:
             self.join()
-        self._epoll.close()
-        os.close(self._wake)
-        os.close(self._waker)
+        self.close()
+
+    def close(self) -> None:
+        """Close the descriptors (once); the thread must not run."""
+        if self._wake >= 0:
+            self._epoll.close()
+            os.close(self._wake)
+            os.close(self._waker)
+            self._wake = self._waker = -1
 
     def run(self) -> None:
         while True:

@@ -277,7 +277,7 @@ class RedisBackend:
         self.leave(Claim(prefix, token, slots, ttl_ms))
 
     def track(self, claim: Claim) -> tuple[Any, bool]:
-        """Take a connection out of the pool on which Redis pushes writes to *claim*'s stop key.
+        """Take a connection (`Server.lend`) on which Redis pushes writes to *claim*'s stop key.
 
         Client-side caching's tracking (RESP3), OPTIN: only the key read right after
         CLIENT CACHING yes is tracked, once; each renewal on the connection reads it again.

@@ -29,7 +29,7 @@ _GONE: Final = (
 class RedisLease:
     """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends.
 
-    Asked for its `bells`, it takes a connection of its own out of the pool and has Redis
+    Asked for its `bells`, it takes a connection for its own (`Server.lend`) and has Redis
     track the lock's stop key on it (`RedisBackend.track`): a take-over request then makes
     Redis push a message on that connection. A thread of the lease's reads what arrives
     between two calls of ours and rings the bell (an eventfd); the socket itself cannot be

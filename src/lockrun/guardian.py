@@ -76,6 +76,7 @@ class Guardian:
             theirs.close()
             self._socket = ours
             self._acted = False
+            self._orphan = False  # whether it holds a lease to free (`hold_fds`)
             os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, saved)
@@ -92,9 +93,17 @@ class Guardian:
             socket.send_fds(self._socket, [b"f"], list(fds))
         if orphan is not None:
             self._socket.sendall(b"o" + orphan)
+            self._orphan = True
 
     def forget(self) -> None:
-        """Tell the guardian that lockrun releases the lease itself (before it does so)."""
+        """Tell the guardian that lockrun releases the lease itself (before it does so).
+
+        Nothing to say of a lease it was never told of (one that ends with its session):
+        the holder's way to its release is the hand-over's.
+        """
+        if not self._orphan:
+            return
+        self._orphan = False
         with contextlib.suppress(OSError):  # gone: it cannot abandon it either
             self._socket.sendall(b"r")
             os.kill(self.pid, signal.SIGCONT)  # one that was stopped must hear it in order

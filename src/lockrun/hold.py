@@ -67,6 +67,23 @@ def report_for(
     return WaitReport(request, uri, log=log, live=live)
 
 
+def connect(backend: Backend, request: Request) -> None:
+    """Make *backend*'s first contact for *request* now, if it can say so (``connect``).
+
+    A run does before it forks its guardian: what the first contact writes (the connection,
+    the driver's state) is then shared by both processes instead of copied into each.
+    What it raises names the lock, as `take` does.
+    """
+    early = getattr(backend, "connect", None)  # not every backend has a contact to make
+    if early is None:
+        return
+    try:
+        early(request)
+    except (BackendUnavailable, ConfigError) as err:
+        err.about(request.name)
+        raise
+
+
 def take(
     backend: Backend, request: Request, wait: float | None, report: WaitReport | None
 ) -> Lease:
@@ -181,6 +198,7 @@ __all__ = [
     "INTERRUPTS",
     "Waiting",
     "acquired",
+    "connect",
     "deferred",
     "interruptible",
     "make_request",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
@@ -430,22 +431,27 @@ class _Renewal:
     def __init__(self, held: Lease) -> None:
         self.held = held
         self.due = held.clock.refresh_due()  # counted from the request, as in supervise.py
-        self.cancelled = threading.Event()
+        # Made by `start` (under _Renewals' lock, as `drop` is): a block shorter than ttl/3
+        # makes neither it nor the thread.
+        self.cancelled: threading.Event | None = None
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.cancelled = threading.Event()
         self.thread = threading.Thread(target=self.run, name="lockrun-renewer", daemon=True)
         self.thread.start()
 
     def run(self) -> None:
         every: float | None = max(0.0, self.due - now())
+        assert self.cancelled is not None  # noqa: S101 - made before the thread starts
         while every is not None and not self.cancelled.wait(every):
             every = self.held.renew()
 
     def cancel(self) -> None:
         """Stop renewing; return once no renewal runs (so the lease may be released)."""
-        _RENEWALS.drop(self)
-        self.cancelled.set()
+        _RENEWALS.drop(self)  # once dropped, never started: both under _Renewals' lock
+        if self.cancelled is not None:
+            self.cancelled.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
@@ -457,18 +463,20 @@ class _Renewals:
         self.changed = threading.Condition()
         self.pending: list[_Renewal] = []
         self.thread: threading.Thread | None = None
+        # When the thread wakes by itself at the latest (`now`): a lease due no sooner needs
+        # no wake-up, which would cost every acquisition a switch to that thread and back.
+        self.wakes_at = math.inf
 
     def add(self, held: Lease) -> _Renewal:
         renewal = _Renewal(held)
         with self.changed:
-            first = not self.pending or renewal.due < min(other.due for other in self.pending)
             self.pending.append(renewal)
             if self.thread is None:
                 self.thread = threading.Thread(
                     target=self.run, name="lockrun-renewals", daemon=True
                 )
                 self.thread.start()
-            elif first:  # sooner than the thread waits for
+            elif renewal.due < self.wakes_at:  # sooner than the thread waits for
                 self.changed.notify()
         return renewal
 
@@ -481,10 +489,12 @@ class _Renewals:
         with self.changed:
             while True:
                 if not self.pending:
+                    self.wakes_at = math.inf
                     self.changed.wait()
                     continue
                 first = min(self.pending, key=lambda renewal: renewal.due)
                 if first.due > now():
+                    self.wakes_at = first.due
                     self.changed.wait(first.due - now())
                     continue
                 self.pending.remove(first)
@@ -495,6 +505,7 @@ class _Renewals:
         self.changed = threading.Condition()
         self.pending = []
         self.thread = None
+        self.wakes_at = math.inf
 
 
 _RENEWALS: Final = _Renewals()

@@ -41,6 +41,7 @@ from lockrun.errors import (
 from lockrun.hold import (
     Waiting,
     acquired,
+    connect,
     deferred,
     interruptible,
     make_request,
@@ -128,6 +129,11 @@ def run(
         with interruptible(name, verbose) as waiting:
             account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
+            try:
+                connect(backend, request)  # before the fork (docs/design.md A11)
+            except BaseException:
+                backend.close()
+                raise
             guardian = _guardian(uri, options, backend)
             try:
                 report = report_for(options, request, uri, log, live)
@@ -202,6 +208,7 @@ def _hold_and_run(
     account: Account | _Unmonitored,
 ) -> int:
     started = now()
+    environment = base_environment(request)  # before the wait: off the hand-over's path
     lease = take(backend, request, options.wait, report)
     # From here on the signals of FORWARDED belong to the command: supervise() forwards them
     # while it runs, and one that comes after it ended must not rewrite its exit status. One
@@ -232,7 +239,7 @@ def _hold_and_run(
                 argv,
                 lease,
                 limits,
-                env=command_environment(request, lease),
+                env=command_environment(request, lease, environment),
                 # A session's socket too: a server frees the lock when its last holder
                 # closes it, which the kernel does only once the command's processes are
                 # dead, even when lockrun and its guardian die at once (docs/semantics.md G2).
@@ -294,22 +301,29 @@ def check_options(options: Options, uri: LockURI) -> None:
         check_path(options.metrics_file)
 
 
-def command_environment(request: Request, lease: Lease) -> dict[str, str]:
-    """Return the command's environment: ours plus LOCKRUN_NAME/SLOT/SLOTS/FENCE."""
+def base_environment(request: Request) -> dict[str, str]:
+    """Return the command's environment but what the grant says: ours plus LOCKRUN_NAME/SLOTS."""
     env = dict(os.environ)
     if "LOCKRUN_URI" in env:
         # No password reaches the command; a lockrun it runs finds *** in the URI and
         # refuses it (78) rather than fall back to file: (docs/security.md "Passwords in URIs").
         env["LOCKRUN_URI"] = redact(env["LOCKRUN_URI"])
-    env |= {
-        "LOCKRUN_NAME": request.name,
-        "LOCKRUN_SLOT": str(lease.slot),
-        "LOCKRUN_SLOTS": str(request.slots),
-    }
+    env |= {"LOCKRUN_NAME": request.name, "LOCKRUN_SLOTS": str(request.slots)}
+    env.pop("LOCKRUN_FENCE", None)
+    return env
+
+
+def command_environment(
+    request: Request, lease: Lease, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Return the command's environment: ours plus LOCKRUN_NAME/SLOT/SLOTS/FENCE.
+
+    *base* is `base_environment`'s, made before the wait (it is added to).
+    """
+    env = base_environment(request) if base is None else base
+    env["LOCKRUN_SLOT"] = str(lease.slot)
     if lease.fence is not None:
         env["LOCKRUN_FENCE"] = str(lease.fence)
-    else:
-        env.pop("LOCKRUN_FENCE", None)
     return env
 
 

@@ -110,17 +110,27 @@ def supervise(
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
-        # Watching before the command starts: nothing can fail between its start and run().
-        with watch.hangups:
+        hangups = watch.hangups  # its pipe and epoll made before the pre-spawn check
+        try:
             watch.confirm_before_start()  # the last thing before the spawn
             if guardian is not None:
                 pass_fds = (*pass_fds, guardian.switch)
             watch.start(_spawn(argv, env, pass_fds, group=watch.group))
-            if guardian is not None:
-                guardian.started()
-            with _terminal_for(watch.group) as terminal:
-                watch.terminal = terminal
-                return watch.run()
+            # The command runs from here: the watchers are armed after its spawn, off the
+            # hand-over's path (a lease's bells may cost a round trip and a thread,
+            # docs/design.md A9). Nothing is missed meanwhile: a hang-up is level-triggered,
+            # and a bell made after a take-over was asked is rung already. Whatever fails
+            # now stops the command.
+            with watch.stopping_on_error():
+                watch.arm_bells()
+                with hangups:
+                    if guardian is not None:
+                        guardian.started()
+                    with _terminal_for(watch.group) as terminal:
+                        watch.terminal = terminal
+                        return watch.run()
+        finally:
+            hangups.close()
     finally:
         # A bell rung after the loop's last wait stays pending, and SIGIO's default action
         # would end lockrun (status -29) the moment it is unblocked: drop it, and a late
@@ -260,9 +270,15 @@ class _Hangups(threading.Thread):
         os.write(self._waker, b"x")
         if self.ident is not None:
             self.join()
-        self._epoll.close()
-        os.close(self._wake)
-        os.close(self._waker)
+        self.close()
+
+    def close(self) -> None:
+        """Close the descriptors (once); the thread must not run."""
+        if self._wake >= 0:
+            self._epoll.close()
+            os.close(self._wake)
+            os.close(self._waker)
+            self._wake = self._waker = -1
 
     def run(self) -> None:
         while True:
@@ -321,10 +337,11 @@ class _Watch:
             lease.ttl, lease.confirmed, every=limits.refresh_every, kill_after=limits.kill_after
         )
         self.asking: _Ask | None = None
-        # A local lock's bells are made `LOCAL_BELL_AFTER` into the run, a server's now.
+        # A lease's bells are made once its command runs: a server's just after the spawn
+        # (`arm_bells`), a local lock's `LOCAL_BELL_AFTER` into the run.
         self.local = lease.ttl is None
-        self.bells: tuple[int, ...] = () if self.local else lease.bells
-        self.hangups = _Hangups(lease.sessions, self.bells)
+        self.bells: tuple[int, ...] = ()
+        self.hangups = _Hangups(lease.sessions)
         self.bells_due: float | None = None
         self.time_limit: float | None = None
         self.kill_at: float | None = None
@@ -386,6 +403,16 @@ class _Watch:
         deadline, ours = self.clock.deadline(), self.clock.latest_term()
         self.guardian.expect(ours + (deadline - ours) / 2, deadline, late)
 
+    @contextlib.contextmanager
+    def stopping_on_error(self) -> Iterator[None]:
+        """Stop the command (TERM, grace, KILL, reap) if the block fails before it was reaped."""
+        try:
+            yield
+        except BaseException:
+            if not self.reaped:
+                self._stop_now()
+            raise
+
     def run(self) -> int:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
         try:
@@ -444,6 +471,12 @@ class _Watch:
         self._make_bells(current)
         if self.failure is None and not self._timed_out(current) and not self._collect(current):
             self._on_clock(current)
+
+    def arm_bells(self) -> None:
+        """Make a server lease's bells and watch them; a local lock's wait (`_make_bells`)."""
+        if not self.local:
+            self.bells = tuple(self.lease.bells)
+            self.hangups.ring_on(self.bells)
 
     def _make_bells(self, current: float) -> None:
         """Make a local lock's bells once they are due (`LOCAL_BELL_AFTER`), and watch them."""
@@ -614,5 +647,6 @@ class _Watch:
             if now() >= deadline:
                 self._signal_group(signal.SIGKILL)
                 os.waitpid(self.pid, 0)
+                self.reaped = True
                 return
             signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - now()))

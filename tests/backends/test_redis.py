@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import unquote
 
 import pytest
 
-from lockrun import ConfigError, ExitCode, Lock, TakenOver
+from lockrun import ConfigError, ExitCode, Lock, TakenOver, runner
 from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
 from lockrun.backends.redis import Claim, connect, key_prefix, parse
 from lockrun.backends.redis.replies import Granted, Queued
@@ -672,3 +672,89 @@ def test_a_retried_acquire_gets_the_same_slot_and_fence(
     assert isinstance(first, Granted)
     assert again == first
     assert isinstance(other, Queued)  # busy: no second slot
+
+
+def test_a_kept_backends_scripts_take_no_connection_from_the_pool(
+    redis_server: RedisServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acquire and release run on one kept connection: the pool's checks cost more than them.
+
+    And none is made again: the server counts no new connection.
+    """
+    backend = open_backend(parse_uri(redis_server.uri), ttl=30)
+    request = Request("default", name, 1, 30.0, Holder.me(["x"]))
+    taken: list[object] = []
+    try:
+        backend.acquire(request, 0).release()  # type: ignore[union-attr]  # connects
+        pool = backend.server.client().connection_pool  # type: ignore[attr-defined]
+        take = pool.get_connection
+
+        def noted() -> object:
+            taken.append(take())
+            return taken[-1]
+
+        monkeypatch.setattr(pool, "get_connection", noted)
+        before = _received(redis_server)
+        for _ in range(10):
+            backend.acquire(request, 0).release()  # type: ignore[union-attr]
+        after = _received(redis_server)
+    finally:
+        backend.close()
+    assert taken == []
+    assert after == before + 1  # redis-cli's own, to ask
+
+
+def _received(server: RedisServer) -> int:
+    """Return how many connections *server* has accepted (redis-cli's asking included)."""
+    stats = server.command("INFO", "stats")
+    return int(stats.split("total_connections_received:", 1)[1].split()[0])
+
+
+def test_a_lease_with_a_bell_is_released_before_its_listener_is_joined(
+    redis_server: RedisServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release goes out first: joining the bell's thread is off the hand-over's path."""
+    backend = open_backend(parse_uri(redis_server.uri), ttl=30)
+    order: list[str] = []
+    try:
+        lease = backend.acquire(Request("default", name, 1, 30.0, Holder.me(["x"])), 0)
+        assert lease is not None
+        assert lease.bells  # a lone holder's: a thread listens
+        listener = lease._listener  # type: ignore[attr-defined]
+        join, leave = listener.join, backend.leave  # type: ignore[attr-defined]
+
+        def joined(timeout: float | None = None) -> None:
+            order.append("join")
+            join(timeout)
+
+        def left(*args: object, **kwargs: object) -> bool:
+            order.append("release")
+            return bool(leave(*args, **kwargs))
+
+        monkeypatch.setattr(listener, "join", joined)
+        monkeypatch.setattr(backend, "leave", left)
+        assert lease.release()
+    finally:
+        backend.close()
+    assert order == ["release", "join"]
+
+
+def test_a_run_forks_its_guardian_after_its_first_contact(
+    redis_server: RedisServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection is made before the guardian's fork: its pages are then the two's, once.
+
+    Made after, they were written (copied) in each process of every waiting run.
+    """
+    before = _received(redis_server)
+    at_fork: list[int] = []
+    make = runner._guardian
+
+    def noted(*args: Any) -> object:
+        at_fork.append(_received(redis_server))
+        return make(*args)
+
+    monkeypatch.setattr(runner, "_guardian", noted)
+    options = runner.Options(name=name, uri=redis_server.uri)
+    assert runner.run(["true"], options, log=lambda _line: None) == 0
+    assert at_fork == [before + 2]  # ours, then redis-cli's to ask

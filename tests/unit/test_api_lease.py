@@ -8,6 +8,7 @@ of the ttl before the service may give it away.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from lockrun import lock
 from lockrun.errors import BackendUnavailable, ConfigError, LeaseLost, TakenOver
 from lockrun.lease_clock import MARGIN, RETRY
 from lockrun.lock import Lease
+from lockrun.timing import now
+from tests.support.cli import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -398,3 +401,28 @@ def test_a_released_lost_lease_says_its_loss_not_its_release(clock: Clock) -> No
         lease.release()
     with pytest.raises(LeaseLost, match="the key is gone"):
         lease.check()
+
+
+# -- the renewals' thread -----------------------------------------------------------------
+
+
+def test_an_acquisition_due_no_sooner_than_the_renewals_thread_wakes_does_not_wake_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lease due later than the thread's own wake-up costs no switch to that thread."""
+    renewals = lock._Renewals()
+
+    def lease(confirmed: float) -> Lease:
+        backend = Scripted(ttl=3600.0)  # never due within the test
+        backend.confirmed = confirmed
+        return held(backend)
+
+    renewals.add(lease(now()))  # starts the thread, which sleeps until that one is due
+    wait_for(lambda: renewals.wakes_at < math.inf, what="the renewals' thread to sleep")
+    notified: list[int] = []
+    monkeypatch.setattr(renewals.changed, "notify", lambda n=1: notified.append(n))
+    for _ in range(5):  # acquire and release in a loop: each due after the first
+        renewals.drop(renewals.add(lease(now())))
+    assert notified == []
+    renewals.add(lease(now() - 600.0))  # due before the thread would wake: woken
+    assert notified == [1]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
+import lockrun.supervise as supervise_module
 from lockrun.errors import (
     BackendUnavailable,
     CommandNotExecutable,
@@ -428,3 +429,58 @@ def test_a_stop_kills_by_the_earlier_of_the_grace_and_the_deadline_given() -> No
     kill_by = now() + 600.0
     watch._begin_stop(LeaseLost("gone"), kill_by=kill_by)
     assert watch.kill_at == kill_by
+
+
+# -- the hand-over's path: the command first, then the watchers ------------------------------
+
+
+class Belled(Lease):
+    """A lease whose bells, when asked for, note it in *events* (or fail with *error*)."""
+
+    def __init__(self, events: list[str], error: Exception | None = None) -> None:
+        super().__init__(fine)
+        self.events = events
+        self.error = error
+
+    @property
+    def bells(self) -> tuple[int, ...]:  # type: ignore[override]
+        self.events.append("bells")
+        if self.error is not None:
+            raise self.error
+        return ()
+
+
+def spawns_noted(monkeypatch: pytest.MonkeyPatch, events: list[str], pids: list[int]) -> None:
+    """Note each spawn of `supervise` in *events*, and its pid in *pids*."""
+    spawn = supervise_module._spawn
+
+    def noted(*args: object, **kwargs: object) -> int:
+        pid = spawn(*args, **kwargs)  # type: ignore[arg-type]
+        events.append("spawn")
+        pids.append(pid)
+        return pid
+
+    monkeypatch.setattr(supervise_module, "_spawn", noted)
+
+
+def test_the_command_is_spawned_before_the_lease_is_asked_for_its_bells(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lease's bells (a round trip and a thread on Redis) are armed once the command runs."""
+    events: list[str] = []
+    spawns_noted(monkeypatch, events, [])
+    assert watched(["true"], Belled(events)) == 0
+    assert events == ["spawn", "bells"]
+
+
+def test_a_watcher_that_fails_after_the_spawn_stops_and_reaps_the_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Nothing runs unwatched: the failure is raised once the command is stopped and reaped."""
+    events: list[str] = []
+    pids: list[int] = []
+    spawns_noted(monkeypatch, events, pids)
+    with pytest.raises(RuntimeError, match="no bells"):
+        watched(sh(TRAPPED, str(tmp_path)), Belled(events, RuntimeError("no bells")))
+    assert events == ["spawn", "bells"]
+    assert gone(pids[0])

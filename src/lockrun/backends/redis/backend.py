@@ -125,6 +125,14 @@ class RedisBackend:
             self.warn(warning)
         self._checked = True
 
+    def connect(self, request: Request) -> None:
+        """Connect for *request* now, and check the eviction policy (`prepare`) on the way.
+
+        A run's first contact, made before it forks its guardian (docs/design.md A11): no
+        round trip is added, `acquire` then skips the check.
+        """
+        self.prepare(self.server.node_client(key_prefix(request.namespace, request.name)))
+
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
         claim = Claim.of(request)
@@ -269,7 +277,7 @@ class RedisBackend:
         self.leave(Claim(prefix, token, slots, ttl_ms))
 
     def track(self, claim: Claim) -> tuple[Any, bool]:
-        """Take a connection out of the pool on which Redis pushes writes to *claim*'s stop key.
+        """Take a connection (`Server.lend`) on which Redis pushes writes to *claim*'s stop key.
 
         Client-side caching's tracking (RESP3), OPTIN: only the key read right after
         CLIENT CACHING yes is tracked, once; each renewal on the connection reads it again.
@@ -280,7 +288,7 @@ class RedisBackend:
             return None, False
         try:
             pool = self.server.client().connection_pool
-            connection: Any = pool.get_connection()
+            connection: Any = self.server.lend()
         except wire.REPLY_ERRORS:
             return None, False
         replies: list[Any] = []

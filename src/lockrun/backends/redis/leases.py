@@ -29,7 +29,7 @@ _GONE: Final = (
 class RedisLease:
     """A slot held in Redis until its lease, renewed every ttl/3 by the supervisor, ends.
 
-    Asked for its `bells`, it takes a connection of its own out of the pool and has Redis
+    Asked for its `bells`, it takes a connection for its own (`Server.lend`) and has Redis
     track the lock's stop key on it (`RedisBackend.track`): a take-over request then makes
     Redis push a message on that connection. A thread of the lease's reads what arrives
     between two calls of ours and rings the bell (an eventfd); the socket itself cannot be
@@ -164,14 +164,19 @@ class RedisLease:
             own, self._own = self._own, None
             if self._quit is not None:
                 os.eventfd_write(self._quit, 1)
-        if self._listener is not None:
-            self._listener.join()
-        for fd in (self._bell, self._quit):
-            if fd is not None:
-                os.close(fd)
-        self._bell = self._quit = None
+        # The listening thread touches the connection only under _using and while _own is
+        # it: it can no longer, so the release goes out now and the thread is joined after,
+        # off the hand-over's path.
         hold_ms = math.ceil(hold * 1000) if hold > 0 else 0
-        return self.backend.leave(self.claim, hold_ms, own=own)
+        try:
+            return self.backend.leave(self.claim, hold_ms, own=own)
+        finally:
+            if self._listener is not None:
+                self._listener.join()
+            for fd in (self._bell, self._quit):
+                if fd is not None:
+                    os.close(fd)
+            self._bell = self._quit = None
 
 
 def _pushed(connection: Any) -> bool:  # noqa: ANN401 - redis-py's Connection

@@ -9,6 +9,8 @@ scripts where they must run and makes a grant durable where a failover could for
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import socket
 import threading
 import time
@@ -54,6 +56,11 @@ class Server:
         self._named: tuple[str, int] | None = None  # the primary it was, at the last call
         self.interrupted = False  # set by `interrupt`: every wait ends
         self._sleeping: Any = None  # the connection a waiter sleeps in BLPOP on, if any
+        # One connection kept out of the pool for our scripts (`_take`): the pool's checks
+        # of a connection on every take cost more than the script's round trip.
+        self._kept: Any = None
+        self._kept_pid = 0  # the process that made it: a forked child makes its own
+        self._keeping = threading.Lock()  # whoever holds it uses _kept; others, the pool
         # A Redis Cluster's nodes, by the slots they serve: from a cluster URI, or once a
         # plain one turns out to name a node of a cluster (`detect_cluster`).
         self.router = Router(settings.cluster, self._node) if settings.cluster else None
@@ -185,18 +192,57 @@ class Server:
     ) -> Any:  # noqa: ANN401 - Lua's reply
         """Run *script* on a connection of redis-py's pool (which reconnects a closed one)."""
         pool = self.client().connection_pool
-        connection = pool.get_connection()
+        kept = self._keeping.acquire(blocking=False)
         try:
-            if self.detect_cluster(connection):
-                return None  # the caller asks again, the cluster's way
-            if identify is not None:
-                argv = [*argv, topology.identity(connection) if identify else ""]
-            return wire.run(connection, script, keys, argv)[0]
-        except BaseException:  # a reply may still be on its way: never reuse the connection
-            connection.disconnect()  # type: ignore[no-untyped-call]
-            raise
+            connection = self._kept_ready(pool) if kept else pool.get_connection()
+            try:
+                if self.detect_cluster(connection):
+                    return None  # the caller asks again, the cluster's way
+                if identify is not None:
+                    argv = [*argv, topology.identity(connection) if identify else ""]
+                return wire.run(connection, script, keys, argv)[0]
+            except BaseException:  # a reply may still be on its way: never reuse it
+                connection.disconnect()
+                raise
+            finally:
+                if not kept:
+                    pool.release(connection)
         finally:
-            pool.release(connection)
+            if kept:
+                self._keeping.release()
+
+    def _kept_ready(self, pool: Any) -> Any:  # noqa: ANN401 - redis-py's pool and Connection
+        """Return the kept connection, connected and with nothing unread (held `_keeping`).
+
+        What the pool checks on every take, for one system call: a connection that has
+        something to read (the server closed it, an idle timeout) is made again.
+        """
+        if self._kept is None or self._kept_pid != os.getpid():
+            # Taken from the pool for good (one a first call used, often); after a fork the
+            # parent's is left alone: closing it would end the parent's.
+            self._kept, self._kept_pid = pool.get_connection(), os.getpid()
+        connection = self._kept
+        sock = connection._sock  # noqa: SLF001 - redis-py has no accessor
+        if sock is not None and _readable(sock):
+            connection.disconnect()
+        connection.connect()  # a no-op while connected
+        return connection
+
+    def lend(self) -> Any:  # noqa: ANN401 - redis-py's Connection
+        """Return a connection for a lease's own use, to give back to the pool after.
+
+        The kept one if no call uses it (a new one is kept for the next call): a holder's
+        bell and renewals need no connection of their own beside it.
+        """
+        pool = self.client().connection_pool
+        if self.router is None and self._keeping.acquire(blocking=False):
+            try:
+                connection = self._kept_ready(pool)
+                self._kept = None
+                return connection
+            finally:
+                self._keeping.release()
+        return pool.get_connection()
 
     def detect_cluster(self, connection: Any, moved: Exception | None = None) -> bool:  # noqa: ANN401 - redis-py's Connection
         """Switch to the cluster's ways if a plain URI's server is a node of a Redis Cluster.
@@ -343,10 +389,15 @@ class Server:
         On a cluster, a redirect ends the sleep (the wake list is only a hint): the
         waiter asks again, where the slot is now.
         """
+        # One server: on the kept connection, which the grant then uses (no second one).
+        kept = self.alone and self._keeping.acquire(blocking=False)
         try:
             pool = self.node_client(key).connection_pool
-            connection = pool.get_connection()  # may connect again, and fail
+            # may connect again, and fail
+            connection = self._kept_ready(pool) if kept else pool.get_connection()
         except wire.REPLY_ERRORS as err:
+            if kept:
+                self._keeping.release()
             raise self.failure(err) from err
         self._sleeping = connection
         try:
@@ -354,20 +405,23 @@ class Server:
                 return
             if self._named is not None:  # behind Sentinel: the wake-up is pushed there
                 topology.aim(connection, self._named)
-            connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")  # type: ignore[no-untyped-call]
+            connection.send_command("BLPOP", key, f"{max(seconds, 0.01):.3f}")
             connection.read_response(timeout=seconds + self.timeout)
         except errors.ResponseError as err:
             if not self._cluster_news(err, key, connection, seconds):
                 raise self.failure(err) from err
         except wire.REPLY_ERRORS as err:
-            connection.disconnect()  # type: ignore[no-untyped-call]
+            connection.disconnect()
             raise self.failure(err) from err
         except BaseException:
-            connection.disconnect()  # type: ignore[no-untyped-call]  # a reply may be on its way: never reuse this connection
+            connection.disconnect()  # a reply may be on its way: never reuse this connection
             raise
         finally:
             self._sleeping = None
-            pool.release(connection)
+            if kept:
+                self._keeping.release()
+            else:
+                pool.release(connection)
 
     def _cluster_news(
         self,
@@ -410,6 +464,9 @@ class Server:
 
     def close(self) -> None:
         """Drop the connections."""
+        if self._kept is not None and self._kept_pid == os.getpid():
+            self._kept.disconnect()
+        self._kept = None
         if self._primary is not None:
             self._primary.disconnect()
             self._primary = None
@@ -419,6 +476,13 @@ class Server:
             self._client = None
         if self.router is not None:
             self.router.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Return whether *sock* has something to read now (data, or the server's close)."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def _ask(sentinel: redis.Redis, service: str) -> SentinelView | None:

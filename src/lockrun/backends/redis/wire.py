@@ -37,11 +37,8 @@ REPLY_ERRORS: Final = (
 
 def command(*words: str | int) -> bytes:
     """Return one command in Redis's protocol (RESP)."""
-    packed = [b"*%d\r\n" % len(words)]
-    for word in words:
-        data = str(word).encode()
-        packed.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(packed)
+    encoded = [(word if type(word) is str else str(word)).encode() for word in words]
+    return b"*%d\r\n" % len(encoded) + b"".join([b"$%d\r\n%b\r\n" % (len(d), d) for d in encoded])
 
 
 def run(

@@ -130,7 +130,7 @@ def run(
             account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
             try:
-                connect(backend, request)  # before the fork (docs/design.md A11)
+                connect(backend, request, options.wait)  # before the fork (design.md A11)
             except BaseException:
                 backend.close()
                 raise

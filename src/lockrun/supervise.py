@@ -57,6 +57,9 @@ _BLOCKED: Final = _WATCHED | {signal.SIGTTOU}
 # CPython ignores these and exec(2) would pass that on (docs/design.md A9).
 _DEFAULTED: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 
+# How often the loop looks for the command's end itself, where a thread that does not block
+# SIGCHLD may have taken the signal (`_Watch.run`).
+REAP_EVERY: Final = 1.0
 _POLL: Final = 0.02  # how often the loop looks at a refresh under way (normally ~1 ms)
 # How long a local lock's command runs before its take-over bells are made. file:'s bell is
 # an inotify watch: ctypes to load, and a close that waits in the kernel for milliseconds
@@ -332,6 +335,9 @@ class _Watch:
         self.guardian = guardian
         self.terminal = False
         self.reaped = False
+        # Threads that ran before lockrun blocked SIGCHLD (a library's, the API's renewals
+        # thread): one of them may take the command's. Those lockrun starts inherit the block.
+        self.foreign = threading.active_count() > 1
         self.forward = forward  # the signals passed on to the command
         self.clock = LeaseClock(
             lease.ttl, lease.confirmed, every=limits.refresh_every, kill_after=limits.kill_after
@@ -416,8 +422,16 @@ class _Watch:
     def run(self) -> int:
         """Wait for the command, serving signals and timers; stop it on any failure of ours."""
         try:
-            while True:
+            # SIGCHLD is blocked in this thread only: while it is not waiting (arming the
+            # watchers after the spawn), another thread of the process that does not block
+            # it (a library's, the API's renewals thread) may take it, and the kernel drops
+            # it there. So the loop reaps once before its first wait and at every timer,
+            # and waits no longer than REAP_EVERY where such a thread lives.
+            status = self._reap()
+            while status is None:
                 timer = self._next_timer()
+                if self.foreign:
+                    timer = min(timer, now() + REAP_EVERY)
                 info = (
                     signal.sigwaitinfo(_WATCHED)
                     if timer == float("inf")  # all done but waiting for the command to end
@@ -425,8 +439,10 @@ class _Watch:
                 )
                 if info is None or not genuine(info):
                     self._on_timer()
-                elif (status := self._on_signal(info.si_signo)) is not None:
-                    return self._outcome(status)
+                    status = self._reap()
+                else:
+                    status = self._on_signal(info.si_signo)
+            return self._outcome(status)
         except BaseException:
             if not self.reaped:
                 self._stop_now()

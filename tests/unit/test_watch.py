@@ -484,3 +484,37 @@ def test_a_watcher_that_fails_after_the_spawn_stops_and_reaps_the_command(
         watched(sh(TRAPPED, str(tmp_path)), Belled(events, RuntimeError("no bells")))
     assert events == ["spawn", "bells"]
     assert gone(pids[0])
+
+
+class Late(Lease):
+    """A lease whose bells are asked for only once its command has exited (not reaped)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(fine)
+        self.pids = pids
+
+    @property
+    def bells(self) -> tuple[int, ...]:  # type: ignore[override]
+        os.waitid(os.P_PID, self.pids[0], os.WEXITED | os.WNOWAIT)  # exited, still a zombie
+        return ()
+
+
+def test_a_sigchld_another_thread_took_does_not_leave_the_command_unreaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGCHLD another thread took while lockrun armed its watchers: still reaped.
+
+    The command ends while lockrun arms its watchers, and a thread of the process that does
+    not block SIGCHLD (a library's, the API's renewals thread) takes the signal: the loop
+    still reaps the command and returns its status, not waiting for a signal gone.
+    """
+    pids: list[int] = []
+    spawns_noted(monkeypatch, [], pids)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # SIGCHLD not blocked in it
+    other.start()
+    try:  # not `watched`: its nudges would stand in for the lost signal
+        assert supervise(["true"], Late(pids), Limits(0.05, kill_after=30.0), env=ENV) == 0
+    finally:
+        stop.set()
+        other.join()

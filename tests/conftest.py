@@ -221,6 +221,24 @@ def pytest_configure(config: pytest.Config) -> None:  # noqa: ARG001 - pytest's 
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
+STOPPING: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+@pytest.fixture(autouse=True)
+def signals_as_found() -> Iterator[None]:
+    """Put back what a test in this process did to INT, TERM, HUP and QUIT.
+
+    An in-process run leaves them ignored as it ends (the CLI exits next); the worker's
+    later lockruns would inherit an ignored TERM and keep it ignored, and every test that
+    stops one would wait for nothing.
+    """
+    saved = {signo: signal.getsignal(signo) for signo in STOPPING}
+    yield
+    for signo, handler in saved.items():
+        if signal.getsignal(signo) is not handler:
+            signal.signal(signo, handler)
+
+
 PORTABLE = Path(__file__).with_name("portable.txt")
 
 

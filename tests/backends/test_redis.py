@@ -8,6 +8,7 @@ test's own, on a unix socket or a loopback port.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 1 s (the floor).
 SHORT_TTL = "3"
 PATIENCE = 30.0  # a hang guard for a thread of ours
+FINAL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @pytest.fixture(scope="module")
@@ -756,5 +758,12 @@ def test_a_run_forks_its_guardian_after_its_first_contact(
 
     monkeypatch.setattr(runner, "_guardian", noted)
     options = runner.Options(name=name, uri=redis_server.uri)
-    assert runner.run(["true"], options, log=lambda _line: None) == 0
+    # A run leaves INT, TERM and HUP ignored as it ends (a CLI process exits next): the
+    # worker's later children would inherit that, and keep an ignored TERM ignored.
+    saved = {signo: signal.getsignal(signo) for signo in FINAL_SIGNALS}
+    try:
+        assert runner.run(["true"], options, log=lambda _line: None) == 0
+    finally:
+        for signo, handler in saved.items():
+            signal.signal(signo, handler)
     assert at_fork == [before + 2]  # ours, then redis-cli's to ask

@@ -67,27 +67,6 @@ def report_for(
     return WaitReport(request, uri, log=log, live=live)
 
 
-def connect(backend: Backend, request: Request, wait: float | None) -> None:
-    """Make *backend*'s first contact for *request* now, if it can say so (``connect``).
-
-    A run does before it forks its guardian: what the first contact writes (the connection,
-    the driver's state) is then shared by both processes instead of copied into each. Only
-    an early contact: for a run that waits (*wait* not 0), a server out of reach now (a
-    failover under way) is left to `take`, which waits it out as it always has; otherwise
-    what it raises names the lock, as in `take`.
-    """
-    early = getattr(backend, "connect", None)  # not every backend has a contact to make
-    if early is None:
-        return
-    try:
-        early(request)
-    except (BackendUnavailable, ConfigError) as err:
-        if isinstance(err, BackendUnavailable) and wait != 0:
-            return
-        err.about(request.name)
-        raise
-
-
 def take(
     backend: Backend, request: Request, wait: float | None, report: WaitReport | None
 ) -> Lease:
@@ -202,7 +181,6 @@ __all__ = [
     "INTERRUPTS",
     "Waiting",
     "acquired",
-    "connect",
     "deferred",
     "interruptible",
     "make_request",

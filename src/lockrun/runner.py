@@ -41,7 +41,6 @@ from lockrun.errors import (
 from lockrun.hold import (
     Waiting,
     acquired,
-    connect,
     deferred,
     interruptible,
     make_request,
@@ -129,11 +128,6 @@ def run(
         with interruptible(name, verbose) as waiting:
             account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
-            try:
-                connect(backend, request, options.wait)  # before the fork (design.md A11)
-            except BaseException:
-                backend.close()
-                raise
             guardian = _guardian(uri, options, backend)
             try:
                 report = report_for(options, request, uri, log, live)

@@ -8,15 +8,14 @@ test's own, on a unix socket or a loopback port.
 from __future__ import annotations
 
 import contextlib
-import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import unquote
 
 import pytest
 
-from lockrun import ConfigError, ExitCode, Lock, TakenOver, runner
+from lockrun import ConfigError, ExitCode, Lock, TakenOver
 from lockrun.backends import Holder, Request, open_backend, parse_uri, timeout_for
 from lockrun.backends.redis import Claim, connect, key_prefix, parse
 from lockrun.backends.redis.replies import Granted, Queued
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 # --ttl 3 makes every Redis connect or answer give up after timeout_for(3) = 1 s (the floor).
 SHORT_TTL = "3"
 PATIENCE = 30.0  # a hang guard for a thread of ours
-FINAL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @pytest.fixture(scope="module")
@@ -739,31 +737,3 @@ def test_a_lease_with_a_bell_is_released_before_its_listener_is_joined(
     finally:
         backend.close()
     assert order == ["release", "join"]
-
-
-def test_a_run_forks_its_guardian_after_its_first_contact(
-    redis_server: RedisServer, name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The connection is made before the guardian's fork: its pages are then the two's, once.
-
-    Made after, they were written (copied) in each process of every waiting run.
-    """
-    before = _received(redis_server)
-    at_fork: list[int] = []
-    make = runner._guardian
-
-    def noted(*args: Any) -> object:
-        at_fork.append(_received(redis_server))
-        return make(*args)
-
-    monkeypatch.setattr(runner, "_guardian", noted)
-    options = runner.Options(name=name, uri=redis_server.uri)
-    # A run leaves INT, TERM and HUP ignored as it ends (a CLI process exits next): the
-    # worker's later children would inherit that, and keep an ignored TERM ignored.
-    saved = {signo: signal.getsignal(signo) for signo in FINAL_SIGNALS}
-    try:
-        assert runner.run(["true"], options, log=lambda _line: None) == 0
-    finally:
-        for signo, handler in saved.items():
-            signal.signal(signo, handler)
-    assert at_fork == [before + 2]  # ours, then redis-cli's to ask

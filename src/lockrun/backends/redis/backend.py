@@ -125,14 +125,6 @@ class RedisBackend:
             self.warn(warning)
         self._checked = True
 
-    def connect(self, request: Request) -> None:
-        """Connect for *request* now, and check the eviction policy (`prepare`) on the way.
-
-        A run's first contact, made before it forks its guardian (docs/design.md A11): no
-        round trip is added, `acquire` then skips the check.
-        """
-        self.prepare(self.server.node_client(key_prefix(request.namespace, request.name)))
-
     def acquire(self, request: Request, deadline: float | None) -> RedisLease | None:
         """Queue for a slot and sleep in BLPOP until one is ours, or *deadline* passes."""
         claim = Claim.of(request)

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 # Hypothesis: the same examples on every CI run (a red CI must mean a regression, not a
 # new find); fresh ones on a developer's machine. No deadline: subprocesses and servers.
-settings.register_profile("ci", derandomize=True, deadline=None, database=None)
+# CI: the same 50 examples every run (the fuzz targets and the dev profile go wider).
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=50)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 

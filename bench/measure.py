@@ -114,9 +114,18 @@ class Group:
             for i, (backends, title) in enumerate(found)
         ]
 
+    @property
+    def name(self) -> str:
+        """What `--only` calls the group: local, or the server backend's name."""
+        return self.backends[0] if self.title else "local"
+
     def heading(self, index: int, what: str) -> None:
         title = f"{self.title} {what}" if self.title else what[0].upper() + what[1:]
         core.section(f"({self.letters[index]}) {title}")
+
+
+# What `--only` selects: the four groups' sections, and the one-file and monitoring ones.
+GROUPS: Final = ("local", *SERVED, "reach")
 
 
 def startup_medians(
@@ -637,7 +646,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every section once and print the report."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke)")
-    quick = parser.parse_args(argv).quick
+    parser.add_argument(
+        "--only",
+        metavar="GROUP[,GROUP…]",
+        type=lambda text: set(text.split(",")),
+        help=f"just these groups, of: {', '.join(GROUPS)} (a ratio needs the whole group's run)",
+    )
+    args = parser.parse_args(argv)
+    if args.only and not args.only <= set(GROUPS):
+        parser.error(f"--only: unknown group {', '.join(sorted(args.only - set(GROUPS)))}")
+    quick, only = args.quick, args.only or set(GROUPS)
     began = time.monotonic()
     with Bench.running(core.QUICK if quick else core.FULL) as bench:
         print("lockrun benchmark" + (" (--quick)" if quick else ""), "=" * 100, sep="\n")
@@ -649,6 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"load     {core.load_average()} (other work on the machine skews every number)")
         print("columns: what, numbers, target, verdict (no target: for reference)")
         for group in Group.all(bench):
+            if group.name not in only:
+                continue
             try:
                 with serving(bench, group.backends[0]):
                     for run in SECTIONS:
@@ -662,8 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row(f"{group.backends[0]} backend", f"skipped: {err}")
         runs = reach.QUICK_RUNS if quick else reach.RUNS
         try:
-            reach.one_file(bench.scenario_dir("pyz"), runs, "zz1")
-            reach.monitoring(bench.scenario_dir("monitoring"), runs, "zz2")
+            if "reach" in only:
+                reach.one_file(bench.scenario_dir("pyz"), runs, "zz1")
+                reach.monitoring(bench.scenario_dir("monitoring"), runs, "zz2")
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             bench.broke("one file, monitoring", Broken(str(err)))
         return bench.finish(began)

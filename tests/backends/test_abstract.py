@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,7 +17,10 @@ from lockrun import ConfigError, ExitCode
 from lockrun.backends import Holder, Request, open_backend, parse_uri
 from lockrun.backends import abstract as abstract_backend
 from lockrun.timing import now
-from tests.support.cli import lockrun, one_line
+from tests.support.cli import Held, finish, lockrun, one_line, start, wait_for, waiter_pids
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def test_abstract_name_bound_but_not_listening_is_waited_out(name: str) -> None:
@@ -154,3 +159,33 @@ def test_the_modes_abstract_declines_are_refused_before_anything_is_opened(
     assert "is not supported by abstract: (only --shared is)" in said or "--no-keeper" in said
     assert result.stdout == ""
     assert not list(abstract_backend._abstract_names(f"lockrun/{prefix}"))
+
+
+def _switches(pid: int) -> int:
+    """Return how often every thread of *pid* went to sleep and woke (voluntary switches)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
+def test_a_queued_waiter_sleeps_until_the_kernel_wakes_it(tmp_path: Path, name: str) -> None:
+    """Queued on every name, a waiter has nothing to re-read: it does not wake every 5 s.
+
+    Its connection wakes it when the holder hands over or the name's last descriptor closes
+    (docs/design.md A3); the 5 s re-read (D2) is for names it could not queue on.
+    """
+    uri = "abstract:idle"
+    held = Held(tmp_path, "--uri", uri, "--name", name)
+    waiter = start("--uri", uri, "--name", name, "--wait", "forever", "--", "true")
+    try:
+        wait_for(lambda: waiter_pids(uri, name) == [waiter.pid], what="the waiter queued")
+        before = _switches(waiter.pid)
+        time.sleep(abstract_backend.RECHECK + 1)
+        assert _switches(waiter.pid) == before
+    finally:
+        assert held.finish() == 0
+    assert finish(waiter) == 0

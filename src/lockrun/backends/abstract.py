@@ -44,7 +44,11 @@ if TYPE_CHECKING:
     from lockrun.uri import LockURI
 
 _BACKLOG: Final = 4096  # capped by net.core.somaxconn; a full backlog looks like a transition
-_RECHECK: Final = 5.0  # every wait re-reads the truth this often (docs/design.md D2)
+RECHECK: Final = 5.0  # every wait re-reads the truth this often (docs/design.md D2)
+# Queued on every name, a waiter has no truth to re-read: the kernel wakes its connection
+# when the holder hands over or the name's last descriptor closes (docs/design.md A3). It
+# looks once a minute all the same, so that a wait stays bounded (D2).
+QUEUED_RECHECK: Final = 60.0
 TRANSITION: Final = 0.005  # a name bound but not yet listening: look again this soon
 GATE_GRACE: Final = 0.25  # a one-shot try waits this long for a head that is only sweeping
 _UCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid (unix(7))
@@ -107,7 +111,7 @@ def connect_to(name: str) -> socket.socket | None:
     return sock
 
 
-def remaining(deadline: float | None, cap: float = _RECHECK) -> float:
+def remaining(deadline: float | None, cap: float = RECHECK) -> float:
     """Seconds to the deadline (0 when past), at most *cap*."""
     return cap if deadline is None else max(0.0, min(cap, deadline - now()))
 
@@ -201,6 +205,8 @@ def take(names: list[str], deadline: float | None) -> tuple[int, socket.socket, 
             _connect_all(names, conns)
             if len(conns) < len(names):  # a name in transition: look again soon
                 wait = min(wait, TRANSITION)
+            else:
+                wait = remaining(deadline, QUEUED_RECHECK)
             if (got := _await_hand_over(conns, names, wait)) is not None:
                 return got
     finally:

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Final, NoReturn
 
 from lockrun.processes import kill_the_others
+from lockrun.sigmask import pthread_sigmask
 from lockrun.supervise import FORWARDED
 from lockrun.timing import now
 
@@ -67,7 +68,7 @@ class Guardian:
         self.switch, self._armed = os.pipe2(os.O_CLOEXEC)  # read end: the command's
         # A handler that raises (lock._interruptible) must not run inside fork's at-fork
         # callbacks, where Python would print and drop the exception: hold the signals.
-        saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        saved = pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             self.pid = os.fork()
             if self.pid == 0:  # the forked guardian (coverage follows: patch = fork, _exit)
@@ -79,7 +80,7 @@ class Guardian:
             self._orphan = False  # whether it holds a lease to free (`hold_fds`)
             os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+            pthread_sigmask(signal.SIG_SETMASK, saved)
         _arm(self.switch, self.pid)
 
     def hold_fds(self, fds: Sequence[int], orphan: bytes | None = None) -> None:
@@ -242,7 +243,7 @@ def _guard(
         os.setpgid(0, 0)
         for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signo, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         clock = _GuardClock(deadlines)
         heard = _Heard()
         while not heard.done:

@@ -16,6 +16,7 @@ from lockrun.backends import Holder, Request
 from lockrun.errors import BackendUnavailable, ConfigError, Interrupted, TakenOver
 from lockrun.lock import acquire
 from lockrun.progress import WaitReport
+from lockrun.sigmask import pthread_sigmask
 from lockrun.supervise import FORWARDED
 from lockrun.timing import format_duration, now
 
@@ -168,13 +169,13 @@ def interruptible(name: str, log: Callable[[str], None]) -> Iterator[Waiting]:
 @contextlib.contextmanager
 def deferred(signals: frozenset[signal.Signals]) -> Iterator[None]:
     """Block *signals* for the block; drop those that arrived unclaimed before unblocking."""
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    saved = pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
         while signal.sigtimedwait(signals, 0) is not None:
             pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+        pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
 __all__ = [

@@ -65,6 +65,7 @@ from lockrun.names import check_name
 from lockrun.processes import stat_of
 from lockrun.runner import check_options
 from lockrun.section import KEEPER_NAME, Section, watch_owner
+from lockrun.sigmask import pthread_sigmask
 from lockrun.supervise import FORWARDED, hung_up, readable
 from lockrun.timing import clock_time, format_duration, now
 
@@ -112,7 +113,7 @@ def acquire(
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     # No handler of ours may run in the child before its own are set (_interruptible).
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    saved = pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     child = os.fork()
     if child == 0:
         ours.close()
@@ -146,7 +147,7 @@ def _relay(
             signal.signal(signo, forward)
     for signo in FORWARDED - INTERRUPTS:  # USR1, USR2: dropped while waiting, as by a run
         signal.signal(signo, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+    pthread_sigmask(signal.SIG_SETMASK, saved)
     with link:
         grant = read_grant(link.recv(MAX_REPLY))
         if grant is None:  # the keeper ended without the lock, and said why on stderr
@@ -227,7 +228,7 @@ class _Child:
         request = make_request(options, options.namespace, name, holder)
         report = None
         with interruptible(name, verbose):
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.parent.mask)  # a TERM ends the wait
+            pthread_sigmask(signal.SIG_SETMASK, self.parent.mask)  # a TERM ends the wait
             backend = open_backend(self.uri, ttl=options.ttl, warn=log, note=verbose)
             try:
                 report = report_for(options, request, self.uri, log, live)
@@ -236,7 +237,7 @@ class _Child:
             except BaseException:
                 backend.close()
                 raise
-            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # ours from here on
+            pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # ours from here on
         try:
             if report is not None:
                 report.stop()
@@ -340,11 +341,11 @@ class _Signals:
         for signo in FORWARDED - INTERRUPTS:  # USR1, USR2: there is no command to pass them
             signal.signal(signo, signal.SIG_IGN)
         self._wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # pending ones arrive now
+        pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # pending ones arrive now
         return self
 
     def __exit__(self, *_: object) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         signal.set_wakeup_fd(self._wakeup)
         os.close(self.fd)
         os.close(self._write)

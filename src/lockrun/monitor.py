@@ -31,6 +31,7 @@ from lockrun.errors import (
     TimedOut,
     out_of_files,
 )
+from lockrun.sigmask import pthread_sigmask, valid_signals
 from lockrun.supervise import FORWARDED, Killed, genuine
 from lockrun.timing import format_duration, now
 
@@ -160,11 +161,11 @@ class Account:
             self._starting = threading.Thread(
                 target=self._record_start, name="lockrun-metrics", daemon=True
             )
-            saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            saved = pthread_sigmask(signal.SIG_BLOCK, valid_signals())
             try:
                 self._starting.start()
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+                pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def starting(self) -> None:
         """Start the ``--on-start`` hook: the lock is held and the command is about to start.
@@ -253,7 +254,7 @@ class Account:
         The signals lockrun forwards go to the hook while it runs, as they went to the
         command; one that finds no hook to take it changes nothing: the status stands.
         """
-        saved = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+        saved = pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
         try:
             self._record(lambda locks: _ended(locks, run))
             if self._beside is not None:  # a monitor must hear the start before the end
@@ -267,7 +268,7 @@ class Account:
         finally:
             while signal.sigtimedwait(_WATCHED, 0) is not None:
                 pass
-            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+            pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def _record_start(self) -> None:
         if not self._over.wait(START_RECORD_AFTER):
@@ -395,11 +396,11 @@ class Beside:
             daemon=True,
         )
         # With every signal blocked, none is delivered to it (as lockrun.progress says).
-        saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        saved = pthread_sigmask(signal.SIG_BLOCK, valid_signals())
         try:
             self._thread.start()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+            pthread_sigmask(signal.SIG_SETMASK, saved)
 
     @classmethod
     def start(

@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import Backend, Holder, LockState, Request, open_backend
+from lockrun.sigmask import pthread_sigmask, valid_signals
 from lockrun.timing import clock_time, format_duration, now
 
 if TYPE_CHECKING:
@@ -89,11 +90,11 @@ class WaitReport:
         # The thread starts with every signal blocked, so none is ever delivered to it: the
         # supervisor waits for SIGCHLD with sigwaitinfo, and a thread still finishing a
         # slow status read would take (and drop) a process-directed one.
-        saved = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        saved = pthread_sigmask(signal.SIG_BLOCK, valid_signals())
         try:
             self._thread.start()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+            pthread_sigmask(signal.SIG_SETMASK, saved)
 
     def stop(self) -> None:
         """Stop reporting and erase the live line; never waits for the thread.

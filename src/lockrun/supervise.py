@@ -29,6 +29,7 @@ from lockrun.errors import (
 )
 from lockrun.lease_clock import Answer, LeaseClock, Verdict
 from lockrun.processes import kill_the_others, members
+from lockrun.sigmask import pthread_sigmask
 from lockrun.timing import format_duration, now
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def supervise(
     if it could not start. Whatever happens, the command has been reaped before this
     returns or raises.
     """
-    saved = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+    saved = pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     try:
         watch = _Watch(lease, limits, forward, log, guardian)
         hangups = watch.hangups  # its pipe and epoll made before the pre-spawn check
@@ -140,7 +141,7 @@ def supervise(
         # hang-up's SIGURG with it (_Hangups has stopped: nothing raises them any more).
         while signal.sigtimedwait({_BELL, _HANGUP}, 0) is not None:
             pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+        pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
 def _spawn(

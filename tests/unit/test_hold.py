@@ -38,6 +38,7 @@ from lockrun.hold import (
 )
 from lockrun.progress import WaitReport
 from lockrun.runner import Options
+from lockrun.sigmask import pthread_sigmask, valid_signals
 from lockrun.supervise import FORWARDED
 from lockrun.timing import now
 
@@ -488,3 +489,20 @@ def test_deferred_keeps_a_signal_blocked_before_it_blocked() -> None:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     assert signal.SIGUSR2 in mask
     assert signal.SIGUSR1 not in mask
+
+
+def test_signal_masks_are_set_without_enum_conversions() -> None:
+    """The hand-over path's masks come back as plain numbers, and go back in unchanged.
+
+    ``signal.pthread_sigmask`` returns ``Signals`` members, an enum lookup each (issue 32).
+    """
+    blocked = {signal.SIGUSR1, signal.SIGUSR2}
+    saved = pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        now_blocked = pthread_sigmask(signal.SIG_BLOCK, ())
+        assert all(type(signo) is int for signo in now_blocked)
+        assert {int(signo) for signo in blocked} <= now_blocked
+    finally:
+        pthread_sigmask(signal.SIG_SETMASK, saved)
+    assert pthread_sigmask(signal.SIG_BLOCK, ()) == saved
+    assert all(type(signo) is int for signo in valid_signals())

@@ -14,11 +14,13 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+import pymysql
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun.backends import Holder, Request, parse_uri
+from lockrun.backends.mysql import uri as mysql_uri
 from lockrun.backends.mysql.batch import Answer, Batch, first_row, last_id, rows, value
 from lockrun.backends.mysql.modes import (
     Found,
@@ -31,7 +33,7 @@ from lockrun.backends.mysql.modes import (
     mismatch,
 )
 from lockrun.backends.mysql.records import check_batch, grant_batch, read_grant
-from lockrun.backends.mysql.session import Server
+from lockrun.backends.mysql.session import Server, said
 from lockrun.backends.mysql.statements import (
     MARKS_OF,
     MAX_HOLD_US,
@@ -602,3 +604,24 @@ def test_a_taker_ends_a_window_and_its_stop_request_unless_a_newer_taker_got_it(
     attempt.state.stop = newer
     with pytest.raises(TakenOver, match="taken over by alice@box pid 42"):
         modes.settle(newer, attempt, f"{KEY}:0", Found())
+
+
+@given(
+    kind=st.sampled_from(
+        [pymysql.err.InterfaceError, pymysql.err.OperationalError, pymysql.err.InternalError]
+    ),
+    code=st.integers(0, 5000),
+    text=st.sampled_from(["", " ", "\n\t", "()"]),
+)
+def test_an_error_that_says_nothing_still_gets_a_line_that_does(
+    kind: type[pymysql.err.Error], code: int, text: str
+) -> None:
+    """PyMySQL's `InterfaceError(0, '')` (a closed connection used) is no empty line.
+
+    "lockrun: NAME: URI: " with nothing after it was seen under load (issue 32's CI run).
+    """
+    settings = mysql_uri.parse(parse_uri("mysql://u:sekrit@db/x"))
+    said_text = said(settings, kind(code, text))
+    assert said_text.strip("() ")
+    assert "sekrit" not in said_text
+    assert said(settings, kind()).strip()

@@ -423,9 +423,19 @@ class Server:
 
 
 def said(settings: Settings, err: pymysql.err.Error) -> str:
-    """Return what PyMySQL or the server said of *err*, in one line, with no secret."""
-    text = str(err.args[1]) if len(err.args) > 1 else str(err) or type(err).__name__
-    return scrub(" ".join(text.split()), settings.secrets)
+    """Return what PyMySQL or the server said of *err*, in one line, with no secret.
+
+    Never empty: PyMySQL raises ``InterfaceError(0, '')`` for a connection it closed
+    already (after a lost one), and a server may send an error with no text.
+    """
+    text = " ".join((str(err.args[1]) if len(err.args) > 1 else str(err)).split())
+    if not text.strip("() "):
+        code = err.args[0] if err.args else None
+        closed = isinstance(err, pymysql.err.InterfaceError) and code in {0, None}
+        number = "" if code in {0, None} else f" {code}"
+        text = "the connection was already closed" if closed else f"{type(err).__name__}{number}"
+        text += " (no message)"
+    return scrub(text, settings.secrets)
 
 
 def make_tables(session: Session) -> None:

@@ -232,3 +232,38 @@ def _leave_a_child(
     finally:
         first_go.touch()
     _alone_after(first_log, second_log)
+
+
+def _sockets(pid: int) -> set[str]:
+    """Return the sockets process *pid* holds, as /proc/PID/fd names them."""
+    links = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    return {link for link in links if link.startswith("socket:")}
+
+
+def test_a_waiters_guardian_holds_none_of_its_connections(
+    shared_server_harness: Harness, name: str, tmp_path: Path, spawn: Callable[..., Any]
+) -> None:
+    """A queued waiter's guardian holds no socket of lockrun's: only its end of their pair.
+
+    A connection it inherited at the fork would outlive a SIGKILLed waiter, and the server
+    would hand the slot to the dead (why a run forks its guardian before it connects).
+    """
+    harness = shared_server_harness
+    options = ("--uri", harness.uri, "-n", name)
+    first_argv, first_log, first_go = command(tmp_path, "first")
+    holder = spawn(*options, "--", *first_argv, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: first_log.exists() or holder.poll() is not None, what="the first command")
+        second_argv, _, second_go = command(tmp_path, "second", other=first_log)
+        second_go.touch()
+        waiter = spawn(*options, *CALM, "-w", "forever", "--", *second_argv)
+        wait_for(lambda: harness.waits(name, waiter.pid), what="the waiter to queue")
+        with open(f"/proc/{waiter.pid}/task/{waiter.pid}/children") as children:
+            (guardian,) = map(int, children.read().split())
+        ours, its = _sockets(waiter.pid), _sockets(guardian)
+        assert len(its) == 1, its  # its end of the pair lockrun speaks to it on
+        assert not ours & its, f"the guardian holds lockrun's {ours & its}"
+        assert len(ours) >= 2, ours  # the pair's other end, and a connection at least
+    finally:
+        first_go.touch()
+    assert finish(waiter, timeout=DEATH) == 0

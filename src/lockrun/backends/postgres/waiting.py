@@ -54,13 +54,22 @@ def queue(
     part: int | str,
     seconds: float | None,
     attempt: Attempt[Session, Keys, Ahead],
+    grant: Sequence[str] = (),
 ) -> tuple[list[list[Row]], PgError | None]:
-    """Wait for *key* up to *seconds*: `results` of the wait and the window check after.
+    """Wait for *key* up to *seconds*: `results` of the wait, *grant*, the window check.
 
     A taker takes the stop key first, in a transaction of its own, whose commit sends
-    the holders its NOTIFY while it waits; a one-slot wait then reads the window.
+    the holders its NOTIFY while it waits. The statements of *grant* run right after
+    the wait, in the same message: PREPAREs go before the wait, so they run whatever
+    the wait's end (a prepared statement outlives its transaction). A one-slot wait
+    then reads the window.
     """
-    statements = [wait_for(seconds, key, shared=attempt.request.shared and part != GATE)]
+    prepares = [statement for statement in grant if statement.startswith("PREPARE ")]
+    statements = [
+        *prepares,
+        wait_for(seconds, key, shared=attempt.request.shared and part != GATE),
+        *(statement for statement in grant if not statement.startswith("PREPARE ")),
+    ]
     asking = attempt.request.take_over and not session.stopping
     if asking:
         statements[:0] = modes.ask_to_stop(attempt.key)

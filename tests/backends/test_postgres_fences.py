@@ -230,3 +230,54 @@ def test_a_grant_after_a_wait_rides_in_the_waits_message(name: str) -> None:
         assert "pg_advisory_unlock" in sent[wait + 1], sent[wait:]
     finally:
         server.close()
+
+
+def test_a_kept_lock_that_waited_waits_at_once_next_time(name: str) -> None:
+    """A kept Lock that found the slot taken skips its try next time: one message to wait.
+
+    Its wait's statement tries first (a free slot is granted without a wait), so a
+    contended cycle is a wait and a release, as a bare advisory lock's: it was three
+    messages. Counted by the server's own log of each message.
+    """
+    server = PostgresServer("log_statement=all", "log_line_prefix=%p|", port=free_port())
+    try:
+        holder, waiter = Lock(name, uri=server.uri), Lock(name, uri=server.uri, wait=None)
+        waiting = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        pids = []
+        turns = [threading.Event(), threading.Event()]
+        done = [threading.Event(), threading.Event()]
+
+        def wait_twice() -> None:  # one thread: a Lock keeps a session per thread
+            for turn, finished in zip(turns, done, strict=True):
+                turn.wait(30)
+                waiter.acquire().release()
+                finished.set()
+            waiter.close()
+
+        thread = threading.Thread(target=wait_twice)
+        thread.start()
+        for turn, finished in zip(turns, done, strict=True):
+            held = holder.acquire()
+            turn.set()
+            wait_for(lambda: len(query(server.uri, waiting)) == 1, what="the waiter to queue")
+            pids += query(server.uri, waiting)
+            held.release()
+            assert finished.wait(30)
+        thread.join(30)
+        holder.close()
+        [(pid,), (again,)] = pids
+        assert pid == again  # the kept session
+        sent = _messages(server, int(pid))
+        waits = [at for at, message in enumerate(sent) if "pg_advisory_lock(" in message]
+        assert len(waits) == 2, sent
+        second = waits[1]
+        assert "pg_try_advisory_lock(" in sent[second]  # the try rides in the wait
+        # The first release prepared the unlock; the same EXECUTE came right before the
+        # second wait (no try between) and right after it (the grant rode in the wait).
+        assert "pg_advisory_unlock" in sent[waits[0] + 1], sent[waits[0] :]
+        release = sent[second + 1].partition("*/ ")[2]
+        assert release.startswith("EXECUTE "), sent[second:]
+        assert sent[waits[0] + 1].endswith(release), sent[waits[0] :]
+        assert sent[second - 1].endswith(release), sent[waits[0] :]
+    finally:
+        server.close()

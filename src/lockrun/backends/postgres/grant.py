@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 _NOBODY: Final = Others([], [])  # no check ran: the session's agreement stands
+_SOONEST: Final = 0.001  # s: the shortest wait lock_timeout can say (1 ms)
 
 
 class Ahead(NamedTuple):
@@ -74,6 +75,7 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Ke
     attempt.sent = now()
     got, ahead, window = draw(server, session, attempt, 0, trying=True)
     attempt.state = ahead
+    session.contended = not got
     if not got:  # nothing was granted: a waiter's statements name a waiter
         attempt.sent = None
         session.tag = attempt.tag
@@ -84,6 +86,23 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Ke
         attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
         session.tangled = True  # that grant takes the (name, N) lock once more
     return True
+
+
+def queues_at_once(session: Session, attempt: Attempt[Session, Keys, Ahead]) -> bool:
+    """Whether *attempt* may skip its try and wait at once (`wait_and_grant` tries first).
+
+    On a kept session whose last acquisition found the slot taken and that holds the
+    (name, N) lock of a proven N: the try would likely fail, and a check of N before
+    queueing would find nothing new. Not for a taker, which asks only once a try failed.
+    """
+    deadline = attempt.deadline
+    return (
+        session.contended
+        and session.agreed == agreement(attempt)
+        and not session.tangled
+        and not attempt.request.take_over
+        and (deadline is None or deadline - now() > _SOONEST)
+    )
 
 
 def wait_and_grant(
@@ -110,6 +129,7 @@ def wait_and_grant(
             _learn(server, error)  # a fence table dropped or refused: wait again
             return wait_and_grant(server, session, seconds, attempt)
         return False, error
+    session.contended = answers[0] != [("free",)]
     answers = answers[1:]  # the wait's row: the slot is ours
     name(session, attempt, 0)
     attempt.sent = now()  # the lease runs from the answer: the session idles from about then

@@ -14,6 +14,7 @@ from psycopg import pq
 
 from lockrun.backends.sessionlock import GATE, cancelled, quiet
 from lockrun.errors import LockrunError
+from lockrun.timing import now
 
 from . import grant, modes, waiting
 from .keys import Keys, application_name, comment
@@ -133,7 +134,11 @@ class Statements:
         key = attempt.key.gate if part == GATE else attempt.key.slots[int(part)]
         if attempt.request.hold and not self.server.windows:
             modes.make_windows(self.server, session, attempt.request.name)
-        if seconds == 0 and attempt.slots == 1:
+        if seconds == 0 and attempt.slots == 1 and grant.queues_at_once(session, attempt):
+            # contended last time: the try rides in the wait's statement, one round trip
+            deadline = attempt.deadline
+            seconds = None if deadline is None else max(0.0, deadline - now())
+        elif seconds == 0 and attempt.slots == 1:
             return grant.try_and_grant(self.server, session, attempt)
         if seconds == 0:
             tried = session.one(

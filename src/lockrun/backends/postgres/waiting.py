@@ -39,6 +39,21 @@ def wait_for(seconds: float | None, key: int, *, shared: bool = False) -> str:
     return f"SELECT {function}({key}::bigint) FROM set_config('lock_timeout', '{limit}ms', false)"
 
 
+def try_then_wait(seconds: float | None, key: int, *, shared: bool = False) -> str:
+    """Return `wait_for`'s statement, answering ``free`` if a try got *key* without a wait.
+
+    CASE runs the try first and waits only if it failed: a free lock has no queue, so
+    the order is the queue's either way. The answer says whether the slot was contended.
+    """
+    mode = "_shared" if shared else ""
+    wait = wait_for(seconds, key, shared=shared).removeprefix("SELECT ")
+    got, _, limit = wait.partition(" FROM ")
+    return (
+        f"SELECT CASE WHEN pg_try_advisory_lock{mode}({key}::bigint) THEN 'free' "
+        f"ELSE {got}::text END FROM {limit}"
+    )
+
+
 def first_free(keys: Keys) -> str:
     """Return a statement that takes the first free slot (CASE stops at the first) or -1."""
     tries = " ".join(
@@ -65,9 +80,10 @@ def queue(
     then reads the window.
     """
     prepares = [statement for statement in grant if statement.startswith("PREPARE ")]
+    wait = try_then_wait if grant else wait_for
     statements = [
         *prepares,
-        wait_for(seconds, key, shared=attempt.request.shared and part != GATE),
+        wait(seconds, key, shared=attempt.request.shared and part != GATE),
         *(statement for statement in grant if not statement.startswith("PREPARE ")),
     ]
     asking = attempt.request.take_over and not session.stopping

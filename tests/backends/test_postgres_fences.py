@@ -7,17 +7,20 @@ its WAL writes, to give roles). docs/design.md A8 says what each statement of a 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import TYPE_CHECKING
 
 from lockrun import ExitCode, Lock
-from tests.support.cli import lockrun, one_line, wait_for
+from tests.support.cli import lock_state, lockrun, one_line, wait_for
 from tests.support.net import postgres_query as query
+from tests.support.servers import PostgresServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from lockrun import Lease
     from tests.support.cli import Held
-    from tests.support.servers import PostgresServer
 
 PASSWORD = "pw-for-fences"  # noqa: S105 - the throwaway server's
 NOW_US = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
@@ -180,3 +183,101 @@ def test_a_kept_lock_proves_its_n_once_and_counts_as_a_user(postgres_uri: str, n
         return lockrun("--uri", postgres_uri, "-n", name, "-s", "2", "--", "true").returncode == 0
 
     wait_for(free, what="another N once the kept session ended")  # its end, on the server
+
+
+def _messages(server: PostgresServer, pid: int) -> list[str]:
+    """Return the messages the server session *pid* was sent, in order (log_statement=all)."""
+    prefix = f"{pid}|LOG:  statement: "
+    return [
+        line.removeprefix(prefix) for line in server.log().splitlines() if line.startswith(prefix)
+    ]
+
+
+def test_a_grant_after_a_wait_rides_in_the_waits_message(name: str) -> None:
+    """A waiter sends nothing between its wait's message and its release: the grant rode in it.
+
+    The fence, the holder's name, the check of N and of takers come back with the wait's
+    answer (one round trip after the wake, as a bare pg_advisory_lock); it was two. Counted
+    by the server's own log of each message. `status` dates the new holder from the end of
+    that message, not from when its wait began.
+    """
+    server = PostgresServer("log_statement=all", "log_line_prefix=%p|", port=free_port())
+    try:
+        holder, waiter = Lock(name, uri=server.uri), Lock(name, uri=server.uri, wait=None)
+        held = holder.acquire()
+        granted: list[Lease] = []
+        thread = threading.Thread(target=lambda: granted.append(waiter.acquire()))
+        thread.start()
+        waiting = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        wait_for(lambda: len(query(server.uri, waiting)) == 1, what="the waiter to queue")
+        [(pid,)] = query(server.uri, waiting)
+        released = time.time()
+        fence = held.fence
+        held.release()
+        thread.join(30)
+        [lease] = granted
+        assert lease.fence is not None
+        assert fence is not None
+        assert lease.fence > fence
+        [owner] = lock_state(server.uri, name)["holders"]
+        assert (owner["pid"], owner["slot"]) == (os.getpid(), 0)
+        assert owner["since"] >= released  # the grant's, not the wait's start
+        lease.release()
+        holder.close()
+        waiter.close()
+        sent = _messages(server, int(pid))
+        [wait] = [at for at, message in enumerate(sent) if "pg_advisory_lock(" in message]
+        assert "pg_advisory_unlock" in sent[wait + 1], sent[wait:]
+    finally:
+        server.close()
+
+
+def test_a_kept_lock_that_waited_waits_at_once_next_time(name: str) -> None:
+    """A kept Lock that found the slot taken skips its try next time: one message to wait.
+
+    Its wait's statement tries first (a free slot is granted without a wait), so a
+    contended cycle is a wait and a release, as a bare advisory lock's: it was three
+    messages. Counted by the server's own log of each message.
+    """
+    server = PostgresServer("log_statement=all", "log_line_prefix=%p|", port=free_port())
+    try:
+        holder, waiter = Lock(name, uri=server.uri), Lock(name, uri=server.uri, wait=None)
+        waiting = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        pids = []
+        turns = [threading.Event(), threading.Event()]
+        done = [threading.Event(), threading.Event()]
+
+        def wait_twice() -> None:  # one thread: a Lock keeps a session per thread
+            for turn, finished in zip(turns, done, strict=True):
+                turn.wait(30)
+                waiter.acquire().release()
+                finished.set()
+            waiter.close()
+
+        thread = threading.Thread(target=wait_twice)
+        thread.start()
+        for turn, finished in zip(turns, done, strict=True):
+            held = holder.acquire()
+            turn.set()
+            wait_for(lambda: len(query(server.uri, waiting)) == 1, what="the waiter to queue")
+            pids += query(server.uri, waiting)
+            held.release()
+            assert finished.wait(30)
+        thread.join(30)
+        holder.close()
+        [(pid,), (again,)] = pids
+        assert pid == again  # the kept session
+        sent = _messages(server, int(pid))
+        waits = [at for at, message in enumerate(sent) if "pg_advisory_lock(" in message]
+        assert len(waits) == 2, sent
+        second = waits[1]
+        assert "pg_try_advisory_lock(" in sent[second]  # the try rides in the wait
+        # The first release prepared the unlock; the same EXECUTE came right before the
+        # second wait (no try between) and right after it (the grant rode in the wait).
+        assert "pg_advisory_unlock" in sent[waits[0] + 1], sent[waits[0] :]
+        release = sent[second + 1].partition("*/ ")[2]
+        assert release.startswith("EXECUTE "), sent[second:]
+        assert sent[waits[0] + 1].endswith(release), sent[waits[0] :]
+        assert sent[second - 1].endswith(release), sent[waits[0] :]
+    finally:
+        server.close()

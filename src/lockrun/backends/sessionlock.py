@@ -94,7 +94,8 @@ class Attempt(Generic[S, K, X]):
         self.queued = False  # whether it got as far as waiting in the server's queue
         self.reused = False  # whether its first session was kept from an earlier one
         # A backend whose try also drew the grant's fence (or ran the check of N) keeps
-        # when it sent that try: the grant's time.
+        # when it sent that try: the grant's time; one whose wait carried the grant, when
+        # its answer came (PostgreSQL's `grant.wait_and_grant`).
         self.sent: float | None = None
         # When a statement of the grant's on the slot's session last proved it ours, if the
         # grant waited after it began (a hold window, shared holders leaving): the lease

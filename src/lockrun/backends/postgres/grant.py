@@ -9,11 +9,11 @@ from lockrun.backends import slots_mismatch
 from lockrun.bounds import MAX_SLOTS
 from lockrun.timing import now
 
-from . import fences, modes
+from . import fences, modes, waiting
 from .keys import application_name, channel, comment, halves
 from .rows import Drawn, Others
 from .server import V13
-from .session import NO_ANSWER, PgError, results
+from .session import LOCK_NOT_AVAILABLE, NO_ANSWER, QUERY_CANCELED, PgError, results
 
 if TYPE_CHECKING:
     from lockrun.backends import Request
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 _NOBODY: Final = Others([], [])  # no check ran: the session's agreement stands
+_SOONEST: Final = 0.001  # s: the shortest wait lock_timeout can say (1 ms)
 
 
 class Ahead(NamedTuple):
@@ -74,6 +75,7 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Ke
     attempt.sent = now()
     got, ahead, window = draw(server, session, attempt, 0, trying=True)
     attempt.state = ahead
+    session.contended = not got
     if not got:  # nothing was granted: a waiter's statements name a waiter
         attempt.sent = None
         session.tag = attempt.tag
@@ -84,6 +86,76 @@ def try_and_grant(server: Server, session: Session, attempt: Attempt[Session, Ke
         attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
         session.tangled = True  # that grant takes the (name, N) lock once more
     return True
+
+
+def queues_at_once(session: Session, attempt: Attempt[Session, Keys, Ahead]) -> bool:
+    """Whether *attempt* may skip its try and wait at once (`wait_and_grant` tries first).
+
+    On a kept session whose last acquisition found the slot taken and that holds the
+    (name, N) lock of a proven N: the try would likely fail, and a check of N before
+    queueing would find nothing new. Not for a taker, which asks only once a try failed.
+    """
+    deadline = attempt.deadline
+    return (
+        session.contended
+        and session.agreed == agreement(attempt)
+        and not session.tangled
+        and not attempt.request.take_over
+        and (deadline is None or deadline - now() > _SOONEST)
+    )
+
+
+def wait_and_grant(
+    server: Server, session: Session, seconds: float | None, attempt: Attempt[Session, Keys, Ahead]
+) -> tuple[bool, PgError | None]:
+    """Wait in slot 0's queue, and draw the grant in the same message: (ours, the error).
+
+    The server hands the slot over inside the holder's release, so the grant's statements
+    (the fence, the holder's name, the (name, N) lock, the check of N and of takers, the
+    LISTEN) and the window's read run as soon as the wait ends: the hand-over costs no
+    round trip after the wake (docs/design.md A8). Until this session's next statement
+    its comment is the waiter's: `status` dates such a holder from the end of the message
+    (pg_stat_activity.state_change). The grant is `attempt.state`; False with the error
+    when the wait did not end with the slot ours (`waiting.ran_out` judges it).
+    """
+    if not attempt.request.shared:  # a writer's fence may need the table made
+        fences.make(server, session)
+    grant, needed, _ = _statements(server, session, attempt, 0, trying=False)
+    key = attempt.key.slots[0]
+    answers, error = waiting.queue(server, session, key, 0, seconds, attempt, grant)
+    if not answers:  # the wait, or a PREPARE before it, failed: the slot is not ours
+        if error is not None and error.sqlstate not in {LOCK_NOT_AVAILABLE, QUERY_CANCELED}:
+            session.unsure()
+            _learn(server, error)  # a fence table dropped or refused: wait again
+            return wait_and_grant(server, session, seconds, attempt)
+        return False, error
+    session.contended = answers[0] != [("free",)]
+    answers = answers[1:]  # the wait's row: the slot is ours
+    name(session, attempt, 0)
+    attempt.sent = now()  # the lease runs from the answer: the session idles from about then
+    if error is not None:
+        session.unsure()
+    if len(answers) < needed:  # the grant failed after the wait: a round trip of its own
+        _learn(server, error)
+        attempt.state = _again(server, session, attempt, 0)
+        return True, None
+    session.listening = channel(attempt.key) if error is None else ""
+    drawn = Drawn.read(answers[0], shared=attempt.request.shared)
+    attempt.state = Ahead(drawn.fence, Others.read(answers[1]), checked=True)
+    session.stopping = False  # the grant let go of a taker's stop key
+    if error is not None:  # the window's read failed, and rolled the grant back with it
+        modes.unreadable(server, session, error)
+        attempt.state = _again(server, session, attempt, 0)
+        return True, None
+    window = modes.read_window(server, session, key, answers[needed:], None)
+    if fences.made_since(server, answers[needed - 1]):  # a transaction id is no fence now
+        attempt.state = _again(server, session, attempt, 0)
+    if window is not None:
+        judge(attempt.state.others, attempt.request)  # another N is said before busy
+        modes.sit_out(server, session, attempt, window)
+        attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
+        session.tangled = True  # that grant takes the (name, N) lock once more
+    return True, None
 
 
 def agreement(attempt: Attempt[Session, Keys, Ahead]) -> tuple[int, int]:

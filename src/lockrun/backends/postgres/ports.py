@@ -14,6 +14,7 @@ from psycopg import pq
 
 from lockrun.backends.sessionlock import GATE, cancelled, quiet
 from lockrun.errors import LockrunError
+from lockrun.timing import now
 
 from . import grant, modes, waiting
 from .keys import Keys, application_name, comment
@@ -126,27 +127,34 @@ class Statements:
         """One pg_advisory_lock bounded by lock_timeout (none for ever), or one try.
 
         A taker holds the name's stop key while it waits (committed before the wait, so
-        holders see it); a one-slot wait that got the slot looks for a --hold-at-least
-        window in the same round trip (docs/design.md A8): one that outlasts the deadline
-        is `Outlasted`, busy.
+        holders see it); a one-slot wait that got the slot draws its grant and looks for
+        a --hold-at-least window in the same round trip (`grant.wait_and_grant`,
+        docs/design.md A8): a window that outlasts the deadline is `Outlasted`, busy.
         """
         key = attempt.key.gate if part == GATE else attempt.key.slots[int(part)]
         if attempt.request.hold and not self.server.windows:
             modes.make_windows(self.server, session, attempt.request.name)
-        if seconds == 0 and attempt.slots == 1:
+        if seconds == 0 and attempt.slots == 1 and grant.queues_at_once(session, attempt):
+            # contended last time: the try rides in the wait's statement, one round trip
+            deadline = attempt.deadline
+            seconds = None if deadline is None else max(0.0, deadline - now())
+        elif seconds == 0 and attempt.slots == 1:
             return grant.try_and_grant(self.server, session, attempt)
         if seconds == 0:
-            got = session.one("SELECT pg_try_advisory_lock($1::bigint)", key, timeout=self.timeout)
-            return got == "t"
-        answers, error = waiting.queue(self.server, session, key, part, seconds, attempt)
-        if not answers:  # the wait itself failed
-            modes.give_up(self.server, session, attempt, error)
-            return waiting.ran_out(error, cancelled(self.where, part))
-        if attempt.slots == 1:
-            window = modes.read_window(self.server, session, key, answers[1:], error)
-            if window is not None:
-                modes.sit_out(self.server, session, attempt, window)
-        return True
+            tried = session.one(
+                "SELECT pg_try_advisory_lock($1::bigint)", key, timeout=self.timeout
+            )
+            return tried == "t"
+        if attempt.slots == 1:  # the grant rides in the wait's message
+            got, error = grant.wait_and_grant(self.server, session, seconds, attempt)
+            if got:
+                return True
+        else:
+            answers, error = waiting.queue(self.server, session, key, part, seconds, attempt)
+            if answers:
+                return True
+        modes.give_up(self.server, session, attempt, error)
+        return waiting.ran_out(error, cancelled(self.where, part))
 
     def first_free(self, session: Session, attempt: Try) -> int:
         """Take the first free slot in one statement; -1 if none is."""

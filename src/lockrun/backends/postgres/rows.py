@@ -198,7 +198,8 @@ def advisory_statement(waitstart: bool) -> str:
     return (
         "SELECT l.objsubid, (l.classid::bigint << 32) | l.objid::bigint, l.objid, "
         f"l.granted, l.pid, {waited}, a.usename, host(a.client_addr), "
-        "extract(epoch FROM a.backend_start), a.query, l.mode, a.application_name "
+        "extract(epoch FROM a.backend_start), a.query, l.mode, a.application_name, "
+        "extract(epoch FROM a.state_change) "
         "FROM pg_locks l "
         "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
         "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
@@ -223,11 +224,15 @@ class AdvisoryRow(NamedTuple):
     who: Identity | None  # the statement's comment, read as untrusted
     shared: bool  # held or wanted in ShareLock mode (--shared)
     label: str | None  # application_name
+    changed: str | None = None  # when the session last began or ended a statement, Unix time
 
     @classmethod
     def read(cls, row: Row) -> AdvisoryRow:
         """Decode a row of `advisory_statement`, in its column order."""
-        subid, key, objid, granted, pid, _, user, client, started, query, mode, label = row
+        subid, key, objid, granted, pid, _, user, client, started, query, mode, label, changed = (
+            *row,
+            None,
+        )[:13]
         return cls(
             counter=subid == "2",
             key=int(key or 0),
@@ -240,6 +245,7 @@ class AdvisoryRow(NamedTuple):
             who=tagged(query or ""),
             shared=mode == "ShareLock",
             label=label,
+            changed=changed,
         )
 
     @property
@@ -252,6 +258,18 @@ class AdvisoryRow(NamedTuple):
         """Describe the session, as its comment says, or as the server does (a stranger)."""
         person = self.who.holder if self.who is not None else self.stranger()
         return person._replace(shared=self.shared, until=None)
+
+    def granted_to(self) -> Holder:
+        """Describe the holder of a granted slot.
+
+        A waiter's grant rides in its wait's message (`grant.wait_and_grant`), so until
+        its next statement its comment is the waiter's, which names no slot: it was
+        granted when that message ended (state_change), not when the wait began.
+        """
+        person = self.holder
+        if self.who is not None and person.slot is None and self.changed:
+            return person._replace(since=float(self.changed))
+        return person
 
     def stranger(self) -> Holder:
         """Describe a session whose statements we may not read (another role's)."""
@@ -314,5 +332,5 @@ def _granted(
     if slot == 0 and sitting is not None and row.label == sitting:
         return Heading(row.token, row.holder, first=True)  # waits out the window, first in line
     if slot is not None:
-        return Holding(row.holder._replace(slot=slot))
+        return Holding(row.granted_to()._replace(slot=slot))
     return Counted(None)  # the gate's holder: it shows in its wait for a slot

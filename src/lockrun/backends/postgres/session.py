@@ -85,6 +85,9 @@ class Session:
         # later sees it in its own check, so ours need not look again (docs/design.md A8).
         # None: the release lets go of everything (pg_advisory_unlock_all).
         self.agreed: tuple[int, int] | None = None
+        # Whether this session's last one-slot acquisition found the slot taken: its next
+        # waits at once, the try in the wait's statement (`grant.wait_and_grant`).
+        self.contended = False
         # Whether a statement that failed, or a second grant, may have taken a lock twice:
         # then the release lets go of everything.
         self.tangled = False

@@ -39,6 +39,21 @@ def wait_for(seconds: float | None, key: int, *, shared: bool = False) -> str:
     return f"SELECT {function}({key}::bigint) FROM set_config('lock_timeout', '{limit}ms', false)"
 
 
+def try_then_wait(seconds: float | None, key: int, *, shared: bool = False) -> str:
+    """Return `wait_for`'s statement, answering ``free`` if a try got *key* without a wait.
+
+    CASE runs the try first and waits only if it failed: a free lock has no queue, so
+    the order is the queue's either way. The answer says whether the slot was contended.
+    """
+    mode = "_shared" if shared else ""
+    wait = wait_for(seconds, key, shared=shared).removeprefix("SELECT ")
+    got, _, limit = wait.partition(" FROM ")
+    return (
+        f"SELECT CASE WHEN pg_try_advisory_lock{mode}({key}::bigint) THEN 'free' "
+        f"ELSE {got}::text END FROM {limit}"
+    )
+
+
 def first_free(keys: Keys) -> str:
     """Return a statement that takes the first free slot (CASE stops at the first) or -1."""
     tries = " ".join(
@@ -54,13 +69,23 @@ def queue(
     part: int | str,
     seconds: float | None,
     attempt: Attempt[Session, Keys, Ahead],
+    grant: Sequence[str] = (),
 ) -> tuple[list[list[Row]], PgError | None]:
-    """Wait for *key* up to *seconds*: `results` of the wait and the window check after.
+    """Wait for *key* up to *seconds*: `results` of the wait, *grant*, the window check.
 
     A taker takes the stop key first, in a transaction of its own, whose commit sends
-    the holders its NOTIFY while it waits; a one-slot wait then reads the window.
+    the holders its NOTIFY while it waits. The statements of *grant* run right after
+    the wait, in the same message: PREPAREs go before the wait, so they run whatever
+    the wait's end (a prepared statement outlives its transaction). A one-slot wait
+    then reads the window.
     """
-    statements = [wait_for(seconds, key, shared=attempt.request.shared and part != GATE)]
+    prepares = [statement for statement in grant if statement.startswith("PREPARE ")]
+    wait = try_then_wait if grant else wait_for
+    statements = [
+        *prepares,
+        wait(seconds, key, shared=attempt.request.shared and part != GATE),
+        *(statement for statement in grant if not statement.startswith("PREPARE ")),
+    ]
     asking = attempt.request.take_over and not session.stopping
     if asking:
         statements[:0] = modes.ask_to_stop(attempt.key)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 MAX_ANSWER: Final = 17 << 20
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
-_FOREVER: Final = 31_536_000
+FOREVER: Final = 31_536_000
 # No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
 NO_TABLES: Final = frozenset(
     {
@@ -187,6 +187,9 @@ class Session:
         self.gate_left: object = None  # the attempt whose grant let the gate go already
         # The attempt whose try drew its grant in the same round trip, and what it drew.
         self.drawn: tuple[object, Any] | None = None
+        # The attempt whose first try found the lock busy and read who uses it with another
+        # N: the check of N, done (and the (slots, holder) row it found, if any).
+        self.tried: tuple[object, Any] | None = None
 
     def fileno(self) -> int:
         """Return the socket's descriptor."""
@@ -227,17 +230,17 @@ class Session:
             cursor.execute(sql, args)
             return tuple(cursor.fetchall())
 
-    def run(self, batch: Batch) -> None:
+    def run(self, batch: Batch, *, timeout: float | None = 0) -> None:
         """Run *batch*'s statements in one round trip; each answer goes to ``batch.answers``.
 
         The driver puts every args into its sql as an escaped literal, for the session's
         charset and sql_mode, before the statements are joined (tests/hostile/test_sql.py).
         The server stops at the first error, which is raised: ``batch.answers`` then has
         those before it. Without the server's (or a proxy's) leave to batch, one round trip
-        a statement.
+        a statement. *timeout* as `one`'s.
         """
         batch.answers.clear()
-        self._limit(self.timeout)
+        self._limit(self.timeout if timeout == 0 else timeout)
         with self.connection.cursor() as cursor:
             if not self.batches:
                 for sql, args in batch.statements:
@@ -400,7 +403,7 @@ class Server:
         part: int | str,
     ) -> bool:
         """Wait up to *seconds* (None: a year) in GET_LOCK for *lock*; True if ours."""
-        limit = _FOREVER if seconds is None else seconds
+        limit = FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
         tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
         got = session.one(get_lock(lock, limit, tag), timeout=patience)

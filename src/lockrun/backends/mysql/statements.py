@@ -70,6 +70,7 @@ RECORD: Final = (
     "SELECT %s, %s, %s, CONNECTION_ID(), %s, %s, %s FROM DUAL "
     "WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
 )
+OURS: Final = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"  # whether this session holds a lock
 FORGET: Final = (
     f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s AND connection_id = CONNECTION_ID()"
 )
@@ -155,6 +156,24 @@ RECORDED: Final = (
         f"AND (mark = '{HOLD}' AND until_us > {NOW_US} OR mark LIKE 'r:%%') LIMIT 1000"
     ),
 )
+# The grant's reads after its commit, in one statement of one row (docs/design.md A7): the
+# session holding KEY:stop; a live holder of another N, as "SLOTS RECORD" (`other_row`); and,
+# for N = 1, whether lockrun_marks has rows that may count (then `MARKS_OF` reads them, in a
+# round trip of its own), for N > 1 a live shared holder, as "1 RECORD". Every subquery runs
+# after the statements before it, so after the slot was ours.
+_OTHER_N: Final = (
+    f"(SELECT CONCAT(slots, ' ', holder) FROM {HOLDERS} WHERE lock_key = %s AND slots <> %s "
+    f"AND slots BETWEEN 1 AND {MAX_SLOTS} "
+    "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id LIMIT 1)"
+)
+GRANT_READS: Final = (
+    f"SELECT IS_USED_LOCK(%s), {_OTHER_N}, EXISTS (SELECT 1 FROM {MARKS} WHERE lock_key = %s "
+    f"AND (mark = '{HOLD}' AND until_us > {NOW_US} OR mark LIKE 'r:%%'))"
+)
+GRANT_READS_N: Final = (
+    f"SELECT IS_USED_LOCK(%s), {_OTHER_N}, (SELECT CONCAT('1 ', holder) FROM {MARKS} "
+    f"WHERE lock_key = %s AND mark LIKE 'r:%%' AND {_LIVE_READER} LIMIT 1)"
+)
 # `lockrun.backends.mysql.status.holder_row` owns the order of its columns.
 HOLDERS_OF: Final = f"SELECT slot, slots, connection_id, holder FROM {HOLDERS} WHERE lock_key = %s"
 # What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
@@ -166,6 +185,14 @@ WAITING: Final = re.compile(
     r"/\* lockrun (?P<json>\{.*\}) \*/",
     re.DOTALL,
 )
+
+
+def other_row(text: object) -> tuple[int, str] | None:
+    """Return the (slots, holder) of a "SLOTS RECORD" that `GRANT_READS` found; None for none."""
+    if text is None:
+        return None
+    slots, _, record = (text.decode() if isinstance(text, bytes) else str(text)).partition(" ")
+    return int(slots), record
 
 
 def lock_key(namespace: str, name: str) -> str:

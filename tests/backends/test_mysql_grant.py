@@ -182,6 +182,24 @@ def test_a_queued_waiter_is_granted_in_the_round_trip_of_its_wait(
     assert fences[0] > fenced(held.fence)
 
 
+def test_a_run_sets_its_session_up_and_checks_the_server_in_one_round_trip(
+    server: MariaServer, name: str
+) -> None:
+    """`lockrun -- true`: the session's settings with the Galera check, the try, the release.
+
+    Three queries on its session; PyMySQL's SET NAMES, the settings and the check were
+    three of their own.
+    """
+    assert lockrun("--uri", server.uri, "-n", name, "--", "true").returncode == 0  # the tables
+    server.command("SET GLOBAL log_output = 'TABLE', general_log = 1")
+    try:
+        assert lockrun("--uri", server.uri, "-n", name, "--", "true").returncode == 0
+    finally:
+        server.command("SET GLOBAL general_log = 0")
+    queries = [text[:40] for _, text in logged(server, "SELECT GET\\_LOCK%")]
+    assert [text.split(" ", 1)[0] for text in queries] == ["SET", "SELECT", "SELECT"], queries
+
+
 def test_a_fence_keeps_growing_when_a_restart_empties_its_table(name: str) -> None:
     """The fence is in memory: a restart forgets it, and the clock seeds a larger one."""
     server = MariaServer()

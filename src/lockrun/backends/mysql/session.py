@@ -18,7 +18,7 @@ import pymysql
 from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import timeout_for
-from lockrun.backends.mysql.batch import Answer
+from lockrun.backends.mysql.batch import Answer, Batch, first_row
 from lockrun.backends.mysql.statements import SWEEPS, TABLES, get_lock
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 from lockrun.timing import now
@@ -27,7 +27,6 @@ from lockrun.uri import scrub
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends.mysql.batch import Batch
     from lockrun.backends.mysql.modes import Mode
     from lockrun.backends.mysql.uri import Settings
     from lockrun.backends.sessionlock import Attempt
@@ -87,6 +86,7 @@ class _Connection(pymysql.connections.Connection):
 
     deadline: float | None = None
     left = MAX_ANSWER
+    names: str | None = None  # PyMySQL's SET NAMES, not sent yet (`set_character_set`)
     # Bytes the reader holds in its buffer (`_read_within`), and which reader: TLS makes a new one.
     ahead = 0
     ahead_of: object = None
@@ -153,6 +153,17 @@ class _Connection(pymysql.connections.Connection):
         """Close at once and raise PyMySQL's error for a lost connection, saying *msg*."""
         self._force_close()  # type: ignore[attr-defined]
         raise pymysql.err.OperationalError(CR.CR_SERVER_LOST, msg) from err
+
+    def set_character_set(self, charset: str, collation: str | None = None) -> None:
+        """Keep PyMySQL's ``SET NAMES`` for the session's first query (`Server.session`).
+
+        PyMySQL sends it on its own at connect, a round trip of its own: it goes first in
+        the batch of the session's settings instead, before any statement of ours.
+        """
+        self.names = f"SET NAMES {charset}" + (f" COLLATE {collation}" if collation else "")
+        self.charset = charset
+        self.encoding = pymysql.charset.charset_by_name(charset).encoding
+        self.collation = collation
 
     def _create_ssl_ctx(self, sslp: object) -> ssl.SSLContext:
         if sslp:
@@ -339,11 +350,14 @@ class Server:
             # A stalled holder keeps its locks only as long as its lease (docs/design.md P21); no
             # statement time limit may cut a long GET_LOCK short.
             limit = "max_statement_time" if session.mariadb else "max_execution_time"
-            session.row(
+            batch = Batch()
+            if connection.names is not None:
+                batch.add(connection.names)
+                connection.names = None
+            batch.add(
                 f"SET SESSION wait_timeout = {max(1, math.ceil(self.ttl))}, SESSION {limit} = 0"
             )
-            if not self.checked:
-                self._check(session)
+            self._check(session, batch)  # one round trip for it all
         except pymysql.err.Error as err:
             session.abandon()
             raise self.failure(err) from err
@@ -363,9 +377,16 @@ class Server:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
-    def _check(self, session: Session) -> None:
-        """Refuse a Galera node: its user locks are local to the node (docs/design.md P20)."""
-        row = session.row("SHOW VARIABLES LIKE 'wsrep\\_on'")
+    def _check(self, session: Session, batch: Batch) -> None:
+        """Run *batch*, the session's settings; on a first session, refuse a Galera node.
+
+        Its user locks are local to the node (docs/design.md P20).
+        """
+        wsrep = (
+            None if self.checked else batch.add("SHOW VARIABLES LIKE 'wsrep\\_on'", read=first_row)
+        )
+        session.run(batch)
+        row = None if wsrep is None else wsrep.value
         if row is not None and str(row[1]).upper() == "ON":
             msg = (
                 f"{self.where} is a Galera cluster node (wsrep_on=ON): its GET_LOCK "

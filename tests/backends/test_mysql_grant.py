@@ -182,6 +182,37 @@ def test_a_queued_waiter_is_granted_in_the_round_trip_of_its_wait(
     assert fences[0] > fenced(held.fence)
 
 
+def test_a_queued_waiter_is_recorded_since_its_grant_not_since_it_began_to_wait(
+    server: MariaServer, name: str
+) -> None:
+    """`status` names the waiter granted in its wait's query as holding since the grant."""
+    holder = Lock(name, uri=server.uri, wait=None)
+    waiter = Lock(name, uri=server.uri, wait=None)
+    held = threading.Event()
+    done = threading.Event()
+
+    def wait() -> None:
+        with waiter:
+            held.set()
+            done.wait(60)
+
+    with holder:
+        thread = threading.Thread(target=wait)
+        thread.start()
+        while not query(server.uri, WAITING_NOW):
+            time.sleep(0.01)
+        time.sleep(1)  # the waiter's record, had it been written when it began to wait
+        released = time.time()
+    try:
+        assert held.wait(60)
+        [state] = json.loads(lockrun("status", "--uri", server.uri, "--json", name).stdout)
+        [record] = state["holders"]
+        assert record["since"] >= released - 0.5
+    finally:
+        done.set()
+        thread.join(60)
+
+
 def test_a_run_sets_its_session_up_and_checks_the_server_in_one_round_trip(
     server: MariaServer, name: str
 ) -> None:

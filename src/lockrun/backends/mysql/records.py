@@ -37,8 +37,10 @@ from lockrun.backends.mysql.statements import (
     MISMATCH,
     NEXT_FENCE,
     RECORD,
+    RECORD_LATER,
     RECORD_ROOM,
     SHARED_MISMATCH,
+    SINCE_LATER,
     STOP,
     get_lock,
     other_row,
@@ -132,7 +134,14 @@ def checked(
 
 
 def grant_batch(
-    key: str, request: Request, slot: int, record: str, *, gate: bool, batch: Batch | None = None
+    key: str,
+    request: Request,
+    slot: int,
+    record: str,
+    *,
+    gate: bool,
+    batch: Batch | None = None,
+    later: bool = False,
 ) -> Grant:
     """Return the grant's statements for *slot* of *key*, in the order the server runs them.
 
@@ -148,7 +157,8 @@ def grant_batch(
     # The fence first: a user who may not draw one (no fence, `draw`) leaves no record in
     # MEMORY, where no rollback takes it back.
     fence = batch.add(NEXT_FENCE, (key, lock), read=last_id)
-    batch.add(RECORD, (key, slot, request.slots, request.namespace, request.name, record, lock))
+    written = RECORD_LATER if later else RECORD  # *later*: the server's "since" (`holder_record`)
+    batch.add(written, (key, slot, request.slots, request.namespace, request.name, record, lock))
     batch.add("COMMIT")
     if gate:
         batch.add("SELECT RELEASE_LOCK(%s)", (f"{key}:{GATE}",))
@@ -206,12 +216,15 @@ def read_grant(grant: Grant, slots: int, record: str, fence: int | None = None) 
     return Drawn(fence, grant.other.value, found, record)
 
 
-def holder_record(request: Request, slot: int) -> str:
-    """Return the record of *request*'s holder of *slot*: ASCII JSON that fits lockrun_holders."""
-    holder = request.holder._replace(slot=slot, since=time.time())
+def holder_record(request: Request, slot: int, *, later: bool = False) -> str:
+    """Return the record of *request*'s holder of *slot*: ASCII JSON that fits lockrun_holders.
+
+    *later*: "since" is left for the server to fill in (`RECORD_LATER`), with room for it.
+    """
+    holder = request.holder._replace(slot=slot, since=0.0 if later else time.time())
     record = json.dumps(holder.to_dict())
-    if len(record) > RECORD_ROOM:  # names of hundreds of characters: said without argv
-        record = json.dumps(
+    if len(record) > RECORD_ROOM - (16 if later else 0):  # names of hundreds of characters:
+        record = json.dumps(  # said without argv
             holder._replace(host=holder.host[:64], user=holder.user[:64], argv=()).to_dict()
         )
     return record
@@ -246,11 +259,13 @@ def try_drawing(
     uses it with another N: the check of N, for nothing more.
     """
     request = attempt.request
-    record = holder_record(request, 0)
+    record = holder_record(request, 0, later=bool(seconds))
     batch = Batch()
     tag = attempt.tag if seconds else ""
     tried = batch.add(get_lock(f"{attempt.key}:0", seconds, tag), read=value)
-    grant = grant_batch(attempt.key, request, 0, record, gate=False, batch=batch)
+    grant = grant_batch(
+        attempt.key, request, 0, record, gate=False, batch=batch, later=bool(seconds)
+    )
     sent = now()
     try:
         _run_grant(session, batch, optional=grant.other.index, timeout=timeout)
@@ -269,6 +284,8 @@ def try_drawing(
     # the grant ran) proves the slot ours again first (`Drawn.stale`): the server's idle
     # clock may have run since the grant, while nobody here could tell.
     attempt.sent = sent
+    if seconds:  # as the server wrote it, near enough
+        record = record.replace(SINCE_LATER, f'"since": {time.time()}')
     drawn = read_grant(grant, 1, record)
     return Tried(tried.value, drawn._replace(stale=now() - sent >= server.ttl / 3))
 

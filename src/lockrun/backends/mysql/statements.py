@@ -53,6 +53,8 @@ TABLES: Final = (
       PRIMARY KEY (lock_key, mark)
     ) ENGINE=InnoDB""",
 )
+# The server's clock as Unix time in µs, free of the session's time zone (`NOW_US`).
+NOW_US_TEXT: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 # The server's clock in µs seeds the fence, so it keeps rising if the table is ever lost.
 _MICROS: Final = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
 # A counter at or past 2^63 - 1 is one lockrun never wrote (fence + 1 would overflow):
@@ -71,6 +73,15 @@ RECORD: Final = (
     "WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
 )
 OURS: Final = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"  # whether this session holds a lock
+# A record whose holder waits for the slot in the same query: its "since" is the server's
+# clock when the grant runs (`SINCE_LATER` in the JSON, which no string of it can hold:
+# quotes are escaped there), not the client's when it began to wait.
+SINCE_LATER: Final = '"since": 0.0'
+RECORD_LATER: Final = RECORD.replace(
+    "CONNECTION_ID(), %s, %s, %s FROM DUAL",
+    f"CONNECTION_ID(), %s, %s, REPLACE(%s, '{SINCE_LATER}', "
+    f"CONCAT('\"since\": ', {NOW_US_TEXT} / 1000000)) FROM DUAL",
+)
 FORGET: Final = (
     f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s AND connection_id = CONNECTION_ID()"
 )
@@ -92,7 +103,7 @@ MISMATCH: Final = (
 )
 # The server's clock as Unix time in µs, free of the session's time zone (UNIX_TIMESTAMP of
 # NOW() repeats an hour when daylight saving time ends). One value for a whole statement.
-NOW_US: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+NOW_US: Final = NOW_US_TEXT
 # A window read back is cut to the longest one lockrun writes: a forged until_us of the year
 # 9999 keeps a lock busy no longer than a --hold-at-least could (and never overflows).
 MAX_HOLD_US: Final = int(MAX_WAIT * 1_000_000)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import pymysql
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 CYCLES = 50
+WAITING_NOW = (  # a lockrun waiter in GET_LOCK's queue
+    "SELECT ID FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT GET\\_LOCK(%lockrun%'"
+)
 # The tables of a lockrun before issue #32: InnoDB, the record in a TEXT column.
 INNODB_TABLES = (
     f"""CREATE TABLE {FENCES} (
@@ -70,13 +75,49 @@ def fenced(fence: int | None) -> int:
     return fence
 
 
+def statements(query: str) -> int:
+    """Return how many statements *query* holds: its semicolons outside quoted strings."""
+    count, quote, escaped = 1, "", False
+    for char in query:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = bool(quote)
+        elif quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == ";":
+            count += 1
+    return count
+
+
+def logged(server: MariaServer, pattern: str) -> list[tuple[int, str]]:
+    """Return (thread, query) of the general log's queries of sessions that sent *pattern*.
+
+    *pattern* is LIKE's; the queries come in the order the server logged them.
+    """
+    rows = query(
+        server.uri,
+        "SELECT thread_id, argument FROM mysql.general_log WHERE command_type = 'Query' "
+        "AND thread_id IN (SELECT thread_id FROM mysql.general_log WHERE argument LIKE %s) "
+        "ORDER BY event_time",
+        (pattern,),
+    )
+    server.command("TRUNCATE mysql.general_log")
+    return [
+        (int(thread), text if isinstance(text, str) else text.decode()) for thread, text in rows
+    ]
+
+
 def test_a_kept_lock_cycles_in_two_round_trips_and_flushes_nothing(
     server: MariaServer, name: str
 ) -> None:
     """N cycles of one kept Lock: 2N queries on its session, and no InnoDB fsync per grant.
 
     The try carries the grant (fence, record, checks, marks); the release is the other.
-    Before issue #32 it was 3N queries and an fsync per grant.
+    Before issue #32 it was 3N queries and an fsync per grant. The try's query is six
+    statements: the try, the transaction of fence and record, and one read (it was eight).
     """
     lock = Lock(name, uri=server.uri, wait=None)
     fences: list[int] = []
@@ -92,15 +133,102 @@ def test_a_kept_lock_cycles_in_two_round_trips_and_flushes_nothing(
         after = counters(server)
     finally:
         server.command("SET GLOBAL general_log = 0")
-    trips = server.command(
-        "SELECT COUNT(*) FROM mysql.general_log WHERE command_type = 'Query' AND thread_id IN "
-        "(SELECT thread_id FROM mysql.general_log WHERE argument LIKE 'SELECT GET\\_LOCK%')"
-    )
-    server.command("TRUNCATE mysql.general_log")
-    assert int(trips) == 2 * CYCLES
+    trips = [query for _, query in logged(server, "SELECT GET\\_LOCK%")]
+    assert len(trips) == 2 * CYCLES
+    tries = [query for query in trips if query.startswith("SELECT GET_LOCK")]
+    assert len(tries) == CYCLES
+    assert {statements(query) for query in tries} == {6}
     for counter, count in after.items():
         assert count - before[counter] < CYCLES / 5, counter
     assert fences == sorted(set(fences))  # each larger than the one before
+
+
+def test_a_queued_waiter_is_granted_in_the_round_trip_of_its_wait(
+    server: MariaServer, name: str
+) -> None:
+    """A waiter that found the lock busy: its try, its wait with the grant, its release.
+
+    The try's read is the check of N, and the grant rides in the wait's query: three
+    queries, where there were five (a second try with the check, and the grant apart).
+    """
+    with Lock(name, uri=server.uri, wait=None):
+        pass  # the tables, made
+    holder = Lock(name, uri=server.uri, wait=None)
+    waiter = Lock(name, uri=server.uri, wait=None)
+    fences: list[int] = []
+
+    def wait() -> None:
+        with waiter as lease:
+            fences.append(fenced(lease.fence))
+
+    server.command("SET GLOBAL log_output = 'TABLE', general_log = 1")
+    try:
+        with holder as held:
+            thread = threading.Thread(target=wait)
+            thread.start()
+            while not query(server.uri, WAITING_NOW):
+                time.sleep(0.01)
+        thread.join(timeout=60)
+    finally:
+        server.command("SET GLOBAL general_log = 0")
+    sent = logged(server, "SELECT GET\\_LOCK(%, 31536000.000) /* lockrun%")
+    queries = [text for _, text in sent if not text.startswith(("SET ", "SHOW "))]
+    assert len({thread for thread, _ in sent}) == 1
+    assert [text.split("(", 1)[0] for text in queries] == [
+        "SELECT GET_LOCK",
+        "SELECT GET_LOCK",
+        "SELECT RELEASE_LOCK",
+    ]
+    assert fences[0] > fenced(held.fence)
+
+
+def test_a_queued_waiter_is_recorded_since_its_grant_not_since_it_began_to_wait(
+    server: MariaServer, name: str
+) -> None:
+    """`status` names the waiter granted in its wait's query as holding since the grant."""
+    holder = Lock(name, uri=server.uri, wait=None)
+    waiter = Lock(name, uri=server.uri, wait=None)
+    held = threading.Event()
+    done = threading.Event()
+
+    def wait() -> None:
+        with waiter:
+            held.set()
+            done.wait(60)
+
+    with holder:
+        thread = threading.Thread(target=wait)
+        thread.start()
+        while not query(server.uri, WAITING_NOW):
+            time.sleep(0.01)
+        time.sleep(1)  # the waiter's record, had it been written when it began to wait
+        released = time.time()
+    try:
+        assert held.wait(60)
+        [state] = json.loads(lockrun("status", "--uri", server.uri, "--json", name).stdout)
+        [record] = state["holders"]
+        assert record["since"] >= released - 0.5
+    finally:
+        done.set()
+        thread.join(60)
+
+
+def test_a_run_sets_its_session_up_and_checks_the_server_in_one_round_trip(
+    server: MariaServer, name: str
+) -> None:
+    """`lockrun -- true`: the session's settings with the Galera check, the try, the release.
+
+    Three queries on its session; PyMySQL's SET NAMES, the settings and the check were
+    three of their own.
+    """
+    assert lockrun("--uri", server.uri, "-n", name, "--", "true").returncode == 0  # the tables
+    server.command("SET GLOBAL log_output = 'TABLE', general_log = 1")
+    try:
+        assert lockrun("--uri", server.uri, "-n", name, "--", "true").returncode == 0
+    finally:
+        server.command("SET GLOBAL general_log = 0")
+    queries = [text[:40] for _, text in logged(server, "SELECT GET\\_LOCK%")]
+    assert [text.split(" ", 1)[0] for text in queries] == ["SET", "SELECT", "SELECT"], queries
 
 
 def test_a_fence_keeps_growing_when_a_restart_empties_its_table(name: str) -> None:

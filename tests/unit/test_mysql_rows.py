@@ -32,9 +32,11 @@ from lockrun.backends.mysql.modes import (
     mark_row,
     mismatch,
 )
-from lockrun.backends.mysql.records import check_batch, grant_batch, read_grant
+from lockrun.backends.mysql.records import apart_reads, check_batch, grant_batch, read_grant
 from lockrun.backends.mysql.session import Server, said
 from lockrun.backends.mysql.statements import (
+    GRANT_READS,
+    GRANT_READS_N,
     MARKS_OF,
     MAX_HOLD_US,
     MISMATCH,
@@ -145,7 +147,7 @@ def test_statements_the_server_never_reached_read_as_no_rows() -> None:
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("slots", [1, 3])
 def test_the_grant_sends_its_statements_in_one_order(*, slots: int, gate: bool) -> None:
-    """Fence and record in one transaction, the gate's release, then the reads (design A7).
+    """Fence and record in one transaction, the gate's release, then one read (design A7).
 
     Each write names the slot's lock: it happens only on the session that holds it.
     """
@@ -153,48 +155,73 @@ def test_the_grant_sends_its_statements_in_one_order(*, slots: int, gate: bool) 
     sent = [sql for sql, _ in grant.batch.statements]
     expected = ["START TRANSACTION", NEXT_FENCE, RECORD, "COMMIT"]
     expected += ["SELECT RELEASE_LOCK(%s)"] if gate else []
-    expected += ["SELECT IS_USED_LOCK(%s)", MISMATCH]
-    expected += [SHARED_MISMATCH] if slots > 1 else [MARKS_OF]
+    expected += [GRANT_READS_N] if slots > 1 else [GRANT_READS]
     assert sent == expected
     slot = f"{KEY}:2"
     assert grant.batch.statements[1][1] == (KEY, slot)
     assert grant.batch.statements[2][1] == (KEY, 2, slots, "default", "rows", RECORD_JSON, slot)
-    # The last two reads may find their tables out of reach: the batch may end before them.
-    assert grant.other.index == len(sent) - 2
-    assert (grant.fence.index, grant.stop.index, grant.last.index) == (
-        1,
-        len(sent) - 3,
-        len(sent) - 1,
-    )
+    reads = (f"{KEY}:stop", KEY, slots, KEY) + ((KEY,) if slots > 1 else ())
+    assert grant.batch.statements[-1][1] == reads
+    # The read may find a table out of reach: the batch may end before it.
+    assert {grant.stop.index, grant.other.index, grant.last.index} == {len(sent) - 1}
+    assert grant.fence.index == 1
 
 
-def test_a_grant_decodes_its_fence_a_take_over_another_n_and_the_marks() -> None:
-    """Each answer lands in its field of `Drawn`: the fence, the stop, the other, the window."""
+@pytest.mark.parametrize("slots", [1, 3])
+def test_reads_apart_go_one_statement_each(slots: int) -> None:
+    """Where the one read failed: the stop, the check of N, then the marks or shared holders."""
+    apart = apart_reads(KEY, request(slots))
+    sent = [sql for sql, _ in apart.batch.statements]
+    assert sent == ["SELECT IS_USED_LOCK(%s)", MISMATCH, SHARED_MISMATCH if slots > 1 else MARKS_OF]
+    assert (apart.stop.index, apart.other.index, apart.last.index) == (0, 1, 2)
+
+
+def _granted(grant: Any, reads: tuple[Any, ...] | None) -> None:
+    grant.batch.answers[:] = [Answer((), 0), Answer((), 123), Answer((), 1), Answer((), 0)]
+    if reads is not None:
+        grant.batch.answers.append(Answer((reads,), 0))
+
+
+def test_a_grant_decodes_its_fence_a_take_over_and_another_n_from_one_row() -> None:
+    """Each column lands in its field of `Drawn`: the stop, the other; no marks, nothing found."""
     grant = grant_batch(KEY, request(), 0, RECORD_JSON, gate=False)
-    grant.batch.answers[:] = [
-        Answer((), 0),
-        Answer((), 123),
-        Answer((), 1),
-        Answer((), 0),
-        Answer(((77,),), 0),
-        Answer(((2, RECORD_JSON),), 0),
-        Answer((("hold", 5, 2_000_000, None, "{}", NOW_US),), 0),
-    ]
+    _granted(grant, (77, f"2 {RECORD_JSON}", 0))
     drawn = read_grant(grant, 1, RECORD_JSON)
-    assert drawn.fence == 123
-    assert drawn.other == (2, RECORD_JSON)
-    assert drawn.found == Found(stop=77, window=2.0)
-    assert drawn.record == RECORD_JSON
+    assert drawn == (123, (2, RECORD_JSON), Found(stop=77), RECORD_JSON, False)
+
+
+def test_a_grant_that_finds_marks_leaves_them_to_be_read() -> None:
+    """Marks that may count: `found` is None, for `Modes.look` to read them."""
+    grant = grant_batch(KEY, request(), 0, RECORD_JSON, gate=False)
+    _granted(grant, (None, None, 1))
+    assert read_grant(grant, 1, RECORD_JSON) == (123, None, None, RECORD_JSON, False)
+
+
+def test_a_grant_of_n_decodes_a_live_shared_holder_as_a_user_of_one_slot() -> None:
+    """N > 1: the third column is a shared holder's record, refused as a user of 1."""
+    grant = grant_batch(KEY, request(3), 1, RECORD_JSON, gate=True)
+    grant.batch.answers[:] = [Answer((), 0), Answer((), 9), Answer((), 1), Answer((), 0)]
+    grant.batch.answers += [Answer(((1,),), 0), Answer(((None, None, f"1 {RECORD_JSON}"),), 0)]
+    assert read_grant(grant, 3, RECORD_JSON) == (9, (1, RECORD_JSON), Found(), RECORD_JSON, False)
+
+
+def test_reads_apart_decode_the_marks() -> None:
+    """The reads one by one: the stop, another N's row, the window of the marks' rows."""
+    apart = apart_reads(KEY, request())
+    apart.batch.answers[:] = [Answer(((77,),), 0), Answer(((2, RECORD_JSON),), 0)]
+    apart.batch.answers.append(Answer((("hold", 5, 2_000_000, None, "{}", NOW_US),), 0))
+    drawn = read_grant(apart, 1, RECORD_JSON, 123)
+    assert drawn == (123, (2, RECORD_JSON), Found(stop=77, window=2.0), RECORD_JSON, False)
 
 
 def test_a_grant_whose_reads_found_no_table_finds_nothing() -> None:
-    """Answers up to the commit and the stop only: no other N, no marks, the fence drawn."""
+    """Answers up to the gate's release only: no other N, no marks, the fence drawn."""
     grant = grant_batch(KEY, request(3), 1, RECORD_JSON, gate=True)
     grant.batch.answers[:] = [Answer((), 0), Answer((), 9), Answer((), 1), Answer((), 0)]
-    grant.batch.answers += [Answer(((1,),), 0), Answer(((None,),), 0)]
+    grant.batch.answers += [Answer(((1,),), 0)]
     drawn = read_grant(grant, 3, RECORD_JSON)
-    assert drawn == (9, None, Found(), RECORD_JSON)
-    assert not grant.last.answered
+    assert drawn == (9, None, Found(), RECORD_JSON, False)
+    assert not grant.other.answered
 
 
 @given(
@@ -207,11 +234,11 @@ def test_any_grant_answers_a_co_tenant_can_forge_are_a_decision(
     other_slots: int, record: str, marks: list[Any], stop: int | None
 ) -> None:
     """Any rows of theirs: a grant, a wait or a take-over, or another N refused with 78."""
-    grant = grant_batch(KEY, request(), 0, RECORD_JSON, gate=False)
-    grant.batch.answers[:] = [Answer((), 0), Answer((), 5), Answer((), 0), Answer((), 0)]
-    grant.batch.answers += [Answer(((stop,),), 0), Answer(((other_slots, record),), 0)]
+    grant = apart_reads(KEY, request())
+    grant.batch.answers[:] = [Answer(((stop,),), 0), Answer(((other_slots, record),), 0)]
     grant.batch.answers.append(Answer(tuple(marks), 0))
-    drawn = read_grant(grant, 1, RECORD_JSON)
+    drawn = read_grant(grant, 1, RECORD_JSON, 5)
+    assert drawn.found is not None
     assert 0 <= drawn.found.window <= MAX_WAIT
     assert drawn.found.stop == stop
     assert drawn.other is not None

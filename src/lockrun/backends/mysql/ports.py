@@ -16,9 +16,10 @@ from lockrun.backends.mysql.batch import Batch
 from lockrun.backends.mysql.lease import MySQLLease
 from lockrun.backends.mysql.modes import mismatch, reading, reusable
 from lockrun.backends.mysql.records import Drawn, checked, draw, try_drawing
-from lockrun.backends.mysql.session import CANCELLED, said, transient
+from lockrun.backends.mysql.session import CANCELLED, FOREVER, said, transient
 from lockrun.backends.mysql.statements import (
     FORGET,
+    OURS,
     comment,
     first_free,
     get_lock,
@@ -28,6 +29,7 @@ from lockrun.backends.mysql.statements import (
 from lockrun.backends.mysql.uri import carries
 from lockrun.backends.sessionlock import GATE, cancelled, quiet
 from lockrun.errors import LockrunError
+from lockrun.timing import now
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -108,27 +110,22 @@ class Statements:
 
     def revive(self, session: Session, attempt: Try) -> bool:  # noqa: ARG002 - all alike
         """Forget what an earlier acquisition left on a kept *session*; False if it ended."""
-        session.unchecked = session.gate_left = session.drawn = None
+        session.unchecked = session.gate_left = session.drawn = session.tried = None
         return bool(session.connection.open) and quiet(session)
 
     def lock(self, session: Session, part: int | str, seconds: float | None, attempt: Try) -> bool:
         """One GET_LOCK (never a negative timeout, docs/design.md P20).
 
-        A one-slot lock's first try draws the grant in the same round trip
-        (`records.try_drawing`). After `refuse_mismatch`, the next one tries at once, with
-        the check in the same round trip, and waits in the queue only if the lock is busy.
-        A shared request enters beside other shared holders where it can
-        (`Modes.enter_shared`).
+        A one-slot lock's GET_LOCK draws the grant in the same round trip
+        (`records.try_drawing`), its first try and its wait in the queue alike; a first try
+        that finds the lock busy has read who uses it with another N too. Where that check
+        is still due (`refuse_mismatch`), the next try goes at once, with the check in the
+        same round trip, and waits in the queue only if the lock is busy. A shared request
+        enters beside other shared holders where it can (`Modes.enter_shared`).
         """
         if reading(attempt) and part == 0:
             return self.modes.enter_shared(session, seconds, attempt)
         lock = f"{attempt.key}:{part}"
-        if self._draws_ahead(session, part, seconds, attempt):
-            got, drawn = try_drawing(self.server, session, attempt)
-            if got is None:  # KILL QUERY from outside
-                raise cancelled(self.server.where, part)
-            session.drawn = None if drawn is None else (attempt, drawn)
-            return bool(got == 1)
         if session.unchecked is attempt:
             session.unchecked = None
             try_now = get_lock(lock, 0, "")
@@ -137,19 +134,22 @@ class Statements:
                 raise cancelled(self.server.where, part)
             if got == 1 or seconds == 0:
                 return bool(got == 1)
+        if self._draws_ahead(session, part, attempt):
+            limit = FOREVER if seconds is None else seconds
+            patience = None if seconds is None else seconds + self.server.timeout
+            tried = try_drawing(self.server, session, attempt, limit, patience)
+            if tried.got is None:  # KILL QUERY from outside
+                raise cancelled(self.server.where, part)
+            session.drawn = None if tried.drawn is None else (attempt, tried.drawn)
+            if tried.checked:
+                session.tried = (attempt, tried.other)
+            return bool(tried.got == 1)
         return self.server.get(session, lock, seconds, attempt, part)
 
-    def _draws_ahead(
-        self, session: Session, part: int | str, seconds: float | None, attempt: Try
-    ) -> bool:
-        """Whether this try of a one-slot lock may carry its grant (a batch: one round trip)."""
+    def _draws_ahead(self, session: Session, part: int | str, attempt: Try) -> bool:
+        """Whether this GET_LOCK of a one-slot lock may carry its grant (one round trip)."""
         return (
-            part == 0
-            and seconds == 0
-            and attempt.slots == 1
-            and session.unchecked is not attempt
-            and session.batches
-            and self.server.tables is not False
+            part == 0 and attempt.slots == 1 and session.batches and self.server.tables is not False
         )
 
     def first_free(self, session: Session, attempt: Try) -> int:
@@ -163,11 +163,18 @@ class Statements:
     def refuse_mismatch(self, session: Session, attempt: Try) -> None:
         """Have *attempt*'s next try on *session* refuse a live holder of another N.
 
-        The check goes in that try's round trip (`records.checked`), before any wait in
-        the queue; without the tables there is nothing to check. A shared request checked
-        already, with its first try (`Modes.enter_shared`).
+        A one-slot lock's first try read it already, where it found the lock busy
+        (`lock`). Else the check goes in the next try's round trip (`records.checked`),
+        before any wait in the queue; without the tables there is nothing to check. A
+        shared request checked already, with its first try (`Modes.enter_shared`).
         """
         session.gate_left = None
+        tried, session.tried = session.tried, None
+        if tried is not None and tried[0] is attempt:
+            session.unchecked = None
+            if tried[1] is not None:
+                raise mismatch(attempt.request, tried[1])
+            return
         checks = self.server.tables is not False and not reading(attempt)
         session.unchecked = attempt if checks else None
 
@@ -221,6 +228,10 @@ class Statements:
         ahead, session.drawn = session.drawn, None
         if ahead is not None and ahead[0] is attempt:
             drawn: Drawn = ahead[1]
+            if drawn.stale:  # the lease runs from this proof (a lost session raises)
+                attempt.proved = now()
+                if session.one(OURS, (f"{key}:{slot}",)) != 1:
+                    raise cancelled(self.server.where, slot)
         else:
             drawn = draw(self.server, self.modes, session, attempt, slot)
         lock = f"{key}:{slot}"
@@ -231,7 +242,8 @@ class Statements:
                 forget.add("SELECT RELEASE_LOCK(%s)", (lock,))
                 session.run(forget)
             raise mismatch(attempt.request, drawn.other)
-        if not self.modes.settle(session, attempt, lock, drawn.found):
+        found = drawn.found if drawn.found is not None else self.modes.look(session, attempt)
+        if not self.modes.settle(session, attempt, lock, found):
             session.one("SELECT RELEASE_LOCK(%s)", (lock,))
             return None
         return MySQLLease(self.holding, session, lock, slot, drawn.fence, attempt, drawn.record)

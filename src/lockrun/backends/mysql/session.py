@@ -18,7 +18,7 @@ import pymysql
 from pymysql.constants import CLIENT, COMMAND, CR, ER
 
 from lockrun.backends import timeout_for
-from lockrun.backends.mysql.batch import Answer
+from lockrun.backends.mysql.batch import Answer, Batch, first_row
 from lockrun.backends.mysql.statements import SWEEPS, TABLES, get_lock
 from lockrun.errors import BackendUnavailable, ConfigError, LockrunError
 from lockrun.timing import now
@@ -27,7 +27,6 @@ from lockrun.uri import scrub
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lockrun.backends.mysql.batch import Batch
     from lockrun.backends.mysql.modes import Mode
     from lockrun.backends.mysql.uri import Settings
     from lockrun.backends.sessionlock import Attempt
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 MAX_ANSWER: Final = 17 << 20
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
-_FOREVER: Final = 31_536_000
+FOREVER: Final = 31_536_000
 # No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
 NO_TABLES: Final = frozenset(
     {
@@ -87,6 +86,7 @@ class _Connection(pymysql.connections.Connection):
 
     deadline: float | None = None
     left = MAX_ANSWER
+    names: str | None = None  # PyMySQL's SET NAMES, not sent yet (`set_character_set`)
     # Bytes the reader holds in its buffer (`_read_within`), and which reader: TLS makes a new one.
     ahead = 0
     ahead_of: object = None
@@ -154,6 +154,17 @@ class _Connection(pymysql.connections.Connection):
         self._force_close()  # type: ignore[attr-defined]
         raise pymysql.err.OperationalError(CR.CR_SERVER_LOST, msg) from err
 
+    def set_character_set(self, charset: str, collation: str | None = None) -> None:
+        """Keep PyMySQL's ``SET NAMES`` for the session's first query (`Server.session`).
+
+        PyMySQL sends it on its own at connect, a round trip of its own: it goes first in
+        the batch of the session's settings instead, before any statement of ours.
+        """
+        self.names = f"SET NAMES {charset}" + (f" COLLATE {collation}" if collation else "")
+        self.charset = charset
+        self.encoding = pymysql.charset.charset_by_name(charset).encoding
+        self.collation = collation
+
     def _create_ssl_ctx(self, sslp: object) -> ssl.SSLContext:
         if sslp:
             return super()._create_ssl_ctx(sslp)  # type: ignore[no-any-return,misc]
@@ -187,6 +198,9 @@ class Session:
         self.gate_left: object = None  # the attempt whose grant let the gate go already
         # The attempt whose try drew its grant in the same round trip, and what it drew.
         self.drawn: tuple[object, Any] | None = None
+        # The attempt whose first try found the lock busy and read who uses it with another
+        # N: the check of N, done (and the (slots, holder) row it found, if any).
+        self.tried: tuple[object, Any] | None = None
 
     def fileno(self) -> int:
         """Return the socket's descriptor."""
@@ -227,17 +241,17 @@ class Session:
             cursor.execute(sql, args)
             return tuple(cursor.fetchall())
 
-    def run(self, batch: Batch) -> None:
+    def run(self, batch: Batch, *, timeout: float | None = 0) -> None:
         """Run *batch*'s statements in one round trip; each answer goes to ``batch.answers``.
 
         The driver puts every args into its sql as an escaped literal, for the session's
         charset and sql_mode, before the statements are joined (tests/hostile/test_sql.py).
         The server stops at the first error, which is raised: ``batch.answers`` then has
         those before it. Without the server's (or a proxy's) leave to batch, one round trip
-        a statement.
+        a statement. *timeout* as `one`'s.
         """
         batch.answers.clear()
-        self._limit(self.timeout)
+        self._limit(self.timeout if timeout == 0 else timeout)
         with self.connection.cursor() as cursor:
             if not self.batches:
                 for sql, args in batch.statements:
@@ -336,11 +350,14 @@ class Server:
             # A stalled holder keeps its locks only as long as its lease (docs/design.md P21); no
             # statement time limit may cut a long GET_LOCK short.
             limit = "max_statement_time" if session.mariadb else "max_execution_time"
-            session.row(
+            batch = Batch()
+            if connection.names is not None:
+                batch.add(connection.names)
+                connection.names = None
+            batch.add(
                 f"SET SESSION wait_timeout = {max(1, math.ceil(self.ttl))}, SESSION {limit} = 0"
             )
-            if not self.checked:
-                self._check(session)
+            self._check(session, batch)  # one round trip for it all
         except pymysql.err.Error as err:
             session.abandon()
             raise self.failure(err) from err
@@ -360,9 +377,16 @@ class Server:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
-    def _check(self, session: Session) -> None:
-        """Refuse a Galera node: its user locks are local to the node (docs/design.md P20)."""
-        row = session.row("SHOW VARIABLES LIKE 'wsrep\\_on'")
+    def _check(self, session: Session, batch: Batch) -> None:
+        """Run *batch*, the session's settings; on a first session, refuse a Galera node.
+
+        Its user locks are local to the node (docs/design.md P20).
+        """
+        wsrep = (
+            None if self.checked else batch.add("SHOW VARIABLES LIKE 'wsrep\\_on'", read=first_row)
+        )
+        session.run(batch)
+        row = None if wsrep is None else wsrep.value
         if row is not None and str(row[1]).upper() == "ON":
             msg = (
                 f"{self.where} is a Galera cluster node (wsrep_on=ON): its GET_LOCK "
@@ -400,7 +424,7 @@ class Server:
         part: int | str,
     ) -> bool:
         """Wait up to *seconds* (None: a year) in GET_LOCK for *lock*; True if ours."""
-        limit = _FOREVER if seconds is None else seconds
+        limit = FOREVER if seconds is None else seconds
         patience = None if seconds is None else seconds + self.timeout
         tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
         got = session.one(get_lock(lock, limit, tag), timeout=patience)

@@ -53,6 +53,8 @@ TABLES: Final = (
       PRIMARY KEY (lock_key, mark)
     ) ENGINE=InnoDB""",
 )
+# The server's clock as Unix time in µs, free of the session's time zone (`NOW_US`).
+NOW_US_TEXT: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 # The server's clock in µs seeds the fence, so it keeps rising if the table is ever lost.
 _MICROS: Final = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
 # A counter at or past 2^63 - 1 is one lockrun never wrote (fence + 1 would overflow):
@@ -69,6 +71,16 @@ RECORD: Final = (
     f"REPLACE INTO {HOLDERS} (lock_key, slot, slots, connection_id, namespace, name, holder) "
     "SELECT %s, %s, %s, CONNECTION_ID(), %s, %s, %s FROM DUAL "
     "WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
+)
+OURS: Final = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"  # whether this session holds a lock
+# A record whose holder waits for the slot in the same query: its "since" is the server's
+# clock when the grant runs (`SINCE_LATER` in the JSON, which no string of it can hold:
+# quotes are escaped there), not the client's when it began to wait.
+SINCE_LATER: Final = '"since": 0.0'
+RECORD_LATER: Final = RECORD.replace(
+    "CONNECTION_ID(), %s, %s, %s FROM DUAL",
+    f"CONNECTION_ID(), %s, %s, REPLACE(%s, '{SINCE_LATER}', "
+    f"CONCAT('\"since\": ', {NOW_US_TEXT} / 1000000)) FROM DUAL",
 )
 FORGET: Final = (
     f"DELETE FROM {HOLDERS} WHERE lock_key = %s AND slot = %s AND connection_id = CONNECTION_ID()"
@@ -91,7 +103,7 @@ MISMATCH: Final = (
 )
 # The server's clock as Unix time in µs, free of the session's time zone (UNIX_TIMESTAMP of
 # NOW() repeats an hour when daylight saving time ends). One value for a whole statement.
-NOW_US: Final = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+NOW_US: Final = NOW_US_TEXT
 # A window read back is cut to the longest one lockrun writes: a forged until_us of the year
 # 9999 keeps a lock busy no longer than a --hold-at-least could (and never overflows).
 MAX_HOLD_US: Final = int(MAX_WAIT * 1_000_000)
@@ -155,6 +167,24 @@ RECORDED: Final = (
         f"AND (mark = '{HOLD}' AND until_us > {NOW_US} OR mark LIKE 'r:%%') LIMIT 1000"
     ),
 )
+# The grant's reads after its commit, in one statement of one row (docs/design.md A7): the
+# session holding KEY:stop; a live holder of another N, as "SLOTS RECORD" (`other_row`); and,
+# for N = 1, whether lockrun_marks has rows that may count (then `MARKS_OF` reads them, in a
+# round trip of its own), for N > 1 a live shared holder, as "1 RECORD". Every subquery runs
+# after the statements before it, so after the slot was ours.
+_OTHER_N: Final = (
+    f"(SELECT CONCAT(slots, ' ', holder) FROM {HOLDERS} WHERE lock_key = %s AND slots <> %s "
+    f"AND slots BETWEEN 1 AND {MAX_SLOTS} "
+    "AND IS_USED_LOCK(CONCAT(lock_key, ':', slot)) = connection_id LIMIT 1)"
+)
+GRANT_READS: Final = (
+    f"SELECT IS_USED_LOCK(%s), {_OTHER_N}, EXISTS (SELECT 1 FROM {MARKS} WHERE lock_key = %s "
+    f"AND (mark = '{HOLD}' AND until_us > {NOW_US} OR mark LIKE 'r:%%'))"
+)
+GRANT_READS_N: Final = (
+    f"SELECT IS_USED_LOCK(%s), {_OTHER_N}, (SELECT CONCAT('1 ', holder) FROM {MARKS} "
+    f"WHERE lock_key = %s AND mark LIKE 'r:%%' AND {_LIVE_READER} LIMIT 1)"
+)
 # `lockrun.backends.mysql.status.holder_row` owns the order of its columns.
 HOLDERS_OF: Final = f"SELECT slot, slots, connection_id, holder FROM {HOLDERS} WHERE lock_key = %s"
 # What a waiter puts after its GET_LOCK, for `lockrun status` to read in the processlist.
@@ -166,6 +196,14 @@ WAITING: Final = re.compile(
     r"/\* lockrun (?P<json>\{.*\}) \*/",
     re.DOTALL,
 )
+
+
+def other_row(text: object) -> tuple[int, str] | None:
+    """Return the (slots, holder) of a "SLOTS RECORD" that `GRANT_READS` found; None for none."""
+    if text is None:
+        return None
+    slots, _, record = (text.decode() if isinstance(text, bytes) else str(text)).partition(" ")
+    return int(slots), record
 
 
 def lock_key(namespace: str, name: str) -> str:

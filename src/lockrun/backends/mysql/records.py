@@ -310,13 +310,7 @@ def draw(
     try:
         _run_making_tables(session, grant.batch, optional=grant.other.index)
     except STATEMENT_ERRORS as err:
-        if err.args[0] not in NO_TABLES:
-            raise
-        server.tables = False
-        server.note(
-            f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
-            f"{server.where} ({said(server.settings, err)}); LOCKRUN_FENCE stays unset"
-        )
+        _tables_out_of_reach(server, err)
         return Drawn(None, None, modes.look(session, attempt), record)
     server.tables = True
     if gate:
@@ -329,6 +323,17 @@ def draw(
     if request.hold and not apart.last.answered:  # the marks could not be read:
         raise modes.no_marks(HOLD_OPTION)  # no window could be kept: said before the run
     return read_grant(apart, request.slots, record, grant.fence.value)
+
+
+def _tables_out_of_reach(server: Server, err: pymysql.err.Error) -> None:
+    """Note, once, that lockrun's tables cannot be used: no fence; re-raise any other *err*."""
+    if err.args[0] not in NO_TABLES:
+        raise err
+    server.tables = False
+    server.note(
+        f"no fence: cannot use the tables {FENCES} and {HOLDERS} on "
+        f"{server.where} ({said(server.settings, err)}); LOCKRUN_FENCE stays unset"
+    )
 
 
 def _run_making_tables(session: Session, batch: Batch, optional: int) -> None:

@@ -124,11 +124,7 @@ def wait_and_grant(
     key = attempt.key.slots[0]
     answers, error = waiting.queue(server, session, key, 0, seconds, attempt, grant)
     if not answers:  # the wait, or a PREPARE before it, failed: the slot is not ours
-        if error is not None and error.sqlstate not in {LOCK_NOT_AVAILABLE, QUERY_CANCELED}:
-            session.unsure()
-            _learn(server, error)  # a fence table dropped or refused: wait again
-            return wait_and_grant(server, session, seconds, attempt)
-        return False, error
+        return _not_granted(server, session, seconds, attempt, error)
     session.contended = answers[0] != [("free",)]
     answers = answers[1:]  # the wait's row: the slot is ours
     name(session, attempt, 0)
@@ -156,6 +152,25 @@ def wait_and_grant(
         attempt.sent = attempt.state = None  # `Statements.grant` draws the fence from now
         session.tangled = True  # that grant takes the (name, N) lock once more
     return True, None
+
+
+def _not_granted(
+    server: Server,
+    session: Session,
+    seconds: float | None,
+    attempt: Attempt[Session, Keys, Ahead],
+    error: PgError | None,
+) -> tuple[bool, PgError | None]:
+    """Act on a wait (or a PREPARE before it) that failed: the slot is not ours.
+
+    After news of a fence table (dropped, refused), wait again; else return (False,
+    *error*) for `waiting.ran_out` to judge.
+    """
+    if error is not None and error.sqlstate not in {LOCK_NOT_AVAILABLE, QUERY_CANCELED}:
+        session.unsure()
+        _learn(server, error)
+        return wait_and_grant(server, session, seconds, attempt)
+    return False, error
 
 
 def agreement(attempt: Attempt[Session, Keys, Ahead]) -> tuple[int, int]:

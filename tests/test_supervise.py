@@ -940,8 +940,9 @@ class LocalLease:
 
     @property
     def bells(self):
-        with open(asked_path, "w") as f:
+        with open(asked_path + ".tmp", "w") as f:  # whole when it appears: the test reads it
             f.write(repr(now() - self.confirmed))
+        os.replace(asked_path + ".tmp", asked_path)
         return (os.open(bell_path, os.O_RDWR | os.O_NONBLOCK),)
 
     def refresh(self):
@@ -981,13 +982,18 @@ def test_a_local_locks_bells_are_made_into_the_run_and_still_stop_it(tmp_path: P
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_ready(ready, supervisor)
-    wait_for(asked.exists, what="the bells asked for")
-    assert float(asked.read_text()) >= LOCAL_BELL_AFTER  # a lower bound: load only delays it
-    taken.touch()
-    with open(bell, "w") as ring:
-        ring.write("x")
-    _, err = supervisor.communicate(timeout=30)
+    try:
+        wait_ready(ready, supervisor)
+        wait_for(asked.exists, what="the bells asked for")
+        assert float(asked.read_text()) >= LOCAL_BELL_AFTER  # a lower bound: load only delays it
+        taken.touch()
+        with open(bell, "w") as ring:
+            ring.write("x")
+        _, err = supervisor.communicate(timeout=30)
+    finally:  # a failure above must not leave it running into the worker's next test
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.communicate()
     assert (supervisor.returncode, err.strip()) == (79, "taken over by bob@ci3 pid 77")
     assert term.exists()
 

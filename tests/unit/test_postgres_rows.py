@@ -57,17 +57,18 @@ def advisory(
     query: str | None = None,
     mode: str = "ExclusiveLock",
     label: str | None = "lockrun",
+    changed: str | None = None,
 ) -> tuple[str | None, ...]:
-    """Return a row of the status statement, in its 12 columns."""
+    """Return a row of the status statement, in its 13 columns."""
     return (subid, key, objid, granted, pid, None, "bob", "10.0.0.9", "1700000000.5", query,
-            mode, label)  # fmt: skip
+            mode, label, changed)  # fmt: skip
 
 
 # -- status rows ---------------------------------------------------------------------------
 
 
 def test_an_advisory_row_is_read_by_name() -> None:
-    """The 12 columns become named fields: booleans, ints and the comment's identity."""
+    """The 13 columns become named fields: booleans, ints and the comment's identity."""
     row = AdvisoryRow.read(advisory(granted="f", query=tag(slots=3), mode="ShareLock"))
     assert (row.counter, row.key, row.granted, row.shared, row.pid) == (
         False,
@@ -178,7 +179,21 @@ def test_status_rows_of_any_comment_take_one_role(
     sitting: str | None,
 ) -> None:
     """Whatever another role's statement and names say: one of the four roles, never an error."""
-    raw = ("1", "11", "0", granted, "77", None, user, client, None, query, "ExclusiveLock", label)
+    raw = (
+        "1",
+        "11",
+        "0",
+        granted,
+        "77",
+        None,
+        user,
+        client,
+        None,
+        query,
+        "ExclusiveLock",
+        label,
+        None,
+    )
     found = role(AdvisoryRow.read(raw), slot, sitting)
     assert isinstance(found, Holding | Heading | Queued | Counted)
 

@@ -229,10 +229,7 @@ class AdvisoryRow(NamedTuple):
     @classmethod
     def read(cls, row: Row) -> AdvisoryRow:
         """Decode a row of `advisory_statement`, in its column order."""
-        subid, key, objid, granted, pid, _, user, client, started, query, mode, label, changed = (
-            *row,
-            None,
-        )[:13]
+        subid, key, objid, granted, pid, _, user, client, started, query, mode, label, changed = row
         return cls(
             counter=subid == "2",
             key=int(key or 0),

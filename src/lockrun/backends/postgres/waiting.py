@@ -34,9 +34,8 @@ def wait_for(seconds: float | None, key: int, *, shared: bool = False) -> str:
     A shared wait queues with the exclusive ones, in arrival order: a reader that comes
     after a queued writer waits behind it (PostgreSQL's lock queue, docs/design.md A8).
     """
-    limit = 0 if seconds is None else min(_MAX_LOCK_TIMEOUT, max(1, math.ceil(seconds * 1000)))
-    function = "pg_advisory_lock_shared" if shared else "pg_advisory_lock"
-    return f"SELECT {function}({key}::bigint) FROM set_config('lock_timeout', '{limit}ms', false)"
+    wait, limit = _wait(seconds, key, shared=shared)
+    return f"SELECT {wait} FROM {limit}"
 
 
 def try_then_wait(seconds: float | None, key: int, *, shared: bool = False) -> str:
@@ -45,13 +44,19 @@ def try_then_wait(seconds: float | None, key: int, *, shared: bool = False) -> s
     CASE runs the try first and waits only if it failed: a free lock has no queue, so
     the order is the queue's either way. The answer says whether the slot was contended.
     """
+    wait, limit = _wait(seconds, key, shared=shared)
     mode = "_shared" if shared else ""
-    wait = wait_for(seconds, key, shared=shared).removeprefix("SELECT ")
-    got, _, limit = wait.partition(" FROM ")
     return (
         f"SELECT CASE WHEN pg_try_advisory_lock{mode}({key}::bigint) THEN 'free' "
-        f"ELSE {got}::text END FROM {limit}"
+        f"ELSE {wait}::text END FROM {limit}"
     )
+
+
+def _wait(seconds: float | None, key: int, *, shared: bool) -> tuple[str, str]:
+    """Return the wait's call and the FROM item that sets its lock_timeout first."""
+    limit = 0 if seconds is None else min(_MAX_LOCK_TIMEOUT, max(1, math.ceil(seconds * 1000)))
+    function = "pg_advisory_lock_shared" if shared else "pg_advisory_lock"
+    return f"{function}({key}::bigint)", f"set_config('lock_timeout', '{limit}ms', false)"
 
 
 def first_free(keys: Keys) -> str:

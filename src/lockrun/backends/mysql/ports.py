@@ -16,7 +16,7 @@ from lockrun.backends.mysql.batch import Batch
 from lockrun.backends.mysql.lease import MySQLLease
 from lockrun.backends.mysql.modes import mismatch, reading, reusable
 from lockrun.backends.mysql.records import Drawn, checked, draw, try_drawing
-from lockrun.backends.mysql.session import CANCELLED, FOREVER, said, transient
+from lockrun.backends.mysql.session import CANCELLED, said, transient
 from lockrun.backends.mysql.statements import (
     FORGET,
     OURS,
@@ -135,8 +135,7 @@ class Statements:
             if got == 1 or seconds == 0:
                 return bool(got == 1)
         if self._draws_ahead(session, part, attempt):
-            limit = FOREVER if seconds is None else seconds
-            patience = None if seconds is None else seconds + self.server.timeout
+            limit, patience = self.server.wait_limits(seconds)
             tried = try_drawing(self.server, session, attempt, limit, patience)
             if tried.got is None:  # KILL QUERY from outside
                 raise cancelled(self.server.where, part)

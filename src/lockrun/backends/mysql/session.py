@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 MAX_ANSWER: Final = 17 << 20
 # The longest single GET_LOCK wait. Never a negative timeout: MySQL waits forever on one,
 # MariaDB returns NULL at once (docs/design.md P20). A wait this long is asked again when it ends.
-FOREVER: Final = 31_536_000
+_FOREVER: Final = 31_536_000
 # No table, no fence: the user may not CREATE, there is no database, or the server is read-only.
 NO_TABLES: Final = frozenset(
     {
@@ -415,6 +415,16 @@ class Server:
             return BackendUnavailable(f"{where} does not answer like a MySQL or MariaDB server")
         return BackendUnavailable(f"{where}: {text}")
 
+    def wait_limits(self, seconds: float | None) -> tuple[float, float | None]:
+        """Return GET_LOCK's timeout for a wait of *seconds*, and the patience for its answer.
+
+        None waits a year, as long as it takes to answer; else the answer gets the
+        connection's timeout beyond the wait.
+        """
+        if seconds is None:
+            return _FOREVER, None
+        return seconds, seconds + self.timeout
+
     def get(
         self,
         session: Session,
@@ -424,8 +434,7 @@ class Server:
         part: int | str,
     ) -> bool:
         """Wait up to *seconds* (None: a year) in GET_LOCK for *lock*; True if ours."""
-        limit = FOREVER if seconds is None else seconds
-        patience = None if seconds is None else seconds + self.timeout
+        limit, patience = self.wait_limits(seconds)
         tag = attempt.tag if limit else ""  # for `status`, which never sees a try that cannot wait
         got = session.one(get_lock(lock, limit, tag), timeout=patience)
         if got is None:  # KILL QUERY from outside, or an error

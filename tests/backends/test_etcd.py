@@ -399,3 +399,23 @@ def test_status_shows_each_holder_of_n_in_the_slot_its_command_was_told(
     assert {h["pid"]: h["slot"] for h in state["holders"]} == told
     assert sorted(told.values()) == [0, 1, 2]
     assert all(h.finish() == 0 for h in held)
+
+
+def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_path: Path) -> None:
+    """etcd keeps leases and keys across a restart; the waiter asks again, it is not 69."""
+    server = EtcdServer(port=free_port(), peer_port=free_port())
+    try:
+        uri = uri_of(server)
+        held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "10")
+        fence = tmp_path / "fence"
+        waiter = start(
+            "--uri", uri, "--name", name, "--ttl", "10", "-w", "60",
+            "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
+        )  # fmt: skip
+        wait_for(lambda: len(keys_of(server, name)) == 2, what="the waiter's key")
+        server.restart()
+        assert held.finish() == 0
+        assert finish(waiter) == 0, waiter.stderr
+        assert int(fence.read_text()) > held.fence
+    finally:
+        server.close()

@@ -9,10 +9,19 @@ import contextlib
 import math
 import secrets
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from lockrun.backends import LockState, Request, slots_mismatch, write_json
-from lockrun.backends.etcd.gateway import Gateway, Refused, Unreachable, b64, number, unb64
+from lockrun.backends.etcd.gateway import (
+    Gateway,
+    Outage,
+    Refused,
+    Unreachable,
+    b64,
+    number,
+    unb64,
+)
 from lockrun.backends.etcd.queue import (
     Queue,
     Turn,
@@ -25,7 +34,7 @@ from lockrun.backends.etcd.queue import (
 )
 from lockrun.errors import BackendUnavailable, LeaseLost
 from lockrun.names import key_part
-from lockrun.timing import now
+from lockrun.timing import RECONNECT_INTERVAL, now
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -64,6 +73,7 @@ class EtcdBackend:
         self.ttl = ttl
         self.note = note
         self.gateway = Gateway(settings, timeout)
+        self.heard: float | None = None  # when (`timing.now`) a member last answered
         self._busy = threading.Lock()  # one call at a time on the kept connection
 
     @property
@@ -75,9 +85,11 @@ class EtcdBackend:
         """One request to the cluster (`Gateway.call`); a refusal is one line, 69."""
         with self._busy:
             try:
-                return self.gateway.call(path, body)
+                answer = self.gateway.call(path, body)
             except Refused as refused:
                 raise BackendUnavailable(f"{self.settings.where}: {refused.message}") from None
+            self.heard = now()
+            return answer
 
     # -- acquire ---------------------------------------------------------------------------
 
@@ -145,8 +157,13 @@ class EtcdBackend:
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None:
                     return None
-                if not self._wait(turn, prefix, key, lease_id, request.slots, pause):
-                    return False
+                try:
+                    if not self._wait(turn, prefix, key, lease_id, request.slots, pause):
+                        return False
+                except Outage as err:
+                    self.ride_out(err, request.ttl, deadline)
+                    turn.close()
+                    turn.stale = True
             return False
         finally:
             turn.close()
@@ -158,9 +175,14 @@ class EtcdBackend:
 
         False: our lease is gone.
         """
+        if turn.stale:
+            turn.queue, turn.stale = self.look(prefix, key, slots), False
+            return True
         if pause <= 0:
-            turn.kept = now()
-            return self.keep_alive(lease_id)
+            sent = now()
+            alive = self.keep_alive(lease_id)
+            turn.kept = sent
+            return alive
         if turn.watch is None or not turn.watch.open:
             turn.watch = self.watch(prefix, turn.queue, slots)
         if turn.watch is None or turn.watch.moved(pause):
@@ -168,6 +190,20 @@ class EtcdBackend:
             if slots == 1:
                 turn.close()  # another key may be just before ours now
         return True
+
+    def ride_out(self, err: Outage, ttl: float, deadline: float | None) -> None:
+        """Pause before asking again after no member answered a queued waiter; else raise *err*.
+
+        A waiter rides out a restart or a leader election for up to a ttl since a member
+        last answered (its lease, and so its place, may lapse meanwhile: it then queues
+        again), within its --wait. As on Redis (`RedisBackend.ride_out`).
+        """
+        current = now()
+        if self.heard is None or current - self.heard > ttl:
+            raise err
+        if deadline is not None and current >= deadline:
+            raise err
+        time.sleep(min(RECONNECT_INTERVAL, ttl / 10))
 
     def watch(self, prefix: bytes, queue: Queue, slots: int) -> Watch | None:
         """Watch what must go for our turn: the key just before ours, or any key of N's queue.
@@ -315,8 +351,6 @@ class EtcdBackend:
             answer = self.call("/v3/lease/timetolive", {"ID": str(_lease(token))})
             left = number(answer, "TTL")
             if left > 0:
-                import time  # noqa: PLC0415 - status alone
-
                 return holder._replace(expires=time.time() + left)
         return holder
 

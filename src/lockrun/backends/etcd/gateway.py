@@ -43,6 +43,10 @@ class Refused(Exception):
         self.message = message
 
 
+class Outage(BackendUnavailable):
+    """No member of the cluster answered (69): a waiter in the queue may ride it out."""
+
+
 class Unreachable(Exception):
     """A member did not answer in time, hung up, or said it cannot serve now."""
 
@@ -260,10 +264,10 @@ class Gateway:
             raise Unreachable(said or "unavailable")
         raise Refused(code, said or f"HTTP {status}")
 
-    def unavailable(self, err: Exception | None) -> BackendUnavailable:
+    def unavailable(self, err: Exception | None) -> Outage:
         """Return the one line for a cluster none of whose members answered."""
         why = str(err) if err is not None else "no member"
-        return BackendUnavailable(f"{self.settings.where}: {why}")
+        return Outage(f"{self.settings.where}: {why}")
 
     def watch(self) -> Watch:
         """Return a watch, on a connection of its own to the member asked now."""

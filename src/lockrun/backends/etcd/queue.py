@@ -34,6 +34,7 @@ class Turn:
         self.queue = queue
         self.kept = kept  # when the request that last kept our lease alive was sent
         self.watch: Watch | None = None
+        self.stale = False  # a call failed since the last look: look before anything else
 
     def close(self) -> None:
         """Close the watch, if one is open."""

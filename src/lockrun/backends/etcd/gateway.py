@@ -239,7 +239,7 @@ class Gateway:
             data = answer.read(MAX_REPLY + 1)
             status = answer.status
         except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
-            raise Unreachable(_words(err)) from err
+            raise Unreachable(_words(err, self.timeout)) from err
         finally:
             link.within(None)
         if len(data) > MAX_REPLY:
@@ -310,7 +310,7 @@ class Watch:
             self.answer = self.link.getresponse()
         except (OSError, http.client.HTTPException) as err:
             self.close()
-            raise Unreachable(_words(err)) from err
+            raise Unreachable(_words(err, self.gateway.timeout)) from err
         finally:
             self.link.within(None)
         if self.answer.status != 200:  # noqa: PLR2004
@@ -374,7 +374,9 @@ def _json(line: bytes) -> object:
         return None
 
 
-def _words(err: BaseException) -> str:
+def _words(err: BaseException, timeout: float) -> str:
     """Return one line for a transport error (no secret can be in it: none was sent yet)."""
+    if isinstance(err, TimeoutError):
+        return f"no answer within {timeout:g}s"
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return text[:200]

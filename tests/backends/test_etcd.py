@@ -402,7 +402,7 @@ def test_status_shows_each_holder_of_n_in_the_slot_its_command_was_told(
 
 
 def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_path: Path) -> None:
-    """etcd keeps leases and keys across a restart; the waiter asks again, it is not 69."""
+    """Etcd keeps leases and keys across a restart; the waiter asks again, it is not 69."""
     server = EtcdServer(port=free_port(), peer_port=free_port())
     try:
         uri = uri_of(server)
@@ -419,3 +419,27 @@ def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_p
         assert int(fence.read_text()) > held.fence
     finally:
         server.close()
+
+
+def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """Its watch restarts from the revision of its last look (every keep-alive, ttl/3): after
+    a compaction past it, etcd cancels the new watch, and the waiter looks again.
+    """
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "3")
+    fence = tmp_path / "fence"
+    waiter = start(
+        "--uri", uri, "--name", name, "--ttl", "3", "-w", "60",
+        "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
+    )  # fmt: skip
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    for _ in range(20):  # revisions to compact away
+        gateway(etcd, "/v3/kv/put", {"key": base64.b64encode(b"other/x").decode(), "value": ""})
+    revision = int(gateway(etcd, "/v3/kv/range", {"key": "eA=="})["header"]["revision"])
+    gateway(etcd, "/v3/kv/compaction", {"revision": str(revision), "physical": True})
+    time.sleep(2.5)  # past a keep-alive: the waiter has watched again from before the compaction
+    assert held.finish() == 0
+    assert finish(waiter) == 0, waiter.stderr
+    assert int(fence.read_text()) > held.fence

@@ -424,8 +424,10 @@ def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_p
 def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
     etcd: EtcdServer, name: str, tmp_path: Path
 ) -> None:
-    """Its watch restarts from the revision of its last look (every keep-alive, ttl/3): after
-    a compaction past it, etcd cancels the new watch, and the waiter looks again.
+    """A compaction past the revision a waiter watches from: etcd cancels the watch.
+
+    The waiter watches again from its last look's revision at every keep-alive (ttl/3), so
+    that watch starts before the compaction; it looks again and keeps its place.
     """
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "3")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import secrets
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -97,7 +97,9 @@ class EtcdBackend:
         """Queue a key on a lease of ours and watch the queue until a slot is ours (A13)."""
         prefix = lock_prefix(request.namespace, request.name).encode()
         while True:
-            lease_id = secrets.randbits(63) or 1
+            # 63 random bits (etcd's IDs are positive int64s); os.urandom, since secrets
+            # loads hashlib and with it OpenSSL, a few ms of every run's start-up (#32)
+            lease_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
             sent = now()
             ttl = self.grant(lease_id, request.ttl)
             key = prefix + b"q/" + f"{lease_id:016x}".encode()

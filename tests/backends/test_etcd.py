@@ -29,6 +29,7 @@ from lockrun.backends.etcd.backend import EtcdBackend, lock_prefix
 from lockrun.backends.etcd.gateway import number, unb64
 from lockrun.backends.etcd.queue import kvs_of
 from tests.support.cli import Held, finish, interval_log, lockrun, one_line, start, wait_for
+from tests.support.net import make_certificates
 from tests.support.servers import EtcdServer, free_port
 
 if TYPE_CHECKING:
@@ -445,3 +446,60 @@ def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
     assert held.finish() == 0
     assert finish(waiter) == 0, waiter.stderr
     assert int(fence.read_text()) > held.fence
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """Return an etcd that speaks TLS alone and asks for a client certificate, and its certs."""
+    certs = tmp_path_factory.mktemp("certs")
+    make_certificates(certs)
+    port, peer = free_port(), free_port()
+    data = tmp_path_factory.mktemp("tls-etcd")
+    url = f"https://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            *("etcd", "--data-dir", str(data / "data"), "--name", "tls"),
+            *("--listen-client-urls", url, "--advertise-client-urls", url),
+            *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
+            *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
+            *("--initial-cluster", f"tls=http://127.0.0.1:{peer}"),
+            *("--cert-file", str(certs / "server.crt"), "--key-file", str(certs / "server.key")),
+            *("--client-cert-auth", "--trusted-ca-file", str(certs / "ca.crt")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        ca = f"ssl_ca_certs={certs / 'ca.crt'}"
+        client = f"ssl_certfile={certs / 'client.crt'}&ssl_keyfile={certs / 'client.key'}"
+        uri = f"etcds://127.0.0.1:{port}?{ca}&{client}"
+        wait_for(
+            lambda: lockrun("status", "--uri", uri).returncode == 0, timeout=30, what="TLS etcd"
+        )
+        yield f"127.0.0.1:{port}", certs
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_etcds_checks_the_member_and_shows_our_certificate(
+    tls_etcd: tuple[str, Path], name: str
+) -> None:
+    where, certs = tls_etcd
+    client = f"ssl_certfile={certs / 'client.crt'}&ssl_keyfile={certs / 'client.key'}"
+    good = f"etcds://{where}?ssl_ca_certs={certs / 'ca.crt'}&{client}"
+    ran = lockrun("--uri", good, "--name", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE")
+    assert ran.returncode == 0, ran.stderr
+    assert int(ran.stdout) > 0
+    impostor = f"etcds://{where}?ssl_ca_certs={certs / 'other-ca.crt'}&{client}"
+    nobody = f"etcds://{where}?ssl_ca_certs={certs / 'ca.crt'}"
+    plain = f"etcd://{where}"
+    for uri, says in (
+        (impostor, "certificate verify failed"),
+        (nobody, ""),  # the server refuses a client without a certificate
+        (plain, ""),  # HTTP to a TLS port
+    ):
+        refused = lockrun("--uri", uri, "--name", name, "--", "true")
+        assert refused.returncode == 69, (uri, refused.stderr)
+        assert says in one_line(refused.stderr)
+        assert "Traceback" not in refused.stderr

@@ -10,6 +10,7 @@ and the commands' own interval log, never lockrun's word.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -25,6 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lockrun import AsyncLock
 from lockrun.backends.etcd.backend import EtcdBackend, lock_prefix
 from lockrun.backends.etcd.gateway import number, unb64
 from lockrun.backends.etcd.queue import kvs_of
@@ -503,3 +505,25 @@ def test_etcds_checks_the_member_and_shows_our_certificate(
         assert refused.returncode == 69, (uri, refused.stderr)
         assert says in one_line(refused.stderr)
         assert "Traceback" not in refused.stderr
+
+
+def test_a_cancelled_async_wait_leaves_the_queue_at_once(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """AsyncLock's cancel interrupts the watch the wait sleeps on: its key goes, not at ttl."""
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name)
+
+    async def main() -> None:
+        waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None, ttl=3600).acquire())
+        queued = lambda: len(keys_of(etcd, name)) == 2  # noqa: E731
+        await asyncio.to_thread(wait_for, queued, what="the waiter's key")
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        # long before its hour's lease would end: the wait was cut, its lease revoked
+        left = lambda: len(keys_of(etcd, name)) == 1  # noqa: E731
+        await asyncio.to_thread(wait_for, left, what="the waiter's key gone")
+
+    asyncio.run(main())
+    assert held.finish() == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -32,7 +33,7 @@ from lockrun.backends.etcd.queue import (
     read_look,
     slots_held,
 )
-from lockrun.errors import BackendUnavailable, LeaseLost
+from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost
 from lockrun.names import key_part
 from lockrun.timing import RECONNECT_INTERVAL, now
 
@@ -74,6 +75,8 @@ class EtcdBackend:
         self.note = note
         self.gateway = Gateway(settings, timeout)
         self.heard: float | None = None  # when (`timing.now`) a member last answered
+        self.interrupted = threading.Event()  # set by `interrupt`: every wait ends
+        self._watching: Watch | None = None  # the watch a wait sleeps on, for `interrupt`
         self._busy = threading.Lock()  # one call at a time on the kept connection
 
     @property
@@ -166,6 +169,7 @@ class EtcdBackend:
                     self.ride_out(err, request.ttl, deadline)
                     turn.close()
                     turn.stale = True
+                self._check_interrupted(request)
             return False
         finally:
             turn.close()
@@ -205,7 +209,23 @@ class EtcdBackend:
             raise err
         if deadline is not None and current >= deadline:
             raise err
-        time.sleep(min(RECONNECT_INTERVAL, ttl / 10))
+        self.interrupted.wait(min(RECONNECT_INTERVAL, ttl / 10))
+
+    def interrupt(self) -> None:
+        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`.
+
+        The watch it sleeps on is cut (shutdown), so its read returns now (`AsyncLock`'s
+        cancel, aio.py).
+        """
+        self.interrupted.set()
+        watching = self._watching
+        if watching is not None:
+            watching.cut()
+
+    def _check_interrupted(self, request: Request) -> None:
+        if self.interrupted.is_set():
+            msg = f"the wait for {request.name} was interrupted; nothing is held"
+            raise Interrupted(msg, signo=signal.SIGINT)
 
     def watch(self, prefix: bytes, queue: Queue, slots: int) -> Watch | None:
         """Watch what must go for our turn: the key just before ours, or any key of N's queue.
@@ -217,6 +237,7 @@ class EtcdBackend:
             return None
         key, end = (queue.before, b"") if slots == 1 else queue_range(prefix)
         watch = self.gateway.watch()
+        self._watching = watch
         try:
             watch.start(key, end, queue.revision + 1)
         except Unreachable as err:

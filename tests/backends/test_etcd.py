@@ -527,3 +527,27 @@ def test_a_cancelled_async_wait_leaves_the_queue_at_once(
 
     asyncio.run(main())
     assert held.finish() == 0
+
+
+def test_status_dates_a_waiter_that_was_granted_from_its_grant(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name)
+    queued = start("--uri", uri, "--name", name, "--ttl", "3", "-w", "60", "--", "sleep", "30")
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    time.sleep(1.5)  # a wait long enough to tell its start from the grant
+    released = time.time()
+    assert held.finish() == 0
+
+    def dated() -> bool:
+        holders = json.loads(lockrun("status", "--uri", uri, "--json", name).stdout)[0]["holders"]
+        return (
+            bool(holders)
+            and holders[0]["pid"] == queued.pid
+            and holders[0]["since"] >= released - 0.5
+        )
+
+    wait_for(dated, what="the record rewritten at the first refresh (ttl/3)")
+    queued.terminate()
+    queued.communicate(timeout=30)

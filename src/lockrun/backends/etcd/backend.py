@@ -142,23 +142,22 @@ class EtcdBackend:
         deadline: float | None,
     ) -> EtcdLease | Literal[False] | None:
         """Put our key and wait our turn; False when our lease ended first (queue again)."""
-        record = write_json(
-            {
-                "token": f"{lease_id:016x}",
-                "namespace": request.namespace,
-                "name": request.name,
-                "slots": request.slots,
-                "holder": request.holder.to_dict(),
-            }
-        )
+        record = _record(request, lease_id, request.holder)
         turn = Turn(self.look(prefix, key, request.slots, put=(record, lease_id)), sent)
+        waited = False
         try:
             while turn.queue.mine:  # 0: our key went with our lease
                 self._check_slots(request, turn.queue)
                 if turn.queue.ahead < request.slots:
                     slot = self.claim_slot(prefix, lease_id, request.slots)
-                    fence = turn.queue.mine
-                    return EtcdLease(self, lease_id, slot, fence, turn.kept, ttl, request.ttl)
+                    lease = EtcdLease(
+                        self, lease_id, slot, turn.queue.mine, turn.kept, ttl, request.ttl
+                    )
+                    if waited:  # `status` should date the holder from now, not from its wait
+                        granted = request.holder._replace(since=time.time())
+                        lease.rewrite = (key, _record(request, lease_id, granted))
+                    return lease
+                waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None:
                     return None
@@ -318,6 +317,13 @@ class EtcdBackend:
         result = answer.get("result")
         return number(result, "TTL") > 0
 
+    def rewrite(self, key: bytes, record: str, lease_id: int) -> None:
+        """Put *record* in our queue key *key*, if it is still there (best effort)."""
+        there = {"target": "LEASE", "key": b64(key), "lease": str(lease_id), "result": "EQUAL"}
+        put = {"request_put": {"key": b64(key), "value": b64(record), "lease": str(lease_id)}}
+        with contextlib.suppress(BackendUnavailable):
+            self.call("/v3/kv/txn", {"compare": [there], "success": [put]})
+
     def revoke(self, lease_id: int) -> bool:
         """Revoke lease *lease_id*, deleting its keys; whether the server heard it (best effort)."""
         try:
@@ -386,6 +392,19 @@ class EtcdBackend:
         self.gateway.close()
 
 
+def _record(request: Request, lease_id: int, holder: Holder) -> str:
+    """Return the value of our queue key: who we are, and the N we ask for (an `Identity`)."""
+    return write_json(
+        {
+            "token": f"{lease_id:016x}",
+            "namespace": request.namespace,
+            "name": request.name,
+            "slots": request.slots,
+            "holder": holder.to_dict(),
+        }
+    )
+
+
 def _lease(token: str) -> int:
     """Return the lease ID a record's token names (16 hex digits); 0 if it names none."""
     try:
@@ -431,6 +450,9 @@ class EtcdLease:
         self.confirmed = kept
         self.ttl: float | None = min(ttl, server_ttl)
         self.released = False
+        # Our queue key and the record to put there at the first refresh: the grant of a
+        # waiter dates it (`status`), off the hand-over's path.
+        self.rewrite: tuple[bytes, str] | None = None
 
     def refresh(self) -> None:
         """Keep the lease alive for another TTL; `LeaseLost` if etcd no longer has it."""
@@ -438,6 +460,10 @@ class EtcdLease:
         if not self.backend.keep_alive(self.lease_id):
             raise LeaseLost(_GONE)
         self.confirmed = sent
+        if self.rewrite is not None:
+            key, record = self.rewrite
+            self.rewrite = None
+            self.backend.rewrite(key, record, self.lease_id)
 
     @property
     def orphan(self) -> bytes:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bench import api, core, modes
-from bench.core import ETCD, SERVED, Bench, Broken, Effort, Processes
+from bench.core import ETCDCTL_LOCK, SERVED, Bench, Broken, Effort, Processes
 from bench.measure import (
     API_TARGETS,
     CONTENDING,
@@ -79,6 +79,7 @@ class ApiColumn:
     median: float | None = None  # µs, acquire+release in one process
     rate: float | None = None  # cycles per s, CONTENDING processes together
     fairness: float | None = None  # the fewest cycles of one process over the most
+    waits: bool = True  # False: it cannot wait for a held lock, so it has no rate nor fairness
 
 
 @dataclass
@@ -97,21 +98,21 @@ class Table:
     skipped: str = ""
 
     def column(self, kind: str) -> Column:
-        if kind == ETCD and self.etcd is not None:
+        if kind == ETCDCTL_LOCK and self.etcd is not None:
             return self.etcd
         return self.flock if kind == "flock" else self.lockrun
 
     @property
     def kinds(self) -> list[str]:
         """The tools of the CLI columns: lockrun's backend, flock(1), maybe `etcdctl lock`."""
-        return [self.backend, "flock", *([ETCD] if self.etcd else [])]
+        return [self.backend, "flock", *([ETCDCTL_LOCK] if self.etcd else [])]
 
 
 def measure(bench: Bench, backend: str, effort: Effort) -> Table:
     """Measure *backend* and flock(1) side by side, with the backend's server if it needs one.
 
     A server backend is measured beside `etcdctl lock` too, on a throwaway etcd that runs
-    throughout (idle, it costs a few ms of CPU per s).
+    throughout (idle, it costs a few ms of CPU per s); the etcd backend on its own etcd.
     """
     table = Table(backend)
     try:
@@ -153,7 +154,7 @@ def startup(bench: Bench, table: Table, effort: Effort) -> None:
 def handoff(bench: Bench, table: Table, effort: Effort) -> None:
     """Time handoffs of the backend, flock(1) (…), interleaved; a broken one stays empty."""
     labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
-    labels |= {ETCD: "etcdctl lock"} if table.etcd else {}
+    labels |= {ETCDCTL_LOCK: "etcdctl lock"} if table.etcd else {}
     results, broken = handoff_trials(bench, labels, effort.handoff_trials)
     for kind in labels.keys() - broken:
         table.column(kind).handoff = results[kind]
@@ -201,15 +202,19 @@ def contend(bench: Bench, table: Table, effort: Effort) -> None:
 
 
 def python_api(bench: Bench, table: Table, effort: Effort) -> None:  # noqa: ARG001 - a step
-    """Measure lockrun.Lock beside the peer `python -m bench` targets, with the plan's effort."""
+    """Measure lockrun.Lock beside the peer `python -m bench` targets, with the plan's effort.
+
+    A peer that cannot wait (etcd3gw's Lock) has no contention figures.
+    """
     peer = API_TARGETS[table.backend][0]
     entries = [Entry(api.LOCKRUN, table.backend), Entry(peer, table.backend)]
-    table.api, table.peer = (ApiColumn(), ApiColumn()), peer.label
+    table.api, table.peer = (ApiColumn(), ApiColumn(waits=peer.waits)), peer.label
     if importlib.util.find_spec(peer.module) is None:
         table.peer += " (not installed)"
         entries.pop()
     times = api_latencies(bench, entries, bench.plan.api)
-    found = api_contention(bench, entries, bench.plan.api)
+    waiting = [entry for entry in entries if entry.contender.waits]
+    found = api_contention(bench, waiting, bench.plan.api)
     for entry, column in zip(entries, table.api, strict=False):
         if entry.label in times:
             column.median = statistics.median(times[entry.label])
@@ -283,8 +288,9 @@ def api_lines(tables: Sequence[Table]) -> list[str]:
     ]
     for table in measured:
         both = table.api or ()
-        cells = [cell(c.median, ".1f") for c in both] + [cell(c.rate, ".0f") for c in both]
-        cells += [cell(c.fairness) for c in both]
+        cells = [cell(c.median, ".1f") for c in both]
+        cells += [cell(c.rate, ".0f") if c.waits else "—" for c in both]
+        cells += [cell(c.fairness) if c.waits else "—" for c in both]
         lines.append(f"| {table.backend} | {table.peer} | {' | '.join(cells)} |")
     return [*lines, ""]
 

@@ -167,13 +167,17 @@ def v3lock(uri: str, name: str, _: Path) -> Callable[[], None]:
     lockrun acquire and an `etcdctl lock` run make, the lease that frees a dead holder's lock.
     """
     import http.client  # noqa: PLC0415 - each contender imports only its own library
+    import socket  # noqa: PLC0415
 
     parts = urlsplit(uri)
     connection = http.client.HTTPConnection(parts.hostname or "", parts.port or 2379)
+    connection.connect()
+    # As lockrun's: http.client writes a body apart from its headers, which Nagle would hold.
+    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     key = base64.b64encode(name.encode()).decode()
 
     def call(path: str, body: dict[str, object]) -> dict[str, Any]:
-        connection.request("POST", path, json.dumps(body).encode())  # one write, as lockrun's
+        connection.request("POST", path, json.dumps(body).encode())
         answer = connection.getresponse()
         found: dict[str, Any] = json.loads(answer.read())
         if answer.status != http.client.OK:

@@ -68,16 +68,18 @@ SLOTS: Final = (1, 3)
 # Each floor connects the cheapest way that does what lockrun's connection does: PyMySQL's
 # default connect loads the system's CA store for a TLS it offers (≈20 ms) that lockrun,
 # asked for no TLS, skips, so the floor skips it too. etcd's driver is the standard library's,
-# as lockrun's (docs/design.md A13): one POST of a range read on a kept-alive HTTP/1.1
-# connection, sent in one write, its JSON answer read.
+# as lockrun's (docs/design.md A13): one POST of a range read over HTTP/1.1, its JSON answer
+# read; TCP_NODELAY set, as lockrun sets it, so that Nagle never holds the body (http.client
+# writes it apart from the headers).
 DRIVERS: Final = {
     "redis": "redis",
     "mysql": "pymysql",
     "postgres": "psycopg",
-    ETCD: "http.client, json, base64",
+    ETCD: "http.client, json, base64, socket",
 }
 ETCD_FLOOR: Final = (
-    "c = http.client.HTTPConnection({host!r}, {port}); "
+    "c = http.client.HTTPConnection({host!r}, {port}); c.connect(); "
+    "c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); "
     "c.request('POST', '/v3/kv/range', json.dumps({{'key': base64.b64encode(b'floor').decode()}})"
     ".encode()); json.loads(c.getresponse().read())"
 )

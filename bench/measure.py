@@ -391,6 +391,7 @@ def idle(bench: Bench, group: Group) -> None:
     """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3."""
     waiters, window = group.effort.idle_waiters, group.effort.idle_window
     group.heading(2, f"idle waiters: {waiters} waiters (-w forever) on a held lock, {window:.0f} s")
+    alone = server_alone(bench, group, window)
     for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
         if (result := idle_case(bench, kind, slots, waiters, window)) is None:
             continue
@@ -409,9 +410,12 @@ def idle(bench: Bench, group: Group) -> None:
         core.idle_row(f"{what}: {program}", load, window)
         # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client is
         # still there, and so does PostgreSQL with the client_connection_check_interval lockrun
-        # sets (14+): their cost grows with the queue.
-        each = f"{load.run * 1000 / waiters / window:.3f} ms CPU/s, "
-        row(f"{what}: {program}/waiter", f"{each}{load.switches / waiters / window:.2f} wakeups/s")
+        # sets (14+): their cost grows with the queue. What the server spends alone is not the
+        # waiters' (etcd: raft's ticks, its Go runtime).
+        added = load - alone if alone is not None else load
+        each = f"{max(added.run, 0.0) * 1000 / waiters / window:.3f} ms CPU/s, "
+        each += f"{max(added.switches, 0) / waiters / window:.2f} wakeups/s"
+        row(f"{what}: {program}/waiter", each + (" above alone" if alone is not None else ""))
         theirs, expected = result.connected - slots, bench.servers[kind].sessions(waiters, slots)
         holders = "1 holder" if slots == 1 else f"{slots} holders"
         numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
@@ -425,6 +429,22 @@ def idle(bench: Bench, group: Group) -> None:
             f"{what}: drain",
             f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left",
         )
+
+
+def server_alone(bench: Bench, group: Group, window: float) -> Usage | None:
+    """Measure *group*'s server with no client over *window*, for reference; None: no server."""
+    if (server := bench.server_of(group.backends[0])) is None:
+        return None
+    try:
+        before = server.usage()
+        time.sleep(window)
+        alone = server.usage() - before
+    except (OSError, ValueError, IndexError) as err:  # /proc: the server ended
+        bench.broke(f"{server.program} alone", Broken(str(err)))
+        return None
+    numbers = f"{alone.cpu:5.3f} s CPU ({alone.run * 1000:.1f} ms exact), {alone.switches} wakeups"
+    row(f"{server.program} alone, no client", numbers)
+    return alone
 
 
 def fifo_scenario(bench: Bench, kind: str, slots: int, hold: float) -> tuple[list[int], list[int]]:

@@ -388,7 +388,10 @@ def idle_case(
 
 
 def idle(bench: Bench, group: Group) -> None:
-    """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3."""
+    """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3.
+
+    On etcd, `etcdctl lock`'s waiters too, on the same server, for reference.
+    """
     waiters, window = group.effort.idle_waiters, group.effort.idle_window
     group.heading(2, f"idle waiters: {waiters} waiters (-w forever) on a held lock, {window:.0f} s")
     alone = server_alone(bench, group, window)
@@ -429,6 +432,26 @@ def idle(bench: Bench, group: Group) -> None:
             f"{what}: drain",
             f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left",
         )
+    if ETCD in group.backends:
+        etcdctl_idle(bench, waiters, window, alone)
+
+
+def etcdctl_idle(bench: Bench, waiters: int, window: float, alone: Usage | None) -> None:
+    """Measure `etcdctl lock` waiters on the etcd group's etcd, for reference beside lockrun's.
+
+    Each keeps its session's lease alive on a gRPC stream (every 20 s at etcdctl's 60 s TTL).
+    """
+    if (result := idle_case(bench, ETCDCTL_LOCK, 1, waiters, window)) is None:
+        return
+    usage, load = result.usage, result.server or Usage(0.0, 0.0, 0)
+    numbers = f"{usage.cpu:5.3f} s CPU ({usage.run * 1000:.1f} ms exact), {usage.switches} wakeups"
+    row("etcdctl lock: waiters", numbers)
+    row("etcdctl lock: memory", f"{result.pss / waiters:5.1f} MiB PSS per waiter")
+    added = load - alone if alone is not None else load
+    each = f"{max(added.run, 0.0) * 1000 / waiters / window:.3f} ms CPU/s, "
+    each += f"{max(added.switches, 0) / waiters / window:.2f} wakeups/s"
+    row("etcdctl lock: etcd", f"{load.cpu:5.3f} s CPU ({load.run * 1000:.1f} ms exact)")
+    row("etcdctl lock: etcd/waiter", each + (" above alone" if alone is not None else ""))
 
 
 def server_alone(bench: Bench, group: Group, window: float) -> Usage | None:

@@ -129,3 +129,24 @@ def test_a_uri_without_the_servers_port_is_broken_not_left_direct() -> None:
     """A URI the proxy cannot be put into is a bench problem: the cut would cut nothing."""
     with pytest.raises(Broken, match="no port 2379"):
         through("etcd://127.0.0.1:23790", 2379, 9)
+
+
+@pytest.mark.slow  # an etcd, three lockruns
+@pytest.mark.timeout(120)
+def test_etcd_counts_each_lockrun_waiters_call_and_watch_connections(bench: Bench) -> None:
+    """Two queued waiters: 2 connections each (calls, watch) beside the holder's 1; 2 watches.
+
+    etcd's gateway speaks to etcd over a connection of its own, which is no client's.
+    """
+    with serving(bench, ETCD) as server:
+        assert isinstance(server, Etcd)
+        assert server.clients() == (0, 0)
+        scenario = bench.scenario_dir("connections")
+        target = bench.target(ETCD, scenario)
+        with Processes(scenario) as procs:
+            go = bench.start_holders(procs, target, 1, core.IDLE_POLL)
+            waiters = [procs.spawn(target.argv("true", wait=True)) for _ in range(2)]
+            bench.wait_queued(procs, target, waiters)
+            assert server.clients() == (1 + server.sessions(2, 1), 2)
+            go.touch()
+            procs.finish(30.0)

@@ -551,3 +551,59 @@ def test_status_dates_a_waiter_that_was_granted_from_its_grant(
     wait_for(dated, what="the record rewritten at the first refresh (ttl/3)")
     queued.terminate()
     queued.communicate(timeout=30)
+
+
+def handled(server: EtcdServer, *methods: str) -> int:
+    """Return how many requests of *methods* the server answered (its /metrics), all codes."""
+    with urllib.request.urlopen(f"{server.uri}/metrics", timeout=10) as answer:  # noqa: S310
+        text = answer.read().decode()
+    total = 0
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{") and any(
+            f'grpc_method="{method}"' in line for method in methods
+        ):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_the_next_in_line_starts_on_the_holders_deletion_without_asking_again(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """One slot: the waiter right behind the holder is the head once the holder's key goes."""
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "60")
+    ran = tmp_path / "ran"
+    waiter = start(
+        "--uri", uri, "--name", name, "--ttl", "60", "-w", "60",
+        "--", "sh", "-c", f": > {ran}; sleep 30",
+    )  # fmt: skip
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    time.sleep(0.5)  # its watch is made after its look
+    asked = handled(etcd, "Txn", "Range")
+    held.go.touch()
+    wait_for(ran.exists, what="the waiter's command")
+    assert handled(etcd, "Txn", "Range") == asked  # the holder revokes; the waiter asks nothing
+    held.process.communicate(timeout=30)
+    assert held.process.returncode == 0
+    waiter.terminate()
+    waiter.communicate(timeout=30)
+
+
+def test_a_waiter_behind_one_that_left_asks_before_it_runs(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """Holder A, waiters B then C: B gives up; C (watching B) must see A still there."""
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "60")
+    second = start("--uri", uri, "--name", name, "-w", "2", "--", "true")
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="B's key")
+    ran = tmp_path / "ran"
+    third = start("--uri", uri, "--name", name, "-w", "60", "--", "sh", "-c", f": > {ran}")
+    wait_for(lambda: len(keys_of(etcd, name)) == 3, what="C's key")
+    assert finish(second) == 75  # B gave up: its key went, and C's watch fired
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="B's key gone")
+    time.sleep(1)  # C had its chance to run wrongly
+    assert not ran.exists()
+    assert held.finish() == 0
+    assert finish(third) == 0
+    assert ran.exists()

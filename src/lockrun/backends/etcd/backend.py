@@ -34,6 +34,7 @@ from lockrun.backends.etcd.queue import (
     slots_held,
 )
 from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost
+from lockrun.lease_clock import MARGIN
 from lockrun.names import key_part
 from lockrun.timing import RECONNECT_INTERVAL, now
 
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 PREFIX: Final = "lockrun"
 _MAX_LISTED: Final = 10_000  # queue keys a status reads of one lock, or of a namespace
 _NOT_FOUND: Final = 5  # gRPC's NotFound: "requested lease not found"
+# Of a lease's ttl since its last keep-alive was sent, how much it surely still runs on the
+# server (A10's deadline: the rest is the reserve against drift and scheduling).
+_SURE: Final = 1 - MARGIN
 _GONE: Final = (
     "its etcd lease is gone: it expired (nobody kept it alive within its --ttl), was "
     "revoked, or etcd lost it"
@@ -162,7 +166,7 @@ class EtcdBackend:
                 if pause is None:
                     return None
                 try:
-                    if not self._wait(turn, prefix, key, lease_id, request.slots, pause):
+                    if not self._wait(turn, prefix, key, lease_id, request, pause):
                         return False
                 except Outage as err:
                     self.ride_out(err, request.ttl, deadline)
@@ -174,12 +178,21 @@ class EtcdBackend:
             turn.close()
 
     def _wait(
-        self, turn: Turn, prefix: bytes, key: bytes, lease_id: int, slots: int, pause: float
+        self,
+        turn: Turn,
+        prefix: bytes,
+        key: bytes,
+        lease_id: int,
+        request: Request,
+        pause: float,
     ) -> bool:
         """Keep our lease alive if it is due, else watch for up to *pause* s and look again.
 
-        False: our lease is gone.
+        False: our lease is gone. A one-slot waiter next in line whose watched key (the
+        holder's) went is the head without a look: no key can be created before ours, and
+        ours is there while our lease surely is (A10's deadline; A13, the hand-over).
         """
+        slots = request.slots
         if turn.stale:
             turn.queue, turn.stale = self.look(prefix, key, slots), False
             return True
@@ -190,10 +203,17 @@ class EtcdBackend:
             return alive
         if turn.watch is None or not turn.watch.open:
             turn.watch = self.watch(prefix, turn.queue, slots)
-        if turn.watch is None or turn.watch.moved(pause):
+        moved = "changed" if turn.watch is None else turn.watch.moved(pause)
+        if (
+            moved == "deleted"
+            and turn.queue.next_in_line()
+            and now() < turn.kept + _SURE * request.ttl
+        ):
+            turn.queue = turn.queue.head()
+        elif moved:
             turn.queue = self.look(prefix, key, slots)
-            if slots == 1:
-                turn.close()  # another key may be just before ours now
+        if moved and slots == 1:
+            turn.close()  # another key may be just before ours now
         return True
 
     def ride_out(self, err: Outage, ttl: float, deadline: float | None) -> None:
@@ -254,11 +274,12 @@ class EtcdBackend:
         """
         answer = self.call("/v3/kv/txn", look_body(prefix, key, slots, put))
         try:
-            revision, created, ahead, owner = read_look(answer)
+            queue = read_look(answer)
         except ValueError:
             raise self.malformed(what="a transaction") from None
-        before = self.just_before(prefix, created) if created and ahead and slots == 1 else b""
-        return Queue(revision, created, ahead, before, owner)
+        if queue.mine and queue.ahead and slots == 1:
+            queue = queue._replace(before=self.just_before(prefix, queue.mine))
+        return queue
 
     def just_before(self, prefix: bytes, created: int) -> bytes:
         """Return the queue key created last before revision *created* (b"" if none)."""

@@ -15,7 +15,7 @@ import http.client
 import json
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from lockrun.errors import BackendUnavailable
 from lockrun.uri import scrub
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
     from lockrun.backends.etcd.uri import TLS, Settings
 
+# What a watch saw (`Watch.moved`): a deletion, something else that calls for a look, nothing.
+Moved = Literal["deleted", "changed", ""]
 MAX_REPLY: Final = 4 << 20  # bytes of one answer: a status of 1000 waiters' records fits
 MAX_LINE: Final = 1 << 20  # bytes of one message of a watch's stream
 # gRPC's status codes the gateway passes on (google.golang.org/grpc/codes).
@@ -108,7 +110,10 @@ class _Connection(http.client.HTTPConnection):
         self.deadline: float | None = None
 
     def connect(self) -> None:
-        """Connect within the timeout, with TCP_NODELAY: every request is one small write."""
+        """Connect within the timeout, with TCP_NODELAY: every request is one small write.
+
+        http.client sends a body of bytes in the same write as the headers (a str apart).
+        """
         host, port = self.host, self.port
         error: OSError = OSError(f"{host}: no address")
         for family, kind, proto, _, address in socket.getaddrinfo(
@@ -235,7 +240,7 @@ class Gateway:
             headers["Authorization"] = self._token
         try:
             link.within(self.timeout)
-            link.request("POST", path, json.dumps(body), headers)
+            link.request("POST", path, json.dumps(body).encode(), headers)  # bytes: one write
             answer = link.getresponse()
             data = answer.read(MAX_REPLY + 1)
             status = answer.status
@@ -307,7 +312,8 @@ class Watch:
             headers["Authorization"] = self.gateway._token  # noqa: SLF001
         try:
             self.link.within(self.gateway.timeout)
-            self.link.request("POST", "/v3/watch", json.dumps({"create_request": request}), headers)
+            body = json.dumps({"create_request": request}).encode()  # bytes: one write
+            self.link.request("POST", "/v3/watch", body, headers)
             self.answer = self.link.getresponse()
         except (OSError, http.client.HTTPException) as err:
             self.close()
@@ -320,33 +326,35 @@ class Watch:
             self.gateway._decode(self.answer.status, data)  # noqa: SLF001 - raises
             raise Unreachable(f"HTTP {self.answer.status} to a watch")
 
-    def moved(self, seconds: float) -> bool:
-        """Wait up to *seconds* for a deletion (or the watch's end); return whether one came.
+    def moved(self, seconds: float) -> Moved:
+        """Wait up to *seconds* for a deletion or the watch's end; say which came.
 
-        False: nothing within *seconds*; the watch is closed (its stream may be cut
-        mid-message), so the caller watches again from the same revision. A stream that
-        ends or breaks is True, after a tenth of a second (or *seconds*, if less): look
-        again, but never in a loop as fast as a broken server can hang up.
+        "deleted": a key of the range went. "changed": the watch ended (a compaction, the
+        server's end, a broken stream, after a tenth of a second or *seconds* if less, never
+        in a loop as fast as a broken server can hang up): look again. "": nothing within
+        *seconds*; the watch is closed (its stream may be cut mid-message), so the caller
+        watches again from the same revision.
         """
         try:
             self.link.within(max(seconds, 0.0))
-            while not self._deleted():
+            while not (said := self._said()):
                 pass
         except TimeoutError:
             self.close()
-            return False
+            return ""
         except (OSError, http.client.HTTPException):
             self.close()
             time.sleep(min(seconds, _PACE))
+            return "changed"
         finally:
             self.link.within(None)
-        return True
+        return said
 
-    def _deleted(self) -> bool:
-        """Read one message: True for a deletion or a watch the server ended (compacted).
+    def _said(self) -> Moved:
+        """Read one message: "deleted" for a deletion, "changed" for a cancel (compacted).
 
-        False for any other (created, progress). `ConnectionError` when the stream ended,
-        sent an error, or a message longer than `MAX_LINE`.
+        "" for any other (created, progress). `ConnectionError` when the stream ended, sent
+        an error, or a message longer than `MAX_LINE`.
         """
         assert self.answer is not None  # noqa: S101 - `start` made it
         line = self.answer.readline(MAX_LINE + 1)
@@ -355,7 +363,14 @@ class Watch:
             msg = "the watch ended"
             raise ConnectionError(msg)
         result = message.get("result")
-        return isinstance(result, dict) and bool(result.get("events") or result.get("canceled"))
+        if not isinstance(result, dict):
+            return ""
+        events = result.get("events")
+        if isinstance(events, list) and any(
+            isinstance(event, dict) and event.get("type") == "DELETE" for event in events
+        ):
+            return "deleted"
+        return "changed" if events or result.get("canceled") else ""
 
     def cut(self) -> None:
         """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""

@@ -24,6 +24,15 @@ class Queue(NamedTuple):
     ahead: int  # keys created before ours, of the first N (so we hold a slot when < N)
     before: bytes  # the key just before ours (b"" if none): what a one-slot waiter watches
     owner: Identity | None  # the oldest key's record, where it is one of ours
+    oldest: bytes = b""  # the oldest key (the holder of one slot)
+
+    def next_in_line(self) -> bool:
+        """Whether only the key we watch is ahead of ours, and it holds the one slot."""
+        return self.ahead == 1 and bool(self.before) and self.before == self.oldest
+
+    def head(self) -> Queue:
+        """Return this queue once the key ahead of ours went: ours is the oldest."""
+        return self._replace(ahead=0, before=b"", owner=None, oldest=b"")
 
 
 class Turn:
@@ -75,18 +84,18 @@ def look_body(prefix: bytes, key: bytes, slots: int, put: tuple[str, int] | None
     return {"compare": [never], "success": [{"request_put": value}, *reads], "failure": reads}
 
 
-def read_look(answer: dict[str, Any]) -> tuple[int, int, int, Identity | None]:
-    """Decode `look_body`'s answer: (revision, our create revision, keys ahead, oldest's record).
+def read_look(answer: dict[str, Any]) -> Queue:
+    """Decode `look_body`'s answer (no `before` yet: `EtcdBackend.look` asks for it).
 
     `ValueError` for an answer that is not one etcd gives to that transaction.
     """
     heads, oldest, ours = ranges_of(answer, 3)
     created = number(ours[0], "create_revision") if ours else 0
     ahead = sum(1 for kv in heads if 0 < number(kv, "create_revision") < created)
-    owner = (
-        read_identity(unb64(oldest[0].get("value")).decode(errors="replace")) if oldest else None
-    )
-    return number(answer.get("header"), "revision"), created, ahead, owner
+    value = unb64(oldest[0].get("value")).decode(errors="replace") if oldest else ""
+    first = unb64(oldest[0].get("key")) if oldest else b""
+    revision = number(answer.get("header"), "revision")
+    return Queue(revision, created, ahead, b"", read_identity(value) if value else None, first)
 
 
 def ranges_of(answer: dict[str, Any], count: int) -> list[list[dict[str, Any]]]:

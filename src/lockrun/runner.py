@@ -51,7 +51,7 @@ from lockrun.hold import (
 )
 from lockrun.lock import DEFAULT_NAMESPACE
 from lockrun.names import check_name, default_name
-from lockrun.supervise import FORWARDED, Limits, supervise
+from lockrun.supervise import FORWARDED, Limits, find_program, supervise
 from lockrun.timing import DEFAULT_TTL, now
 from lockrun.uri import DEFAULT_URI, redact
 
@@ -203,6 +203,7 @@ def _hold_and_run(
 ) -> int:
     started = now()
     environment = base_environment(request)  # before the wait: off the hand-over's path
+    program = find_program(argv[0]) if argv else None  # and the PATH search
     lease = take(backend, request, options.wait, report)
     # From here on the signals of FORWARDED belong to the command: supervise() forwards them
     # while it runs, and one that comes after it ended must not rewrite its exit status. One
@@ -241,6 +242,7 @@ def _hold_and_run(
                 guardian=guardian,
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
+                program=program,
             )
     except (
         CommandNotFound,

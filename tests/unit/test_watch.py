@@ -113,12 +113,12 @@ def watched(
     *,
     forward: frozenset[int] = FORWARDED,
     log: Callable[[str], None] = lambda _line: None,
+    program: str | None = None,
 ) -> int:
     """Run *argv* under *lease* as lockrun would, and return its status."""
+    limits = limits or Limits(0.05, kill_after=30.0)
     with nudged():
-        return supervise(
-            argv, lease, limits or Limits(0.05, kill_after=30.0), env=ENV, forward=forward, log=log
-        )
+        return supervise(argv, lease, limits, env=ENV, forward=forward, log=log, program=program)
 
 
 def gone(pid: int) -> bool:
@@ -518,3 +518,52 @@ def test_a_sigchld_another_thread_took_does_not_leave_the_command_unreaped(
     finally:
         stop.set()
         other.join()
+
+
+def test_find_program_finds_what_a_path_search_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first executable regular file of that name in PATH; None where the spawn must search."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "tool").write_text("#!/bin/sh\n")  # not executable: passed over, as execvp does
+    (first / "dir-named-tool").mkdir()
+    (second / "tool").write_text("#!/bin/sh\nexit 3\n")
+    (second / "tool").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{first}:{second}")
+    assert supervise_module.find_program("tool") == str(second / "tool")
+    assert supervise_module.find_program("dir-named-tool") is None
+    assert supervise_module.find_program("missing") is None
+    assert supervise_module.find_program("./tool") is None  # a slash: no search at all
+    assert supervise_module.find_program("") is None
+    monkeypatch.setenv("PATH", f"{first}::{second}")  # an empty entry: the working directory
+    assert supervise_module.find_program("tool") is None
+    monkeypatch.setenv("PATH", f"relative:{second}")
+    assert supervise_module.find_program("tool") is None
+
+
+def test_a_program_found_before_the_wait_and_moved_since_is_searched_for_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup before the wait only saves the spawn's search: a file moved is found again.
+
+    One that stopped being executable is 126, as without the lookup.
+    """
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    ran = tmp_path / "ran"
+    (first / "tool").write_text(f"#!/bin/sh\n: > {ran}\n")
+    (first / "tool").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{first}:{second}")
+    found = supervise_module.find_program("tool")
+    assert found == str(first / "tool")
+    (first / "tool").rename(second / "tool")  # a deploy moved it while we waited
+    with nudged():
+        assert supervise(["tool"], Lease(fine), Limits(0.05), env=ENV, program=found) == 0
+    assert ran.exists()
+    (second / "tool").rename(first / "tool")
+    (first / "tool").chmod(0o644)
+    with pytest.raises(CommandNotExecutable, match="tool: cannot execute"):
+        watched(["tool"], Lease(fine), program=found)

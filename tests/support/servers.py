@@ -1,10 +1,11 @@
-"""Throwaway database servers for the backend tests (docs/design.md C9), and the bench's etcd.
+"""Throwaway lock servers for the backend tests (docs/design.md C9) and the bench: etcd too.
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
-only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
-``LOCKRUN_TEST_MYSQL_URL`` and ``LOCKRUN_TEST_POSTGRES_URL`` point the tests at existing
-servers instead. A missing server binary skips the backend's tests with the reason, except
-under ``CI=true``, where it fails them (docs/development.md "Quality bars").
+only: no ports to collide with the machine's own services (etcd, on loopback TCP only).
+``LOCKRUN_TEST_REDIS_URL``, ``LOCKRUN_TEST_MYSQL_URL``, ``LOCKRUN_TEST_POSTGRES_URL`` and
+``LOCKRUN_TEST_ETCD_URL`` point the tests at existing servers instead. A missing server
+binary skips the backend's tests with the reason, except under ``CI=true``, where it fails
+them (docs/development.md "Quality bars").
 """
 
 from __future__ import annotations

@@ -206,6 +206,11 @@ def test_auth_keeps_lockruns_user_to_its_prefix_and_refuses_a_wrong_password(
     refused = etcdctl(endpoint, *user, "put", "elsewhere", "1", check=False)
     assert refused.returncode != 0
     assert "permission denied" in refused.stderr
+    etcd_server.add_user("nobody", "pw-nobody", prefix=None)  # as root, auth on
+    nobody = ("--user", "nobody:pw-nobody")
+    assert (
+        "permission denied" in etcdctl(endpoint, *nobody, "get", "lockrun/mine", check=False).stderr
+    )
     with pytest.raises(EtcdError, match="authentication failed"):
         gateway(etcd_server.uri, "/v3/auth/authenticate", {"name": ETCD_USER, "password": "wrong"})
     with pytest.raises(EtcdError):  # no token at all

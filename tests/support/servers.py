@@ -606,16 +606,22 @@ class EtcdServer(_Server):
 
     def enable_auth(self) -> None:
         """Make root and lockrun's user (readwrite on ``lockrun/`` only) and turn auth on."""
-        for args in (
-            ("user", "add", f"root:{ETCD_ROOT_PASSWORD}"),
-            ("user", "add", f"{ETCD_USER}:{ETCD_PASSWORD}"),
-            ("role", "add", ETCD_USER),
-            ("role", "grant-permission", ETCD_USER, "--prefix=true", "readwrite", ETCD_PREFIX),
-            ("user", "grant-role", ETCD_USER, ETCD_USER),
-            ("auth", "enable"),
-        ):
-            self.etcdctl(*args)
+        self.etcdctl("user", "add", f"root:{ETCD_ROOT_PASSWORD}")
+        self.add_user(ETCD_USER, ETCD_PASSWORD)
+        self.etcdctl("auth", "enable")
         self.password = ETCD_ROOT_PASSWORD
+
+    def add_user(self, user: str, password: str, prefix: str | None = ETCD_PREFIX) -> None:
+        """Add *user* with a role of its own name: readwrite on keys under *prefix*, if any.
+
+        Before or after `enable_auth` (as root then). With no *prefix* the user may log in
+        and do nothing: no key is its to read or write.
+        """
+        self.etcdctl("user", "add", f"{user}:{password}")
+        if prefix is not None:
+            self.etcdctl("role", "add", user)
+            self.etcdctl("role", "grant-permission", user, "--prefix=true", "readwrite", prefix)
+            self.etcdctl("user", "grant-role", user, user)
 
 
 class EtcdError(Exception):

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 MAX_NAME_BYTES: Final = 255
 _PLAIN: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+# What a server's key may not hold of a name as written: the separator of its parts (/),
+# Redis's hash tag ({}), a pattern's wildcards (* ? [ ] and backslash), blanks, control
+# characters, and % itself.
+_KEY_UNSAFE: Final = r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]"
 
 
 def check_name(name: object, what: str = "lock name") -> str:
@@ -54,3 +58,14 @@ def escape(text: str) -> str:
 def unescape(text: str) -> str:
     """Invert `escape`."""
     return unquote(text)
+
+
+def key_part(text: str) -> str:
+    """Percent-escape what would split a server's key (`_KEY_UNSAFE`); the rest stays readable.
+
+    Redis (``lockrun:{NS/NAME}:…``) and etcd (``lockrun/NS/NAME/…``) keys, readable in
+    redis-cli and etcdctl, UTF-8 included.
+    """
+    import re  # noqa: PLC0415 - the server backends' alone
+
+    return re.sub(_KEY_UNSAFE, lambda match: f"%{ord(match[0]):02X}", text)

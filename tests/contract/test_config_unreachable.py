@@ -56,8 +56,9 @@ class Reach(NamedTuple):
 
     # The URI of user app (password SECRET) at HOST:PORT.
     tcp: Callable[[str], str]
-    # A URI to a socket in a directory where there is none, and what the line names.
-    socket: Callable[[Path], tuple[str, str]]
+    # A URI to a socket in a directory where there is none, and what the line names; None
+    # where the backend reaches its server on TCP alone (etcd).
+    socket: Callable[[Path], tuple[str, str]] | None
     # What the line says of a host that does not resolve.
     no_host: str
     # The connect and answer timeout at --ttl SHORT_TTL.
@@ -90,6 +91,12 @@ REACH: Final = {
         timeout=max(
             2, math.ceil(timeout_for(float(SHORT_TTL), durable=True))
         ),  # libpq's least is 2 s
+    ),
+    "etcd": Reach(
+        tcp=lambda where: f"etcd://app:{SECRET}@{where}",
+        socket=None,
+        no_host="nonexistent.invalid",
+        timeout=timeout_for(float(SHORT_TTL)),
     ),
 }
 # The ways to run into the server: a run, a verbose wait (whose first call asks who holds
@@ -171,8 +178,9 @@ def test_a_missing_socket_or_host_exits_69(
     reach: Reach, how: str, tmp_path: Path, name: str
 ) -> None:
     """A unix socket that does not exist and a host that does not resolve: 69, one line."""
-    uri, needle = reach.socket(tmp_path)
-    check_unavailable(how, uri, name, re.escape(needle))
+    if reach.socket is not None:
+        uri, needle = reach.socket(tmp_path)
+        check_unavailable(how, uri, name, re.escape(needle))
     uri = reach.tcp("nonexistent.invalid")
     check_unavailable(how, uri, name, re.escape(reach.no_host))
 

@@ -80,6 +80,8 @@ def _told(err: BaseException) -> list[str]:
 @settings(max_examples=60)
 @example(name="conninfo", secret="QQQQ hunter2")  # noqa: S106
 @example(name="postgresql: user:password, no @host", secret="QQQQ")  # noqa: S106
+# redis-py quoted the socket path "u:JJJJ@/…" that urlsplit made of it (a relative path)
+@example(name="unix: user:password, no //, then @host", secret="JJJJ")  # noqa: S106
 def test_the_api_says_nothing_of_a_secret(name: str, secret: str) -> None:
     """Lock(): its repr(), and any exception from it or acquire(), with causes, hide the secret."""
     uri = spell(SPELLINGS[name], secret)

@@ -10,7 +10,6 @@ is read by one decoder of `lockrun.backends.redis.replies`.
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any, Final, Generic, NamedTuple, TypeVar
@@ -28,6 +27,7 @@ from lockrun.backends.redis.replies import (
     decode_woken,
 )
 from lockrun.bounds import MAX_SLOTS, MAX_WAIT
+from lockrun.names import key_part
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PREFIX: Final = "lockrun"
-_KEY_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 # KEYS, in the order the prelude unpacks them (lua/prelude.lua)
 _KEYS: Final = (
     *("holders", "queue", "waiters", "ticket", "fence", "owners", "info", "n", "clients", "stop"),
@@ -97,16 +96,12 @@ def key_prefix(namespace: str, name: str) -> str:
     Bytes that would split the hash tag, the namespace from the name, or a SCAN pattern are
     percent-escaped; everything else (UTF-8 included) stays readable in redis-cli.
     """
-    return f"{PREFIX}:{{{_escape(namespace)}/{_escape(name)}}}"
+    return f"{PREFIX}:{{{key_part(namespace)}/{key_part(name)}}}"
 
 
 def info_pattern(namespace: str) -> str:
     """Return the SCAN pattern of the info key of every lock in *namespace*."""
-    return f"{PREFIX}:{{{_escape(namespace)}/*}}:info"
-
-
-def _escape(text: str) -> str:
-    return _KEY_UNSAFE.sub(lambda match: f"%{ord(match[0]):02X}", text)
+    return f"{PREFIX}:{{{key_part(namespace)}/*}}:info"
 
 
 def keys_of(prefix: str) -> list[str]:

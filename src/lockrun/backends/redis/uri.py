@@ -97,7 +97,10 @@ def _server(parts: _Parts) -> Settings:
 def _unix(parts: _Parts) -> Settings:
     """Return the settings of a unix:///PATH URI."""
     uri, kwargs = parts.uri, parts.kwargs
-    if not parts.path:
+    # A relative path is refused too: in unix:USER:PASSWORD@/x.sock (no //) redaction sees a
+    # user information where urlsplit sees the path "USER:PASSWORD@/x.sock", which redis-py
+    # would then quote in its errors (docs/security.md "Passwords in URIs").
+    if not parts.path.startswith("/"):
         msg = f"{uri.redacted}: expected unix:///path/to/redis.sock"
         raise ConfigError(msg)
     kwargs["unix_socket_path"] = parts.path

@@ -1,0 +1,37 @@
+"""etcd: a lease per acquirer, its queue key ordered by create revision (docs/design.md A13).
+
+Spoken over etcd's gRPC gateway (JSON over HTTP/1.1) with the standard library, so the
+backend needs nothing installed. The package, a module per concern:
+
+- `uri`: etcd:// and etcds:// URIs (several members, a login, TLS);
+- `gateway`: the calls, each within a deadline and a size, and the watches;
+- `backend`: queue, wait, keep alive, release and report.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lockrun.backends import timeout_for
+from lockrun.backends.etcd.backend import EtcdBackend, EtcdLease, lock_prefix
+from lockrun.backends.etcd.uri import Settings, parse
+from lockrun.timing import DEFAULT_TTL
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lockrun.uri import LockURI
+
+__all__ = ["EtcdBackend", "EtcdLease", "Settings", "connect", "lock_prefix", "parse"]
+
+
+def connect(
+    uri: LockURI,
+    *,
+    ttl: float | None = None,
+    warn: Callable[[str], None] | None = None,  # noqa: ARG001 - etcd has nothing to warn of yet
+    note: Callable[[str], None] | None = None,
+) -> EtcdBackend:
+    """Check *uri*; the first call connects, with timeouts that fit leases of *ttl*."""
+    ttl = ttl or DEFAULT_TTL
+    return EtcdBackend(parse(uri), ttl, timeout_for(ttl), note or (lambda _line: None))

@@ -1,0 +1,429 @@
+"""The etcd backend: a lease per acquirer, its queue key ordered by create revision (A13).
+
+docs/design.md A13 gives the algorithm; docs/backends.md "etcd" what is stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from lockrun.backends import LockState, Request, slots_mismatch, write_json
+from lockrun.backends.etcd.gateway import (
+    Gateway,
+    Outage,
+    Refused,
+    Unreachable,
+    b64,
+    number,
+    unb64,
+)
+from lockrun.backends.etcd.queue import (
+    Queue,
+    Turn,
+    group,
+    kvs_of,
+    look_body,
+    queue_range,
+    read_look,
+    slots_held,
+)
+from lockrun.errors import BackendUnavailable, LeaseLost
+from lockrun.names import key_part
+from lockrun.timing import RECONNECT_INTERVAL, now
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from lockrun.backends import Holder, Identity
+    from lockrun.backends.etcd.gateway import Watch
+    from lockrun.backends.etcd.uri import Settings
+
+PREFIX: Final = "lockrun"
+_MAX_LISTED: Final = 10_000  # queue keys a status reads of one lock, or of a namespace
+_NOT_FOUND: Final = 5  # gRPC's NotFound: "requested lease not found"
+_GONE: Final = (
+    "its etcd lease is gone: it expired (nobody kept it alive within its --ttl), was "
+    "revoked, or etcd lost it"
+)
+
+
+def lock_prefix(namespace: str, name: str) -> str:
+    """Return the prefix of a lock's keys, ``lockrun/NS/NAME/`` (each part escaped)."""
+    return f"{PREFIX}/{key_part(namespace)}/{key_part(name)}/"
+
+
+def _end(prefix: bytes) -> bytes:
+    """Return the range end that covers every key starting with *prefix* (ends in ``/``)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdBackend:
+    """The members of one etcd cluster, and this process's leases on it."""
+
+    def __init__(
+        self, settings: Settings, ttl: float, timeout: float, note: Callable[[str], None]
+    ) -> None:
+        """Remember *settings*; nothing is asked until the first call."""
+        self.settings = settings
+        self.ttl = ttl
+        self.note = note
+        self.gateway = Gateway(settings, timeout)
+        self.heard: float | None = None  # when (`timing.now`) a member last answered
+        self._busy = threading.Lock()  # one call at a time on the kept connection
+
+    @property
+    def timeout(self) -> float:
+        """How long a connect, or any one answer, may take."""
+        return self.gateway.timeout
+
+    def call(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
+        """One request to the cluster (`Gateway.call`); a refusal is one line, 69."""
+        with self._busy:
+            try:
+                answer = self.gateway.call(path, body)
+            except Refused as refused:
+                raise BackendUnavailable(f"{self.settings.where}: {refused.message}") from None
+            self.heard = now()
+            return answer
+
+    # -- acquire ---------------------------------------------------------------------------
+
+    def acquire(self, request: Request, deadline: float | None) -> EtcdLease | None:
+        """Queue a key on a lease of ours and watch the queue until a slot is ours (A13)."""
+        prefix = lock_prefix(request.namespace, request.name).encode()
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            sent = now()
+            ttl = self.grant(lease_id, request.ttl)
+            key = prefix + b"q/" + f"{lease_id:016x}".encode()
+            try:
+                lease = self._queue(request, prefix, key, lease_id, sent, ttl, deadline)
+            except BaseException:
+                self.revoke(lease_id)
+                raise
+            if lease is None:
+                self.revoke(lease_id)  # the deadline passed: our key goes with the lease
+            if lease is not False:
+                return lease
+            # our lease ran out while we waited (a stall, an outage): queue again, at the back
+
+    def grant(self, lease_id: int, ttl: float) -> int:
+        """Make lease *lease_id* of about *ttl* seconds; return the TTL the server gave it.
+
+        The ID is ours, so that a grant retried on another member makes no second lease.
+        """
+        body = {"ID": str(lease_id), "TTL": str(max(1, math.ceil(ttl)))}
+        try:
+            answer = self.call("/v3/lease/grant", body)
+        except BackendUnavailable as err:
+            if "lease already exists" not in str(err):
+                raise
+            return max(1, math.ceil(ttl))  # our first try's answer was lost: it is ours
+        return number(answer, "TTL") or max(1, math.ceil(ttl))
+
+    def _queue(
+        self,
+        request: Request,
+        prefix: bytes,
+        key: bytes,
+        lease_id: int,
+        sent: float,
+        ttl: int,
+        deadline: float | None,
+    ) -> EtcdLease | Literal[False] | None:
+        """Put our key and wait our turn; False when our lease ended first (queue again)."""
+        record = write_json(
+            {
+                "token": f"{lease_id:016x}",
+                "namespace": request.namespace,
+                "name": request.name,
+                "slots": request.slots,
+                "holder": request.holder.to_dict(),
+            }
+        )
+        turn = Turn(self.look(prefix, key, request.slots, put=(record, lease_id)), sent)
+        try:
+            while turn.queue.mine:  # 0: our key went with our lease
+                self._check_slots(request, turn.queue)
+                if turn.queue.ahead < request.slots:
+                    slot = self.claim_slot(prefix, lease_id, request.slots)
+                    fence = turn.queue.mine
+                    return EtcdLease(self, lease_id, slot, fence, turn.kept, ttl, request.ttl)
+                pause = _pause(deadline, turn.kept + request.ttl / 3)
+                if pause is None:
+                    return None
+                try:
+                    if not self._wait(turn, prefix, key, lease_id, request.slots, pause):
+                        return False
+                except Outage as err:
+                    self.ride_out(err, request.ttl, deadline)
+                    turn.close()
+                    turn.stale = True
+            return False
+        finally:
+            turn.close()
+
+    def _wait(
+        self, turn: Turn, prefix: bytes, key: bytes, lease_id: int, slots: int, pause: float
+    ) -> bool:
+        """Keep our lease alive if it is due, else watch for up to *pause* s and look again.
+
+        False: our lease is gone.
+        """
+        if turn.stale:
+            turn.queue, turn.stale = self.look(prefix, key, slots), False
+            return True
+        if pause <= 0:
+            sent = now()
+            alive = self.keep_alive(lease_id)
+            turn.kept = sent
+            return alive
+        if turn.watch is None or not turn.watch.open:
+            turn.watch = self.watch(prefix, turn.queue, slots)
+        if turn.watch is None or turn.watch.moved(pause):
+            turn.queue = self.look(prefix, key, slots)
+            if slots == 1:
+                turn.close()  # another key may be just before ours now
+        return True
+
+    def ride_out(self, err: Outage, ttl: float, deadline: float | None) -> None:
+        """Pause before asking again after no member answered a queued waiter; else raise *err*.
+
+        A waiter rides out a restart or a leader election for up to a ttl since a member
+        last answered (its lease, and so its place, may lapse meanwhile: it then queues
+        again), within its --wait. As on Redis (`RedisBackend.ride_out`).
+        """
+        current = now()
+        if self.heard is None or current - self.heard > ttl:
+            raise err
+        if deadline is not None and current >= deadline:
+            raise err
+        time.sleep(min(RECONNECT_INTERVAL, ttl / 10))
+
+    def watch(self, prefix: bytes, queue: Queue, slots: int) -> Watch | None:
+        """Watch what must go for our turn: the key just before ours, or any key of N's queue.
+
+        From the look's revision on, so nothing that happened since is missed. None where
+        there is nothing to watch (the key before ours went meanwhile): look again.
+        """
+        if slots == 1 and not queue.before:
+            return None
+        key, end = (queue.before, b"") if slots == 1 else queue_range(prefix)
+        watch = self.gateway.watch()
+        try:
+            watch.start(key, end, queue.revision + 1)
+        except Unreachable as err:
+            raise self.gateway.unavailable(err) from err
+        except Refused as refused:
+            raise BackendUnavailable(f"{self.settings.where}: {refused.message}") from None
+        return watch
+
+    def look(
+        self, prefix: bytes, key: bytes, slots: int, put: tuple[str, int] | None = None
+    ) -> Queue:
+        """Read the queue around our *key* in one transaction (`look_body`); with *put*, queue it.
+
+        A one-slot waiter asks once more for the key just before its own, the one it watches.
+        """
+        answer = self.call("/v3/kv/txn", look_body(prefix, key, slots, put))
+        try:
+            revision, created, ahead, owner = read_look(answer)
+        except ValueError:
+            raise self.malformed(what="a transaction") from None
+        before = self.just_before(prefix, created) if created and ahead and slots == 1 else b""
+        return Queue(revision, created, ahead, before, owner)
+
+    def just_before(self, prefix: bytes, created: int) -> bytes:
+        """Return the queue key created last before revision *created* (b"" if none)."""
+        queue, end = queue_range(prefix)
+        body = {
+            "key": b64(queue),
+            "range_end": b64(end),
+            "sort_order": "DESCEND",
+            "sort_target": "CREATE",
+            "max_create_revision": str(created - 1),
+            "limit": "1",
+            "keys_only": True,
+        }
+        kvs = kvs_of(self.call("/v3/kv/range", body)) or []
+        return unb64(kvs[0].get("key")) if kvs else b""
+
+    def _check_slots(self, request: Request, queue: Queue) -> None:
+        """Refuse a lock whose oldest user asked for another N (78)."""
+        owner = queue.owner
+        if owner is not None and owner.slots != request.slots:
+            raise slots_mismatch(request, owner.slots, owner.holder, self.settings.where)
+
+    def claim_slot(self, prefix: bytes, lease_id: int, slots: int) -> int:
+        """Take the lowest free slot key ``s/I`` on our lease (N > 1); 0 for one slot."""
+        if slots == 1:
+            return 0
+        start, end = prefix + b"s/", _end(prefix + b"s/")
+        while True:
+            body = {
+                "key": b64(start),
+                "range_end": b64(end),
+                "keys_only": True,
+                "limit": str(slots + 1),
+            }
+            taken = {unb64(kv.get("key")) for kv in kvs_of(self.call("/v3/kv/range", body)) or []}
+            free = next((i for i in range(slots) if start + str(i).encode() not in taken), None)
+            if free is None:
+                raise self.malformed(what="the slot keys")  # N holders have N keys: someone else's
+            slot_key = b64(start + str(free).encode())
+            unclaimed = {
+                "target": "CREATE",
+                "key": slot_key,
+                "create_revision": "0",
+                "result": "EQUAL",
+            }
+            put = {"request_put": {"key": slot_key, "value": b64(b""), "lease": str(lease_id)}}
+            answer = self.call("/v3/kv/txn", {"compare": [unclaimed], "success": [put]})
+            if answer.get("succeeded") is True:
+                return free
+
+    # -- the lease ---------------------------------------------------------------------------
+
+    def keep_alive(self, lease_id: int) -> bool:
+        """Extend lease *lease_id* by its TTL; False if the server no longer has it."""
+        answer = self.call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        result = answer.get("result")
+        return number(result, "TTL") > 0
+
+    def revoke(self, lease_id: int) -> bool:
+        """Revoke lease *lease_id*, deleting its keys; whether the server heard it (best effort)."""
+        try:
+            self.call("/v3/lease/revoke", {"ID": str(lease_id)})
+        except BackendUnavailable:
+            return False
+        return True
+
+    def abandon(self, orphan: bytes) -> None:
+        """Free the lease of a lockrun that died (`EtcdLease.orphan`), in its guardian."""
+        self.revoke(int(orphan))
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self, namespace: str, name: str | None) -> list[LockState]:
+        """Report holders and waiters of *name*, or of every lock in *namespace*."""
+        prefix = (
+            lock_prefix(namespace, name) if name is not None else f"{PREFIX}/{key_part(namespace)}/"
+        ).encode()
+        body = {
+            "key": b64(prefix),
+            "range_end": b64(_end(prefix)),
+            "sort_order": "ASCEND",
+            "sort_target": "CREATE",
+            "limit": str(_MAX_LISTED),
+        }
+        kvs = kvs_of(self.call("/v3/kv/range", body))
+        if kvs is None:
+            raise self.malformed(what="a range")
+        locks, held = group(kvs, prefix, namespace), slots_held(kvs)
+        if name is not None and not locks:
+            return [LockState(namespace, name, prefix.decode())]
+        return [
+            self._state(namespace, where, queue, held) for where, queue in sorted(locks.items())
+        ]
+
+    def _state(
+        self, namespace: str, where: str, queue: list[Identity], held: dict[int, int]
+    ) -> LockState:
+        """Describe one lock from its queue, oldest first: the first N hold, in slots *held*."""
+        slots = queue[0].slots
+        holders = tuple(
+            self._described(identity.holder, identity.token)._replace(
+                slot=held.get(_lease(identity.token), 0) if slots > 1 else 0
+            )
+            for identity in queue[:slots]
+        )
+        waiters = tuple(identity.holder for identity in queue[slots:])
+        return LockState(namespace, queue[0].name, where, slots, holders, waiters)
+
+    def _described(self, holder: Holder, token: str) -> Holder:
+        """Add when *holder*'s lease ends, as the server says (`timetolive`)."""
+        with contextlib.suppress(BackendUnavailable, ValueError):
+            answer = self.call("/v3/lease/timetolive", {"ID": str(_lease(token))})
+            left = number(answer, "TTL")
+            if left > 0:
+                return holder._replace(expires=time.time() + left)
+        return holder
+
+    def malformed(self, what: str) -> BackendUnavailable:
+        """Return the one line for an answer that is not what etcd sends."""
+        return BackendUnavailable(f"{self.settings.where}: {what} came back malformed")
+
+    def close(self) -> None:
+        """Close the connections; leases are revoked by their own `release`."""
+        self.gateway.close()
+
+
+def _lease(token: str) -> int:
+    """Return the lease ID a record's token names (16 hex digits); 0 if it names none."""
+    try:
+        return int(token, 16) if len(token) == 16 else 0  # noqa: PLR2004 - our tokens' length
+    except ValueError:
+        return 0
+
+
+def _pause(deadline: float | None, renewal: float) -> float | None:
+    """Return how long a waiter may watch before it must act; None once *deadline* passed.
+
+    0 or less: our lease is due for its keep-alive (at *renewal*) first.
+    """
+    current = now()
+    if deadline is not None and deadline <= current:
+        return None
+    due = renewal - current
+    return due if deadline is None else min(due, deadline - current)
+
+
+class EtcdLease:
+    """A slot held while lease *lease_id* lives, kept alive every ttl/3 by the supervisor."""
+
+    fds: tuple[int, ...] = ()
+    sessions: tuple[int, ...] = ()  # the lease outlives a connection
+    bells: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        backend: EtcdBackend,
+        lease_id: int,
+        slot: int,
+        fence: int,
+        kept: float,
+        server_ttl: int,
+        ttl: float,
+    ) -> None:
+        """Describe the slot held by lease *lease_id*, last kept alive by a call sent at *kept*."""
+        self.backend = backend
+        self.lease_id = lease_id
+        self.slot = slot
+        self.fence: int | None = fence
+        self.confirmed = kept
+        self.ttl: float | None = min(ttl, server_ttl)
+        self.released = False
+
+    def refresh(self) -> None:
+        """Keep the lease alive for another TTL; `LeaseLost` if etcd no longer has it."""
+        sent = now()
+        if not self.backend.keep_alive(self.lease_id):
+            raise LeaseLost(_GONE)
+        self.confirmed = sent
+
+    @property
+    def orphan(self) -> bytes:
+        """What the guardian needs to free this lease should lockrun die (`abandon`)."""
+        return str(self.lease_id).encode()
+
+    def release(self, hold: float = 0.0) -> bool:  # noqa: ARG002 - no mode offers a window
+        """Revoke the lease: our keys go, and the next waiter's watch fires."""
+        if self.released:
+            return True
+        self.released = True
+        return self.backend.revoke(self.lease_id)

@@ -1,0 +1,382 @@
+"""etcd's gRPC gateway, spoken as JSON over HTTP/1.1 with `http.client` (docs/design.md A13).
+
+Every call is one ``POST /v3/…`` on a kept connection to one member; a member that does
+not answer, or says it has no leader, is left for the next one in the URI. A watch is a
+streaming answer on a connection of its own. Whatever comes back is read within one
+deadline per call and one size (`MAX_REPLY`, `MAX_LINE`): a slow or hostile server cannot
+hold lockrun past its timeout nor fill its memory (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from lockrun.errors import BackendUnavailable
+from lockrun.uri import scrub
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from lockrun.backends.etcd.uri import TLS, Settings
+
+MAX_REPLY: Final = 4 << 20  # bytes of one answer: a status of 1000 waiters' records fits
+MAX_LINE: Final = 1 << 20  # bytes of one message of a watch's stream
+# gRPC's status codes the gateway passes on (google.golang.org/grpc/codes).
+_UNAVAILABLE: Final = 14  # "no leader", "request timed out", a member stopping: ask another
+_UNAUTHENTICATED: Final = 16  # the token expired (or the member restarted): log in again
+_AUTH_OFF: Final = "authentication is not enabled"
+_PACE: Final = 0.1  # seconds between two watches of a stream that ended by itself
+
+
+class Refused(Exception):
+    """The server answered with an error: gRPC's *code* and its *message*."""
+
+    def __init__(self, code: int, message: str) -> None:
+        """Keep gRPC's *code* and the server's *message* (already scrubbed of secrets)."""
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Outage(BackendUnavailable):
+    """No member of the cluster answered (69): a waiter in the queue may ride it out."""
+
+
+class Unreachable(Exception):
+    """A member did not answer in time, hung up, or said it cannot serve now."""
+
+
+def b64(text: str | bytes) -> str:
+    """Return *text* as the gateway's bytes fields are written: base64."""
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def unb64(value: object) -> bytes:
+    """Decode a bytes field of an answer; b"" where it is missing or not base64."""
+    if not isinstance(value, str):
+        return b""
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        return b""
+
+
+def number(message: object, field: str) -> int:
+    """Return an int64 field of *message*: a string of digits in JSON, left out when 0."""
+    value = message.get(field) if isinstance(message, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit() and len(value) <= 20:  # noqa: PLR2004
+        return int(value)
+    return 0
+
+
+def _bounded(sock: Any, buffer: Any, nbytes: int, flags: int, read: Any) -> int:  # noqa: ANN401
+    """Read into *buffer* with *read* (a socket class's own), never past *sock*'s deadline."""
+    if sock.deadline is not None:
+        left = sock.deadline - time.monotonic()
+        if left <= 0:
+            msg = "no whole answer in time"
+            raise TimeoutError(msg)
+        sock.settimeout(left)
+    return int(read(sock, buffer, nbytes, flags))
+
+
+class _Socket(socket.socket):
+    """A socket whose reads all end by the deadline of the call under way."""
+
+    deadline: float | None = None  # time.monotonic(); None: each read as long as it takes
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:  # noqa: ANN401
+        """Read as `socket.recv_into`, but never past `deadline`."""
+        return _bounded(self, buffer, nbytes, flags, socket.socket.recv_into)
+
+
+class _Connection(http.client.HTTPConnection):
+    """One HTTP/1.1 connection to a member, on a `_Socket` (TLS where the URI says so)."""
+
+    def __init__(self, host: str, port: int, timeout: float, tls: TLS | None) -> None:
+        """Aim at *host*:*port*; nothing is sent until the first request."""
+        super().__init__(host, port, timeout=timeout)
+        self.tls = tls
+        self.deadline: float | None = None
+
+    def connect(self) -> None:
+        """Connect within the timeout, with TCP_NODELAY: every request is one small write."""
+        host, port = self.host, self.port
+        error: OSError = OSError(f"{host}: no address")
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, 0, socket.SOCK_STREAM
+        ):
+            sock = _Socket(family, kind, proto)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect(address)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                bounded: Any = sock if self.tls is None else _wrap(sock, host, self.tls)
+            except OSError as err:
+                sock.close()
+                error = err
+                continue
+            bounded.deadline = self.deadline
+            self.sock = bounded
+            return
+        raise error
+
+    def within(self, seconds: float | None) -> None:
+        """Make every read until the next call end within *seconds* from now (None: no end)."""
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        if self.sock is not None:
+            self.sock.deadline = self.deadline  # type: ignore[union-attr]  # ours: `connect`
+
+
+def _wrap(sock: socket.socket, host: str, tls: TLS) -> Any:  # noqa: ANN401 - ssl's, loaded here
+    """Speak TLS on *sock*, checking the member as *tls* says (the options of rediss://)."""
+    import ssl  # noqa: PLC0415 - etcds:// alone: a tenth of a plain run's start-up
+
+    class TLSSocket(ssl.SSLSocket):
+        """An `ssl.SSLSocket` whose reads end by the call's deadline, as `_Socket`'s."""
+
+        deadline: float | None = None
+
+        def recv_into(self, buffer: Any, nbytes: int | None = None, flags: int = 0) -> int:  # noqa: ANN401
+            return _bounded(self, buffer, nbytes or 0, flags, ssl.SSLSocket.recv_into)
+
+    context = ssl.create_default_context(cafile=tls.ca_certs)
+    context.check_hostname = tls.check_hostname and tls.cert_reqs != "none"
+    context.verify_mode = {
+        "none": ssl.CERT_NONE,
+        "optional": ssl.CERT_OPTIONAL,
+        "required": ssl.CERT_REQUIRED,
+    }[tls.cert_reqs]
+    if tls.certfile:
+        context.load_cert_chain(tls.certfile, tls.keyfile)
+    context.sslsocket_class = TLSSocket
+    return context.wrap_socket(sock, server_hostname=host)
+
+
+class Gateway:
+    """The members of one etcd cluster, asked one at a time, with a login if the URI has one."""
+
+    def __init__(self, settings: Settings, timeout: float) -> None:
+        """Remember where the members are; *timeout* bounds a connect and each whole answer."""
+        self.settings = settings
+        self.timeout = timeout
+        self._at = 0  # the member asked first
+        self._kept: _Connection | None = None
+        self._token: str | None = None
+
+    def call(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
+        """POST *body* to *path* (``/v3/kv/range``…); return the answer's JSON object.
+
+        A member that does not answer, or says it cannot serve (no leader), is left for the
+        next; when none answers, `BackendUnavailable`. An error the server answers with is a
+        `Refused`. Calls a retry could repeat are all safe to repeat (docs/design.md A13).
+        """
+        last: Exception | None = None
+        for _ in self.settings.endpoints:
+            try:
+                return self._logged_in(path, body)
+            except Unreachable as err:
+                self.drop()
+                self._at = (self._at + 1) % len(self.settings.endpoints)
+                last = err
+        raise self.unavailable(last)
+
+    def _logged_in(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
+        """Ask, logging in first where the URI has a user, and again once if the token expired."""
+        if self.settings.user is not None and self._token is None:
+            self._token = self._login()
+        try:
+            return self._ask(self.connection(), path, body)
+        except Refused as refused:
+            if refused.code != _UNAUTHENTICATED or self.settings.user is None:
+                raise
+        self._token = self._login()
+        return self._ask(self.connection(), path, body)
+
+    def _login(self) -> str | None:
+        """Return a token for the URI's user (None where the server has auth off)."""
+        login = {"name": self.settings.user, "password": self.settings.password}
+        try:
+            answer = self._ask(self.connection(), "/v3/auth/authenticate", login, token=False)
+        except Refused as refused:
+            if _AUTH_OFF in refused.message:
+                return None
+            raise
+        token = answer.get("token")
+        return token if isinstance(token, str) and token.isprintable() else None
+
+    def connection(self) -> _Connection:
+        """Return the kept connection to the member asked now, making it if need be."""
+        if self._kept is None:
+            host, port = self.settings.endpoints[self._at]
+            self._kept = _Connection(host, port, self.timeout, self.settings.tls)
+        return self._kept
+
+    def drop(self) -> None:
+        """Close the kept connection (the next call makes another)."""
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+    def _ask(
+        self, link: _Connection, path: str, body: Mapping[str, object], *, token: bool = True
+    ) -> dict[str, Any]:
+        """Send one request on *link* and read its whole answer within the timeout."""
+        headers = {"Content-Type": "application/json"}
+        if token and self._token is not None:
+            headers["Authorization"] = self._token
+        try:
+            link.within(self.timeout)
+            link.request("POST", path, json.dumps(body), headers)
+            answer = link.getresponse()
+            data = answer.read(MAX_REPLY + 1)
+            status = answer.status
+        except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
+            raise Unreachable(_words(err, self.timeout)) from err
+        finally:
+            link.within(None)
+        if len(data) > MAX_REPLY:
+            link.close()  # the rest of it is not ours to read
+            raise Unreachable(f"an answer longer than {MAX_REPLY} bytes")
+        return self._decode(status, data)
+
+    def _decode(self, status: int, data: bytes) -> dict[str, Any]:
+        """Return the JSON object of an answer; raise `Refused` for an error the server sent."""
+        try:
+            decoded = json.loads(data)
+        except (ValueError, RecursionError):
+            decoded = None
+        if not isinstance(decoded, dict):
+            raise Unreachable(f"HTTP {status} with an answer that is not etcd's")
+        if status == 200 and "error" not in decoded:  # noqa: PLR2004
+            return decoded
+        message = decoded.get("message") or decoded.get("error")
+        said = scrub(message, self.settings.secrets)[:200] if isinstance(message, str) else ""
+        code = number(decoded, "code")
+        if code == _UNAVAILABLE:
+            raise Unreachable(said or "unavailable")
+        raise Refused(code, said or f"HTTP {status}")
+
+    def unavailable(self, err: Exception | None) -> Outage:
+        """Return the one line for a cluster none of whose members answered."""
+        why = str(err) if err is not None else "no member"
+        return Outage(f"{self.settings.where}: {why}")
+
+    def watch(self) -> Watch:
+        """Return a watch, on a connection of its own to the member asked now."""
+        host, port = self.settings.endpoints[self._at]
+        return Watch(self, _Connection(host, port, self.timeout, self.settings.tls))
+
+    def close(self) -> None:
+        """Close every connection."""
+        self.drop()
+
+
+class Watch:
+    """One watch of a key or a range, from a revision on, on its own connection."""
+
+    def __init__(self, gateway: Gateway, link: _Connection) -> None:
+        """Keep *link*; nothing is asked until `start`."""
+        self.gateway = gateway
+        self.link = link
+        self.answer: http.client.HTTPResponse | None = None
+
+    def start(self, key: bytes, end: bytes, revision: int) -> None:
+        """Watch deletions of *key* (up to *end*, if not empty) from *revision* on.
+
+        The member must have a leader (``hasleader``): one cut off from the others cancels
+        the watch rather than stay silent, and the waiter asks another member.
+        """
+        request: dict[str, object] = {
+            "key": b64(key),
+            "start_revision": str(revision),
+            "filters": ["NOPUT"],
+        }
+        if end:
+            request["range_end"] = b64(end)
+        headers = {"Content-Type": "application/json", "Grpc-Metadata-hasleader": "true"}
+        if self.gateway._token is not None:  # noqa: SLF001 - the same login as the calls
+            headers["Authorization"] = self.gateway._token  # noqa: SLF001
+        try:
+            self.link.within(self.gateway.timeout)
+            self.link.request("POST", "/v3/watch", json.dumps({"create_request": request}), headers)
+            self.answer = self.link.getresponse()
+        except (OSError, http.client.HTTPException) as err:
+            self.close()
+            raise Unreachable(_words(err, self.gateway.timeout)) from err
+        finally:
+            self.link.within(None)
+        if self.answer.status != 200:  # noqa: PLR2004
+            data = self.answer.read(MAX_REPLY + 1)
+            self.close()
+            self.gateway._decode(self.answer.status, data)  # noqa: SLF001 - raises
+            raise Unreachable(f"HTTP {self.answer.status} to a watch")
+
+    def moved(self, seconds: float) -> bool:
+        """Wait up to *seconds* for a deletion (or the watch's end); return whether one came.
+
+        False: nothing within *seconds*; the watch is closed (its stream may be cut
+        mid-message), so the caller watches again from the same revision. A stream that
+        ends or breaks is True, after a tenth of a second (or *seconds*, if less): look
+        again, but never in a loop as fast as a broken server can hang up.
+        """
+        try:
+            self.link.within(max(seconds, 0.0))
+            while not self._deleted():
+                pass
+        except TimeoutError:
+            self.close()
+            return False
+        except (OSError, http.client.HTTPException):
+            self.close()
+            time.sleep(min(seconds, _PACE))
+        finally:
+            self.link.within(None)
+        return True
+
+    def _deleted(self) -> bool:
+        """Read one message: True for a deletion or a watch the server ended (compacted).
+
+        False for any other (created, progress). `ConnectionError` when the stream ended,
+        sent an error, or a message longer than `MAX_LINE`.
+        """
+        assert self.answer is not None  # noqa: S101 - `start` made it
+        line = self.answer.readline(MAX_LINE + 1)
+        message = _json(line) if 0 < len(line) <= MAX_LINE else None
+        if not isinstance(message, dict) or "error" in message:
+            msg = "the watch ended"
+            raise ConnectionError(msg)
+        result = message.get("result")
+        return isinstance(result, dict) and bool(result.get("events") or result.get("canceled"))
+
+    @property
+    def open(self) -> bool:
+        """Whether the watch still streams (False after a timeout or its end)."""
+        return self.answer is not None
+
+    def close(self) -> None:
+        """Close the watch's connection."""
+        self.answer = None
+        self.link.close()
+
+
+def _json(line: bytes) -> object:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _words(err: BaseException, timeout: float) -> str:
+    """Return one line for a transport error (no secret can be in it: none was sent yet)."""
+    if isinstance(err, TimeoutError):
+        return f"no answer within {timeout:g}s"
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text[:200]

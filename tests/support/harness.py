@@ -900,9 +900,6 @@ def _holds(lock: Advisory, key: int) -> bool:
     return lock.subid == 1 and lock.granted and lock.key == key
 
 
-# docs/design.md A13: a lock is the prefix lockrun/NS/NAME/, NS and NAME escaped as the Redis
-# backend's keys are (lockrun.backends.redis.scripts._KEY_UNSAFE), so "/" joins nothing.
-_ETCD_UNSAFE: Final = re.compile(r"[%/{}\s\x00-\x1f\x7f*?\[\]\\]")
 # What etcd makes of a shorter TTL: 1.5 election timeouts (1 s by default), rounded up.
 ETCD_LEAST_TTL: Final = 2
 # A keep-alive or grant of lockrun's as it passes the proxy: its lease ID, in the JSON body.
@@ -915,9 +912,13 @@ _ANSWERED_TTL: Final = re.compile(rb"\"TTL\"\s*:\s*\"?(-?\d+)")
 
 
 def etcd_prefix(namespace: str, name: str) -> str:
-    """Return the key prefix of the lock *name* in *namespace* (docs/design.md A13)."""
-    escape = functools.partial(_ETCD_UNSAFE.sub, lambda match: f"%{ord(match[0]):02X}")
-    return f"lockrun/{escape(namespace)}/{escape(name)}/"
+    """Return the key prefix of the lock *name* in *namespace* (docs/design.md A13).
+
+    NS and NAME are escaped as the Redis backend's keys are (`key_part`): "/" joins nothing.
+    """
+    from lockrun.names import key_part
+
+    return f"lockrun/{key_part(namespace)}/{key_part(name)}/"
 
 
 def _b64(text: str) -> str:

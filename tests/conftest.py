@@ -171,6 +171,14 @@ def etcd_uri() -> Iterator[str]:
     server.close()
 
 
+@pytest.fixture(scope="session")
+def etcd_cluster_uri() -> Iterator[str]:
+    """Return the URI of the session's etcd cluster: three members of our own, every one named."""
+    cluster = EtcdCluster()
+    yield cluster.uri
+    cluster.close()
+
+
 @pytest.fixture
 def etcd_server() -> Iterator[EtcdServer]:
     """Return an etcd of this test's own (one member, data on tmpfs), to restart or lock."""
@@ -278,11 +286,14 @@ SERVER_FIXTURES: Final = frozenset(
     {
         "redis_uri", "redis_cluster", "valkey", "valkey_cluster", "redis_server",
         "mysql_uri", "maria_server", "postgres_uri", "pg_server",
-        "etcd_uri", "etcd_server", "etcd_cluster",
+        "etcd_uri", "etcd_cluster_uri", "etcd_server", "etcd_cluster",
     }
 )  # fmt: skip
 SERVER_KINDS: Final = frozenset(
-    {*(scheme for scheme, kind in SCHEMES.items() if not kind.local), "valkey", "valkey-cluster"}
+    {
+        *(scheme for scheme, kind in SCHEMES.items() if not kind.local),
+        *("valkey", "valkey-cluster", "etcd-cluster"),
+    }
 )
 
 

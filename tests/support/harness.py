@@ -16,7 +16,8 @@ Loaded by tests/conftest.py as a plugin (`pytest_plugins`), so that its fixtures
 test without a second module called ``conftest``: `harness` (each backend, a server of the
 test's own), `server_harness` (the server backends only), `shared_harness` and
 `shared_server_harness` (on the session's servers: cheap, but nothing that would disturb
-other tests; a test marked `on_valkey_too` gets Valkey and a Valkey cluster as well), and
+other tests; a test marked `on_valkey_too` gets Valkey, a Valkey cluster and an etcd
+cluster as well), and
 the chaos suite's `rig`, `target`, `oracle` and `record`.
 """
 
@@ -1261,9 +1262,11 @@ def shared_server_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Ite
 # Valkey, the fork of Redis, runs the Redis backend: a few scenarios of the contract suite
 # (@on_valkey_too) run on it too, alone and as a cluster, each the session's own (the
 # `valkey` and `valkey_cluster` fixtures; tests/backends/test_valkey.py checks they are).
+# The same scenarios run on a cluster of three etcd members (`etcd_cluster_uri`), issue #33.
 VALKEY: Final = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
+ETCD_CLUSTER: Final = "etcd-cluster"
 on_valkey_too: Final = pytest.mark.parametrize(
-    "shared_harness", [*BACKENDS, *VALKEY], indirect=True
+    "shared_harness", [*BACKENDS, *VALKEY, ETCD_CLUSTER], indirect=True
 )
 
 
@@ -1271,11 +1274,14 @@ on_valkey_too: Final = pytest.mark.parametrize(
 def shared_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """Return each backend on the session's servers (redis_uri, …): no restart, no partition.
 
-    A test marked `on_valkey_too` also runs on the session's Valkey and Valkey cluster.
+    A test marked `on_valkey_too` also runs on the session's Valkey and Valkey cluster, and
+    on its cluster of three etcd members.
     """
     if request.param in VALKEY:
         server = request.getfixturevalue(VALKEY[request.param])
         made = shared_harness_for("redis", tmp_path, server.uri)
+    elif request.param == ETCD_CLUSTER:
+        made = shared_harness_for("etcd", tmp_path, request.getfixturevalue("etcd_cluster_uri"))
     else:
         local = SCHEMES[request.param].local
         uri = None if local else request.getfixturevalue(f"{request.param}_uri")

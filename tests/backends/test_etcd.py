@@ -10,6 +10,7 @@ and the commands' own interval log, never lockrun's word.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -25,10 +26,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lockrun import AsyncLock
 from lockrun.backends.etcd.backend import EtcdBackend, lock_prefix
 from lockrun.backends.etcd.gateway import number, unb64
 from lockrun.backends.etcd.queue import kvs_of
 from tests.support.cli import Held, finish, interval_log, lockrun, one_line, start, wait_for
+from tests.support.net import make_certificates
 from tests.support.servers import EtcdServer, free_port
 
 if TYPE_CHECKING:
@@ -402,7 +405,7 @@ def test_status_shows_each_holder_of_n_in_the_slot_its_command_was_told(
 
 
 def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_path: Path) -> None:
-    """etcd keeps leases and keys across a restart; the waiter asks again, it is not 69."""
+    """Etcd keeps leases and keys across a restart; the waiter asks again, it is not 69."""
     server = EtcdServer(port=free_port(), peer_port=free_port())
     try:
         uri = uri_of(server)
@@ -419,3 +422,132 @@ def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_p
         assert int(fence.read_text()) > held.fence
     finally:
         server.close()
+
+
+def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """A compaction past the revision a waiter watches from: etcd cancels the watch.
+
+    The waiter watches again from its last look's revision at every keep-alive (ttl/3), so
+    that watch starts before the compaction; it looks again and keeps its place.
+    """
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "3")
+    fence = tmp_path / "fence"
+    waiter = start(
+        "--uri", uri, "--name", name, "--ttl", "3", "-w", "60",
+        "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
+    )  # fmt: skip
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    for _ in range(20):  # revisions to compact away
+        gateway(etcd, "/v3/kv/put", {"key": base64.b64encode(b"other/x").decode(), "value": ""})
+    revision = int(gateway(etcd, "/v3/kv/range", {"key": "eA=="})["header"]["revision"])
+    gateway(etcd, "/v3/kv/compaction", {"revision": str(revision), "physical": True})
+    time.sleep(2.5)  # past a keep-alive: the waiter has watched again from before the compaction
+    assert held.finish() == 0
+    assert finish(waiter) == 0, waiter.stderr
+    assert int(fence.read_text()) > held.fence
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """Return an etcd that speaks TLS alone and asks for a client certificate, and its certs."""
+    certs = tmp_path_factory.mktemp("certs")
+    make_certificates(certs)
+    port, peer = free_port(), free_port()
+    data = tmp_path_factory.mktemp("tls-etcd")
+    url = f"https://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            *("etcd", "--data-dir", str(data / "data"), "--name", "tls"),
+            *("--listen-client-urls", url, "--advertise-client-urls", url),
+            *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
+            *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
+            *("--initial-cluster", f"tls=http://127.0.0.1:{peer}"),
+            *("--cert-file", str(certs / "server.crt"), "--key-file", str(certs / "server.key")),
+            *("--client-cert-auth", "--trusted-ca-file", str(certs / "ca.crt")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        ca = f"ssl_ca_certs={certs / 'ca.crt'}"
+        client = f"ssl_certfile={certs / 'client.crt'}&ssl_keyfile={certs / 'client.key'}"
+        uri = f"etcds://127.0.0.1:{port}?{ca}&{client}"
+        wait_for(
+            lambda: lockrun("status", "--uri", uri).returncode == 0, timeout=30, what="TLS etcd"
+        )
+        yield f"127.0.0.1:{port}", certs
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_etcds_checks_the_member_and_shows_our_certificate(
+    tls_etcd: tuple[str, Path], name: str
+) -> None:
+    where, certs = tls_etcd
+    client = f"ssl_certfile={certs / 'client.crt'}&ssl_keyfile={certs / 'client.key'}"
+    good = f"etcds://{where}?ssl_ca_certs={certs / 'ca.crt'}&{client}"
+    ran = lockrun("--uri", good, "--name", name, "--", "sh", "-c", "echo $LOCKRUN_FENCE")
+    assert ran.returncode == 0, ran.stderr
+    assert int(ran.stdout) > 0
+    impostor = f"etcds://{where}?ssl_ca_certs={certs / 'other-ca.crt'}&{client}"
+    nobody = f"etcds://{where}?ssl_ca_certs={certs / 'ca.crt'}"
+    plain = f"etcd://{where}"
+    for uri, says in (
+        (impostor, "certificate verify failed"),
+        (nobody, ""),  # the server refuses a client without a certificate
+        (plain, ""),  # HTTP to a TLS port
+    ):
+        refused = lockrun("--uri", uri, "--name", name, "--", "true")
+        assert refused.returncode == 69, (uri, refused.stderr)
+        assert says in one_line(refused.stderr)
+        assert "Traceback" not in refused.stderr
+
+
+def test_a_cancelled_async_wait_leaves_the_queue_at_once(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    """AsyncLock's cancel interrupts the watch the wait sleeps on: its key goes, not at ttl."""
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name)
+
+    async def main() -> None:
+        waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None, ttl=3600).acquire())
+        queued = lambda: len(keys_of(etcd, name)) == 2  # noqa: E731
+        await asyncio.to_thread(wait_for, queued, what="the waiter's key")
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        # long before its hour's lease would end: the wait was cut, its lease revoked
+        left = lambda: len(keys_of(etcd, name)) == 1  # noqa: E731
+        await asyncio.to_thread(wait_for, left, what="the waiter's key gone")
+
+    asyncio.run(main())
+    assert held.finish() == 0
+
+
+def test_status_dates_a_waiter_that_was_granted_from_its_grant(
+    etcd: EtcdServer, name: str, tmp_path: Path
+) -> None:
+    uri = uri_of(etcd)
+    held = Held(tmp_path, "--uri", uri, "--name", name)
+    queued = start("--uri", uri, "--name", name, "--ttl", "3", "-w", "60", "--", "sleep", "30")
+    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    time.sleep(1.5)  # a wait long enough to tell its start from the grant
+    released = time.time()
+    assert held.finish() == 0
+
+    def dated() -> bool:
+        holders = json.loads(lockrun("status", "--uri", uri, "--json", name).stdout)[0]["holders"]
+        return (
+            bool(holders)
+            and holders[0]["pid"] == queued.pid
+            and holders[0]["since"] >= released - 0.5
+        )
+
+    wait_for(dated, what="the record rewritten at the first refresh (ttl/3)")
+    queued.terminate()
+    queued.communicate(timeout=30)

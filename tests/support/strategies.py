@@ -71,6 +71,8 @@ SERVER_SCHEMES: Final = {
     "mariadb": "127.0.0.1:{port}/db",
     "postgresql": "127.0.0.1:{port}/db",
     "postgres": "127.0.0.1:{port}/db",
+    "etcd": "127.0.0.1:{port}",
+    "etcds": "127.0.0.1:{port},127.0.0.2:{port}",
 }
 
 

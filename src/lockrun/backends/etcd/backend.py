@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import secrets
+import os
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -32,7 +33,7 @@ from lockrun.backends.etcd.queue import (
     read_look,
     slots_held,
 )
-from lockrun.errors import BackendUnavailable, LeaseLost
+from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost
 from lockrun.names import key_part
 from lockrun.timing import RECONNECT_INTERVAL, now
 
@@ -74,6 +75,8 @@ class EtcdBackend:
         self.note = note
         self.gateway = Gateway(settings, timeout)
         self.heard: float | None = None  # when (`timing.now`) a member last answered
+        self.interrupted = threading.Event()  # set by `interrupt`: every wait ends
+        self._watching: Watch | None = None  # the watch a wait sleeps on, for `interrupt`
         self._busy = threading.Lock()  # one call at a time on the kept connection
 
     @property
@@ -97,7 +100,9 @@ class EtcdBackend:
         """Queue a key on a lease of ours and watch the queue until a slot is ours (A13)."""
         prefix = lock_prefix(request.namespace, request.name).encode()
         while True:
-            lease_id = secrets.randbits(63) or 1
+            # 63 random bits (etcd's IDs are positive int64s); os.urandom, since secrets
+            # loads hashlib and with it OpenSSL, a few ms of every run's start-up (#32)
+            lease_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
             sent = now()
             ttl = self.grant(lease_id, request.ttl)
             key = prefix + b"q/" + f"{lease_id:016x}".encode()
@@ -137,23 +142,22 @@ class EtcdBackend:
         deadline: float | None,
     ) -> EtcdLease | Literal[False] | None:
         """Put our key and wait our turn; False when our lease ended first (queue again)."""
-        record = write_json(
-            {
-                "token": f"{lease_id:016x}",
-                "namespace": request.namespace,
-                "name": request.name,
-                "slots": request.slots,
-                "holder": request.holder.to_dict(),
-            }
-        )
+        record = _record(request, lease_id, request.holder)
         turn = Turn(self.look(prefix, key, request.slots, put=(record, lease_id)), sent)
+        waited = False
         try:
             while turn.queue.mine:  # 0: our key went with our lease
                 self._check_slots(request, turn.queue)
                 if turn.queue.ahead < request.slots:
                     slot = self.claim_slot(prefix, lease_id, request.slots)
-                    fence = turn.queue.mine
-                    return EtcdLease(self, lease_id, slot, fence, turn.kept, ttl, request.ttl)
+                    lease = EtcdLease(
+                        self, lease_id, slot, turn.queue.mine, turn.kept, ttl, request.ttl
+                    )
+                    if waited:  # `status` should date the holder from now, not from its wait
+                        granted = request.holder._replace(since=time.time())
+                        lease.rewrite = (key, _record(request, lease_id, granted))
+                    return lease
+                waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None:
                     return None
@@ -164,6 +168,7 @@ class EtcdBackend:
                     self.ride_out(err, request.ttl, deadline)
                     turn.close()
                     turn.stale = True
+                self._check_interrupted(request)
             return False
         finally:
             turn.close()
@@ -203,7 +208,23 @@ class EtcdBackend:
             raise err
         if deadline is not None and current >= deadline:
             raise err
-        time.sleep(min(RECONNECT_INTERVAL, ttl / 10))
+        self.interrupted.wait(min(RECONNECT_INTERVAL, ttl / 10))
+
+    def interrupt(self) -> None:
+        """From another thread: end a waiting `acquire` at once; it raises `Interrupted`.
+
+        The watch it sleeps on is cut (shutdown), so its read returns now (`AsyncLock`'s
+        cancel, aio.py).
+        """
+        self.interrupted.set()
+        watching = self._watching
+        if watching is not None:
+            watching.cut()
+
+    def _check_interrupted(self, request: Request) -> None:
+        if self.interrupted.is_set():
+            msg = f"the wait for {request.name} was interrupted; nothing is held"
+            raise Interrupted(msg, signo=signal.SIGINT)
 
     def watch(self, prefix: bytes, queue: Queue, slots: int) -> Watch | None:
         """Watch what must go for our turn: the key just before ours, or any key of N's queue.
@@ -215,6 +236,7 @@ class EtcdBackend:
             return None
         key, end = (queue.before, b"") if slots == 1 else queue_range(prefix)
         watch = self.gateway.watch()
+        self._watching = watch
         try:
             watch.start(key, end, queue.revision + 1)
         except Unreachable as err:
@@ -295,6 +317,13 @@ class EtcdBackend:
         result = answer.get("result")
         return number(result, "TTL") > 0
 
+    def rewrite(self, key: bytes, record: str, lease_id: int) -> None:
+        """Put *record* in our queue key *key*, if it is still there (best effort)."""
+        there = {"target": "LEASE", "key": b64(key), "lease": str(lease_id), "result": "EQUAL"}
+        put = {"request_put": {"key": b64(key), "value": b64(record), "lease": str(lease_id)}}
+        with contextlib.suppress(BackendUnavailable):
+            self.call("/v3/kv/txn", {"compare": [there], "success": [put]})
+
     def revoke(self, lease_id: int) -> bool:
         """Revoke lease *lease_id*, deleting its keys; whether the server heard it (best effort)."""
         try:
@@ -363,6 +392,19 @@ class EtcdBackend:
         self.gateway.close()
 
 
+def _record(request: Request, lease_id: int, holder: Holder) -> str:
+    """Return the value of our queue key: who we are, and the N we ask for (an `Identity`)."""
+    return write_json(
+        {
+            "token": f"{lease_id:016x}",
+            "namespace": request.namespace,
+            "name": request.name,
+            "slots": request.slots,
+            "holder": holder.to_dict(),
+        }
+    )
+
+
 def _lease(token: str) -> int:
     """Return the lease ID a record's token names (16 hex digits); 0 if it names none."""
     try:
@@ -408,6 +450,9 @@ class EtcdLease:
         self.confirmed = kept
         self.ttl: float | None = min(ttl, server_ttl)
         self.released = False
+        # Our queue key and the record to put there at the first refresh: the grant of a
+        # waiter dates it (`status`), off the hand-over's path.
+        self.rewrite: tuple[bytes, str] | None = None
 
     def refresh(self) -> None:
         """Keep the lease alive for another TTL; `LeaseLost` if etcd no longer has it."""
@@ -415,6 +460,10 @@ class EtcdLease:
         if not self.backend.keep_alive(self.lease_id):
             raise LeaseLost(_GONE)
         self.confirmed = sent
+        if self.rewrite is not None:
+            key, record = self.rewrite
+            self.rewrite = None
+            self.backend.rewrite(key, record, self.lease_id)
 
     @property
     def orphan(self) -> bytes:

@@ -10,6 +10,7 @@ hold lockrun past its timeout nor fill its memory (docs/security.md).
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import socket
@@ -355,6 +356,13 @@ class Watch:
             raise ConnectionError(msg)
         result = message.get("result")
         return isinstance(result, dict) and bool(result.get("events") or result.get("canceled"))
+
+    def cut(self) -> None:
+        """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""
+        sock = self.link.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     @property
     def open(self) -> bool:

@@ -198,7 +198,7 @@ def test_auth_keeps_lockruns_user_to_its_prefix_and_refuses_a_wrong_password(
     """After enable_auth: lockrun's user writes under lockrun/ only; a wrong password fails."""
     etcd_server.enable_auth()
     assert (
-        etcd_server.lock_uri == f"etcd://{ETCD_USER}:{ETCD_PASSWORD}@127.0.0.1:{etcd_server.port}"
+        etcd_server.lock_uri == f"etcd://{ETCD_USER}:{ETCD_PASSWORD}@127.0.0.1:{etcd_server.port}/"
     )
     endpoint = [etcd_server.uri]
     user = ("--user", f"{ETCD_USER}:{ETCD_PASSWORD}")

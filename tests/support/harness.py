@@ -1015,7 +1015,7 @@ class EtcdHarness(ServerHarness):
         self.tap = LeaseTap()
         self.proxy = Proxy(("127.0.0.1", self.server.port), tap=self.tap)
         self.uri = self.server.lock_uri
-        self.proxied = f"etcd://127.0.0.1:{self.proxy.port}"
+        self.proxied = self.uri.replace(f":{self.server.port}/", f":{self.proxy.port}/")
         self.endpoints = [self.server.uri]
         self._authorization = None
         self.can_restart = self.can_partition = True

@@ -523,9 +523,13 @@ class EtcdServer(_Server):
 
     @property
     def lock_uri(self) -> str:
-        """The ``etcd://`` URI of this member (with lockrun's user once auth is on)."""
+        """The ``etcd://`` URI of this member (with lockrun's user once auth is on).
+
+        It ends in ``/``, as the other servers' URIs do after their port: tests that point a
+        URI at a proxy replace ``:PORT/``.
+        """
         user = f"{ETCD_USER}:{ETCD_PASSWORD}@" if self.password is not None else ""
-        return f"etcd://{user}127.0.0.1:{self.port}"
+        return f"etcd://{user}127.0.0.1:{self.port}/"
 
     @property
     def peer_url(self) -> str:

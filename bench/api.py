@@ -11,6 +11,7 @@ and prints how many cycles completed before it.
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
 import json
 import os
@@ -35,7 +36,7 @@ Setup = Callable[[str, str, Path], Callable[[], None]]
 # GET_LOCK's wait, as lockrun's longest: MariaDB returns NULL at once on a negative one
 # (docs/design.md P20). Also portalocker's: it gives up after 5 s by default.
 FOREVER: Final = 31_536_000
-LEASE: Final = 30  # seconds: the Redis keys expire as a lockrun lease would (its default ttl)
+LEASE: Final = 30  # seconds: the Redis keys and etcd leases end as a lockrun lease would
 GO_TIMEOUT: Final = 120.0
 
 
@@ -139,6 +140,58 @@ def advisory_lock(uri: str, name: str, _: Path) -> Callable[[], None]:
     return cycle
 
 
+def etcd3gw_lock(uri: str, name: str, _: Path) -> Callable[[], None]:
+    """Return a cycle of etcd3gw's Lock: acquire (a lease, a put if absent), release (a delete).
+
+    Its acquire does not wait (False when taken, which `with` would pass over): checked.
+    """
+    from etcd3gw.client import Etcd3Client  # noqa: PLC0415 - the bench extra
+
+    parts = urlsplit(uri)
+    lock = Etcd3Client(host=parts.hostname or "", port=parts.port or 2379).lock(name, ttl=LEASE)
+
+    def cycle() -> None:
+        if not lock.acquire():
+            msg = f"{name} is taken"
+            raise RuntimeError(msg)
+        lock.release()
+
+    return cycle
+
+
+def v3lock(uri: str, name: str, _: Path) -> Callable[[], None]:
+    """Return a cycle of lease grant, Lock and revoke on etcd's lock service, one kept connection.
+
+    etcd's v3lock runs clientv3's Mutex in the server (`etcdctl lock`'s queue): Lock waits
+    there, and the revoke deletes the lock's key with the lease. A lease per cycle, as a
+    lockrun acquire and an `etcdctl lock` run make, the lease that frees a dead holder's lock.
+    """
+    import http.client  # noqa: PLC0415 - each contender imports only its own library
+    import socket  # noqa: PLC0415
+
+    parts = urlsplit(uri)
+    connection = http.client.HTTPConnection(parts.hostname or "", parts.port or 2379)
+    connection.connect()
+    # As lockrun's: http.client writes a body apart from its headers, which Nagle would hold.
+    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    key = base64.b64encode(name.encode()).decode()
+
+    def call(path: str, body: dict[str, object]) -> dict[str, Any]:
+        connection.request("POST", path, json.dumps(body).encode())
+        answer = connection.getresponse()
+        found: dict[str, Any] = json.loads(answer.read())
+        if answer.status != http.client.OK:
+            raise RuntimeError(found)
+        return found
+
+    def cycle() -> None:
+        lease = call("/v3/lease/grant", {"TTL": LEASE})["ID"]
+        call("/v3/lock/lock", {"name": key, "lease": lease})
+        call("/v3/lease/revoke", {"ID": lease})
+
+    return cycle
+
+
 @dataclass(frozen=True)
 class Contender:
     """A way to take a lock from Python: its name here, its label, what it needs."""
@@ -161,6 +214,8 @@ SET_NX: Final = Contender(
 )
 GET_LOCK: Final = Contender("get-lock", "raw GET_LOCK/RELEASE_LOCK", get_lock, "pymysql")
 ADVISORY: Final = Contender("advisory", "raw pg_advisory_(un)lock", advisory_lock, "psycopg")
+ETCD3GW: Final = Contender("etcd3gw", "etcd3gw Lock", etcd3gw_lock, "etcd3gw", waits=False)
+V3LOCK: Final = Contender("v3lock", "raw lease + v3lock Lock + revoke", v3lock, "http.client")
 # Each backend's peers, the one its target names first (bench/measure.py).
 PEERS: Final = {
     "file": (PORTALOCKER, FILELOCK, FLOCK),
@@ -168,6 +223,7 @@ PEERS: Final = {
     "redis": (REDIS_LOCK, SET_NX),
     "mysql": (GET_LOCK,),
     "postgres": (ADVISORY,),
+    "etcd": (ETCD3GW, V3LOCK),
 }
 CONTENDERS: Final = {c.name: c for c in (LOCKRUN, *(p for ps in PEERS.values() for p in ps))}
 

@@ -30,7 +30,18 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 from urllib.parse import urlsplit
 
 from bench import api, core, modes, reach
-from bench.core import ETCD, FLOCK, SERVED, SOCKET, Bench, Broken, Processes, Usage, row
+from bench.core import (
+    ETCD,
+    ETCDCTL_LOCK,
+    FLOCK,
+    SERVED,
+    SOCKET,
+    Bench,
+    Broken,
+    Processes,
+    Usage,
+    row,
+)
 from bench.servers import Unavailable, serving
 
 if TYPE_CHECKING:
@@ -46,22 +57,40 @@ LONG_HOLD: Final = 6.0  # a wait of seconds, as in real use, not only a fresh qu
 LOCAL_STARTUP_TARGET: Final = 1.15
 SERVER_STARTUP_TARGET: Final = 1.05
 FILE_HANDOFF_RATIO: Final = 1.3
+# lockrun's handoff over `etcdctl lock`'s: issue 32's for Redis and the SQL servers; on etcd
+# itself, the same work on the same server (issue 33), only lockrun's own cost above it.
 ETCD_HANDOFF_RATIO: Final = 1.2
+ETCD_HANDOFF_RATIOS: Final = {ETCD: 1.0}
 OTHER_HANDOFF_MS: Final = 10.0
 SLOTS: Final = (1, 3)
 # What lockrun's start-up is divided by: the interpreter importing click and the driver,
 # then connecting and one round trip; for the local backends, importing click and a flock(2).
 # Each floor connects the cheapest way that does what lockrun's connection does: PyMySQL's
 # default connect loads the system's CA store for a TLS it offers (≈20 ms) that lockrun,
-# asked for no TLS, skips, so the floor skips it too.
-DRIVERS: Final = {"redis": "redis", "mysql": "pymysql", "postgres": "psycopg"}
+# asked for no TLS, skips, so the floor skips it too. etcd's driver is the standard library's,
+# as lockrun's (docs/design.md A13): one POST of a range read over HTTP/1.1, its JSON answer
+# read; TCP_NODELAY set, as lockrun sets it, so that Nagle never holds the body (http.client
+# writes it apart from the headers).
+DRIVERS: Final = {
+    "redis": "redis",
+    "mysql": "pymysql",
+    "postgres": "psycopg",
+    ETCD: "http.client, json, base64, socket",
+}
+ETCD_FLOOR: Final = (
+    "c = http.client.HTTPConnection({host!r}, {port}); c.connect(); "
+    "c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); "
+    "c.request('POST', '/v3/kv/range', json.dumps({{'key': base64.b64encode(b'floor').decode()}})"
+    ".encode()); json.loads(c.getresponse().read())"
+)
 FLOORS: Final = {
     "redis": ("PING", "redis.Redis.from_url({uri!r}).ping()"),
     "mysql": ("SELECT 1", "pymysql.connect(**{mysql!r}, ssl_disabled=True).query('SELECT 1')"),
     "postgres": ("SELECT 1", "psycopg.connect({uri!r}).execute('SELECT 1')"),
+    ETCD: ("POST /v3/kv/range", ETCD_FLOOR),
 }
 LOCAL_FLOOR: Final = "fcntl.flock(os.open({path!r}, os.O_RDWR | os.O_CREAT, 0o600), fcntl.LOCK_EX)"
-TITLES: Final = {"redis": "Redis", "mysql": "MySQL", "postgres": "PostgreSQL"}
+TITLES: Final = {"redis": "Redis", "mysql": "MySQL", "postgres": "PostgreSQL", ETCD: "etcd"}
 # The Python API: lockrun at most this many times its peer's acquire+release median.
 API_TARGETS: Final = {
     "file": (api.PORTALOCKER, 1.5),
@@ -69,11 +98,15 @@ API_TARGETS: Final = {
     "redis": (api.REDIS_LOCK, 1.3),
     "mysql": (api.GET_LOCK, 2.5),
     "postgres": (api.ADVISORY, 2.5),
+    # etcd3gw's Lock, OpenStack's client of the same gateway: a library's lock, as redis-py's
+    # is on Redis (issue 32's 1.3x). It cannot wait: no contention round (bench/api.py).
+    ETCD: (api.ETCD3GW, 1.3),
 }
 CONTENDING: Final = 4  # processes on one name
 # lockrun's cycles/s, at least this share of the primitive's, as issue 32 reads it: the raw
 # GET_LOCK and advisory lock; on Redis, where SET NX cannot wait, redis-py's lock, which polls
-# it; on a file, portalocker's flock(2) (a bare open+flock+close is printed beside it).
+# it; on a file, portalocker's flock(2) (a bare open+flock+close is printed beside it); on etcd,
+# its own lock service (v3lock: the same queue, run by the server) on a lease per cycle.
 THROUGHPUT_SHARE: Final = 0.5
 RAW: Final = {
     "file": api.PORTALOCKER,
@@ -81,6 +114,7 @@ RAW: Final = {
     "redis": api.REDIS_LOCK,
     "mysql": api.GET_LOCK,
     "postgres": api.ADVISORY,
+    ETCD: api.V3LOCK,
 }
 PSS_TARGET: Final = 12.0  # MiB of memory a waiting lockrun (its process tree) may cost
 FAIRNESS: Final = 0.85  # lockrun's fewest cycles per process over its most: FIFO, in turn
@@ -151,14 +185,15 @@ def floor(backend: str, target: Target) -> tuple[str, list[str]]:
     """Return what *backend*'s start-up is divided by: a label and its `python -c` command.
 
     The command imports click and the driver, connects and makes one round trip (PING, SELECT
-    1): what any command-line client of the server must do. For the local backends: importing
-    click and one open and flock(2).
+    1, a range read): what any command-line client of the server must do. For the local
+    backends: importing click and one open and flock(2).
     """
     what, code = FLOORS.get(backend, ("open+flock", LOCAL_FLOOR))
     parts = urlsplit(target.uri)
     mysql = {"host": parts.hostname, "port": parts.port, "user": parts.username}
     mysql["database"] = parts.path.lstrip("/")
-    code = code.format(uri=target.uri, path=str(target.directory / "floor"), mysql=mysql)
+    where = {"host": parts.hostname, "port": parts.port}
+    code = code.format(uri=target.uri, path=str(target.directory / "floor"), mysql=mysql, **where)
     modules = imports([backend]) + ("" if backend in DRIVERS else ", fcntl, os")
     label = f"import, connect, {what}" if backend in DRIVERS else f"import click, {what}"
     return f"floor: {label}", [sys.executable, "-c", f"import {modules}; {code}"]
@@ -233,12 +268,19 @@ def handoff_trials(
 
 
 def start_etcd(bench: Bench, stack: contextlib.ExitStack) -> bool:
-    """Run a throwaway etcd until *stack* closes, for `etcdctl lock`; say whether it runs."""
+    """Run a throwaway etcd until *stack* closes, for `etcdctl lock`; say whether it runs.
+
+    On the etcd group, `etcdctl lock` runs on lockrun's own etcd: the same server.
+    """
     try:
-        stack.enter_context(serving(bench, ETCD))
-        etcd = bench.servers[ETCD]
-        row("etcd", f"etcd {etcd.version()}, {etcd.uri}, started in {etcd.ready_in:.1f} s")
-        row("etcd durability", etcd.durability)
+        if ETCD in bench.servers:
+            row("etcdctl lock", "on the same etcd as lockrun")
+        else:
+            stack.enter_context(serving(bench, ETCD))
+            etcd = bench.servers[ETCD]
+            numbers = f"etcd {etcd.version()}, {etcd.endpoint}, started in {etcd.ready_in:.1f} s"
+            row("etcd", numbers)
+            row("etcd durability", etcd.durability)
         row("etcdctl waiter queued", "once etcd counts its watch, synced (servers.Etcd.waiting)")
     except (Unavailable, Broken) as err:
         row("etcdctl lock", f"skipped: {err}")
@@ -263,7 +305,7 @@ def handoff(bench: Bench, group: Group) -> None:
     labels["flock"] = "flock(1) on a file"
     with contextlib.ExitStack() as stack:
         if group.title and start_etcd(bench, stack):
-            labels[ETCD] = "etcdctl lock (TCP)"
+            labels[ETCDCTL_LOCK] = "etcdctl lock (TCP)"
         measured = {kind: label for kind, label in labels.items() if label is not None}
         results, broken = handoff_trials(bench, measured, trials)
     for kind, label in labels.items():
@@ -281,7 +323,7 @@ def handoff(bench: Bench, group: Group) -> None:
 
 def handoff_verdicts(backend: str, medians: dict[str, float]) -> None:
     """Judge *backend*'s handoff median: against flock(1)'s for file, else against etcdctl's."""
-    median, flock, etcd = medians[backend], medians.get("flock"), medians.get(ETCD)
+    median, flock, etcd = medians[backend], medians.get("flock"), medians.get(ETCDCTL_LOCK)
     if backend == "file":  # both flock(2): lockrun's own cost, over flock(1)'s
         if flock:
             core.ratio_row("file: lockrun / flock(1), median", median / flock, FILE_HANDOFF_RATIO)
@@ -291,7 +333,8 @@ def handoff_verdicts(backend: str, medians: dict[str, float]) -> None:
     ok = median <= OTHER_HANDOFF_MS
     row(f"{backend}: median", f"{median:6.2f} ms", f"<= {OTHER_HANDOFF_MS:.0f} ms", ok)
     if etcd:
-        core.ratio_row(f"{backend}: lockrun / etcdctl lock", median / etcd, ETCD_HANDOFF_RATIO)
+        most = ETCD_HANDOFF_RATIOS.get(backend, ETCD_HANDOFF_RATIO)
+        core.ratio_row(f"{backend}: lockrun / etcdctl lock", median / etcd, most)
 
 
 @dataclass(frozen=True)
@@ -304,7 +347,7 @@ class IdleResult:
     drain: float
     server: Usage | None = None
     connected: int = 0  # the server's clients at the window's end, without the probe
-    blocked: int = 0  # of which blocked (in BLPOP, inside GET_LOCK or pg_advisory_lock)
+    blocked: int = 0  # waiting (in BLPOP, GET_LOCK, pg_advisory_lock; etcd: its watches)
     left: int = 0  # the server's connections once every waiter had run and exited
 
 
@@ -345,9 +388,13 @@ def idle_case(
 
 
 def idle(bench: Bench, group: Group) -> None:
-    """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3."""
+    """Measure idle waiters' CPU, and their server's, sessions and drain, for N = 1 and 3.
+
+    On etcd, `etcdctl lock`'s waiters too, on the same server, for reference.
+    """
     waiters, window = group.effort.idle_waiters, group.effort.idle_window
     group.heading(2, f"idle waiters: {waiters} waiters (-w forever) on a held lock, {window:.0f} s")
+    alone = server_alone(bench, group, window)
     for kind, slots in ((kind, slots) for kind in group.backends for slots in SLOTS):
         if (result := idle_case(bench, kind, slots, waiters, window)) is None:
             continue
@@ -366,11 +413,13 @@ def idle(bench: Bench, group: Group) -> None:
         core.idle_row(f"{what}: {program}", load, window)
         # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client is
         # still there, and so does PostgreSQL with the client_connection_check_interval lockrun
-        # sets (14+): their cost grows with the queue.
-        each = f"{load.run * 1000 / waiters / window:.3f} ms CPU/s, "
-        row(f"{what}: {program}/waiter", f"{each}{load.switches / waiters / window:.2f} wakeups/s")
-        # One session per waiter, and N - 1 more for the head, which waits on every slot.
-        theirs, expected = result.connected - slots, waiters + slots - 1
+        # sets (14+): their cost grows with the queue. What the server spends alone is not the
+        # waiters' (etcd: raft's ticks, its Go runtime).
+        added = load - alone if alone is not None else load
+        each = f"{max(added.run, 0.0) * 1000 / waiters / window:.3f} ms CPU/s, "
+        each += f"{max(added.switches, 0) / waiters / window:.2f} wakeups/s"
+        row(f"{what}: {program}/waiter", each + (" above alone" if alone is not None else ""))
+        theirs, expected = result.connected - slots, bench.servers[kind].sessions(waiters, slots)
         holders = "1 holder" if slots == 1 else f"{slots} holders"
         numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
         row(
@@ -383,6 +432,42 @@ def idle(bench: Bench, group: Group) -> None:
             f"{what}: drain",
             f"all {waiters} ran in {result.drain:.2f} s; {result.left} sessions left",
         )
+    if ETCD in group.backends:
+        etcdctl_idle(bench, waiters, window, alone)
+
+
+def etcdctl_idle(bench: Bench, waiters: int, window: float, alone: Usage | None) -> None:
+    """Measure `etcdctl lock` waiters on the etcd group's etcd, for reference beside lockrun's.
+
+    Each keeps its session's lease alive on a gRPC stream (every 20 s at etcdctl's 60 s TTL).
+    """
+    if (result := idle_case(bench, ETCDCTL_LOCK, 1, waiters, window)) is None:
+        return
+    usage, load = result.usage, result.server or Usage(0.0, 0.0, 0)
+    numbers = f"{usage.cpu:5.3f} s CPU ({usage.run * 1000:.1f} ms exact), {usage.switches} wakeups"
+    row("etcdctl lock: waiters", numbers)
+    row("etcdctl lock: memory", f"{result.pss / waiters:5.1f} MiB PSS per waiter")
+    added = load - alone if alone is not None else load
+    each = f"{max(added.run, 0.0) * 1000 / waiters / window:.3f} ms CPU/s, "
+    each += f"{max(added.switches, 0) / waiters / window:.2f} wakeups/s"
+    row("etcdctl lock: etcd", f"{load.cpu:5.3f} s CPU ({load.run * 1000:.1f} ms exact)")
+    row("etcdctl lock: etcd/waiter", each + (" above alone" if alone is not None else ""))
+
+
+def server_alone(bench: Bench, group: Group, window: float) -> Usage | None:
+    """Measure *group*'s server with no client over *window*, for reference; None: no server."""
+    if (server := bench.server_of(group.backends[0])) is None:
+        return None
+    try:
+        before = server.usage()
+        time.sleep(window)
+        alone = server.usage() - before
+    except (OSError, ValueError, IndexError) as err:  # /proc: the server ended
+        bench.broke(f"{server.program} alone", Broken(str(err)))
+        return None
+    numbers = f"{alone.cpu:5.3f} s CPU ({alone.run * 1000:.1f} ms exact), {alone.switches} wakeups"
+    row(f"{server.program} alone, no client", numbers)
+    return alone
 
 
 def fifo_scenario(bench: Bench, kind: str, slots: int, hold: float) -> tuple[list[int], list[int]]:

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import select
 import shlex
 import signal
@@ -164,8 +165,7 @@ def standby_trial(bench: Bench, kind: str, fault: str) -> tuple[float, float | N
         with Processes(directory) as procs:
             active_target = target
             if proxy is not None:
-                port = f":{proxy.target[1]}/"
-                proxied = target.uri.replace(port, f":{proxy.port}/")
+                proxied = through(target.uri, proxy.target[1], proxy.port)
                 active_target = dataclasses.replace(target, uri=proxied)
             active, active_start, active_end = start_daemon(procs, active_target, "active")
             started(active, active_start, PATIENCE)
@@ -184,6 +184,18 @@ def standby_trial(bench: Bench, kind: str, fault: str) -> tuple[float, float | N
     finally:
         if proxy is not None:  # after the processes, which leave through it
             proxy.close()
+
+
+def through(uri: str, port: int, proxy: int) -> str:
+    """Return *uri* with its server's *port* replaced by the *proxy*'s; `Broken` if it has none.
+
+    The port ends the address: a path (``redis://H:P/0``), a query, the next member
+    (``etcd://H:P,H2:P2``) or the URI itself (``etcd://H:P``) follows it.
+    """
+    proxied, found = re.subn(rf":{port}(?=[/?,]|$)", f":{proxy}", uri, count=1)
+    if not found:
+        raise Broken(f"no port {port} in {uri} to send through the proxy")
+    return proxied
 
 
 def cut_off(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bench import api, core, modes
-from bench.core import ETCD, SERVED, Bench, Broken, Effort, Processes
+from bench.core import ETCDCTL_LOCK, SERVED, Bench, Broken, Effort, Processes
 from bench.measure import (
     API_TARGETS,
     CONTENDING,
@@ -79,6 +79,7 @@ class ApiColumn:
     median: float | None = None  # µs, acquire+release in one process
     rate: float | None = None  # cycles per s, CONTENDING processes together
     fairness: float | None = None  # the fewest cycles of one process over the most
+    waits: bool = True  # False: it cannot wait for a held lock, so it has no rate nor fairness
 
 
 @dataclass
@@ -97,21 +98,21 @@ class Table:
     skipped: str = ""
 
     def column(self, kind: str) -> Column:
-        if kind == ETCD and self.etcd is not None:
+        if kind == ETCDCTL_LOCK and self.etcd is not None:
             return self.etcd
         return self.flock if kind == "flock" else self.lockrun
 
     @property
     def kinds(self) -> list[str]:
         """The tools of the CLI columns: lockrun's backend, flock(1), maybe `etcdctl lock`."""
-        return [self.backend, "flock", *([ETCD] if self.etcd else [])]
+        return [self.backend, "flock", *([ETCDCTL_LOCK] if self.etcd else [])]
 
 
 def measure(bench: Bench, backend: str, effort: Effort) -> Table:
     """Measure *backend* and flock(1) side by side, with the backend's server if it needs one.
 
     A server backend is measured beside `etcdctl lock` too, on a throwaway etcd that runs
-    throughout (idle, it costs a few ms of CPU per s).
+    throughout (idle, it costs a few ms of CPU per s); the etcd backend on its own etcd.
     """
     table = Table(backend)
     try:
@@ -153,7 +154,7 @@ def startup(bench: Bench, table: Table, effort: Effort) -> None:
 def handoff(bench: Bench, table: Table, effort: Effort) -> None:
     """Time handoffs of the backend, flock(1) (…), interleaved; a broken one stays empty."""
     labels = {table.backend: f"lockrun, {table.backend} backend", "flock": "flock(1) on a file"}
-    labels |= {ETCD: "etcdctl lock"} if table.etcd else {}
+    labels |= {ETCDCTL_LOCK: "etcdctl lock"} if table.etcd else {}
     results, broken = handoff_trials(bench, labels, effort.handoff_trials)
     for kind in labels.keys() - broken:
         table.column(kind).handoff = results[kind]
@@ -201,15 +202,19 @@ def contend(bench: Bench, table: Table, effort: Effort) -> None:
 
 
 def python_api(bench: Bench, table: Table, effort: Effort) -> None:  # noqa: ARG001 - a step
-    """Measure lockrun.Lock beside the peer `python -m bench` targets, with the plan's effort."""
+    """Measure lockrun.Lock beside the peer `python -m bench` targets, with the plan's effort.
+
+    A peer that cannot wait (etcd3gw's Lock) has no contention figures.
+    """
     peer = API_TARGETS[table.backend][0]
     entries = [Entry(api.LOCKRUN, table.backend), Entry(peer, table.backend)]
-    table.api, table.peer = (ApiColumn(), ApiColumn()), peer.label
+    table.api, table.peer = (ApiColumn(), ApiColumn(waits=peer.waits)), peer.label
     if importlib.util.find_spec(peer.module) is None:
         table.peer += " (not installed)"
         entries.pop()
     times = api_latencies(bench, entries, bench.plan.api)
-    found = api_contention(bench, entries, bench.plan.api)
+    waiting = [entry for entry in entries if entry.contender.waits]
+    found = api_contention(bench, waiting, bench.plan.api)
     for entry, column in zip(entries, table.api, strict=False):
         if entry.label in times:
             column.median = statistics.median(times[entry.label])
@@ -283,8 +288,9 @@ def api_lines(tables: Sequence[Table]) -> list[str]:
     ]
     for table in measured:
         both = table.api or ()
-        cells = [cell(c.median, ".1f") for c in both] + [cell(c.rate, ".0f") for c in both]
-        cells += [cell(c.fairness) for c in both]
+        cells = [cell(c.median, ".1f") for c in both]
+        cells += [cell(c.rate, ".0f") if c.waits else "—" for c in both]
+        cells += [cell(c.fairness) if c.waits else "—" for c in both]
         lines.append(f"| {table.backend} | {table.peer} | {' | '.join(cells)} |")
     return [*lines, ""]
 
@@ -326,8 +332,9 @@ def standby_lines(tables: Sequence[Table], bench: Bench) -> list[str]:
         "",
     ]
     lines += paragraph(
-        "A crash on Redis and a cut wait out what is left of a lease, at most a ttl"
-        f" ({ttl} s here): they scale with `--ttl`. The rest is a hand-over."
+        "A crash on Redis or etcd and a cut wait out what is left of a lease, at most a ttl"
+        f" ({ttl} s here; on etcd, which looks for expired leases every half second, up to"
+        " that much more): they scale with `--ttl`. The rest is a hand-over."
     )
     lines += [
         "| backend | clean stop | crash | host cut off | cut-off daemon stopped |",
@@ -417,13 +424,15 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         f"| command | `{command}` |",
         "",
         "What the rows measure, lockrun and flock(1) alike, in the same run; beside a server",
-        f"backend, `etcdctl lock` too, on a throwaway etcd of the bench's own{etcd}:",
+        f"backend, `etcdctl lock` too, on a throwaway etcd of the bench's own{etcd} (beside the",
+        "etcd backend, on the very etcd lockrun uses):",
         "",
         "- **start-up**: median wall time of `lockrun --uri URI -- true`, `flock FILE true` and",
         "  `etcdctl lock NAME -- true`; the ratio divides it by the median of the backend's",
         "  floor, as `python -m bench` does: `python -c` importing click and the driver,",
-        "  connecting and one round trip (PING, SELECT 1); for file: and abstract:, importing",
-        "  click and one open and flock(2).",
+        "  connecting and one round trip (PING, SELECT 1; on etcd, `http.client`, `json` and",
+        "  `base64`, lockrun's own driver, and one `POST /v3/kv/range`); for file: and",
+        "  abstract:, importing click and one open and flock(2).",
         "- **handoff**: from the holder's command exiting to the waiter's command starting",
         "  (both print a `date +%s%N`), the waiter queued with `--wait forever`.",
         "",
@@ -434,18 +443,23 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         "  an ungranted advisory lock); `etcdctl lock`'s once etcd's own gauges show its watch",
         "  on the key ahead of it *synced*. etcd 3.4 starts that watch unsynced and catches it",
         "  up every 100 ms, so releasing the holder as soon as the waiter's key appears (as",
-        "  this bench once did) timed etcd's catch-up, 0–100 ms, not its hand-over.",
+        "  this bench once did) timed etcd's catch-up, 0–100 ms, not its hand-over. A lockrun",
+        "  waiter on etcd is held to the same rule: its queue key (whose record names its pid)",
+        "  and a synced watch for each waiter.",
         "- **Every server keeps its production durability**: PostgreSQL with fsync on (its",
         "  default; the test suite's servers turn it off), MariaDB flushing InnoDB's log at",
         "  every commit (its default), etcd's data on the disk, Redis appending to its AOF",
         "  (fsync once a second). A flush lockrun forces per grant is in its figures.",
         "- **Floors connect the cheapest equivalent way**: PyMySQL with `ssl_disabled=True`,",
-        "  as lockrun's own connection skips the CA store when no TLS is asked for.",
+        "  as lockrun's own connection skips the CA store when no TLS is asked for; etcd's",
+        "  floor and raw peer set TCP_NODELAY, as lockrun does (`http.client` writes a body",
+        "  apart from its headers).",
         "- **Start-ups alternate** (every command once per round), and bytecode is compiled",
         "  first, as `pip install` does.",
         f"- **idle-waiter CPU**: {WAITERS} waiters blocked on a held lock for {window}: the CPU",
         "  seconds each used per second, the larger of /proc's tick count and schedstat's exact",
-        "  run time. For a server backend, the server's CPU over the same window, per waiter.",
+        "  run time. For a server backend, the server's CPU over the same window, per waiter",
+        "  (etcd, which also ticks its raft and Go runtime, spends a few ms per s alone).",
         f"- **cycles**: {CONTENDERS} processes, each looping",
         "  `lockrun --uri URI -n NAME -w forever -- true` (or `flock FILE true`) for",
         f"  {window}: completed runs per second, all of them together.",
@@ -454,7 +468,13 @@ def header_lines(bench: Bench, command: str, loads: tuple[str, str], effort: Eff
         f"  of its own: the acquire+release median of {plan.rounds} × {plan.cycles} cycles in one",
         f"  process, after {plan.warmup} to warm up; then {CONTENDING} processes cycling on one",
         f"  name, {plan.contend_rounds} × {plan.window:g} s: cycles per second, all together, and",
-        "  the fewest cycles of one process over the most (1: each had as many).",
+        "  the fewest cycles of one process over the most (1: each had as many). On etcd the",
+        "  peer is etcd3gw's `Lock` (OpenStack's client of the same JSON gateway, on `requests`):",
+        "  a lease grant and a put-if-absent, then a delete; it cannot wait (its acquire says",
+        "  False), so it has no contention figures (—). `python -m bench` also runs etcd's own",
+        "  lock service (v3lock, `etcdctl lock`'s queue run in the server) over `http.client`:",
+        "  a lease grant, `Lock`, which waits, and a revoke per cycle, as lockrun grants a",
+        "  lease per acquire: the raw primitive its contention target is taken against.",
         "",
         f"![Handoff latency per backend, beside flock(1)]({PLOT_NAME})",
         "",

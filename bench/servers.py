@@ -2,7 +2,8 @@
 
 Each listens on a free loopback port too: lockrun reaches it over TCP like a real deployment.
 The probe, a session of the bench's own on the unix socket, asks who waits and how many.
-An etcd, for `etcdctl lock` beside the server backends, is asked over its JSON gateway.
+etcd, lockrun's etcd backend's server and `etcdctl lock`'s beside every server backend, is
+asked over its JSON gateway and its metrics (it has no unix socket).
 
 Every server keeps its production durability, so that no side of a ratio skips a flush the
 other pays (`durability` says which): PostgreSQL fsyncs (the tests' servers do not), MariaDB
@@ -29,7 +30,16 @@ import pymysql
 import pytest
 import redis
 
-from bench.core import CLOCK_TICKS, ETCD, LOCAL, Broken, Usage, descendants, stat_fields
+from bench.core import (
+    CLOCK_TICKS,
+    ETCD,
+    ETCDCTL_LOCK,
+    LOCAL,
+    Broken,
+    Usage,
+    descendants,
+    stat_fields,
+)
 from tests.support.servers import (
     EtcdServer,
     MariaServer,
@@ -42,7 +52,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from subprocess import Popen
 
-    from bench.core import Bench
+    from bench.core import Bench, Target
 
 # What a lockrun waiter's statement carries: who waits, lock name and pid. Its JSON never
 # holds a */ (MySQL's escapes it, PostgreSQL's every / and *), so the first */ ends it.
@@ -54,6 +64,8 @@ T = TypeVar("T")
 # etcd's gauges of watches, all of them and those not yet caught up (GET /metrics).
 WATCHERS: Final = "etcd_debugging_mvcc_watcher_total"
 UNSYNCED: Final = "etcd_debugging_mvcc_slow_watcher_total"
+LOCKRUN_KEYS: Final = "lockrun"  # the etcd backend's keys: lockrun/NS/NAME/q/LEASE (A13)
+ESTABLISHED: Final = "01"  # a TCP connection's state in /proc/net/tcp
 
 
 class Unavailable(Exception):
@@ -64,7 +76,7 @@ class Server:
     """A throwaway server of the bench's own, and its probe.
 
     `clients` counts its clients but the probe, and those waiting; `waiting` says which of
-    *pids* wait for *name* in it.
+    *pids* wait for a target's lock in it.
     """
 
     program: ClassVar[str]
@@ -77,6 +89,7 @@ class Server:
         self.server = server
         self.ready_in = 0.0  # seconds from a fresh data directory to the first session
         self.uri, self.socket_uri = server.tcp_uri, server.uri
+        self.endpoint = self.uri  # where a peer's own client connects (`etcdctl lock`'s)
 
     @property
     def pid(self) -> int:
@@ -91,8 +104,15 @@ class Server:
     def clients(self) -> tuple[int, int]:
         raise NotImplementedError
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:
+    def waiting(self, target: Target, pids: set[int]) -> set[int]:
         raise NotImplementedError
+
+    def sessions(self, waiters: int, slots: int) -> int:
+        """Return how many sessions *waiters* queued behind *slots* holders may open.
+
+        One per waiter, and N - 1 more for the head, which waits on every slot.
+        """
+        return waiters + slots - 1
 
     def usage(self) -> Usage:
         """Sample the server now (Redis: its main thread does the work)."""
@@ -156,7 +176,7 @@ class Redis(Server):
         info = self.ask(lambda probe: probe.info("clients"))
         return int(info["connected_clients"]) - 1, int(info["blocked_clients"])
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - one lock at once
+    def waiting(self, target: Target, pids: set[int]) -> set[int]:  # noqa: ARG002 - one at once
         """Return which of *pids* sleep in a blocking command (BLPOP) on the server.
 
         CLIENT LIST names each blocked client's port; /proc/net/tcp turns the port into a
@@ -194,27 +214,18 @@ class Maria(Server):
         return str(self.query("SELECT VERSION()")[0][0])
 
     def usage(self) -> Usage:
-        """Sample the server's CPU, and its live threads' run time and switches.
-
-        A thread per connection plus InnoDB's own. One that ends between two samples takes its
-        share of the exact numbers with it (the CPU column, the process's own, keeps it).
-        """
-        total = Usage(Usage.of(self.pid).cpu, 0.0, 0)
-        for entry in os.listdir(f"/proc/{self.pid}/task"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                thread = Usage.of(self.pid, int(entry))
-                total += Usage(0.0, thread.run, thread.switches)
-        return total
+        """Sample the server: a thread per connection plus InnoDB's own (`threads_usage`)."""
+        return threads_usage(self.pid)
 
     def clients(self) -> tuple[int, int]:
         connected = self.query("SHOW GLOBAL STATUS LIKE 'Threads\\_connected'")[0][1]
         sql = "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = %s"
         return int(connected) - 1, int(self.query(sql, USER_LOCK)[0][0])
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - the tags tell
+    def waiting(self, target: Target, pids: set[int]) -> set[int]:  # noqa: ARG002 - tags tell
         """Return the lockrun pids whose session is blocked in GET_LOCK ('User lock')."""
         sql = "SELECT INFO FROM information_schema.PROCESSLIST WHERE STATE = %s AND INFO LIKE %s"
-        return self.tagged(name, sql, USER_LOCK, "%/* lockrun %")
+        return self.tagged(target.name, sql, USER_LOCK, "%/* lockrun %")
 
 
 class Postgres(Server):
@@ -258,7 +269,7 @@ class Postgres(Server):
         )[0]
         return int(connected), int(waiting)
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:  # noqa: ARG002 - the tags tell
+    def waiting(self, target: Target, pids: set[int]) -> set[int]:  # noqa: ARG002 - tags tell
         """Return the lockrun pids whose session waits for an advisory lock.
 
         pg_locks says who waits, not pg_stat_activity's wait_event: a waiting backend wakes
@@ -267,63 +278,143 @@ class Postgres(Server):
         """
         sql = "SELECT query FROM pg_stat_activity WHERE pid IN (SELECT pid FROM pg_locks "
         sql += "WHERE locktype = 'advisory' AND NOT granted) AND query LIKE %s"
-        return self.tagged(name, sql, "%/* lockrun %")
+        return self.tagged(target.name, sql, "%/* lockrun %")
 
 
 class Etcd(Server):
-    """The server of `etcdctl lock`, the server backends' handoff peer; no probe session."""
+    """The etcd backend's server, and `etcdctl lock`'s; asked over its gateway, no probe session.
+
+    lockrun reaches it at ``etcd://127.0.0.1:PORT`` (`uri`), etcdctl and the bench at its
+    client URL (`endpoint`), the same member.
+    """
 
     program, sockets = "etcd", False
     durability = "data on the disk, an fsync per write (etcd's only way)"
     server: EtcdServer
+
+    def __init__(self, server: EtcdServer) -> None:
+        super().__init__(server)
+        self.endpoint = server.uri
+        self.uri = self.socket_uri = f"etcd://127.0.0.1:{server.port}"
 
     def call(self, path: str, body: dict[str, object] | None = None) -> Any:  # noqa: ANN401 - JSON
         """GET *path* of etcd's JSON gateway, or POST *body* to it; `Broken` if that fails."""
         data = None if body is None else json.dumps(body).encode()
         try:
             # S310: the URL is our own server's, http on loopback.
-            with urllib.request.urlopen(self.uri + path, data, timeout=5) as answer:  # noqa: S310
+            with urllib.request.urlopen(self.endpoint + path, data, timeout=5) as answer:  # noqa: S310
                 return json.load(answer)
         except (OSError, ValueError) as err:
-            raise Broken(f"{self.program} on {self.uri}: {err}") from err
+            raise Broken(f"{self.program} on {self.endpoint}: {err}") from err
 
     def version(self) -> str:
         return str(self.call("/version")["etcdserver"])
 
-    def waiting(self, name: str, pids: set[int]) -> set[int]:
-        """Return *pids* once each has a key under *name* and a synced watch: really queued.
+    def usage(self) -> Usage:
+        """Sample the server: Go runs its goroutines on a few threads (`threads_usage`)."""
+        return threads_usage(self.pid)
 
-        `etcdctl lock` puts a key NAME/LEASE for its holder and for each waiter; a lease id
-        names no process, so the count decides. A waiter's key comes before its watch on
-        the key ahead of it, and etcd 3.4 starts that watch *unsynced* (it asks from a
-        revision already written) and catches unsynced watches up every 100 ms: a release
-        in between reaches the waiter up to 100 ms late, a queue set-up that a lockrun waiter,
-        counted only once it sleeps in the server, never pays. So a waiter counts as queued
-        once etcd's own gauges (GET /metrics) show a watch for each waiter and none
-        unsynced (../shared/research/turn3/performance.md, section 0).
+    def clients(self) -> tuple[int, int]:
+        """Count the TCP connections to etcd from other processes, and its watches.
+
+        etcd's gateway speaks to etcd itself over a connection of its own: not a client's.
         """
-        key, end = (base64.b64encode(f"{name}{last}".encode()).decode() for last in "/0")
-        found = self.call("/v3/kv/range", {"key": key, "range_end": end, "count_only": True})
-        if int(found.get("count", 0)) <= len(pids):  # JSON omits a 0
-            return set()
+        own = socket_inodes(self.pid)
+        connected = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+            remote = int(fields[2].rpartition(":")[2], 16)
+            mine = f"socket:[{fields[9]}]" in own
+            connected += remote == self.server.port and fields[3] == ESTABLISHED and not mine
+        return connected, int(self.gauges().get(WATCHERS, 0))
+
+    def sessions(self, waiters: int, slots: int) -> int:  # noqa: ARG002 - the same for any N
+        """Return 2 connections a waiter: its calls' and its watch's (A13: a stream each)."""
+        return 2 * waiters
+
+    def waiting(self, target: Target, pids: set[int]) -> set[int]:
+        """Return *pids* once each has a key in *target*'s queue and a synced watch: queued.
+
+        A waiter's key comes before its watch on the key ahead of it (or on the queue), and
+        etcd 3.4 starts a watch that asks from a revision already written *unsynced*, and
+        catches unsynced watches up every 100 ms: a release in between reaches the waiter up
+        to 100 ms late, a queue set-up, not a hand-over. So a waiter counts as queued once
+        etcd's own gauges (GET /metrics) show a watch for each waiter and none unsynced
+        (../shared/research/turn3/performance.md, section 0), lockrun's and `etcdctl lock`'s
+        alike.
+        """
+        if target.kind == ETCDCTL_LOCK:
+            keyed = pids if self.etcdctl_keys(target.name) > len(pids) else set()
+        else:
+            keyed = self.lockrun_keys(target.name) & pids
+        if len(keyed) < len(pids):
+            return keyed  # not all there yet: no need to look at the watches
         gauges = self.gauges()
         watching = gauges.get(WATCHERS, 0) >= len(pids) and gauges.get(UNSYNCED, 1) == 0
         return pids if watching else set()
+
+    def etcdctl_keys(self, name: str) -> int:
+        """Return how many keys `etcdctl lock` has under *name*: its holder's and waiters'.
+
+        It puts a key NAME/LEASE for each; a lease id names no process, so the count decides.
+        """
+        key, end = (base64.b64encode(f"{name}{last}".encode()).decode() for last in "/0")
+        found = self.call("/v3/kv/range", {"key": key, "range_end": end, "count_only": True})
+        return int(found.get("count", 0))  # JSON omits a 0
+
+    def lockrun_keys(self, name: str) -> set[int]:
+        """Return the pids of the lockruns with a queue key of lock *name* (holders too).
+
+        Each queue key's value is its acquirer's record (docs/backends.md "etcd"), as the
+        SQL backends' tags: the lock's name and the holder's pid.
+        """
+        key, end = (base64.b64encode(f"{LOCKRUN_KEYS}{last}".encode()).decode() for last in "/0")
+        found = self.call("/v3/kv/range", {"key": key, "range_end": end})
+        pids = set()
+        for kv in found.get("kvs", []):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                who = json.loads(base64.b64decode(kv["value"]))
+                pids |= {int(who["holder"]["pid"])} if who["name"] == name else set()
+        return pids
 
     def gauges(self) -> dict[str, float]:
         """Return etcd's watch gauges from its Prometheus text (GET /metrics)."""
         try:
             # S310: the URL is our own server's, http on loopback.
-            with urllib.request.urlopen(self.uri + "/metrics", timeout=5) as answer:  # noqa: S310
+            with urllib.request.urlopen(self.endpoint + "/metrics", timeout=5) as answer:  # noqa: S310
                 text = answer.read().decode()
         except (OSError, ValueError) as err:
-            raise Broken(f"{self.program} on {self.uri}: {err}") from err
+            raise Broken(f"{self.program} on {self.endpoint}: {err}") from err
         found = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
             if name in (WATCHERS, UNSYNCED):
                 found[name] = float(value)
         return found
+
+
+def threads_usage(pid: int) -> Usage:
+    """Sample process *pid*'s CPU, and its live threads' run time and switches.
+
+    A thread that ends between two samples takes its share of the exact numbers with it
+    (the CPU column, the process's own, keeps it).
+    """
+    total = Usage(Usage.of(pid).cpu, 0.0, 0)
+    for entry in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            thread = Usage.of(pid, int(entry))
+            total += Usage(0.0, thread.run, thread.switches)
+    return total
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """Return the sockets among *pid*'s open files, as /proc/PID/fd names them."""
+    found = set()
+    fds = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):
+            found.add(os.readlink(fds / fd))
+    return {name for name in found if name.startswith("socket:")}
 
 
 def launch(backend: str, port: int) -> Server:
@@ -343,12 +434,16 @@ def launch(backend: str, port: int) -> Server:
 
 @contextlib.contextmanager
 def serving(bench: Bench, backend: str) -> Iterator[Server | None]:
-    """Run *backend*'s server (or etcd) for *bench* while the block runs (None: local).
+    """Run *backend*'s server (etcd: also `etcdctl lock`'s) for *bench* while the block runs.
 
-    Raise `Unavailable` if it cannot run here.
+    None for a local backend; raise `Unavailable` if it cannot run here. A server already
+    running for *bench* is the one given: `etcdctl lock` on the etcd group's own etcd.
     """
     if backend in LOCAL:
         yield None
+        return
+    if (running := bench.servers.get(backend)) is not None:
+        yield running
         return
     began = time.monotonic()
     for attempt in range(1, STARTS + 1):

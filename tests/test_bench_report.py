@@ -162,4 +162,4 @@ def test_unknown_backend(backends: str, tmp_path: Path) -> None:
     """An unknown backend in --backends is a usage error (2) naming the choices."""
     out = report("--backends", backends, "--out", str(tmp_path / "out"), env=unmeasured())
     assert out.returncode == 2
-    assert "file,abstract,redis,mysql,postgres" in out.stderr
+    assert "file,abstract,redis,mysql,postgres,etcd" in out.stderr

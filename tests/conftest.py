@@ -17,6 +17,8 @@ from lockrun.uri import SCHEMES
 from tests.support.cli import TEST_TTL, Held, start
 from tests.support.clusters import Cluster
 from tests.support.servers import (
+    EtcdCluster,
+    EtcdServer,
     MariaServer,
     PostgresServer,
     RedisServer,
@@ -158,6 +160,41 @@ def pg_server() -> Iterator[PostgresServer]:
     server.close()
 
 
+@pytest.fixture(scope="session")
+def etcd_uri() -> Iterator[str]:
+    """Return the URI of the session's etcd: LOCKRUN_TEST_ETCD_URL or a member of our own."""
+    if url := os.environ.get("LOCKRUN_TEST_ETCD_URL"):
+        yield url
+        return
+    server = EtcdServer()
+    yield server.lock_uri
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster_uri() -> Iterator[str]:
+    """Return the URI of the session's etcd cluster: three members of our own, every one named."""
+    cluster = EtcdCluster()
+    yield cluster.uri
+    cluster.close()
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EtcdServer]:
+    """Return an etcd of this test's own (one member, data on tmpfs), to restart or lock."""
+    server = EtcdServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """Return three etcd members of this test's own, to kill the leader of or restart."""
+    cluster = EtcdCluster()
+    yield cluster
+    cluster.close()
+
+
 @pytest.fixture
 def uri(shared_harness: Harness, monkeypatch: pytest.MonkeyPatch) -> str:
     """Return a URI for each backend, private to this test (or to its unique lock names).
@@ -249,10 +286,14 @@ SERVER_FIXTURES: Final = frozenset(
     {
         "redis_uri", "redis_cluster", "valkey", "valkey_cluster", "redis_server",
         "mysql_uri", "maria_server", "postgres_uri", "pg_server",
+        "etcd_uri", "etcd_cluster_uri", "etcd_server", "etcd_cluster",
     }
 )  # fmt: skip
 SERVER_KINDS: Final = frozenset(
-    {*(scheme for scheme, kind in SCHEMES.items() if not kind.local), "valkey", "valkey-cluster"}
+    {
+        *(scheme for scheme, kind in SCHEMES.items() if not kind.local),
+        *("valkey", "valkey-cluster", "etcd-cluster"),
+    }
 )
 
 

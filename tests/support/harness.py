@@ -16,12 +16,14 @@ Loaded by tests/conftest.py as a plugin (`pytest_plugins`), so that its fixtures
 test without a second module called ``conftest``: `harness` (each backend, a server of the
 test's own), `server_harness` (the server backends only), `shared_harness` and
 `shared_server_harness` (on the session's servers: cheap, but nothing that would disturb
-other tests; a test marked `on_valkey_too` gets Valkey and a Valkey cluster as well), and
+other tests; a test marked `on_valkey_too` gets Valkey, a Valkey cluster and an etcd
+cluster as well), and
 the chaos suite's `rig`, `target`, `oracle` and `record`.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -34,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
@@ -43,7 +46,14 @@ from lockrun.uri import BACKENDS, SCHEMES, Scheme
 from tests.support.cli import gone, one_line, states, wait_for
 from tests.support.oracle import Oracle
 from tests.support.proxy import Proxy
-from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
+from tests.support.servers import (
+    EtcdServer,
+    MariaServer,
+    PostgresServer,
+    RedisServer,
+    free_port,
+    gateway,
+)
 
 if TYPE_CHECKING:
     import subprocess
@@ -60,6 +70,7 @@ _ROOMY: Final = {
     "redis": ("--maxclients", "2000"),
     "mysql": ("--max-connections=1000",),
     "postgres": ("max_connections=600",),
+    "etcd": (),  # no limit on clients by default
 }
 # How to count a server's client connections, leaving out the one that asks.
 _MYSQL_SESSIONS: Final = (
@@ -332,7 +343,7 @@ class Harness:
     uri: str
     proxied: str | None = None
     proxy: Proxy | None = None
-    server: RedisServer | MariaServer | PostgresServer | None = None
+    server: RedisServer | MariaServer | PostgresServer | EtcdServer | None = None
     can_restart = False  # restart() loses every session (and Redis its data)
     can_partition = False  # partition() silences the proxy
     can_end_session = False  # end_session() takes a lock from its holder
@@ -890,6 +901,310 @@ def _holds(lock: Advisory, key: int) -> bool:
     return lock.subid == 1 and lock.granted and lock.key == key
 
 
+# What etcd makes of a shorter TTL: 1.5 election timeouts (1 s by default), rounded up.
+ETCD_LEAST_TTL: Final = 2
+# A keep-alive or grant of lockrun's as it passes the proxy: its lease ID, in the JSON body.
+_LEASE_CALL: Final = re.compile(
+    rb"POST /v3/lease/(?:keepalive|grant) HTTP/1\.[01]\r\n.*?\r\n\r\n"  # its headers
+    rb"[^{]*\{[^}]*?\"ID\"\s*:\s*\"?(\d+)",  # a chunk size maybe, then the body's "ID"
+    re.DOTALL,
+)
+_ANSWERED_TTL: Final = re.compile(rb"\"TTL\"\s*:\s*\"?(-?\d+)")
+
+
+def etcd_prefix(namespace: str, name: str) -> str:
+    """Return the key prefix of the lock *name* in *namespace* (docs/design.md A13).
+
+    NS and NAME are escaped as the Redis backend's keys are (`key_part`): "/" joins nothing.
+    """
+    from lockrun.names import key_part
+
+    return f"lockrun/{key_part(namespace)}/{key_part(name)}/"
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """Return the range end that covers every key starting with *prefix* (its last byte + 1)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class Queued(NamedTuple):
+    """One queue key of a lock, as the server keeps it: an acquirer, in arrival order."""
+
+    key: str  # the whole key: lockrun/NS/NAME/q/LEASE
+    lease: int  # the lease the key is attached to (the server's word, not the key's name)
+    created: int  # its create revision: the order, and the fence of its grant
+    record: dict[str, Any]  # the acquirer's record (token, namespace, name, slots, holder)
+
+    @property
+    def pid(self) -> int | None:
+        """The lockrun process the record names."""
+        holder = self.record.get("holder")
+        return int(holder["pid"]) if isinstance(holder, dict) and "pid" in holder else None
+
+
+class LeaseTap:
+    """The last keep-alive (or grant) of each lease that a `Proxy` passed on, and its answer.
+
+    etcd tells a lease's time to live in whole seconds only (truncated), so the server
+    cannot say when it last heard of a holder; the proxy between them can. Fed by the
+    proxy's thread, read by the test's.
+    """
+
+    def __init__(self) -> None:
+        """Start with nothing seen."""
+        self._buffers: dict[int, bytes] = {}
+        self._asked: dict[int, tuple[int, float]] = {}  # connection → (lease, when asked)
+        self.answered: dict[int, tuple[float, float, int]] = {}  # lease → (asked, answered, TTL)
+        self.pending: dict[int, float] = {}  # lease → when asked, while no answer came back
+        self._lock = threading.Lock()
+
+    def __call__(self, connection: int, from_server: bool, data: bytes) -> None:
+        """Note a call that passed, or the answer to one."""
+        now = time.time()
+        with self._lock:
+            if not from_server:
+                buffer = (self._buffers.get(connection, b"") + data)[-8192:]
+                for match in _LEASE_CALL.finditer(buffer):
+                    lease = int(match[1])
+                    self._asked[connection] = (lease, now)
+                    self.pending[lease] = now
+                    buffer = buffer[match.end() :]
+                self._buffers[connection] = buffer
+            elif connection in self._asked and (ttl := _ANSWERED_TTL.search(data)):
+                lease, asked = self._asked.pop(connection)
+                self.pending.pop(lease, None)
+                self.answered[lease] = (asked, now, int(ttl[1]))
+
+    def expiry(self, lease: int) -> float | None:
+        """Return when the last answered call sets *lease* to end; None if unknown or unsure.
+
+        Unsure: a call passed whose answer did not (the server may have renewed it).
+        """
+        with self._lock:
+            if lease in self.pending or lease not in self.answered:
+                return None
+            asked, _, ttl = self.answered[lease]
+            return asked + ttl if ttl > 0 else None
+
+
+class EtcdHarness(ServerHarness):
+    """etcd: a lease per acquirer, its queue key ordered by create revision (A13).
+
+    A handle is a lease ID: the server knows a holder or a waiter by nothing else. The
+    holders are the first N keys of the lock's queue by create revision (N: the first
+    record's), the others wait. A proxy of our own watches lockrun's keep-alives through
+    it (`LeaseTap`), for `expiry` to the millisecond where the server says whole seconds.
+    """
+
+    def __init__(self, backend: str, uri: str | None = None, *options: str) -> None:
+        """Start an etcd of our own (with *options*) and a proxy; or use the shared *uri*."""
+        self.backend = backend
+        self._link = None
+        self._lock = threading.Lock()
+        self.tap: LeaseTap | None = None
+        if uri is not None:
+            self.uri = uri
+            self.endpoints = _etcd_endpoints(uri)
+            self._authorization: Callable[..., str | None] | None = _etcd_login(uri)
+            return
+        self.server = EtcdServer(*options)
+        self.tap = LeaseTap()
+        self.proxy = Proxy(("127.0.0.1", self.server.port), tap=self.tap)
+        self.uri = self.server.lock_uri
+        self.proxied = self.uri.replace(f":{self.server.port}/", f":{self.proxy.port}/")
+        self.endpoints = [self.server.uri]
+        self._authorization = None
+        self.can_restart = self.can_partition = True
+
+    @property
+    def socket_uri(self) -> str:
+        """The own server's URI, not through the proxy (etcd has no unix socket here)."""
+        return self.uri
+
+    def call(self, path: str, body: dict[str, object] | None = None) -> dict[str, Any]:
+        """POST *body* to the gateway of the first member that answers; return its answer."""
+        if isinstance(self.server, EtcdServer):
+            return self.server.call(path, body)  # as root, once auth is on
+        failure: Exception | None = None
+        for endpoint in self.endpoints:
+            try:
+                return gateway(endpoint, path, body or {}, self._authorization)
+            except OSError as err:
+                failure = err
+        raise AssertionError(f"no member of {self.uri} answers: {failure}")
+
+    def queue(self, name: str) -> list[Queued]:
+        """Return *name*'s queue keys in create-revision order: the holders, then the waiters."""
+        prefix = etcd_prefix(NAMESPACE, name) + "q/"
+        found = self.call(
+            "/v3/kv/range",
+            {
+                "key": _b64(prefix),
+                "range_end": _b64(_prefix_end(prefix)),
+                "sort_order": "ASCEND",
+                "sort_target": "CREATE",
+            },
+        )
+        queue = []
+        for kv in found.get("kvs", []):
+            key = base64.b64decode(kv["key"]).decode()
+            value = base64.b64decode(kv.get("value", "")).decode()
+            lease = int(kv.get("lease", 0))  # the gateway leaves out a 0: no lease
+            queue.append(Queued(key, lease, int(kv["create_revision"]), json.loads(value)))
+        return queue
+
+    def slot_keys(self, name: str) -> dict[int, int]:
+        """Return *name*'s slot keys (N > 1): each slot taken, with the lease it is attached to."""
+        prefix = etcd_prefix(NAMESPACE, name) + "s/"
+        found = self.call(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+        )
+        return {
+            int(base64.b64decode(kv["key"]).decode().removeprefix(prefix)): int(kv.get("lease", 0))
+            for kv in found.get("kvs", [])
+        }
+
+    @staticmethod
+    def slots(queue: list[Queued]) -> int:
+        """Return N, as the first record of *queue* says it."""
+        return int(queue[0].record.get("slots", 1)) if queue else 1
+
+    def holder(self, name: str, slot: int | str = 0) -> int | None:
+        """Return the lease holding *name*'s *slot*: the first key's (N = 1), or s/SLOT's.
+
+        None for the gate: there is none on etcd.
+        """
+        if slot == "gate":
+            return None
+        queue = self.queue(name)
+        if not queue:
+            return None
+        if self.slots(queue) == 1:
+            return queue[0].lease if slot == 0 else None
+        return self.slot_keys(name).get(int(slot))
+
+    def _holders(self, name: str) -> list[dict[str, Any]]:
+        queue = self.queue(name)
+        return [entry.record for entry in queue[: self.slots(queue)]]
+
+    def waits(self, name: str, pid: int) -> dict[int, str]:
+        """Return {lease: "queue"} while lockrun *pid* has a key behind the holders' keys."""
+        queue = self.queue(name)
+        return {entry.lease: "queue" for entry in queue[self.slots(queue) :] if entry.pid == pid}
+
+    def expected_waits(self, slots: int, *, head: bool = True) -> list[str]:  # noqa: ARG002
+        """Return ["queue"]: a waiter is a key in the queue, head or not."""
+        return ["queue"]
+
+    def time_to_live(self, lease: int, *, keys: bool = False) -> dict[str, Any]:
+        """Return the server's POST /v3/lease/timetolive answer for *lease* (TTL -1: gone)."""
+        return self.call("/v3/lease/timetolive", {"ID": str(lease), "keys": keys})
+
+    def alive(self, name: str, handle: int) -> bool:  # noqa: ARG002 - a lease is server-wide
+        """Return whether the server still has the lease *handle*."""
+        return int(self.time_to_live(handle).get("TTL", 0)) >= 0
+
+    def session_ids(self) -> set[int]:
+        """Return every lease the server has (the leased counterpart of a session)."""
+        return {int(lease["ID"]) for lease in self.call("/v3/lease/leases").get("leases", [])}
+
+    def sessions(self) -> int:
+        """Return how many leases the server has: one per lockrun that holds or waits."""
+        return len(self.session_ids())
+
+    def end_session(self, name: str, slot: int = 0) -> None:
+        """Revoke the lease that holds *name*'s *slot*: its keys go with it."""
+        lease = self.holder(name, slot)
+        assert lease is not None, f"nobody holds {name}:{slot}"
+        self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+    def free_after(self, ttl: float) -> float:
+        """Return the lease's TTL: --ttl rounded up, and no less than etcd's least."""
+        return max(math.ceil(ttl), ETCD_LEAST_TTL)
+
+    def expiry(self, name: str, ttl: float, slot: int = 0) -> float | None:  # noqa: ARG002
+        """Return when the lease holding *name*'s *slot* runs out unless its holder renews it.
+
+        From the last keep-alive our proxy passed, when one did (`LeaseTap`). Else from the
+        server, which tells whole seconds: while nobody renews the lease, the moment its
+        time to live ticks down to the next second gives the end to a few ms (a second's
+        watch at most); a lease renewed meanwhile is reported as just renewed.
+        """
+        lease = self.holder(name, slot)
+        if lease is None:
+            return None
+        tapped = self.tap.expiry(lease) if self.tap is not None else None
+        if tapped is not None and self.alive(name, lease):
+            return tapped
+        return self._ticked(lease)
+
+    def _ticked(self, lease: int) -> float | None:
+        """Watch *lease*'s whole seconds to live tick down once; return when it ends."""
+        previous = time.time()
+        left = int(self.time_to_live(lease).get("TTL", -1))
+        deadline = time.monotonic() + 1.2
+        while left >= 0 and time.monotonic() < deadline:
+            asked = time.time()
+            now = int(self.time_to_live(lease).get("TTL", -1))
+            if now < 0:
+                return None
+            if now < left:  # it ticked between our last look (asked then) and this one
+                return previous + now + 1
+            left, previous = now, asked
+            time.sleep(0.002)
+        return None if left < 0 else time.time() + left + 1
+
+    def check_granted(self, name: str, handle: int, slot: int, slots: int) -> None:
+        """Check the lease holds its queue key and, for N > 1, the key of *slot*: nothing else."""
+        prefix = etcd_prefix(NAMESPACE, name)
+        keys = {
+            base64.b64decode(key).decode()
+            for key in self.time_to_live(handle, keys=True).get("keys", [])
+        }
+        expected = {f"{prefix}q/{handle:016x}"} | ({f"{prefix}s/{slot}"} if slots > 1 else set())
+        assert keys == expected, keys
+
+    def after_restart(self, name: str, fence: int) -> None:  # noqa: ARG002
+        """Check the revision went on: etcd keeps its store (and so the fence) through a restart."""
+        revision = int(self.call("/v3/kv/range", {"key": _b64("lockrun/")})["header"]["revision"])
+        assert revision >= fence, (revision, fence)
+
+
+def _etcd_endpoints(uri: str) -> list[str]:
+    """Return the client URLs of an ``etcd://[USER:PASS@]HOST[:PORT][,…]`` URI."""
+    scheme, _, rest = uri.partition("://")
+    assert scheme == "etcd", f"{uri}: only plain etcd:// here"
+    hosts = rest.rpartition("@")[2].split("/", 1)[0].split("?", 1)[0]
+    return [
+        f"http://{host}" if ":" in host.rsplit("]", 1)[-1] else f"http://{host}:2379"
+        for host in hosts.split(",")
+    ]
+
+
+def _etcd_login(uri: str) -> Callable[..., str | None] | None:
+    """Return how to get a token for the URI's user, None if it names none."""
+    userinfo = uri.partition("://")[2].rpartition("@")[0]
+    if not userinfo:
+        return None
+    user, _, password = (urllib.parse.unquote(part) for part in userinfo.partition(":"))
+    endpoints = _etcd_endpoints(uri)
+    token: list[str] = []
+
+    def login(*, again: bool = False) -> str | None:
+        if again or not token:
+            answer = gateway(
+                endpoints[0], "/v3/auth/authenticate", {"name": user, "password": password}
+            )
+            token[:] = [str(answer["token"])]
+        return token[0]
+
+    return login
+
+
 _SERVER: Final[dict[str, type[RedisServer | MariaServer | PostgresServer]]] = {
     "redis": RedisServer,
     "mysql": MariaServer,
@@ -899,6 +1214,7 @@ _HARNESS: Final[dict[str, type[ServerHarness]]] = {
     "redis": RedisHarness,
     "mysql": MysqlHarness,
     "postgres": PostgresHarness,
+    "etcd": EtcdHarness,
 }
 
 
@@ -946,9 +1262,11 @@ def shared_server_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Ite
 # Valkey, the fork of Redis, runs the Redis backend: a few scenarios of the contract suite
 # (@on_valkey_too) run on it too, alone and as a cluster, each the session's own (the
 # `valkey` and `valkey_cluster` fixtures; tests/backends/test_valkey.py checks they are).
+# The same scenarios run on a cluster of three etcd members (`etcd_cluster_uri`), issue #33.
 VALKEY: Final = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
+ETCD_CLUSTER: Final = "etcd-cluster"
 on_valkey_too: Final = pytest.mark.parametrize(
-    "shared_harness", [*BACKENDS, *VALKEY], indirect=True
+    "shared_harness", [*BACKENDS, *VALKEY, ETCD_CLUSTER], indirect=True
 )
 
 
@@ -956,11 +1274,14 @@ on_valkey_too: Final = pytest.mark.parametrize(
 def shared_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """Return each backend on the session's servers (redis_uri, …): no restart, no partition.
 
-    A test marked `on_valkey_too` also runs on the session's Valkey and Valkey cluster.
+    A test marked `on_valkey_too` also runs on the session's Valkey and Valkey cluster, and
+    on its cluster of three etcd members.
     """
     if request.param in VALKEY:
         server = request.getfixturevalue(VALKEY[request.param])
         made = shared_harness_for("redis", tmp_path, server.uri)
+    elif request.param == ETCD_CLUSTER:
+        made = shared_harness_for("etcd", tmp_path, request.getfixturevalue("etcd_cluster_uri"))
     else:
         local = SCHEMES[request.param].local
         uri = None if local else request.getfixturevalue(f"{request.param}_uri")

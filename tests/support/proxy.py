@@ -19,6 +19,10 @@ import socket
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _TAIL = 6  # bytes of PostgreSQL's ReadyForQuery message: 'Z', length 5, status
 
@@ -26,14 +30,23 @@ _TAIL = 6  # bytes of PostgreSQL's ReadyForQuery message: 'Z', length 5, status
 class Proxy:
     """Forward 127.0.0.1:`port` to *target* until `blackhole` or `close`."""
 
-    def __init__(self, target: tuple[str, int], *, late_tail: float = 0.0) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        late_tail: float = 0.0,
+        tap: Callable[[int, bool, bytes], None] | None = None,
+    ) -> None:
         """Listen on a free loopback port and start forwarding to *target*.
 
         With *late_tail*, the last 6 bytes of each chunk from the server come that many
         seconds after the rest: PostgreSQL's ReadyForQuery, after the result it ends.
+        *tap* sees every chunk as it is passed on (never one dropped): the connection (an
+        id of its own), whether the server sent it, and the bytes; in the proxy's thread.
         """
         self.target = target
         self.late_tail = late_tail
+        self.tap = tap
         self._upstreams: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)  # noqa: FBT003 - the socket API
@@ -154,6 +167,9 @@ class Proxy:
                     time.sleep(self.late_tail)  # the whole proxy waits: it is for tests
                     data = data[-_TAIL:]
                 peer.sendall(data)
+            if self.tap is not None:
+                client = peer if sock in self._upstreams else sock
+                self.tap(id(client), sock in self._upstreams, data)
 
     def _abort_all(self) -> None:
         """Close every connection with SO_LINGER 0: the kernel sends an RST, not a FIN."""

@@ -152,10 +152,16 @@ class NamespacedRedis(RedisServer):
         pause: float,
         user: str | None = None,
         log: bool = False,
+        wait: bool = True,
     ) -> None:
         """Launch *command* in the namespace."""
         super()._launch(
-            (*self.namespace.prefix, *command), patience=patience, pause=pause, user=user, log=log
+            (*self.namespace.prefix, *command),
+            patience=patience,
+            pause=pause,
+            user=user,
+            log=log,
+            wait=wait,
         )
 
 

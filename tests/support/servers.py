@@ -1,10 +1,11 @@
-"""Throwaway database servers for the backend tests (docs/design.md C9), and the bench's etcd.
+"""Throwaway lock servers for the backend tests (docs/design.md C9) and the bench: etcd too.
 
 Each server lives in its own short temp directory and, where it can, listens on a unix socket
-only: no ports to collide with the machine's own services. ``LOCKRUN_TEST_REDIS_URL`` and
-``LOCKRUN_TEST_MYSQL_URL`` and ``LOCKRUN_TEST_POSTGRES_URL`` point the tests at existing
-servers instead. A missing server binary skips the backend's tests with the reason, except
-under ``CI=true``, where it fails them (docs/development.md "Quality bars").
+only: no ports to collide with the machine's own services (etcd, on loopback TCP only).
+``LOCKRUN_TEST_REDIS_URL``, ``LOCKRUN_TEST_MYSQL_URL``, ``LOCKRUN_TEST_POSTGRES_URL`` and
+``LOCKRUN_TEST_ETCD_URL`` point the tests at existing servers instead. A missing server
+binary skips the backend's tests with the reason, except under ``CI=true``, where it fails
+them (docs/development.md "Quality bars").
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, ClassVar, Final
+import zlib
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import pytest
 
@@ -127,10 +130,12 @@ class _Server:
         pause: float,
         user: str | None = None,
         log: bool = False,
+        wait: bool = True,
     ) -> None:
         """Run *command* and wait until `ping` answers; fail the test with the log if not.
 
-        It runs as *user* if given; with *log*, its output goes to the log file.
+        It runs as *user* if given; with *log*, its output goes to the log file. Without
+        *wait*, `_await` is the caller's (an etcd member answers only once it has a quorum).
         """
         output = open(os.path.join(self.directory, self.LOG), "ab") if log else None  # noqa: SIM115
         try:
@@ -140,12 +145,18 @@ class _Server:
         finally:
             if output is not None:
                 output.close()  # the server has its own copy
+        if wait:
+            self._await(command[0], patience=patience, pause=pause)
+
+    def _await(self, program: str, *, patience: float, pause: float) -> None:
+        """Wait until `ping` answers; fail the test with the log if it exits or takes too long."""
+        assert self.process is not None
         deadline = time.monotonic() + patience
         while not self.ping():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 text = self.log()
                 self.close()
-                pytest.fail(f"{command[0]} did not start: {text}")
+                pytest.fail(f"{program} did not start: {text}")
             time.sleep(pause)
 
     def log(self) -> str:
@@ -439,33 +450,70 @@ class PostgresServer(_Server):
 
 
 ETCD: Final = "etcd"
+ETCDCTL: Final = "etcdctl"
 SHM: Final = "/dev/shm"  # tmpfs on Linux
+# The users `EtcdServer.enable_auth` makes: root, and the one lockrun logs in as, whose role
+# may read and write under lockrun's prefix only (docs/design.md A13).
+ETCD_ROOT_PASSWORD: Final = "root-secret"  # noqa: S105 - a throwaway server's
+ETCD_USER: Final = "lockrun"
+ETCD_PASSWORD: Final = "lockrun-secret"  # noqa: S105 - a throwaway server's
+ETCD_PREFIX: Final = "lockrun/"
 
 
 class EtcdServer(_Server):
-    """An etcd of our own for the bench's `etcdctl lock`: one member, on two loopback ports.
+    """An etcd of our own: one member on two loopback ports, or a member of an `EtcdCluster`.
 
-    Unlike the servers above it listens on TCP: the bench reaches every server as a real
-    deployment would. etcd fsyncs every write (3.4 has no switch against it); *durable* puts
-    its data on the disk as a deployment's is, as the bench does beside its durable
-    PostgreSQL and MariaDB; otherwise on tmpfs where there is one.
+    Unlike the servers above it listens on TCP only (etcd has no unix client socket worth
+    using): the bench and the tests reach it as a deployment would. etcd fsyncs every write
+    (3.4 has no switch against it); *durable* puts its data on the disk as a deployment's
+    is, as the bench does beside its durable PostgreSQL and MariaDB; otherwise on tmpfs
+    where there is one. Its data stays across a restart (`stop` is a SIGKILL, a crash).
+
+    `uri` and `tcp_uri` are the client URL (``http://…``, for ``etcdctl --endpoints`` and
+    the JSON gateway); `lock_uri` is lockrun's ``etcd://`` URI of the same member.
     """
 
     LOG = "etcd.log"
 
-    def __init__(self, *, port: int, peer_port: int, durable: bool = False) -> None:
-        """Start the server in a fresh data directory: clients on *port*, peers on the other."""
+    def __init__(
+        self,
+        *options: str,
+        port: int = 0,
+        peer_port: int = 0,
+        durable: bool = False,
+        name: str = "lr",
+        cluster: str | None = None,
+        launch: bool = True,
+    ) -> None:
+        """Start the server in a fresh data directory: clients on *port*, peers on the other.
+
+        Ports 0 are free ones. With *cluster*, etcd's ``--initial-cluster`` naming every
+        member, the server is member *name* of it, and is only launched (`launch` False:
+        not even that), since a member answers once a quorum runs: `EtcdCluster` waits.
+        """
         if shutil.which(ETCD) is None:
             unavailable(f"{ETCD} is not installed")
         memory = SHM if os.path.isdir(SHM) and not durable else None
         self.directory = tempfile.mkdtemp(prefix="lr-etcd-", dir=memory)
-        self.port, self.peer_port = port, peer_port
+        self.port, self.peer_port = port or free_port(), peer_port or free_port()
+        self.name = name
+        self.cluster = cluster or f"{name}={self.peer_url}"
+        self.options = options
         self.process: subprocess.Popen[bytes] | None = None
+        self.password: str | None = None  # root's, once `enable_auth` has run
+        self._token: str | None = None
+        # A test that fails before its fixture's teardown must not leave a member running
+        # (or its tmpfs directory in memory) past the worker.
+        atexit.register(self.close)
+        if cluster is not None:
+            if launch:
+                self.spawn()
+            return
         self.start()
 
     @property
     def uri(self) -> str:
-        """The client URL of this server, for ``etcdctl --endpoints``."""
+        """The client URL of this server, for ``etcdctl --endpoints`` and the gateway."""
         return f"http://127.0.0.1:{self.port}"
 
     @property
@@ -473,22 +521,272 @@ class EtcdServer(_Server):
         """The same client URL: etcd is only on TCP."""
         return self.uri
 
+    @property
+    def lock_uri(self) -> str:
+        """The ``etcd://`` URI of this member (with lockrun's user once auth is on).
+
+        It ends in ``/``, as the other servers' URIs do after their port: tests that point a
+        URI at a proxy replace ``:PORT/``.
+        """
+        user = f"{ETCD_USER}:{ETCD_PASSWORD}@" if self.password is not None else ""
+        return f"etcd://{user}127.0.0.1:{self.port}/"
+
+    @property
+    def peer_url(self) -> str:
+        """The URL the members of a cluster reach this one on."""
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def command_line(self) -> tuple[str, ...]:
+        """Return etcd's command line: first start or restart alike (a data dir wins)."""
+        return (
+            *(ETCD, "--name", self.name, "--data-dir", os.path.join(self.directory, "data")),
+            *("--listen-client-urls", self.uri, "--advertise-client-urls", self.uri),
+            *("--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url),
+            *("--initial-cluster", self.cluster, "--initial-cluster-token", self.cluster_token),
+            *("--logger", "zap", "--log-outputs", "stderr"),
+            *self.options,
+        )
+
+    @property
+    def cluster_token(self) -> str:
+        """The token that keeps this cluster's members apart from any other's: its peers."""
+        return f"lr-{zlib.crc32(self.cluster.encode()):08x}"
+
+    def spawn(self) -> None:
+        """Start the process; `ready` waits for it."""
+        self._launch(self.command_line(), patience=30, pause=0.02, log=True, wait=False)
+
+    def ready(self, patience: float = 30) -> None:
+        """Wait until the member says it is healthy (a leader is known): fail the test if not."""
+        self._await(ETCD, patience=patience, pause=0.02)
+
     def start(self) -> None:
         """Start (or restart) the server and wait until it is healthy."""
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        command = (
-            *(ETCD, "--name", "lr", "--data-dir", os.path.join(self.directory, "data")),
-            *("--listen-client-urls", self.uri, "--advertise-client-urls", self.uri),
-            *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-            *("--initial-cluster", f"lr={peer}", "--logger", "zap", "--log-outputs", "stderr"),
-        )
-        self._launch(command, patience=30, pause=0.02, log=True)
+        self.spawn()
+        self.ready()
+
+    def terminate(self) -> None:
+        """Stop the server cleanly (SIGTERM): a member that leads hands over first."""
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+            self.process = None
 
     def ping(self) -> bool:
-        """Return whether the server says it is healthy (GET /health)."""
+        """Return whether the server says it is healthy (GET /health: it has a leader)."""
         try:
             # S310: the URL is our own server's, http on loopback.
             with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as answer:  # noqa: S310
                 return bool(json.load(answer).get("health") == "true")
         except (OSError, ValueError):
             return False
+
+    def call(
+        self, path: str, body: dict[str, object] | None = None, *, timeout: float = 10
+    ) -> dict[str, Any]:
+        """POST *body* (JSON) to the gateway's *path*, as root once auth is on; return the answer.
+
+        An error answer (HTTP 4xx/5xx) raises `EtcdError` with etcd's message.
+        """
+        return gateway(self.uri, path, body or {}, self._authorization, timeout)
+
+    def _authorization(self, *, again: bool = False) -> str | None:
+        if self.password is None:
+            return None
+        if self._token is None or again:
+            answer = gateway(
+                self.uri, "/v3/auth/authenticate", {"name": "root", "password": self.password}
+            )
+            self._token = str(answer["token"])
+        return self._token
+
+    def etcdctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``etcdctl ARGS`` against this member (as root once auth is on)."""
+        return etcdctl([self.uri], *args, password=self.password, check=check)
+
+    def enable_auth(self) -> None:
+        """Make root and lockrun's user (readwrite on ``lockrun/`` only) and turn auth on."""
+        self.etcdctl("user", "add", f"root:{ETCD_ROOT_PASSWORD}")
+        self.add_user(ETCD_USER, ETCD_PASSWORD)
+        self.etcdctl("auth", "enable")
+        self.password = ETCD_ROOT_PASSWORD
+
+    def add_user(self, user: str, password: str, prefix: str | None = ETCD_PREFIX) -> None:
+        """Add *user* with a role of its own name: readwrite on keys under *prefix*, if any.
+
+        Before or after `enable_auth` (as root then). With no *prefix* the user may log in
+        and do nothing: no key is its to read or write.
+        """
+        self.etcdctl("user", "add", f"{user}:{password}")
+        if prefix is not None:
+            self.etcdctl("role", "add", user)
+            self.etcdctl("role", "grant-permission", user, "--prefix=true", "readwrite", prefix)
+            self.etcdctl("user", "grant-role", user, user)
+
+
+class EtcdError(Exception):
+    """An error answer of etcd's gateway: its HTTP status and etcd's message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        """Keep *status* and *message*."""
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def gateway(
+    url: str,
+    path: str,
+    body: dict[str, object],
+    authorization: Callable[..., str | None] | None = None,
+    timeout: float = 10,
+) -> dict[str, Any]:
+    """POST *body* to etcd's JSON gateway at *url* + *path* and return the decoded answer.
+
+    *authorization* gives the token to send (None: none); an answer that the token is no
+    longer valid asks it again (`again=True`), once. The gateway leaves out every field
+    that holds its type's zero and writes 64-bit numbers as strings.
+    """
+    for attempt in range(2):
+        token = authorization(again=attempt > 0) if authorization is not None else None
+        request = urllib.request.Request(  # noqa: S310 - our own server's http on loopback
+            url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        if token is not None:
+            request.add_header("Authorization", token)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
+                found: dict[str, Any] = json.load(answer)
+                return found
+        except urllib.error.HTTPError as err:
+            with err:
+                text = err.read().decode(errors="replace")
+            try:
+                message = str(json.loads(text).get("message", text))
+            except ValueError:
+                message = text
+            if attempt == 0 and token is not None and "auth token" in message:
+                continue  # expired (simple tokens live 5 minutes): log in again
+            raise EtcdError(err.code, message) from err
+    raise AssertionError  # pragma: no cover - the loop returns or raises
+
+
+def etcdctl(
+    endpoints: Sequence[str], *args: str, password: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``etcdctl --endpoints … ARGS`` (as root with *password*); fail with its stderr."""
+    user = ("--user", f"root:{password}") if password is not None else ()
+    command = (ETCDCTL, "--endpoints", ",".join(endpoints), *user, *args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(args)}: etcdctl exited {result.returncode}: {result.stderr}")
+    return result
+
+
+class EtcdCluster:
+    """Three etcd members on loopback, on free ports; `close` stops them all.
+
+    Each is an `EtcdServer` (its data on tmpfs unless *durable*, kept across a restart). A
+    member killed and restarted rejoins with its data; the two others keep a quorum.
+    """
+
+    SIZE: Final = 3
+
+    def __init__(self, *options: str, durable: bool = False) -> None:
+        """Start the three members (with extra *options*) and wait until each is healthy."""
+        peers = [(f"lr{index}", free_port()) for index in range(self.SIZE)]
+        cluster = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in peers)
+        self.members: list[EtcdServer] = []
+        try:
+            for name, peer_port in peers:
+                self.members.append(
+                    EtcdServer(
+                        *options,
+                        peer_port=peer_port,
+                        durable=durable,
+                        name=name,
+                        cluster=cluster,
+                    )
+                )
+            for member in self.members:
+                member.ready(patience=60)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def uri(self) -> str:
+        """The ``etcd://`` URI listing every member."""
+        return "etcd://" + ",".join(f"127.0.0.1:{member.port}" for member in self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's client URL."""
+        return [member.uri for member in self.members]
+
+    def status(self, member: EtcdServer) -> dict[str, Any] | None:
+        """Return *member*'s answer to POST /v3/maintenance/status, None if it gives none."""
+        if member.process is None:
+            return None
+        try:
+            return member.call("/v3/maintenance/status", timeout=2)
+        except (OSError, EtcdError, ValueError):
+            return None
+
+    def leader(self) -> EtcdServer | None:
+        """Return the member that says it leads (`leader` is its own id), None if none does."""
+        for member in self.members:
+            status = self.status(member)
+            if status is not None and status.get("leader") == status["header"]["member_id"]:
+                return member
+        return None
+
+    def wait_leader(
+        self, timeout: float = 30, *, other_than: EtcdServer | None = None
+    ) -> EtcdServer:
+        """Wait until a member (not *other_than*) leads, as every running member agrees."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.leader()
+            views = {
+                str(status.get("leader"))
+                for member in self.members
+                if (status := self.status(member)) is not None
+            }
+            if leader is not None and leader is not other_than and len(views) == 1:
+                return leader
+            if time.monotonic() > deadline:
+                pytest.fail(f"no leader after {timeout}s: {self.logs()}")
+            time.sleep(0.05)
+
+    def kill(self, member: EtcdServer) -> None:
+        """SIGKILL *member* (its data stays, for `restart`)."""
+        member.stop()
+
+    def restart(self, member: EtcdServer) -> None:
+        """Start *member* again with its data and wait until it is healthy."""
+        member.stop()
+        member.start()
+
+    def enable_auth(self) -> None:
+        """Turn auth on as `EtcdServer.enable_auth` does; every member then asks as root."""
+        self.members[0].enable_auth()
+        for member in self.members:
+            member.password = ETCD_ROOT_PASSWORD
+
+    def etcdctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``etcdctl ARGS`` against every member's endpoint."""
+        return etcdctl(self.endpoints, *args, password=self.members[0].password, check=check)
+
+    def logs(self) -> str:
+        """Return the members' logs, for a failure's message."""
+        return "\n".join(f"--- {member.name}\n{member.log()[-4000:]}" for member in self.members)
+
+    def close(self) -> None:
+        """Stop every member and remove its directory."""
+        for member in self.members:
+            member.close()

@@ -40,7 +40,7 @@ def cluster() -> Iterator[EtcdCluster]:
 
 
 def first_asked(cluster: EtcdCluster) -> EtcdServer:
-    """The member lockrun asks first: the first in the URI."""
+    """Return the member lockrun asks first: the first in the URI."""
     return cluster.members[0]
 
 
@@ -56,7 +56,14 @@ def run_through(
     holder, held = oracle.hold(spawn, "holder", *options)
     waiter = spawn(*options, "-w", "120", "--", *oracle.command("waiter"))
     wait_for(
-        lambda: len(cluster.etcdctl("get", "--prefix", f"lockrun/default/{name}/q/", "--keys-only").stdout.split()) == 2,
+        lambda: (
+            len(
+                cluster.etcdctl(
+                    "get", "--prefix", f"lockrun/default/{name}/q/", "--keys-only"
+                ).stdout.split()
+            )
+            == 2
+        ),
         what="the waiter's key",
     )
     fault()

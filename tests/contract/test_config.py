@@ -20,7 +20,7 @@ from lockrun.uri import SCHEMES, Scheme, redact
 from tests.support.cli import lockrun, one_line, refused_in_process
 from tests.support.harness import SERVERS
 from tests.support.net import HOST, ME, create_user, encoded, secret_free
-from tests.support.servers import MariaServer, PostgresServer, RedisServer, free_port
+from tests.support.servers import EtcdServer, MariaServer, PostgresServer, RedisServer, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -43,9 +43,11 @@ class Secured(NamedTuple):
     scheme: str
     server: Any
     tcp: Callable[[str, str | None, str], str]
-    local: Callable[[str, str | None, str], str]
+    # The same over a unix socket; None where the backend has none (etcd).
+    local: Callable[[str, str | None, str], str] | None
     database: str
-    nosuch: str
+    # None where a URI names no database (etcd): nothing to be unknown.
+    nosuch: str | None
     # A URI without a password that the server lets in (None: it has none).
     open_uri: str | None
     # A user (and password) the server tells whether a database exists.
@@ -71,8 +73,8 @@ class Secured(NamedTuple):
         local: bool = False,
         database: str | None = None,
     ) -> str:
-        """Return the URI of *user* with *password*, over TCP or the socket."""
-        write = self.local if local else self.tcp
+        """Return the URI of *user* with *password*, over TCP or the socket (if it has one)."""
+        write = self.local if local and self.local is not None else self.tcp
         return write(user, password, self.database if database is None else database)
 
 
@@ -224,10 +226,35 @@ def postgres_secured() -> Secured:
     )
 
 
+def etcd_secured() -> Secured:
+    """Return an etcd with auth on: app and odd may read and write lockrun/, nobody nothing."""
+    server = EtcdServer(port=free_port())
+    server.add_user("app", SECRET)
+    server.add_user("odd", ODD)
+    server.add_user("nobody", "pw-nobody", prefix=None)
+    server.enable_auth()
+    tcp = f"127.0.0.1:{server.port}"
+    return Secured(
+        scheme="etcd",
+        server=server,
+        tcp=lambda user, password, _database: f"etcd://{userinfo(user, password)}{tcp}",
+        local=None,
+        database="",
+        nosuch=None,
+        open_uri=None,
+        owner=("root", None),
+        wrong=(),
+        right=(),
+        denied=((f"etcd://nobody:pw-nobody@{tcp}", ("permission denied",)),),
+        refusal=(("authentication failed",),),
+    )
+
+
 SECURED: dict[str, Callable[[], Secured]] = {
     "redis": redis_secured,
     "mysql": mysql_secured,
     "postgres": postgres_secured,
+    "etcd": etcd_secured,
 }
 
 
@@ -331,6 +358,8 @@ def test_a_password_reaches_no_output_and_no_environment(
 @pytest.mark.slow
 def test_an_unknown_database_exits_78_naming_it(secured: Secured, name: str) -> None:
     """A database the server lacks is a configuration error (78), one line naming it."""
+    if secured.nosuch is None:
+        pytest.skip(f"a {secured.scheme} URI names no database")
     for uri in (
         secured.uri(*secured.owner, database=secured.nosuch),
         secured.uri(*secured.owner, database=secured.nosuch, local=True),

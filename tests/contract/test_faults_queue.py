@@ -66,6 +66,8 @@ def test_a_sigkilled_head_waiter_is_passed_over_at_once(
     proves the pass-over. `status` then lists only the second.
     """
     harness = shared_server_harness
+    if not harness.passes_over_the_dead:
+        pytest.skip(f"{harness.backend}: a dead waiter's place lapses with its lease (A13)")
     options = ("--uri", harness.uri, "-n", name, "--ttl", "3600")
     holder = held(*options)
     head, second, _, next_log, next_go = harness.queue_two(spawn, tmp_path, *options)

@@ -241,6 +241,7 @@ def test_shared_holders_run_together_and_exclude_a_writer(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """Two --shared holders run at once; an exclusive try is busy; status marks them shared."""
+    needs(uri, "shared")
     readers = [held("--uri", uri, "-n", name, "--shared") for _ in range(2)]
     writer = lockrun("--uri", uri, "-n", name, "--", "true")
     assert writer.returncode == ExitCode.BUSY, writer.stderr
@@ -254,6 +255,7 @@ def test_shared_holders_run_together_and_exclude_a_writer(
 
 def test_a_writer_excludes_readers(uri: str, name: str, held: Callable[..., Held]) -> None:
     """An exclusive holder makes a --shared try busy."""
+    needs(uri, "shared")
     writer = held("--uri", uri, "-n", name)
     reader = lockrun("--uri", uri, "-n", name, "--shared", "--", "true")
     assert reader.returncode == ExitCode.BUSY, reader.stderr
@@ -265,6 +267,7 @@ def test_a_queued_writer_is_not_overtaken_by_later_readers(
     uri: str, name: str, held: Callable[..., Held], tmp_path: Path
 ) -> None:
     """Readers that come after a queued writer wait behind it, in arrival order (FIFO)."""
+    needs(uri, "shared")
     log = tmp_path / "order"
     reader = held("--uri", uri, "-n", name, "--shared")
     writer = start(
@@ -306,6 +309,7 @@ def test_readers_and_writers_under_the_interval_oracle(uri: str, name: str, tmp_
     test_shared_holders_run_together_and_exclude_a_writer: here their 30 ms holds need not
     meet when each start-up takes longer, at load 30.
     """
+    needs(uri, "shared")
     log, active = tmp_path / "intervals", tmp_path / "active"
     active.mkdir()
     script = tmp_path / "mixed.py"
@@ -334,6 +338,7 @@ def test_readers_and_writers_under_the_interval_oracle(uri: str, name: str, tmp_
 
 def test_api_shared_locks_share_across_threads(uri: str, name: str) -> None:
     """`Lock(shared=True)` in two threads holds at once; an exclusive try is busy meanwhile."""
+    needs(uri, "shared")
     inside = threading.Barrier(3, timeout=30)
 
     def read() -> None:
@@ -487,6 +492,7 @@ def test_status_shows_readers_as_sharing_and_a_window_as_held_until(
     uri: str, name: str, held: Callable[..., Held]
 ) -> None:
     """`lockrun status` says `sharing` for each reader, `held until HH:MM:SS` for a window."""
+    needs(uri, "shared")
     readers = [held("--uri", uri, "-n", name, "--shared") for _ in range(2)]
     table = lockrun("status", "--uri", uri, name)
     assert table.returncode == 0, table.stderr

@@ -345,6 +345,11 @@ class Harness:
     proxy: Proxy | None = None
     server: RedisServer | MariaServer | PostgresServer | EtcdServer | None = None
     can_restart = False  # restart() loses every session (and Redis its data)
+    # Whether a restart takes the locks away: etcd keeps leases (and so locks) across one.
+    restart_frees = True
+    # Whether a release passes over a waiter that died (its session closed; Redis: CLIENT
+    # LIST). etcd cannot tell: a dead waiter's key stays until its lease runs out (A13).
+    passes_over_the_dead = True
     can_partition = False  # partition() silences the proxy
     can_end_session = False  # end_session() takes a lock from its holder
     # How much before its `expiry` a server may give a silent holder's slot away: a lease
@@ -1006,6 +1011,7 @@ class EtcdHarness(ServerHarness):
         self._link = None
         self._lock = threading.Lock()
         self.tap: LeaseTap | None = None
+        self.passes_over_the_dead = False
         if uri is not None:
             self.uri = uri
             self.endpoints = _etcd_endpoints(uri)
@@ -1019,6 +1025,7 @@ class EtcdHarness(ServerHarness):
         self.endpoints = [self.server.uri]
         self._authorization = None
         self.can_restart = self.can_partition = True
+        self.restart_frees = False  # etcd keeps its leases (and their keys) across a restart
 
     @property
     def socket_uri(self) -> str:

@@ -53,6 +53,11 @@ class Outage(BackendUnavailable):
 class Unreachable(Exception):
     """A member did not answer in time, hung up, or said it cannot serve now."""
 
+    def __init__(self, words: str, *, closed: bool = False) -> None:
+        """Keep the line to show; *closed*: the connection was closed or reset, not silent."""
+        super().__init__(words)
+        self.closed = closed
+
 
 def b64(text: str | bytes) -> str:
     """Return *text* as the gateway's bytes fields are written: base64."""
@@ -181,18 +186,31 @@ class Gateway:
         """POST *body* to *path* (``/v3/kv/range``…); return the answer's JSON object.
 
         A member that does not answer, or says it cannot serve (no leader), is left for the
-        next; when none answers, `BackendUnavailable`. An error the server answers with is a
-        `Refused`. Calls a retry could repeat are all safe to repeat (docs/design.md A13).
+        next; when none answers, `Outage`. A kept connection the member closed or reset
+        meanwhile (an idle timeout, a restart) is made again once before that. An error the
+        server answers with is a `Refused`. Calls a retry could repeat are all safe to
+        repeat (docs/design.md A13).
         """
-        last: Exception | None = None
+        last: Unreachable | None = None
         for _ in self.settings.endpoints:
+            kept = self._kept is not None
             try:
                 return self._logged_in(path, body)
             except Unreachable as err:
                 self.drop()
-                self._at = (self._at + 1) % len(self.settings.endpoints)
                 last = err
+            if kept and last.closed:
+                try:
+                    return self._logged_in(path, body)
+                except Unreachable as err:
+                    self.drop()
+                    last = err
+            self._at = (self._at + 1) % len(self.settings.endpoints)
         raise self.unavailable(last)
+
+    def __del__(self) -> None:
+        """Close the kept connection of a gateway nobody closed (a `Lock` dropped), quietly."""
+        self.drop()
 
     def _logged_in(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
         """Ask, logging in first where the URI has a user, and again once if the token expired."""
@@ -245,7 +263,8 @@ class Gateway:
             data = answer.read(MAX_REPLY + 1)
             status = answer.status
         except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
-            raise Unreachable(_words(err, self.timeout)) from err
+            closed = not isinstance(err, TimeoutError)
+            raise Unreachable(_words(err, self.timeout), closed=closed) from err
         finally:
             link.within(None)
         if len(data) > MAX_REPLY:

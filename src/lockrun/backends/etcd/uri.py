@@ -57,7 +57,7 @@ def parse(uri: LockURI) -> Settings:
         msg = f"{uri.redacted}: an etcd URI names no database: {uri.scheme}://HOST[:PORT],…"
         raise ConfigError(msg)
     query = _options(uri, parts.query)
-    user, password, hosts = _login(uri, parts.netloc)
+    user, password, hosts = _login(parts.netloc)
     endpoints = tuple(host_port(uri, host, DEFAULT_PORT) for host in hosts.split(","))
     tls = _tls(uri, query) if uri.scheme == "etcds" else None
     return Settings(uri.redacted, endpoints, user, password, secrets_of(uri.text), tls)
@@ -75,15 +75,16 @@ def _options(uri: LockURI, text: str) -> dict[str, str]:
     return query
 
 
-def _login(uri: LockURI, netloc: str) -> tuple[str | None, str | None, str]:
-    """Split the authority into user, password (both None without an @) and hosts."""
+def _login(netloc: str) -> tuple[str | None, str | None, str]:
+    """Split the authority into user, password (both None without an @) and hosts.
+
+    ``USER@`` logs in with an empty password, which etcd refuses (69) unless it has auth
+    off: as a wrong password is, not a malformed URI.
+    """
     userinfo, at, hosts = netloc.rpartition("@")
     if not at:
         return None, None, hosts
-    user, colon, password = userinfo.partition(":")
-    if not (user and colon):
-        msg = f"{uri.redacted}: etcd logs in with a user and a password: USER:PASSWORD@HOST"
-        raise ConfigError(msg)
+    user, _, password = userinfo.partition(":")
     return unquote(user), unquote(password), hosts
 
 

@@ -484,6 +484,8 @@ class EtcdServer(_Server):
         name: str = "lr",
         cluster: str | None = None,
         launch: bool = True,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> None:
         """Start the server in a fresh data directory: clients on *port*, peers on the other.
 
@@ -496,6 +498,9 @@ class EtcdServer(_Server):
         memory = SHM if os.path.isdir(SHM) and not durable else None
         self.directory = tempfile.mkdtemp(prefix="lr-etcd-", dir=memory)
         self.port, self.peer_port = port or free_port(), peer_port or free_port()
+        # Where it listens, for clients and peers alike, and the argv it is launched under
+        # (a network namespace's `ip netns exec`, tests/chaos/test_etcd_cluster.py).
+        self.host, self.prefix = host, tuple(prefix)
         self.name = name
         self.cluster = cluster or f"{name}={self.peer_url}"
         self.options = options
@@ -514,7 +519,7 @@ class EtcdServer(_Server):
     @property
     def uri(self) -> str:
         """The client URL of this server, for ``etcdctl --endpoints`` and the gateway."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def tcp_uri(self) -> str:
@@ -529,12 +534,12 @@ class EtcdServer(_Server):
         URI at a proxy replace ``:PORT/``.
         """
         user = f"{ETCD_USER}:{ETCD_PASSWORD}@" if self.password is not None else ""
-        return f"etcd://{user}127.0.0.1:{self.port}/"
+        return f"etcd://{user}{self.host}:{self.port}/"
 
     @property
     def peer_url(self) -> str:
         """The URL the members of a cluster reach this one on."""
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     def command_line(self) -> tuple[str, ...]:
         """Return etcd's command line: first start or restart alike (a data dir wins)."""
@@ -554,7 +559,8 @@ class EtcdServer(_Server):
 
     def spawn(self) -> None:
         """Start the process; `ready` waits for it."""
-        self._launch(self.command_line(), patience=30, pause=0.02, log=True, wait=False)
+        command = (*self.prefix, *self.command_line())
+        self._launch(command, patience=30, pause=0.02, log=True, wait=False)
 
     def ready(self, patience: float = 30) -> None:
         """Wait until the member says it is healthy (a leader is known): fail the test if not."""

@@ -141,8 +141,9 @@ def test_a_holder_cut_off_with_its_member_is_stopped_before_the_others_grant_aga
     That member has no leader: the holder's keep-alives fail there and cannot reach the
     others, so it is stopped by its lease's deadline (76). The two others let the lease
     run out and grant the waiter, once the holder's command is dead. The member cut off is
-    a follower: etcd before 3.4.25 may renew a lease on a leader that has not yet noticed
-    it lost its quorum (etcd #15247; docs/semantics.md "Faults").
+    a follower: a leader cut off serves keep-alives until it steps down, an election
+    timeout later, which etcd's next leader allows for by extending every lease by as much
+    (etcd PR #4778); that case is the leader's death above.
     """
     peers = [free_port() for _ in range(3)]
     hosts = [namespace.inner, namespace.outer, namespace.outer]

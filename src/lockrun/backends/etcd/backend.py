@@ -203,6 +203,9 @@ class EtcdBackend:
             return alive
         if turn.watch is None or not turn.watch.open:
             turn.watch = self.watch(prefix, turn.queue, slots)
+        # After `_watching` was set (in `watch`): an `interrupt` that came before it could
+        # cut nothing, so its flag is looked at here, before the read it would have cut.
+        self._check_interrupted(request)
         moved = "changed" if turn.watch is None else turn.watch.moved(pause)
         if (
             moved == "deleted"

@@ -1017,7 +1017,7 @@ class EtcdHarness(ServerHarness):
             self.endpoints = _etcd_endpoints(uri)
             self._authorization: Callable[..., str | None] | None = _etcd_login(uri)
             return
-        self.server = EtcdServer(*options)
+        self.server = EtcdServer(*options, quick=True)  # a test's own: started, used, gone
         self.tap = LeaseTap()
         self.proxy = Proxy(("127.0.0.1", self.server.port), tap=self.tap)
         self.uri = self.server.lock_uri

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockrun import AsyncLock
-from lockrun.backends.etcd.backend import EtcdBackend, lock_prefix
+from lockrun.backends.etcd import EtcdBackend, lock_prefix
 from lockrun.backends.etcd.gateway import number, unb64
 from lockrun.backends.etcd.queue import kvs_of
 from tests.support.cli import Held, finish, interval_log, lockrun, one_line, start, wait_for

@@ -5,7 +5,8 @@ backend needs nothing installed. The package, a module per concern:
 
 - `uri`: etcd:// and etcds:// URIs (several members, a login, TLS);
 - `gateway`: the calls, each within a deadline and a size, and the watches;
-- `backend`: queue, wait, keep alive, release and report.
+- `queue`: the keys of a lock, the look at its queue and what its answer says;
+- `backend`: queue, wait, keep alive and release; `status`: report.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lockrun.backends import timeout_for
-from lockrun.backends.etcd.backend import EtcdBackend, EtcdLease, lock_prefix
+from lockrun.backends.etcd.backend import EtcdBackend, EtcdLease
+from lockrun.backends.etcd.queue import lock_prefix
 from lockrun.backends.etcd.uri import Settings, parse
 from lockrun.timing import DEFAULT_TTL
 

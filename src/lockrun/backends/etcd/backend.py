@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from lockrun.backends import LockState, Request, slots_mismatch, write_json
+from lockrun.backends.etcd import status
 from lockrun.backends.etcd.gateway import (
     Gateway,
     Outage,
@@ -26,27 +27,23 @@ from lockrun.backends.etcd.gateway import (
 from lockrun.backends.etcd.queue import (
     Queue,
     Turn,
-    group,
     kvs_of,
+    lock_prefix,
     look_body,
     queue_range,
     read_look,
-    slots_held,
 )
 from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost
 from lockrun.lease_clock import MARGIN
-from lockrun.names import key_part
 from lockrun.timing import RECONNECT_INTERVAL, now
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from lockrun.backends import Holder, Identity
+    from lockrun.backends import Holder
     from lockrun.backends.etcd.gateway import Watch
     from lockrun.backends.etcd.uri import Settings
 
-PREFIX: Final = "lockrun"
-_MAX_LISTED: Final = 10_000  # queue keys a status reads of one lock, or of a namespace
 _NOT_FOUND: Final = 5  # gRPC's NotFound: "requested lease not found"
 # Of a lease's ttl since its last keep-alive was sent, how much it surely still runs on the
 # server (A10's deadline: the rest is the reserve against drift and scheduling).
@@ -55,11 +52,6 @@ _GONE: Final = (
     "its etcd lease is gone: it expired (nobody kept it alive within its --ttl), was "
     "revoked, or etcd lost it"
 )
-
-
-def lock_prefix(namespace: str, name: str) -> str:
-    """Return the prefix of a lock's keys, ``lockrun/NS/NAME/`` (each part escaped)."""
-    return f"{PREFIX}/{key_part(namespace)}/{key_part(name)}/"
 
 
 def _end(prefix: bytes) -> bytes:
@@ -201,23 +193,35 @@ class EtcdBackend:
             alive = self.keep_alive(lease_id)
             turn.kept = sent
             return alive
-        if turn.watch is None or not turn.watch.open:
-            turn.watch = self.watch(prefix, turn.queue, slots)
-        # After `_watching` was set (in `watch`): an `interrupt` that came before it could
-        # cut nothing, so its flag is looked at here, before the read it would have cut.
-        self._check_interrupted(request)
-        moved = "changed" if turn.watch is None else turn.watch.moved(pause)
-        if (
-            moved == "deleted"
-            and turn.queue.next_in_line()
-            and now() < turn.kept + _SURE * request.ttl
-        ):
+        watch = self._watch_for(turn, prefix, request)
+        moved = "changed" if watch is None else watch.moved(pause)
+        if moved == "deleted" and self._surely_head(turn, request):
             turn.queue = turn.queue.head()
         elif moved:
             turn.queue = self.look(prefix, key, slots)
         if moved and slots == 1:
             turn.close()  # another key may be just before ours now
         return True
+
+    def _watch_for(self, turn: Turn, prefix: bytes, request: Request) -> Watch | None:
+        """Return the waiter's watch, made anew if it has none open (None: nothing to watch).
+
+        After `_watching` was set (in `watch`), the interrupt flag is looked at: an
+        `interrupt` that came before could cut nothing, so it is seen before the read.
+        """
+        if turn.watch is None or not turn.watch.open:
+            turn.watch = self.watch(prefix, turn.queue, request.slots)
+        self._check_interrupted(request)
+        return turn.watch
+
+    @staticmethod
+    def _surely_head(turn: Turn, request: Request) -> bool:
+        """Whether the deletion just seen makes us the head, without a look.
+
+        We were next in line behind the holder, and our own key is surely there (our lease
+        within A10's deadline).
+        """
+        return turn.queue.next_in_line() and now() < turn.kept + _SURE * request.ttl
 
     def ride_out(self, err: Outage, ttl: float, deadline: float | None) -> None:
         """Pause before asking again after no member answered a queued waiter; else raise *err*.
@@ -363,49 +367,8 @@ class EtcdBackend:
     # -- status ---------------------------------------------------------------------------
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
-        """Report holders and waiters of *name*, or of every lock in *namespace*."""
-        prefix = (
-            lock_prefix(namespace, name) if name is not None else f"{PREFIX}/{key_part(namespace)}/"
-        ).encode()
-        body = {
-            "key": b64(prefix),
-            "range_end": b64(_end(prefix)),
-            "sort_order": "ASCEND",
-            "sort_target": "CREATE",
-            "limit": str(_MAX_LISTED),
-        }
-        kvs = kvs_of(self.call("/v3/kv/range", body))
-        if kvs is None:
-            raise self.malformed(what="a range")
-        locks, held = group(kvs, prefix, namespace), slots_held(kvs)
-        if name is not None and not locks:
-            return [LockState(namespace, name, prefix.decode())]
-        return [
-            self._state(namespace, where, queue, held) for where, queue in sorted(locks.items())
-        ]
-
-    def _state(
-        self, namespace: str, where: str, queue: list[Identity], held: dict[int, int]
-    ) -> LockState:
-        """Describe one lock from its queue, oldest first: the first N hold, in slots *held*."""
-        slots = queue[0].slots
-        holders = tuple(
-            self._described(identity.holder, identity.token)._replace(
-                slot=held.get(_lease(identity.token), 0) if slots > 1 else 0
-            )
-            for identity in queue[:slots]
-        )
-        waiters = tuple(identity.holder for identity in queue[slots:])
-        return LockState(namespace, queue[0].name, where, slots, holders, waiters)
-
-    def _described(self, holder: Holder, token: str) -> Holder:
-        """Add when *holder*'s lease ends, as the server says (`timetolive`)."""
-        with contextlib.suppress(BackendUnavailable, ValueError):
-            answer = self.call("/v3/lease/timetolive", {"ID": str(_lease(token))})
-            left = number(answer, "TTL")
-            if left > 0:
-                return holder._replace(expires=time.time() + left)
-        return holder
+        """Report holders and waiters of *name*, or of every lock in *namespace* (`status`)."""
+        return status.read(self, namespace, name)
 
     def malformed(self, what: str) -> BackendUnavailable:
         """Return the one line for an answer that is not what etcd sends."""
@@ -427,14 +390,6 @@ def _record(request: Request, lease_id: int, holder: Holder) -> str:
             "holder": holder.to_dict(),
         }
     )
-
-
-def _lease(token: str) -> int:
-    """Return the lease ID a record's token names (16 hex digits); 0 if it names none."""
-    try:
-        return int(token, 16) if len(token) == 16 else 0  # noqa: PLR2004 - our tokens' length
-    except ValueError:
-        return 0
 
 
 def _pause(deadline: float | None, renewal: float) -> float | None:

@@ -381,15 +381,7 @@ class Watch:
         if not isinstance(message, dict) or "error" in message:
             msg = "the watch ended"
             raise ConnectionError(msg)
-        result = message.get("result")
-        if not isinstance(result, dict):
-            return ""
-        events = result.get("events")
-        if isinstance(events, list) and any(
-            isinstance(event, dict) and event.get("type") == "DELETE" for event in events
-        ):
-            return "deleted"
-        return "changed" if events or result.get("canceled") else ""
+        return _what_moved(message.get("result"))
 
     def cut(self) -> None:
         """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""
@@ -407,6 +399,18 @@ class Watch:
         """Close the watch's connection."""
         self.answer = None
         self.link.close()
+
+
+def _what_moved(result: object) -> Moved:
+    """Classify one watch message's result: a deletion, a cancel or other events, nothing."""
+    if not isinstance(result, dict):
+        return ""
+    events = result.get("events")
+    if isinstance(events, list) and any(
+        isinstance(event, dict) and event.get("type") == "DELETE" for event in events
+    ):
+        return "deleted"
+    return "changed" if events or result.get("canceled") else ""
 
 
 def _json(line: bytes) -> object:

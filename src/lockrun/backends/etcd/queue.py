@@ -6,14 +6,24 @@ anything that is not etcd's is a `ValueError` the backend reports as one line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from lockrun.backends import read_identity
 from lockrun.backends.etcd.gateway import b64, number, unb64
+from lockrun.names import key_part
 
 if TYPE_CHECKING:
     from lockrun.backends import Identity
     from lockrun.backends.etcd.gateway import Watch
+
+
+PREFIX: Final = "lockrun"
+
+
+def lock_prefix(namespace: str, name: str | None = None) -> str:
+    """Return the prefix of a lock's keys, ``lockrun/NS/NAME/``; without *name*, of NS's."""
+    spot = f"{PREFIX}/{key_part(namespace)}/"
+    return spot if name is None else f"{spot}{key_part(name)}/"
 
 
 class Queue(NamedTuple):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 import pytest
 
+from lockrun.uri import BACKENDS
 from tests.support.cli import LOCKRUN, queue_length, unmeasured
 from tests.support.harness import PeakSessions
 
@@ -35,6 +36,13 @@ WAITERS: Final = 100
 SLOTS: Final = 10
 PACE: Final = 0.03  # seconds between two waiters' starts
 HOLD: Final = 0.05  # each waiter's command
+
+# etcd is left out of the heavy phase, which its three runs took past CI's 12 minutes; run
+# before that, on etcd they passed: no more than N at once, nothing leaked (the closing
+# note of issue 33 has the numbers). The modes storm on etcd only ran writers: no modes.
+BUT_ETCD: Final = pytest.mark.parametrize(
+    "harness", [backend for backend in BACKENDS if backend != "etcd"], indirect=True
+)
 
 
 def kendall_tau(order: Sequence[int]) -> float:
@@ -60,6 +68,7 @@ def test_kendall_tau() -> None:
     assert kendall_tau([1, 0, 2, 3]) == pytest.approx(4 / 6)
 
 
+@BUT_ETCD
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_100_waiters_on_10_slots(

@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
 # Hypothesis: the same examples on every CI run (a red CI must mean a regression, not a
 # new find); fresh ones on a developer's machine. No deadline: subprocesses and servers.
-# CI: the same 30 examples every run (the fuzz targets and the dev profile go wider).
-# 30, not Hypothesis's 100 nor the 50 it was: the CI run is CPU-bound within its 12 minutes
+# CI: the same 20 examples every run (the fuzz targets and the dev profile go wider).
+# 20, not Hypothesis's 100 nor the 50 it was: the CI run is CPU-bound within its 12 minutes
 # since etcd's contract runs joined it; tests that need more say so, and tests/hostile/fuzz.py
 # goes deeper.
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=30)
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=20)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 

@@ -1269,11 +1269,12 @@ def shared_server_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Ite
 # Valkey, the fork of Redis, runs the Redis backend: a few scenarios of the contract suite
 # (@on_valkey_too) run on it too, alone and as a cluster, each the session's own (the
 # `valkey` and `valkey_cluster` fixtures; tests/backends/test_valkey.py checks they are).
-# The same scenarios run on a cluster of three etcd members (`etcd_cluster_uri`), issue #33.
+# `etcd-cluster` (a module's cluster of three etcd members, `etcd_cluster_uri`) runs them on
+# etcd's cluster when asked for by name; CI leaves it out for its 12 minutes (issue #33).
 VALKEY: Final = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
 ETCD_CLUSTER: Final = "etcd-cluster"
 on_valkey_too: Final = pytest.mark.parametrize(
-    "shared_harness", [*BACKENDS, *VALKEY, ETCD_CLUSTER], indirect=True
+    "shared_harness", [*BACKENDS, *VALKEY], indirect=True
 )
 
 
@@ -1352,7 +1353,9 @@ class Rig(Protocol):
         ...  # pragma: no cover
 
 
-@pytest.fixture(params=SERVERS)
+# etcd's faults run in tests/chaos/test_etcd_cluster.py and the contract suite; the chaos
+# rigs leave it out to keep CI within its 12 minutes (issue 33's closing note).
+@pytest.fixture(params=[backend for backend in SERVERS if backend != "etcd"])
 def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
     """Return a fresh server of each kind with a proxy in front (same as `server_harness`)."""
     made = make_harness(request.param, tmp_path)

@@ -27,6 +27,7 @@ from lockrun.backends.etcd.gateway import (
 from lockrun.backends.etcd.queue import (
     Queue,
     Turn,
+    keys_under,
     kvs_of,
     lock_prefix,
     look_body,
@@ -52,11 +53,6 @@ _GONE: Final = (
     "its etcd lease is gone: it expired (nobody kept it alive within its --ttl), was "
     "revoked, or etcd lost it"
 )
-
-
-def _end(prefix: bytes) -> bytes:
-    """Return the range end that covers every key starting with *prefix* (ends in ``/``)."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 class EtcdBackend:
@@ -313,7 +309,7 @@ class EtcdBackend:
         """Take the lowest free slot key ``s/I`` on our lease (N > 1); 0 for one slot."""
         if slots == 1:
             return 0
-        start, end = prefix + b"s/", _end(prefix + b"s/")
+        start, end = keys_under(prefix + b"s/")
         while True:
             body = {
                 "key": b64(start),

@@ -62,9 +62,16 @@ class Turn:
             self.watch = None
 
 
+def keys_under(prefix: bytes) -> tuple[bytes, bytes]:
+    """Return the range of every key starting with *prefix* (which ends in ``/``): its end
+    is the prefix with that last byte raised, ``…/`` → ``…0``.
+    """
+    return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
+
+
 def queue_range(prefix: bytes) -> tuple[bytes, bytes]:
     """Return the range of a lock's queue keys, ``PREFIX q/`` up to (not with) ``PREFIX q0``."""
-    return prefix + b"q/", prefix + b"q0"
+    return keys_under(prefix + b"q/")
 
 
 def look_body(prefix: bytes, key: bytes, slots: int, put: tuple[str, int] | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import LockState
 from lockrun.backends.etcd.gateway import b64, number
-from lockrun.backends.etcd.queue import group, kvs_of, lock_prefix, slots_held
+from lockrun.backends.etcd.queue import group, keys_under, kvs_of, lock_prefix, slots_held
 from lockrun.errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -24,10 +24,10 @@ _MAX_LISTED: Final = 10_000  # queue keys a status reads of one lock, or of a na
 def read(backend: EtcdBackend, namespace: str, name: str | None) -> list[LockState]:
     """Report holders and waiters of *name*, or of every lock in *namespace*."""
     prefix = lock_prefix(namespace, name)
-    start = prefix.encode()
+    start, end = keys_under(prefix.encode())
     body = {
         "key": b64(start),
-        "range_end": b64(start[:-1] + b"0"),  # every key under the prefix (it ends in /)
+        "range_end": b64(end),
         "sort_order": "ASCEND",
         "sort_target": "CREATE",
         "limit": str(_MAX_LISTED),

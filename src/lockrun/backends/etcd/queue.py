@@ -63,8 +63,9 @@ class Turn:
 
 
 def keys_under(prefix: bytes) -> tuple[bytes, bytes]:
-    """Return the range of every key starting with *prefix* (which ends in ``/``): its end
-    is the prefix with that last byte raised, ``…/`` → ``…0``.
+    """Return the range of every key starting with *prefix*, which ends in ``/``.
+
+    Its end is the prefix with that last byte raised: ``…/`` → ``…0``.
     """
     return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from lockrun.uri import SCHEMES
 from tests.support.cli import TEST_TTL, Held, start
@@ -37,8 +37,12 @@ if TYPE_CHECKING:
 # 20, not Hypothesis's 100 nor the 50 it was: the CI run is CPU-bound within its 12 minutes
 # since etcd's contract runs joined it; tests that need more say so, and tests/hostile/fuzz.py
 # goes deeper.
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=20)
-settings.register_profile("dev", deadline=None)
+# No wall-clock budget for a test (the guide): Hypothesis's deadline and its "too slow"
+# health check both time the machine, whose load reaches 30 in CI.
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", settings.get_profile("dev"), derandomize=True, database=None, max_examples=20
+)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 # The chaos suite's servers, proxy, oracle and results; the hostile suite's other users.

@@ -154,14 +154,22 @@ SCHEMES: Final[Mapping[str, Scheme]] = {
         session=True,
         modes=MODES,
     ),
-    # etcd: no fleet mode and no --no-keeper yet (issue #33 builds them on etcd's primitives).
     "etcd": Scheme(
         "etcd",
         "etcd://[USER:PASSWORD@]HOST[:PORT][,HOST[:PORT]…]",
         {"etcd://": "etcd"},
         leased=True,
+        modes=MODES,
+        detachable=True,
     ),
-    "etcds": Scheme("etcd", "etcds://…", {"etcds://": "etcd over TLS"}, leased=True),
+    "etcds": Scheme(
+        "etcd",
+        "etcds://…",
+        {"etcds://": "etcd over TLS"},
+        leased=True,
+        modes=MODES,
+        detachable=True,
+    ),
 }
 # The backends, in the table's order: what the contract tests and the benchmarks loop over.
 BACKENDS: Final = tuple(dict.fromkeys(scheme.backend for scheme in SCHEMES.values()))

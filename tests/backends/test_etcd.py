@@ -83,6 +83,11 @@ def keys_of(server: EtcdServer, name: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def queue_of(server: EtcdServer, name: str) -> dict[str, dict[str, Any]]:
+    """Return lock *name*'s queue keys (``q/LEASE``), as `keys_of` does."""
+    return {key: kv for key, kv in keys_of(server, name).items() if key.startswith("q/")}
+
+
 def leases(server: EtcdServer) -> set[int]:
     """Return the IDs of every lease the server has."""
     return {int(lease["ID"]) for lease in gateway(server, "/v3/lease/leases", {}).get("leases", [])}
@@ -93,14 +98,14 @@ def test_a_waiter_runs_after_the_holder_with_a_higher_fence(
 ) -> None:
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "10")
-    (queue,) = keys_of(etcd, name).values()
+    (queue,) = queue_of(etcd, name).values()
     assert held.fence == queue["created"]  # the fence is the queue key's create revision
     fence = tmp_path / "fence"
     waiter = start(
         "--uri", uri, "--name", name, "--ttl", "10", "-w", "30",
         "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
     )  # fmt: skip
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     assert held.finish() == 0
     assert finish(waiter) == 0
     assert int(fence.read_text()) > held.fence
@@ -116,7 +121,7 @@ def test_a_busy_try_and_a_run_leave_no_key_and_no_lease(
     busy = lockrun("--uri", uri, "--name", name, "--wait", "0", "--", "true")
     assert busy.returncode == 75, busy.stderr
     assert f"{name} busy" in one_line(busy.stderr)
-    assert len(keys_of(etcd, name)) == 1  # the holder's alone
+    assert len(queue_of(etcd, name)) == 1  # the holder's alone
     assert len(leases(etcd) - before) == 1
     assert held.finish() == 0
     assert keys_of(etcd, name) == {}
@@ -175,7 +180,7 @@ def test_a_killed_lockrun_frees_its_slot_long_before_its_ttl(
         "-c",
         f'echo "next $(date +%s%N)" >> {log}',
     )
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     killed = time.monotonic()
     holder.send_signal(signal.SIGKILL)
     assert finish(waiter) == 0
@@ -193,7 +198,7 @@ def test_a_lease_revoked_under_a_holder_stops_its_command_with_76(
 ) -> None:
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "3", "--kill-after", "1")
-    ((_, queue),) = keys_of(etcd, name).items()
+    ((_, queue),) = queue_of(etcd, name).items()
     gateway(etcd, "/v3/lease/revoke", {"ID": str(queue["lease"])})
     held.process.communicate(timeout=30)
     assert held.process.returncode == 76
@@ -368,7 +373,7 @@ def test_status_lists_holder_and_waiter_in_order(
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name)
     waiter = start("--uri", uri, "--name", name, "-w", "30", "--", "true")
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     shown = lockrun("status", "--uri", uri, "--json", name)
     assert shown.returncode == 0, shown.stderr
     (state,) = json.loads(shown.stdout)
@@ -415,7 +420,7 @@ def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_p
             "--uri", uri, "--name", name, "--ttl", "10", "-w", "60",
             "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
         )  # fmt: skip
-        wait_for(lambda: len(keys_of(server, name)) == 2, what="the waiter's key")
+        wait_for(lambda: len(queue_of(server, name)) == 2, what="the waiter's key")
         server.restart()
         assert held.finish() == 0
         assert finish(waiter) == 0, waiter.stderr
@@ -439,7 +444,7 @@ def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
         "--uri", uri, "--name", name, "--ttl", "3", "-w", "60",
         "--", "sh", "-c", f"echo $LOCKRUN_FENCE > {fence}",
     )  # fmt: skip
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     for _ in range(20):  # revisions to compact away
         gateway(etcd, "/v3/kv/put", {"key": base64.b64encode(b"other/x").decode(), "value": ""})
     revision = int(gateway(etcd, "/v3/kv/range", {"key": "eA=="})["header"]["revision"])
@@ -516,13 +521,13 @@ def test_a_cancelled_async_wait_leaves_the_queue_at_once(
 
     async def main() -> None:
         waiter = asyncio.create_task(AsyncLock(name, uri=uri, wait=None, ttl=3600).acquire())
-        queued = lambda: len(keys_of(etcd, name)) == 2  # noqa: E731
+        queued = lambda: len(queue_of(etcd, name)) == 2  # noqa: E731
         await asyncio.to_thread(wait_for, queued, what="the waiter's key")
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
         # long before its hour's lease would end: the wait was cut, its lease revoked
-        left = lambda: len(keys_of(etcd, name)) == 1  # noqa: E731
+        left = lambda: len(queue_of(etcd, name)) == 1  # noqa: E731
         await asyncio.to_thread(wait_for, left, what="the waiter's key gone")
 
     asyncio.run(main())
@@ -535,7 +540,7 @@ def test_status_dates_a_waiter_that_was_granted_from_its_grant(
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name)
     queued = start("--uri", uri, "--name", name, "--ttl", "3", "-w", "60", "--", "sleep", "30")
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     time.sleep(1.5)  # a wait long enough to tell its start from the grant
     released = time.time()
     assert held.finish() == 0
@@ -577,7 +582,7 @@ def test_the_next_in_line_starts_on_the_holders_deletion_without_asking_again(
         "--uri", uri, "--name", name, "--ttl", "60", "-w", "60",
         "--", "sh", "-c", f": > {ran}; sleep 30",
     )  # fmt: skip
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="the waiter's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="the waiter's key")
     time.sleep(0.5)  # its watch is made after its look
     asked = handled(etcd, "Txn", "Range")
     held.go.touch()
@@ -596,12 +601,12 @@ def test_a_waiter_behind_one_that_left_asks_before_it_runs(
     uri = uri_of(etcd)
     held = Held(tmp_path, "--uri", uri, "--name", name, "--ttl", "60")
     second = start("--uri", uri, "--name", name, "-w", "2", "--", "true")
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="B's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="B's key")
     ran = tmp_path / "ran"
     third = start("--uri", uri, "--name", name, "-w", "60", "--", "sh", "-c", f": > {ran}")
-    wait_for(lambda: len(keys_of(etcd, name)) == 3, what="C's key")
+    wait_for(lambda: len(queue_of(etcd, name)) == 3, what="C's key")
     assert finish(second) == 75  # B gave up: its key went, and C's watch fired
-    wait_for(lambda: len(keys_of(etcd, name)) == 2, what="B's key gone")
+    wait_for(lambda: len(queue_of(etcd, name)) == 2, what="B's key gone")
     time.sleep(1)  # C had its chance to run wrongly
     assert not ran.exists()
     assert held.finish() == 0

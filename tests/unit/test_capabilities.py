@@ -29,7 +29,7 @@ OFFERED: dict[str, frozenset[Mode]] = {
     "redis": MODES,
     "mysql": MODES,
     "postgres": MODES,
-    "etcd": frozenset(),  # issue 33: a new backend starts with none (each built on etcd's own)
+    "etcd": MODES,  # each built on etcd's own primitives (docs/design.md A13)
 }
 # mypy checks each local backend's factory against the `Connect` protocol here.
 LOCAL_FACTORIES: tuple[Connect, ...] = (file_backend.connect, abstract_backend.connect)
@@ -52,10 +52,11 @@ def test_every_backend_says_what_it_offers() -> None:
         assert scheme.modes == OFFERED[scheme.backend], name
 
 
-def test_only_redis_can_hold_a_lock_with_no_process() -> None:
-    """--no-keeper needs a lease the server keeps: the Redis schemes, and no other."""
+def test_only_redis_and_etcd_can_hold_a_lock_with_no_process() -> None:
+    """--no-keeper needs a lease the server keeps: the Redis and etcd schemes, and no other."""
     detachable = {name for name, scheme in SCHEMES.items() if scheme.detachable}
-    assert detachable == {name for name, scheme in SCHEMES.items() if scheme.backend == "redis"}
+    kept = {"redis", "etcd"}
+    assert detachable == {name for name, scheme in SCHEMES.items() if scheme.backend in kept}
     assert all(SCHEMES[name].leased for name in detachable)
 
 

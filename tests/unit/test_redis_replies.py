@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockrun.backends import Holder, Request, parse_uri
+from lockrun.backends import Holder, Request, parse_uri, taken_over_by
 from lockrun.backends.redis import DETACHED, SHARED, Claim, key_prefix, parse, topology, wire
 from lockrun.backends.redis import replies as r
 from lockrun.backends.redis.cluster import NotDurable, nodes_in, primaries_in, slot_of
@@ -294,8 +294,8 @@ def test_a_stored_n_is_believed_only_in_range(text: str) -> None:
 
 def test_a_takers_record_names_it_or_says_unreadable() -> None:
     """The reason given to a holder that is taken over."""
-    assert r.taken_over_by(record("bo")) == "taken over by bo@box pid 42"
-    assert r.taken_over_by("{") == "taken over by another lockrun, whose record is unreadable"
+    assert taken_over_by(record("bo")) == "taken over by bo@box pid 42"
+    assert taken_over_by("{") == "taken over by another lockrun, whose record is unreadable"
 
 
 # -- any reply at all ------------------------------------------------------------------------------

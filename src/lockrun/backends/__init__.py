@@ -178,6 +178,18 @@ def read_json(text: str | bytes) -> object:
         return None
 
 
+def taken_over_by(record: str) -> str:
+    """Return the reason a take-over gives, naming the taker from its *record* (anyone's).
+
+    Redis and etcd keep a taker's holder record where a holder finds it.
+    """
+    try:
+        taker = Holder.from_dict(read_json(record))
+    except ValueError:
+        return "taken over by another lockrun, whose record is unreadable"
+    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
+
+
 class Identity(NamedTuple):
     """Who waits or holds, as a record or a SQL comment of theirs says: for status and N."""
 

@@ -6,7 +6,8 @@ backend needs nothing installed. The package, a module per concern:
 - `uri`: etcd:// and etcds:// URIs (several members, a login, TLS);
 - `gateway`: the calls, each within a deadline and a size, and the watches;
 - `queue`: the keys of a lock, the look at its queue and what its answer says;
-- `backend`: queue, wait, keep alive and release; `status`: report.
+- `backend`: queue, wait and the calls a lease makes; `lease`: a run's lease, and one
+  held by no process; `bell`: a holder's take-over bell; `status`: report.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lockrun.backends import timeout_for
-from lockrun.backends.etcd.backend import EtcdBackend, EtcdLease
+from lockrun.backends.etcd.backend import EtcdBackend
+from lockrun.backends.etcd.lease import EtcdLease
 from lockrun.backends.etcd.queue import lock_prefix
 from lockrun.backends.etcd.uri import Settings, parse
 from lockrun.timing import DEFAULT_TTL

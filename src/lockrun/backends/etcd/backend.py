@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from lockrun.backends import LockState, Request, slots_mismatch, write_json
+from lockrun.backends import LockState, Request, slots_mismatch, taken_over_by, write_json
 from lockrun.backends.etcd import status
 from lockrun.backends.etcd.gateway import (
     Gateway,
@@ -24,35 +23,43 @@ from lockrun.backends.etcd.gateway import (
     number,
     unb64,
 )
+from lockrun.backends.etcd.lease import (
+    DetachedLease,
+    EtcdLease,
+    lease_for,
+    record_of,
+    window_for,
+)
 from lockrun.backends.etcd.queue import (
+    Put,
     Queue,
+    Stop,
     Turn,
     keys_under,
     kvs_of,
     lock_prefix,
     look_body,
+    marker_of,
     queue_range,
+    ranges_of,
     read_look,
+    read_stops,
+    stopping,
+    stops_body,
 )
-from lockrun.errors import BackendUnavailable, Interrupted, LeaseLost
+from lockrun.errors import BackendUnavailable, Interrupted, TakenOver
 from lockrun.lease_clock import MARGIN
 from lockrun.timing import RECONNECT_INTERVAL, now
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from lockrun.backends import Holder
     from lockrun.backends.etcd.gateway import Watch
     from lockrun.backends.etcd.uri import Settings
 
-_NOT_FOUND: Final = 5  # gRPC's NotFound: "requested lease not found"
 # Of a lease's ttl since its last keep-alive was sent, how much it surely still runs on the
 # server (A10's deadline: the rest is the reserve against drift and scheduling).
 _SURE: Final = 1 - MARGIN
-_GONE: Final = (
-    "its etcd lease is gone: it expired (nobody kept it alive within its --ttl), was "
-    "revoked, or etcd lost it"
-)
 
 
 class EtcdBackend:
@@ -92,9 +99,7 @@ class EtcdBackend:
         """Queue a key on a lease of ours and watch the queue until a slot is ours (A13)."""
         prefix = lock_prefix(request.namespace, request.name).encode()
         while True:
-            # 63 random bits (etcd's IDs are positive int64s); os.urandom, since secrets
-            # loads hashlib and with it OpenSSL, a few ms of every run's start-up (#32)
-            lease_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
+            lease_id = lease_for(request.lease_id)
             sent = now()
             ttl = self.grant(lease_id, request.ttl)
             key = prefix + b"q/" + f"{lease_id:016x}".encode()
@@ -133,25 +138,26 @@ class EtcdBackend:
         ttl: int,
         deadline: float | None,
     ) -> EtcdLease | Literal[False] | None:
-        """Put our key and wait our turn; False when our lease ended first (queue again)."""
-        record = _record(request, lease_id, request.holder)
-        turn = Turn(self.look(prefix, key, request.slots, put=(record, lease_id)), sent)
+        """Put our key and wait our turn; False when our lease ended first (queue again).
+
+        `TakenOver` when a take-over was asked after our key: we give way, nothing held.
+        """
+        record = record_of(request, lease_id, request.holder)
+        taker = write_json(request.holder.to_dict()) if request.take_over else ""
+        put = Put(record, lease_id, shared=request.shared, taker=taker)
+        turn = Turn(self.look(prefix, key, request, put), sent)
         waited = False
         try:
             while turn.queue.mine:  # 0: our key went with our lease
-                self._check_slots(request, turn.queue)
-                if turn.queue.ahead < request.slots:
-                    slot = self.claim_slot(prefix, lease_id, request.slots)
-                    lease = EtcdLease(
-                        self, lease_id, slot, turn.queue.mine, turn.kept, ttl, request.ttl
-                    )
-                    if waited:  # `status` should date the holder from now, not from its wait
-                        granted = request.holder._replace(since=time.time())
-                        lease.rewrite = (key, _record(request, lease_id, granted))
+                self._check_turn(request, turn.queue, key, record, lease_id)
+                if turn.queue.held(request.slots, shared=request.shared):
+                    lease = self._granted(request, turn, key, lease_id, ttl)
+                    if waited or request.hold > 0:  # dated from the grant, not from the wait
+                        lease.redate(time.time(), now=bool(request.lease_id))
                     return lease
                 waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
-                if pause is None:
+                if pause is None or self._window_outlasts(turn.queue, deadline):
                     return None
                 try:
                     if not self._wait(turn, prefix, key, lease_id, request, pause):
@@ -164,6 +170,43 @@ class EtcdBackend:
             return False
         finally:
             turn.close()
+
+    def _check_turn(
+        self, request: Request, queue: Queue, key: bytes, record: str, lease_id: int
+    ) -> None:
+        """Refuse another N (78); give way to a take-over asked after our key (79).
+
+        Giving way, our key is put again before our lease goes, so that the waiter behind
+        us looks rather than takes the hand-over's short cut (A13).
+        """
+        owner = queue.owner
+        if owner is not None and owner.slots != request.slots:
+            raise slots_mismatch(request, owner.slots, owner.holder, self.settings.where)
+        stop = queue.stopped_by(shared=request.shared)
+        if stop is not None:
+            self.touch(key, record, lease_id, writer=not request.shared)
+            raise TakenOver(taken_over_by(stop.record))
+
+    def _granted(
+        self, request: Request, turn: Turn, key: bytes, lease_id: int, ttl: int
+    ) -> EtcdLease:
+        """Return the lease of a slot just found ours (a slot key claimed for N > 1)."""
+        prefix = key[: key.rindex(b"q/")]
+        slot = self.claim_slot(prefix, lease_id, request.slots)
+        lease = EtcdLease(self, request, key, turn.queue, slot, turn.kept, ttl)
+        if request.lease_id and request.hold > 0:  # --no-keeper's window runs from the grant
+            self.grant(window_for(lease_id), request.hold)
+        return lease
+
+    def _window_outlasts(self, queue: Queue, deadline: float | None) -> bool:
+        """Whether the window that holds the lock ends after *deadline* (busy at once).
+
+        The window's end is its lease's TTL, asked of the server: never the hosts' clocks.
+        """
+        if not queue.window or deadline is None:
+            return False
+        left = self.time_to_live(queue.window)
+        return left > 0 and now() + left > deadline
 
     def _wait(
         self,
@@ -180,9 +223,8 @@ class EtcdBackend:
         holder's) went is the head without a look: no key can be created before ours, and
         ours is there while our lease surely is (A10's deadline; A13, the hand-over).
         """
-        slots = request.slots
         if turn.stale:
-            turn.queue, turn.stale = self.look(prefix, key, slots), False
+            turn.queue, turn.stale = self.look(prefix, key, request), False
             return True
         if pause <= 0:
             sent = now()
@@ -194,8 +236,8 @@ class EtcdBackend:
         if moved == "deleted" and self._surely_head(turn, request):
             turn.queue = turn.queue.head()
         elif moved:
-            turn.queue = self.look(prefix, key, slots)
-        if moved and slots == 1:
+            turn.queue = self.look(prefix, key, request)
+        if moved and request.slots == 1:
             turn.close()  # another key may be just before ours now
         return True
 
@@ -217,7 +259,8 @@ class EtcdBackend:
         We were next in line behind the holder, and our own key is surely there (our lease
         within A10's deadline).
         """
-        return turn.queue.next_in_line() and now() < turn.kept + _SURE * request.ttl
+        sure = now() < turn.kept + _SURE * request.ttl
+        return turn.queue.next_in_line(shared=request.shared) and sure
 
     def ride_out(self, err: Outage, ttl: float, deadline: float | None) -> None:
         """Pause before asking again after no member answered a queued waiter; else raise *err*.
@@ -250,10 +293,11 @@ class EtcdBackend:
             raise Interrupted(msg, signo=signal.SIGINT)
 
     def watch(self, prefix: bytes, queue: Queue, slots: int) -> Watch | None:
-        """Watch what must go for our turn: the key just before ours, or any key of N's queue.
+        """Watch what must go for our turn: the key before ours, or any key of N's queue.
 
-        From the look's revision on, so nothing that happened since is missed. None where
-        there is nothing to watch (the key before ours went meanwhile): look again.
+        One slot: the key a writer has just before its own (or the writer a reader waits
+        for), its puts too (A13). From the look's revision on, so nothing that happened
+        since is missed. None where there is nothing to watch (it went meanwhile): look again.
         """
         if slots == 1 and not queue.before:
             return None
@@ -261,34 +305,34 @@ class EtcdBackend:
         watch = self.gateway.watch()
         self._watching = watch
         try:
-            watch.start(key, end, queue.revision + 1)
+            watch.start(key, end, queue.revision + 1, puts=slots == 1)
         except Unreachable as err:
             raise self.gateway.unavailable(err) from err
         except Refused as refused:
             raise BackendUnavailable(f"{self.settings.where}: {refused.message}") from None
         return watch
 
-    def look(
-        self, prefix: bytes, key: bytes, slots: int, put: tuple[str, int] | None = None
-    ) -> Queue:
+    def look(self, prefix: bytes, key: bytes, request: Request, put: Put | None = None) -> Queue:
         """Read the queue around our *key* in one transaction (`look_body`); with *put*, queue it.
 
-        A one-slot waiter asks once more for the key just before its own, the one it watches.
+        A one-slot waiter asks once more for the key it watches: a writer the key just
+        before its own, a reader the newest writer's marker before its own.
         """
-        answer = self.call("/v3/kv/txn", look_body(prefix, key, slots, put))
+        answer = self.call("/v3/kv/txn", look_body(prefix, key, request.slots, put))
         try:
             queue = read_look(answer)
         except ValueError:
             raise self.malformed(what="a transaction") from None
-        if queue.mine and queue.ahead and slots == 1:
-            queue = queue._replace(before=self.just_before(prefix, queue.mine))
-        return queue
+        if not queue.mine or request.slots > 1 or queue.held(1, shared=request.shared):
+            return queue
+        kind = b"w/" if request.shared else b"q/"
+        return queue._replace(before=self.just_before(prefix + kind, queue.mine))
 
-    def just_before(self, prefix: bytes, created: int) -> bytes:
-        """Return the queue key created last before revision *created* (b"" if none)."""
-        queue, end = queue_range(prefix)
+    def just_before(self, under: bytes, created: int) -> bytes:
+        """Return the key under *under* created last before revision *created* (b"" if none)."""
+        start, end = keys_under(under)
         body = {
-            "key": b64(queue),
+            "key": b64(start),
             "range_end": b64(end),
             "sort_order": "DESCEND",
             "sort_target": "CREATE",
@@ -298,12 +342,6 @@ class EtcdBackend:
         }
         kvs = kvs_of(self.call("/v3/kv/range", body)) or []
         return unb64(kvs[0].get("key")) if kvs else b""
-
-    def _check_slots(self, request: Request, queue: Queue) -> None:
-        """Refuse a lock whose oldest user asked for another N (78)."""
-        owner = queue.owner
-        if owner is not None and owner.slots != request.slots:
-            raise slots_mismatch(request, owner.slots, owner.holder, self.settings.where)
 
     def claim_slot(self, prefix: bytes, lease_id: int, slots: int) -> int:
         """Take the lowest free slot key ``s/I`` on our lease (N > 1); 0 for one slot."""
@@ -341,12 +379,74 @@ class EtcdBackend:
         result = answer.get("result")
         return number(result, "TTL") > 0
 
-    def rewrite(self, key: bytes, record: str, lease_id: int) -> None:
-        """Put *record* in our queue key *key*, if it is still there (best effort)."""
-        there = {"target": "LEASE", "key": b64(key), "lease": str(lease_id), "result": "EQUAL"}
-        put = {"request_put": {"key": b64(key), "value": b64(record), "lease": str(lease_id)}}
+    def time_to_live(self, lease_id: int) -> float:
+        """Return the seconds lease *lease_id* has left on the server's clock; 0 if none."""
+        answer = self.call("/v3/lease/timetolive", {"ID": str(lease_id)})
+        return float(max(0, number(answer, "TTL")))
+
+    def touch(self, key: bytes, record: str, lease_id: int, *, writer: bool = False) -> None:
+        """Put our queue key *key* again with *record*, if it is still ours (best effort).
+
+        A put event for whoever watches it: the next waiter looks (A13). *writer*: our
+        writer's marker too, which readers watch.
+        """
+        lease = str(lease_id)
+        puts = [{"request_put": {"key": b64(key), "value": b64(record), "lease": lease}}]
+        if writer:
+            puts.append({"request_put": {"key": b64(marker_of(key, b"w/")), "lease": lease}})
         with contextlib.suppress(BackendUnavailable):
-            self.call("/v3/kv/txn", {"compare": [there], "success": [put]})
+            self.call("/v3/kv/txn", {"compare": [_on(key, lease_id)], "success": puts})
+
+    def stops(self, key: bytes) -> tuple[Stop | None, Stop | None]:
+        """Read the newest take-over request of each kind of the lock of queue key *key*."""
+        _, stops = self.created_and_stops(key)
+        return stops
+
+    def created_and_stops(self, key: bytes) -> tuple[int, tuple[Stop | None, Stop | None]]:
+        """Read queue key *key*'s create revision (0: gone) and the lock's newest requests."""
+        prefix = key[: key.rindex(b"q/")]
+        body = stops_body(prefix)
+        body["success"].append({"request_range": {"key": b64(key), "keys_only": True}})
+        try:
+            *stops, ours = ranges_of(self.call("/v3/kv/txn", body), 3)
+        except ValueError:
+            raise self.malformed(what="a transaction") from None
+        return (number(ours[0], "create_revision") if ours else 0), read_stops(stops)
+
+    def move_onto(
+        self, key: bytes, lease_id: int, window: int, *, writer: bool, record: str = ""
+    ) -> bool:
+        """Move queue key *key* (and a writer's marker) from lease *lease_id* onto *window*.
+
+        A put of an existing key keeps its create revision: the place, and the fence, stay
+        (A13). *record*: the key's new value (the window's end), else it keeps its own.
+        Whether it was still ours to move.
+        """
+        lease = str(window)
+        value = {"value": b64(record)} if record else {"ignore_value": True}
+        puts = [{"request_put": {"key": b64(key), "lease": lease, **value}}]
+        if writer:
+            marker: dict[str, object] = {"key": b64(marker_of(key, b"w/")), "lease": lease}
+            puts.append({"request_put": marker})
+        answer = self.call("/v3/kv/txn", {"compare": [_on(key, lease_id)], "success": puts})
+        return answer.get("succeeded") is True
+
+    def leave_window(self, key: bytes, lease_id: int, mine: int, hold: float, record: str) -> None:
+        """Keep the slot of queue key *key* taken *hold* more seconds with no process of ours.
+
+        The window is a lease of its own, which a take-over waiting now takes back at once
+        (a taker asked for the lock now: docs/semantics.md). Best effort: a window the
+        server did not hear of is no window, as a killed run leaves none.
+        """
+        window = lease_for("")
+        try:
+            self.grant(window, hold)
+            moved = self.move_onto(key, lease_id, window, writer=True, record=record)
+            stopped = stopping(self.stops(key), mine, shared=False) is not None
+        except BackendUnavailable:
+            moved, stopped = False, False
+        if not moved or stopped:
+            self.revoke(window)
 
     def revoke(self, lease_id: int) -> bool:
         """Revoke lease *lease_id*, deleting its keys; whether the server heard it (best effort)."""
@@ -366,6 +466,23 @@ class EtcdBackend:
         """Report holders and waiters of *name*, or of every lock in *namespace* (`status`)."""
         return status.read(self, namespace, name)
 
+    @property
+    def where(self) -> str:
+        """The URI, with no password: for messages."""
+        return self.settings.where
+
+    def place(self) -> str:
+        """Name the cluster we reach, alike for every spelling of its URI, with no credentials.
+
+        Its members, hosts in lower case, in any order (`lockrun.detached`'s tokens).
+        """
+        members = sorted(f"{host.lower()}:{port}" for host, port in self.settings.endpoints)
+        return "etcd " + ",".join(members)
+
+    def detached(self, request: Request, hold: float) -> DetachedLease:
+        """Return the lease that *request*'s ``lease_id`` names, held by no process."""
+        return DetachedLease(self, request, hold)
+
     def malformed(self, what: str) -> BackendUnavailable:
         """Return the one line for an answer that is not what etcd sends."""
         return BackendUnavailable(f"{self.settings.where}: {what} came back malformed")
@@ -373,19 +490,6 @@ class EtcdBackend:
     def close(self) -> None:
         """Close the connections; leases are revoked by their own `release`."""
         self.gateway.close()
-
-
-def _record(request: Request, lease_id: int, holder: Holder) -> str:
-    """Return the value of our queue key: who we are, and the N we ask for (an `Identity`)."""
-    return write_json(
-        {
-            "token": f"{lease_id:016x}",
-            "namespace": request.namespace,
-            "name": request.name,
-            "slots": request.slots,
-            "holder": holder.to_dict(),
-        }
-    )
 
 
 def _pause(deadline: float | None, renewal: float) -> float | None:
@@ -400,54 +504,6 @@ def _pause(deadline: float | None, renewal: float) -> float | None:
     return due if deadline is None else min(due, deadline - current)
 
 
-class EtcdLease:
-    """A slot held while lease *lease_id* lives, kept alive every ttl/3 by the supervisor."""
-
-    fds: tuple[int, ...] = ()
-    sessions: tuple[int, ...] = ()  # the lease outlives a connection
-    bells: tuple[int, ...] = ()
-
-    def __init__(
-        self,
-        backend: EtcdBackend,
-        lease_id: int,
-        slot: int,
-        fence: int,
-        kept: float,
-        server_ttl: int,
-        ttl: float,
-    ) -> None:
-        """Describe the slot held by lease *lease_id*, last kept alive by a call sent at *kept*."""
-        self.backend = backend
-        self.lease_id = lease_id
-        self.slot = slot
-        self.fence: int | None = fence
-        self.confirmed = kept
-        self.ttl: float | None = min(ttl, server_ttl)
-        self.released = False
-        # Our queue key and the record to put there at the first refresh: the grant of a
-        # waiter dates it (`status`), off the hand-over's path.
-        self.rewrite: tuple[bytes, str] | None = None
-
-    def refresh(self) -> None:
-        """Keep the lease alive for another TTL; `LeaseLost` if etcd no longer has it."""
-        sent = now()
-        if not self.backend.keep_alive(self.lease_id):
-            raise LeaseLost(_GONE)
-        self.confirmed = sent
-        if self.rewrite is not None:
-            key, record = self.rewrite
-            self.rewrite = None
-            self.backend.rewrite(key, record, self.lease_id)
-
-    @property
-    def orphan(self) -> bytes:
-        """What the guardian needs to free this lease should lockrun die (`abandon`)."""
-        return str(self.lease_id).encode()
-
-    def release(self, hold: float = 0.0) -> bool:  # noqa: ARG002 - no mode offers a window
-        """Revoke the lease: our keys go, and the next waiter's watch fires."""
-        if self.released:
-            return True
-        self.released = True
-        return self.backend.revoke(self.lease_id)
+def _on(key: bytes, lease_id: int) -> dict[str, str]:
+    """Return the compare that key *key* is on lease *lease_id* (still ours)."""
+    return {"target": "LEASE", "key": b64(key), "lease": str(lease_id), "result": "EQUAL"}

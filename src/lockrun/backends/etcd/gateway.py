@@ -312,18 +312,19 @@ class Watch:
         self.gateway = gateway
         self.link = link
         self.answer: http.client.HTTPResponse | None = None
+        self.seen = 0  # the newest revision of an event read (a watch made again starts after)
+        self.compacted = 0  # the revision a compaction that cancelled the watch left, if one did
 
-    def start(self, key: bytes, end: bytes, revision: int) -> None:
-        """Watch deletions of *key* (up to *end*, if not empty) from *revision* on.
+    def start(self, key: bytes, end: bytes, revision: int, *, puts: bool = True) -> None:
+        """Watch *key* (up to *end*, if not empty) from *revision* on: deletions, and puts.
 
-        The member must have a leader (``hasleader``): one cut off from the others cancels
-        the watch rather than stay silent, and the waiter asks another member.
+        Without *puts*, deletions only: a waiter for one of N slots, woken by nothing that
+        cannot free one. The member must have a leader (``hasleader``): one cut off from the
+        others cancels the watch rather than stay silent, and the waiter asks another member.
         """
-        request: dict[str, object] = {
-            "key": b64(key),
-            "start_revision": str(revision),
-            "filters": ["NOPUT"],
-        }
+        request: dict[str, object] = {"key": b64(key), "start_revision": str(revision)}
+        if not puts:
+            request["filters"] = ["NOPUT"]
         if end:
             request["range_end"] = b64(end)
         headers = {"Content-Type": "application/json", "Grpc-Metadata-hasleader": "true"}
@@ -370,7 +371,7 @@ class Watch:
         return said
 
     def _said(self) -> Moved:
-        """Read one message: "deleted" for a deletion, "changed" for a cancel (compacted).
+        """Read one message: "deleted" for deletions alone, "changed" for a put or a cancel.
 
         "" for any other (created, progress). `ConnectionError` when the stream ended, sent
         an error, or a message longer than `MAX_LINE`.
@@ -381,7 +382,14 @@ class Watch:
         if not isinstance(message, dict) or "error" in message:
             msg = "the watch ended"
             raise ConnectionError(msg)
-        return _what_moved(message.get("result"))
+        result = message.get("result")
+        if isinstance(result, dict):
+            self.compacted = max(self.compacted, number(result, "compact_revision"))
+            events = result.get("events")
+            for event in events if isinstance(events, list) else ():
+                if isinstance(event, dict):
+                    self.seen = max(self.seen, number(event.get("kv"), "mod_revision"))
+        return _what_moved(result)
 
     def cut(self) -> None:
         """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""
@@ -402,12 +410,18 @@ class Watch:
 
 
 def _what_moved(result: object) -> Moved:
-    """Classify one watch message's result: a deletion, a cancel or other events, nothing."""
+    """Classify one watch message's result: deletions alone, a put or a cancel, nothing.
+
+    A put calls for a look: a key moved onto a window's lease, or put again by a holder
+    that leaves for a taker (docs/design.md A13), even when its deletion follows at once.
+    """
     if not isinstance(result, dict):
         return ""
     events = result.get("events")
-    if isinstance(events, list) and any(
-        isinstance(event, dict) and event.get("type") == "DELETE" for event in events
+    if (
+        isinstance(events, list)
+        and events
+        and all(isinstance(event, dict) and event.get("type") == "DELETE" for event in events)
     ):
         return "deleted"
     return "changed" if events or result.get("canceled") else ""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from redis import exceptions as errors
 
-from lockrun.backends import LockState, Request, slots_mismatch
+from lockrun.backends import LockState, Request, slots_mismatch, taken_over_by
 from lockrun.backends.redis import topology, wire
 from lockrun.backends.redis.leases import DetachedLease, RedisLease
 from lockrun.backends.redis.replies import (
@@ -25,7 +25,6 @@ from lockrun.backends.redis.replies import (
     clients_of,
     describe,
     gone,
-    taken_over_by,
 )
 from lockrun.backends.redis.resp import within
 from lockrun.backends.redis.scripts import (

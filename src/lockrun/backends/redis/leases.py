@@ -11,8 +11,9 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from lockrun.backends import taken_over_by
 from lockrun.backends.redis import wire
-from lockrun.backends.redis.replies import SHARED, taken_over_by, window_left
+from lockrun.backends.redis.replies import SHARED, window_left
 from lockrun.backends.redis.scripts import RELEASE, RENEW, STATUS, Claim
 from lockrun.errors import LeaseLost, TakenOver
 

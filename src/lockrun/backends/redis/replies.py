@@ -223,15 +223,6 @@ def gone(woken: Woken, alive: set[str]) -> list[str]:
     ]
 
 
-def taken_over_by(record: str) -> str:
-    """Return the reason a take-over gives, naming the taker from its *record* (anyone's)."""
-    try:
-        taker = Holder.from_dict(read_json(record))
-    except ValueError:
-        return "taken over by another lockrun, whose record is unreadable"
-    return f"taken over by {taker.user}@{taker.host} pid {taker.pid}"
-
-
 def window_left(snapshot: Snapshot, token: str, hold_ms: int) -> int:
     """Return the ms of *token*'s --hold-at-least window of *hold_ms* left, from its grant.
 

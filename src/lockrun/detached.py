@@ -4,7 +4,7 @@
 lease to the service: it ends one ttl after the acquire or the last `renew`, on the
 service's clock, unless `release` ends it first. Any process that has the token and the
 lock URI renews or releases it, on this host or another. Only a service whose locks are
-leases can keep one with no process (Redis); the others are refused before anything is
+leases can keep one with no process (Redis, etcd); the others are refused before anything is
 opened. docs/semantics.md "Holding a lock across steps" is the contract.
 """
 
@@ -55,6 +55,8 @@ _TOKEN: Final = re.compile(
     re.ASCII,
 )
 LEASED: Final = tuple(scheme for scheme, kind in SCHEMES.items() if kind.detachable)
+# The services, as their URIs start (`redis://`, `etcd://`), for the line of a wrong URI.
+_KEPT_BY: Final = " or ".join(f"{name}://" for name in LEASED if SCHEMES[name].backend == name)
 _T = TypeVar("_T")
 
 
@@ -350,8 +352,8 @@ def _find(text: str, uri_text: str) -> tuple[LeaseToken, Detached, Detachable]:
     if not uri.kind.detachable:
         default = " (the default: no --uri, --uri-file or LOCKRUN_URI)" * (uri_text == "file:")
         msg = (
-            f"this token's lease is kept by a Redis server, but the lock URI is "
-            f"{uri.redacted}{default}: give the Redis URI `acquire --no-keeper` used"
+            f"this token's lease is kept by a lock service ({_KEPT_BY}), but the lock URI "
+            f"is {uri.redacted}{default}: give the URI `acquire --no-keeper` used"
         )
         raise ConfigError(msg)
     backend = _detachable(open_backend(uri, ttl=token.ttl_ms / 1000))

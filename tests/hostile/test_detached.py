@@ -144,7 +144,8 @@ def test_a_token_of_no_lease_another_lock_or_another_service(redis_uri: str, nam
     elsewhere = str(token._replace(service="00000000", lease_id="0" * 20))
     with pytest.raises(ConfigError, match="not where `acquire --no-keeper` took it"):
         release(elsewhere, redis_uri)
-    with pytest.raises(ConfigError, match=r"kept by a Redis server, .* is file: \(the default"):
+    kept_by = r"kept by a lock service \(redis:// or etcd://\), .* is file: \(the default"
+    with pytest.raises(ConfigError, match=kept_by):
         release(str(token), "file:")
     assert taken(redis_uri, name)
     spelled = respelled(redis_uri)

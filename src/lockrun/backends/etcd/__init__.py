@@ -6,7 +6,7 @@ backend needs nothing installed. The package, a module per concern:
 - `uri`: etcd:// and etcds:// URIs (several members, a login, TLS);
 - `gateway`: the calls, each within a deadline and a size, and the watches;
 - `queue`: the keys of a lock, the look at its queue and what its answer says;
-- `backend`: queue, wait and the calls a lease makes; `lease`: a run's lease, and one
+- `store`: the calls, one request each; `backend`: queue and wait; `lease`: a run's lease, and one
   held by no process; `bell`: a holder's take-over bell; `status`: report.
 """
 

@@ -205,7 +205,7 @@ def read_stops(ranges: list[list[dict[str, Any]]]) -> tuple[Stop | None, Stop | 
     """Decode the newest request of each kind from their two ranges' key-values."""
     found = []
     for kvs in ranges:
-        created = number(kvs[0], "create_revision") if kvs else 0
+        created = _created(kvs)
         record = unb64(kvs[0].get("value")).decode(errors="replace") if kvs else ""
         found.append(Stop(created, record) if created else None)
     return found[0], found[1]
@@ -217,14 +217,13 @@ def read_look(answer: dict[str, Any]) -> Queue:
     `ValueError` for an answer that is not one etcd gives to that transaction.
     """
     heads, oldest, ours, writers, *stops = ranges_of(answer, 6)
-    created = number(ours[0], "create_revision") if ours else 0
+    created = _created(ours)
     ahead = sum(1 for kv in heads if 0 < number(kv, "create_revision") < created)
     value = unb64(oldest[0].get("value")).decode(errors="replace") if oldest else ""
     first = unb64(oldest[0].get("key")) if oldest else b""
     window = _window(oldest[0], first) if oldest else 0
-    revision = number(answer.get("header"), "revision")
     return Queue(
-        revision,
+        number(answer.get("header"), "revision"),
         created,
         ahead,
         b"",
@@ -233,9 +232,14 @@ def read_look(answer: dict[str, Any]) -> Queue:
         window=window,
         plain=not window and not is_detached(value),
         writer=unb64(writers[0].get("key")) if writers else b"",
-        writer_created=number(writers[0], "create_revision") if writers else 0,
+        writer_created=_created(writers),
         stops=read_stops(stops),
     )
+
+
+def _created(kvs: list[dict[str, Any]]) -> int:
+    """Return the create revision of the first of *kvs*; 0 if there is none."""
+    return number(kvs[0], "create_revision") if kvs else 0
 
 
 def _window(kv: dict[str, Any], key: bytes) -> int:

@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -94,11 +95,35 @@ def valkey_server() -> str:
 
 
 def free_port() -> int:
-    """Return a loopback TCP port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """Return a loopback TCP port nobody listens on right now, below the ephemeral range.
+
+    A port the kernel picks (bind to 0) is an ephemeral one, which any outgoing connection
+    may take between our probe and the server's bind: with thousands of lockrun
+    connections in a run, etcd once failed to start on "address already in use". Below
+    the range only another test's `free_port` competes, and it draws at random.
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(_LOWEST_PORT, low)  # noqa: S311 - not a secret
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.fail(f"no free port in {_LOWEST_PORT}-{low}")
+
+
+_LOWEST_PORT: Final = 10000
+
+
+def _ephemeral_low() -> int:
+    """Return the lowest port the kernel hands outgoing connections (ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return max(_LOWEST_PORT + 1000, int(ranges.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class _Server:

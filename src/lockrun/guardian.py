@@ -101,6 +101,10 @@ class Guardian:
             self._socket.sendall(b"o" + orphan)
             self._orphan = True
 
+    def watch_lease(self, orphan: bytes) -> None:
+        """Have the guardian free lease *orphan* should lockrun die (a waiter's, as it waits)."""
+        self.hold_fds((), orphan)
+
     def forget(self) -> None:
         """Tell the guardian that lockrun releases the lease itself (before it does so).
 

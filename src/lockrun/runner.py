@@ -129,6 +129,8 @@ def run(
             account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
             guardian = _guardian(uri, options, backend)
+            if guardian is not None and uri.kind.leased:  # a dead waiter's lease, freed too
+                request = request._replace(waiting=guardian.watch_lease)
             try:
                 report = report_for(options, request, uri, log, live)
                 status = _hold_and_run(

@@ -348,7 +348,7 @@ class Harness:
     # Whether a restart takes the locks away: etcd keeps leases (and so locks) across one.
     restart_frees = True
     # Whether a release passes over a waiter that died (its session closed; Redis: CLIENT
-    # LIST). etcd cannot tell: a dead waiter's key stays until its lease runs out (A13).
+    # LIST; etcd: its guardian revokes its lease, A13).
     passes_over_the_dead = True
     can_partition = False  # partition() silences the proxy
     can_end_session = False  # end_session() takes a lock from its holder
@@ -1011,7 +1011,6 @@ class EtcdHarness(ServerHarness):
         self._link = None
         self._lock = threading.Lock()
         self.tap: LeaseTap | None = None
-        self.passes_over_the_dead = False
         if uri is not None:
             self.uri = uri
             self.endpoints = _etcd_endpoints(uri)

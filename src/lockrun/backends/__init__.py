@@ -294,6 +294,10 @@ class Request(NamedTuple):
     # acquire --no-keeper: the id of a lease the service keeps with no process of ours, chosen
     # by the caller (a backend that keeps none is never asked); "": a lease that ends with us
     lease_id: str = ""
+    # Told a waiter's lease (as `Lease.orphan` names one) as it starts to wait, by a backend
+    # whose waiters hold leases: the guardian frees it should lockrun die waiting (etcd,
+    # docs/design.md A13). None: nobody to tell (the Python API has no guardian).
+    waiting: Callable[[bytes], None] | None = None
 
 
 class LockState(NamedTuple):

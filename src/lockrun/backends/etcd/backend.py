@@ -110,6 +110,8 @@ class EtcdBackend(Store):
                     if waited or request.hold > 0:  # dated from the grant, not from the wait
                         lease.redate(time.time(), now=bool(request.lease_id))
                     return lease
+                if not waited and request.waiting is not None:
+                    request.waiting(str(lease_id).encode())  # freed should we die waiting
                 waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None or self._window_outlasts(turn.queue, deadline):

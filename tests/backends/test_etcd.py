@@ -423,7 +423,8 @@ def test_a_queued_waiter_rides_out_a_restart_of_the_only_member(name: str, tmp_p
         wait_for(lambda: len(queue_of(server, name)) == 2, what="the waiter's key")
         server.restart()
         assert held.finish() == 0
-        assert finish(waiter) == 0, waiter.stderr
+        _, said = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0, said
         assert int(fence.read_text()) > held.fence
     finally:
         server.close()
@@ -451,7 +452,8 @@ def test_a_waiter_whose_watch_was_compacted_away_still_gets_its_turn(
     gateway(etcd, "/v3/kv/compaction", {"revision": str(revision), "physical": True})
     time.sleep(2.5)  # past a keep-alive: the waiter has watched again from before the compaction
     assert held.finish() == 0
-    assert finish(waiter) == 0, waiter.stderr
+    _, said = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0, said
     assert int(fence.read_text()) > held.fence
 
 

@@ -1,4 +1,4 @@
-"""etcd's gRPC gateway, spoken as JSON over HTTP/1.1 with `http.client` (docs/design.md A13).
+"""etcd's gRPC gateway, spoken as JSON over HTTP/1.1 (`wire`; docs/design.md A13).
 
 Every call is one ``POST /v3/…`` on a kept connection to one member; a member that does
 not answer, or says it has no leader, is left for the next one in the URI. A watch is a
@@ -10,20 +10,18 @@ hold lockrun past its timeout nor fill its memory (docs/security.md).
 from __future__ import annotations
 
 import base64
-import contextlib
-import http.client
 import json
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from lockrun.backends.etcd.wire import Link
 from lockrun.errors import BackendUnavailable
 from lockrun.uri import scrub
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from lockrun.backends.etcd.uri import TLS, Settings
+    from lockrun.backends.etcd.uri import Settings
 
 # What a watch saw (`Watch.moved`): a deletion, something else that calls for a look, nothing.
 Moved = Literal["deleted", "changed", ""]
@@ -84,93 +82,6 @@ def number(message: object, field: str) -> int:
     return 0
 
 
-def _bounded(sock: Any, buffer: Any, nbytes: int, flags: int, read: Any) -> int:  # noqa: ANN401
-    """Read into *buffer* with *read* (a socket class's own), never past *sock*'s deadline."""
-    if sock.deadline is not None:
-        left = sock.deadline - time.monotonic()
-        if left <= 0:
-            msg = "no whole answer in time"
-            raise TimeoutError(msg)
-        sock.settimeout(left)
-    return int(read(sock, buffer, nbytes, flags))
-
-
-class _Socket(socket.socket):
-    """A socket whose reads all end by the deadline of the call under way."""
-
-    deadline: float | None = None  # time.monotonic(); None: each read as long as it takes
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:  # noqa: ANN401
-        """Read as `socket.recv_into`, but never past `deadline`."""
-        return _bounded(self, buffer, nbytes, flags, socket.socket.recv_into)
-
-
-class _Connection(http.client.HTTPConnection):
-    """One HTTP/1.1 connection to a member, on a `_Socket` (TLS where the URI says so)."""
-
-    def __init__(self, host: str, port: int, timeout: float, tls: TLS | None) -> None:
-        """Aim at *host*:*port*; nothing is sent until the first request."""
-        super().__init__(host, port, timeout=timeout)
-        self.tls = tls
-        self.deadline: float | None = None
-
-    def connect(self) -> None:
-        """Connect within the timeout, with TCP_NODELAY: every request is one small write.
-
-        http.client sends a body of bytes in the same write as the headers (a str apart).
-        """
-        host, port = self.host, self.port
-        error: OSError = OSError(f"{host}: no address")
-        for family, kind, proto, _, address in socket.getaddrinfo(
-            host, port, 0, socket.SOCK_STREAM
-        ):
-            sock = _Socket(family, kind, proto)
-            try:
-                sock.settimeout(self.timeout)
-                sock.connect(address)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                bounded: Any = sock if self.tls is None else _wrap(sock, host, self.tls)
-            except OSError as err:
-                sock.close()
-                error = err
-                continue
-            bounded.deadline = self.deadline
-            self.sock = bounded
-            return
-        raise error
-
-    def within(self, seconds: float | None) -> None:
-        """Make every read until the next call end within *seconds* from now (None: no end)."""
-        self.deadline = None if seconds is None else time.monotonic() + seconds
-        if self.sock is not None:
-            self.sock.deadline = self.deadline  # type: ignore[union-attr]  # ours: `connect`
-
-
-def _wrap(sock: socket.socket, host: str, tls: TLS) -> Any:  # noqa: ANN401 - ssl's, loaded here
-    """Speak TLS on *sock*, checking the member as *tls* says (the options of rediss://)."""
-    import ssl  # noqa: PLC0415 - etcds:// alone: a tenth of a plain run's start-up
-
-    class TLSSocket(ssl.SSLSocket):
-        """An `ssl.SSLSocket` whose reads end by the call's deadline, as `_Socket`'s."""
-
-        deadline: float | None = None
-
-        def recv_into(self, buffer: Any, nbytes: int | None = None, flags: int = 0) -> int:  # noqa: ANN401
-            return _bounded(self, buffer, nbytes or 0, flags, ssl.SSLSocket.recv_into)
-
-    context = ssl.create_default_context(cafile=tls.ca_certs)
-    context.check_hostname = tls.check_hostname and tls.cert_reqs != "none"
-    context.verify_mode = {
-        "none": ssl.CERT_NONE,
-        "optional": ssl.CERT_OPTIONAL,
-        "required": ssl.CERT_REQUIRED,
-    }[tls.cert_reqs]
-    if tls.certfile:
-        context.load_cert_chain(tls.certfile, tls.keyfile)
-    context.sslsocket_class = TLSSocket
-    return context.wrap_socket(sock, server_hostname=host)
-
-
 class Gateway:
     """The members of one etcd cluster, asked one at a time, with a login if the URI has one."""
 
@@ -179,7 +90,7 @@ class Gateway:
         self.settings = settings
         self.timeout = timeout
         self._at = 0  # the member asked first
-        self._kept: _Connection | None = None
+        self._kept: Link | None = None
         self._token: str | None = None
 
     def call(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
@@ -236,11 +147,11 @@ class Gateway:
         token = answer.get("token")
         return token if isinstance(token, str) and token.isprintable() else None
 
-    def connection(self) -> _Connection:
-        """Return the kept connection to the member asked now, making it if need be."""
+    def connection(self) -> Link:
+        """Return the kept connection to the member asked now (it connects at its first call)."""
         if self._kept is None:
             host, port = self.settings.endpoints[self._at]
-            self._kept = _Connection(host, port, self.timeout, self.settings.tls)
+            self._kept = Link(host, port, self.timeout, self.settings.tls)
         return self._kept
 
     def drop(self) -> None:
@@ -250,7 +161,7 @@ class Gateway:
             self._kept = None
 
     def _ask(
-        self, link: _Connection, path: str, body: Mapping[str, object], *, token: bool = True
+        self, link: Link, path: str, body: Mapping[str, object], *, token: bool = True
     ) -> dict[str, Any]:
         """Send one request on *link* and read its whole answer within the timeout."""
         headers = {"Content-Type": "application/json"}
@@ -258,17 +169,15 @@ class Gateway:
             headers["Authorization"] = self._token
         try:
             link.within(self.timeout)
-            link.request("POST", path, json.dumps(body).encode(), headers)  # bytes: one write
-            answer = link.getresponse()
-            data = answer.read(MAX_REPLY + 1)
-            status = answer.status
-        except (OSError, http.client.HTTPException) as err:  # TimeoutError is an OSError
+            status = link.post(path, json.dumps(body).encode(), headers)
+            data = link.body(MAX_REPLY)
+        except OSError as err:  # TimeoutError, and BadHTTP, are OSErrors
+            link.close()
             closed = not isinstance(err, TimeoutError)
             raise Unreachable(_words(err, self.timeout), closed=closed) from err
         finally:
             link.within(None)
         if len(data) > MAX_REPLY:
-            link.close()  # the rest of it is not ours to read
             raise Unreachable(f"an answer longer than {MAX_REPLY} bytes")
         return self._decode(status, data)
 
@@ -297,7 +206,7 @@ class Gateway:
     def watch(self) -> Watch:
         """Return a watch, on a connection of its own to the member asked now."""
         host, port = self.settings.endpoints[self._at]
-        return Watch(self, _Connection(host, port, self.timeout, self.settings.tls))
+        return Watch(self, Link(host, port, self.timeout, self.settings.tls))
 
     def close(self) -> None:
         """Close every connection."""
@@ -307,11 +216,11 @@ class Gateway:
 class Watch:
     """One watch of a key or a range, from a revision on, on its own connection."""
 
-    def __init__(self, gateway: Gateway, link: _Connection) -> None:
+    def __init__(self, gateway: Gateway, link: Link) -> None:
         """Keep *link*; nothing is asked until `start`."""
         self.gateway = gateway
         self.link = link
-        self.answer: http.client.HTTPResponse | None = None
+        self.streaming = False
         self.seen = 0  # the newest revision of an event read (a watch made again starts after)
         self.compacted = 0  # the revision a compaction that cancelled the watch left, if one did
 
@@ -332,19 +241,19 @@ class Watch:
             headers["Authorization"] = self.gateway._token  # noqa: SLF001
         try:
             self.link.within(self.gateway.timeout)
-            body = json.dumps({"create_request": request}).encode()  # bytes: one write
-            self.link.request("POST", "/v3/watch", body, headers)
-            self.answer = self.link.getresponse()
-        except (OSError, http.client.HTTPException) as err:
+            body = json.dumps({"create_request": request}).encode()
+            status = self.link.post("/v3/watch", body, headers)
+            data = b"" if status == 200 else self.link.body(MAX_REPLY)  # noqa: PLR2004
+        except OSError as err:  # TimeoutError, and BadHTTP, are OSErrors
             self.close()
             raise Unreachable(_words(err, self.gateway.timeout)) from err
         finally:
             self.link.within(None)
-        if self.answer.status != 200:  # noqa: PLR2004
-            data = self.answer.read(MAX_REPLY + 1)
+        if status != 200:  # noqa: PLR2004
             self.close()
-            self.gateway._decode(self.answer.status, data)  # noqa: SLF001 - raises
-            raise Unreachable(f"HTTP {self.answer.status} to a watch")
+            self.gateway._decode(status, data)  # noqa: SLF001 - raises
+            raise Unreachable(f"HTTP {status} to a watch")
+        self.streaming = True
 
     def moved(self, seconds: float) -> Moved:
         """Wait up to *seconds* for a deletion or the watch's end; say which came.
@@ -362,7 +271,7 @@ class Watch:
         except TimeoutError:
             self.close()
             return ""
-        except (OSError, http.client.HTTPException):
+        except OSError:
             self.close()
             time.sleep(min(seconds, _PACE))
             return "changed"
@@ -376,8 +285,7 @@ class Watch:
         "" for any other (created, progress). `ConnectionError` when the stream ended, sent
         an error, or a message longer than `MAX_LINE`.
         """
-        assert self.answer is not None  # noqa: S101 - `start` made it
-        line = self.answer.readline(MAX_LINE + 1)
+        line = self.link.line(MAX_LINE)
         message = _json(line) if 0 < len(line) <= MAX_LINE else None
         if not isinstance(message, dict) or "error" in message:
             msg = "the watch ended"
@@ -393,19 +301,16 @@ class Watch:
 
     def cut(self) -> None:
         """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""
-        sock = self.link.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        self.link.cut()
 
     @property
     def open(self) -> bool:
         """Whether the watch still streams (False after a timeout or its end)."""
-        return self.answer is not None
+        return self.streaming
 
     def close(self) -> None:
         """Close the watch's connection."""
-        self.answer = None
+        self.streaming = False
         self.link.close()
 
 

@@ -183,10 +183,10 @@ class EtcdBackend(Store):
         if turn.stale:
             turn.queue, turn.stale = self.look(prefix, key, request), False
             return True
-        if pause <= 0:
+        if pause <= 0:  # and a look after it: a request that moved nothing we watch
             sent = now()
             alive = self.keep_alive(lease_id)
-            turn.kept = sent
+            turn.kept, turn.stale = sent, alive
             return alive
         watch = self._watch_for(turn, prefix, request)
         moved = "changed" if watch is None else watch.moved(pause)

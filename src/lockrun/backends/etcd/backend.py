@@ -100,7 +100,7 @@ class EtcdBackend(Store):
         record = record_of(request, lease_id, request.holder)
         taker = write_json(request.holder.to_dict()) if request.take_over else ""
         put = Put(record, lease_id, shared=request.shared, taker=taker)
-        turn = Turn(self.look(prefix, key, request, put), sent)
+        turn = Turn(self._first_look(prefix, key, request, put, deadline), sent)
         waited = False
         try:
             while turn.queue.mine:  # 0: our key went with our lease
@@ -127,6 +127,22 @@ class EtcdBackend(Store):
             return False
         finally:
             turn.close()
+
+    def _first_look(
+        self, prefix: bytes, key: bytes, request: Request, put: Put, deadline: float | None
+    ) -> Queue:
+        """Queue our key and read the queue around it, riding out an outage once a member answered.
+
+        The put is made once whatever is retried (`look_body`); a server that goes down
+        between it and the read of the key we watch finds us queued already: we wait it out
+        as any queued waiter would (`ride_out`), within our --wait.
+        """
+        while True:
+            try:
+                return self.look(prefix, key, request, put)
+            except Outage as err:
+                self.ride_out(err, request.ttl, deadline)
+                self._check_interrupted(request)
 
     def _check_turn(
         self, request: Request, queue: Queue, key: bytes, record: str, lease_id: int

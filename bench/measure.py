@@ -419,8 +419,9 @@ def idle(bench: Bench, group: Group) -> None:
         each = f"{max(added.run, 0.0) * 1000 / waiters / window:.3f} ms CPU/s, "
         each += f"{max(added.switches, 0) / waiters / window:.2f} wakeups/s"
         row(f"{what}: {program}/waiter", each + (" above alone" if alone is not None else ""))
-        theirs, expected = result.connected - slots, bench.servers[kind].sessions(waiters, slots)
-        holders = "1 holder" if slots == 1 else f"{slots} holders"
+        server = bench.servers[kind]
+        theirs, expected = result.connected - server.held_by(slots), server.sessions(waiters, slots)
+        holders = f"{server.held_by(slots)} of the holder" + ("s" if slots > 1 else "")
         numbers = f"{theirs / waiters:4.2f}/waiter: {result.connected} = {theirs} + {holders}"
         row(
             f"{what}: sessions",

@@ -114,6 +114,10 @@ class Server:
         """
         return waiters + slots - 1
 
+    def held_by(self, slots: int) -> int:
+        """Return how many sessions *slots* holders keep open: one each."""
+        return slots
+
     def usage(self) -> Usage:
         """Sample the server now (Redis: its main thread does the work)."""
         return Usage.of(self.pid)
@@ -331,6 +335,10 @@ class Etcd(Server):
     def sessions(self, waiters: int, slots: int) -> int:  # noqa: ARG002 - the same for any N
         """Return 2 connections a waiter: its calls' and its watch's (A13: a stream each)."""
         return 2 * waiters
+
+    def held_by(self, slots: int) -> int:
+        """Return the holders' connections: one each, and a one-slot holder's take-over bell."""
+        return slots + (slots == 1)
 
     def waiting(self, target: Target, pids: set[int]) -> set[int]:
         """Return *pids* once each has a key in *target*'s queue and a synced watch: queued.

@@ -134,9 +134,10 @@ def test_a_uri_without_the_servers_port_is_broken_not_left_direct() -> None:
 @pytest.mark.slow  # an etcd, three lockruns
 @pytest.mark.timeout(120)
 def test_etcd_counts_each_lockrun_waiters_call_and_watch_connections(bench: Bench) -> None:
-    """Two queued waiters: 2 connections each (calls, watch) beside the holder's 1; 2 watches.
+    """Two queued waiters: 2 connections each (calls, watch) beside the holder's 2; 3 watches.
 
-    etcd's gateway speaks to etcd over a connection of its own, which is no client's.
+    The holder's: its calls', and its take-over bell's watch (docs/design.md A13). etcd's
+    gateway speaks to etcd over a connection of its own, which is no client's.
     """
     with serving(bench, ETCD) as server:
         assert isinstance(server, Etcd)
@@ -147,6 +148,6 @@ def test_etcd_counts_each_lockrun_waiters_call_and_watch_connections(bench: Benc
             go = bench.start_holders(procs, target, 1, core.IDLE_POLL)
             waiters = [procs.spawn(target.argv("true", wait=True)) for _ in range(2)]
             bench.wait_queued(procs, target, waiters)
-            assert server.clients() == (1 + server.sessions(2, 1), 2)
+            assert server.clients() == (server.held_by(1) + server.sessions(2, 1), 3)
             go.touch()
             procs.finish(30.0)

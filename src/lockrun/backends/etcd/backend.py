@@ -28,6 +28,7 @@ from lockrun.backends.etcd.queue import (
     Put,
     Queue,
     Turn,
+    lease_named,
     lock_prefix,
     look_body,
     queue_range,
@@ -106,23 +107,15 @@ class EtcdBackend(Store):
             while turn.queue.mine:  # 0: our key went with our lease
                 self._check_turn(request, turn.queue, key, record, lease_id)
                 if turn.queue.held(request.slots, shared=request.shared):
-                    lease = self._granted(request, turn, key, lease_id, ttl)
-                    if waited or request.hold > 0:  # dated from the grant, not from the wait
-                        lease.redate(time.time(), now=bool(request.lease_id))
-                    return lease
+                    return self._granted(request, turn, key, lease_id, ttl, waited=waited)
                 if not waited and request.waiting is not None:
                     request.waiting(str(lease_id).encode())  # freed should we die waiting
                 waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None or self._window_outlasts(turn.queue, deadline):
                     return None
-                try:
-                    if not self._wait(turn, prefix, key, lease_id, request, pause):
-                        return False
-                except Outage as err:
-                    self.ride_out(err, request.ttl, deadline)
-                    turn.close()
-                    turn.stale = True
+                if not self._wait_or_ride_out(turn, prefix, key, request, pause, deadline):
+                    return False
                 self._check_interrupted(request)
             return False
         finally:
@@ -160,15 +153,42 @@ class EtcdBackend(Store):
             self.touch(key, record, lease_id, writer=not request.shared)
             raise TakenOver(taken_over_by(stop.record))
 
+    def _wait_or_ride_out(
+        self,
+        turn: Turn,
+        prefix: bytes,
+        key: bytes,
+        request: Request,
+        pause: float,
+        deadline: float | None,
+    ) -> bool:
+        """Wait (`_wait`); when no member answers, ride it out and look again after.
+
+        False: our lease is gone.
+        """
+        try:
+            return self._wait(turn, prefix, key, lease_named(key), request, pause)
+        except Outage as err:
+            self.ride_out(err, request.ttl, deadline)
+            turn.close()
+            turn.stale = True
+            return True
+
     def _granted(
-        self, request: Request, turn: Turn, key: bytes, lease_id: int, ttl: int
+        self, request: Request, turn: Turn, key: bytes, lease_id: int, ttl: int, *, waited: bool
     ) -> EtcdLease:
-        """Return the lease of a slot just found ours (a slot key claimed for N > 1)."""
+        """Return the lease of a slot just found ours (a slot key claimed for N > 1).
+
+        One that *waited* dates its record from the grant (`status`), off the hand-over's
+        path; one kept by no process at once, with its window's end.
+        """
         prefix = key[: key.rindex(b"q/")]
         slot = self.claim_slot(prefix, lease_id, request.slots)
         lease = EtcdLease(self, request, key, turn.queue, slot, turn.kept, ttl)
         if request.lease_id and request.hold > 0:  # --no-keeper's window runs from the grant
             self.grant(window_for(lease_id), request.hold)
+        if waited or request.hold > 0:
+            lease.redate(time.time(), now=bool(request.lease_id))
         return lease
 
     def _window_outlasts(self, queue: Queue, deadline: float | None) -> bool:

@@ -66,7 +66,7 @@ def gateway(server: EtcdServer, path: str, body: dict[str, Any]) -> dict[str, An
 
 
 def keys_of(server: EtcdServer, name: str) -> dict[str, dict[str, Any]]:
-    """Return every key of lock *name* with its create revision and lease, from the server."""
+    """Return every key of lock *name* with its create revision, lease and value (the server's)."""
     prefix = lock_prefix("default", name).encode()
     end = prefix[:-1] + b"0"
     answer = gateway(
@@ -78,6 +78,7 @@ def keys_of(server: EtcdServer, name: str) -> dict[str, dict[str, Any]]:
         base64.b64decode(kv["key"]).decode()[len(prefix) :]: {
             "created": int(kv["create_revision"]),
             "lease": int(kv.get("lease", 0)),
+            "value": base64.b64decode(kv.get("value", "")),
         }
         for kv in answer.get("kvs", [])
     }

@@ -65,25 +65,6 @@ def ended(process: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str
     return process.returncode, err or ""
 
 
-def values_of(server: EtcdServer, name: str) -> dict[str, dict[str, Any]]:
-    """Return every key of lock *name* with its create revision, lease and value."""
-    prefix = lock_prefix("default", name).encode()
-    end = prefix[:-1] + b"0"
-    answer = gateway(
-        server,
-        "/v3/kv/range",
-        {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()},
-    )
-    return {
-        base64.b64decode(kv["key"]).decode()[len(prefix) :]: {
-            "created": int(kv["create_revision"]),
-            "lease": int(kv.get("lease", 0)),
-            "value": base64.b64decode(kv.get("value", "")),
-        }
-        for kv in answer.get("kvs", [])
-    }
-
-
 def put(server: EtcdServer, name: str, key: str, value: bytes, lease: int = 0) -> None:
     """Put *value* at *key* of lock *name*, as another client of the server could."""
     body: dict[str, Any] = {
@@ -174,7 +155,8 @@ def test_a_writer_puts_a_queue_key_and_a_marker_and_a_reader_only_its_queue_key(
     ((queue, mine), (marker, its)) = sorted(keys_of(etcd, name).items())
     assert (queue[:2], marker[:2]) == ("q/", "w/")
     assert queue[2:] == marker[2:]
-    assert mine == its  # one transaction: the same create revision, the same lease
+    # one transaction: the same create revision, the same lease
+    assert (mine["created"], mine["lease"]) == (its["created"], its["lease"])
     assert mine["lease"] == lease_named(queue)
     assert mine["created"] == writer.fence
     assert leases(etcd) - before == {mine["lease"]}
@@ -190,7 +172,7 @@ def test_a_writer_puts_a_queue_key_and_a_marker_and_a_reader_only_its_queue_key(
     ((key, kv),) = keys_of(etcd, name).items()
     assert key.startswith("q/")
     assert kv["lease"] == lease_named(key)
-    record = json.loads(values_of(etcd, name)[key]["value"])
+    record = json.loads(keys_of(etcd, name)[key]["value"])
     assert record["holder"]["shared"] is True
     assert reader.finish() == 0
     assert keys_of(etcd, name) == {}
@@ -219,7 +201,7 @@ def test_a_takers_request_lives_on_its_lease_and_a_taker_that_gives_up_takes_it_
     )
     wait_for(term.exists, what="the holder's TERM")
     kind = "tr/" if shared else "t/"
-    keys = values_of(etcd, name)
+    keys = keys_of(etcd, name)
     (request,) = [key for key in keys if key.startswith(("t/", "tr/"))]
     assert request.startswith(kind)
     taker = lease_named(request)
@@ -371,50 +353,44 @@ def test_a_far_renewal_is_no_obstacle_and_waiters_ahead_give_way_unrun(
     assert leases(etcd) - before == set()
 
 
-def test_a_reader_queued_behind_a_writer_gives_way_to_a_writers_take_over(
-    etcd: EtcdServer, name: str, tmp_path: Path
+@pytest.mark.parametrize("reader_holds", [False, True], ids=["reader-waits", "writer-waits"])
+def test_a_waiter_behind_a_holder_of_the_other_mode_gives_way_to_a_writers_take_over(
+    etcd: EtcdServer, name: str, tmp_path: Path, *, reader_holds: bool
 ) -> None:
-    """Writer holds, reader waits (watching the writer's marker): a taker stops both, unrun."""
+    """A writer holds and a reader waits on its marker, or the other way round.
+
+    An exclusive taker stops both, and the waiter's command never runs.
+    """
     uri = uri_of(etcd)
-    script, ready, log = yielding(tmp_path, "holder")
-    holder = start("--uri", uri, "-n", name, "--ttl", FAR, "--", "sh", "-c", script)
-    wait_for(ready.exists, what="the holder's command")
-    reader = start(
-        *("--uri", uri, "-n", name, "--ttl", FAR, "--shared", "-w", "60"),
-        *("--", "sh", "-c", f"echo reader >> {log}"),
+    holding, waiting = ("reader", "writer") if reader_holds else ("writer", "reader")
+    script, ready, log = yielding(tmp_path, holding)
+    holder = start(
+        *("--uri", uri, "-n", name, "--ttl", FAR, *(("--shared",) * reader_holds)),
+        *("--", "sh", "-c", script),
     )
-    wait_for(lambda: len(keys_of(etcd, name)) == 3, what="the reader's key")
+    wait_for(ready.exists, what=f"the {holding}'s command")
+    waiter = start(
+        *(
+            "--uri",
+            uri,
+            "-n",
+            name,
+            "--ttl",
+            FAR,
+            "-w",
+            "60",
+            *(("--shared",) * (not reader_holds)),
+        ),
+        *("--", "sh", "-c", f"echo {waiting} >> {log}"),
+    )
+    wait_for(lambda: len(keys_of(etcd, name)) == 3, what=f"the {waiting}'s keys")
     taker = lockrun(
         *("--uri", uri, "-n", name, "--ttl", FAR, "--take-over", "-w", "30"),
         *("--", "sh", "-c", f"echo taker >> {log}"),
     )
     assert taker.returncode == 0, taker.stderr
     assert finish(holder) == 79
-    assert finish(reader) == 79
-    assert lines(log) == ["begin", "term", "taker"]
-    assert keys_of(etcd, name) == {}
-
-
-def test_a_writer_queued_behind_readers_gives_way_to_a_writers_take_over(
-    etcd: EtcdServer, name: str, tmp_path: Path
-) -> None:
-    """Reader holds, writer waits: an exclusive taker stops the reader and the writer, unrun."""
-    uri = uri_of(etcd)
-    script, ready, log = yielding(tmp_path, "reader")
-    reader = start("--uri", uri, "-n", name, "--ttl", FAR, "--shared", "--", "sh", "-c", script)
-    wait_for(ready.exists, what="the reader's command")
-    writer = start(
-        *("--uri", uri, "-n", name, "--ttl", FAR, "-w", "60"),
-        *("--", "sh", "-c", f"echo writer >> {log}"),
-    )
-    wait_for(lambda: len(keys_of(etcd, name)) == 3, what="the writer's keys")
-    taker = lockrun(
-        *("--uri", uri, "-n", name, "--ttl", FAR, "--take-over", "-w", "30"),
-        *("--", "sh", "-c", f"echo taker >> {log}"),
-    )
-    assert taker.returncode == 0, taker.stderr
-    assert finish(reader) == 79
-    assert finish(writer) == 79
+    assert finish(waiter) == 79
     assert lines(log) == ["begin", "term", "taker"]
     assert keys_of(etcd, name) == {}
 
@@ -624,7 +600,7 @@ def test_a_lease_with_no_process_is_the_tokens_and_any_process_renews_or_release
     assert (taken.returncode, taken.stderr) == (0, ""), taken.stderr
     token = taken.stdout.strip()
     lease = lease_for(parse_token(token).lease_id)
-    keys = values_of(etcd, name)
+    keys = keys_of(etcd, name)
     assert set(keys) == {f"q/{lease:016x}", f"w/{lease:016x}"}
     assert all(kv["lease"] == lease for kv in keys.values())
     record = json.loads(keys[f"q/{lease:016x}"]["value"])

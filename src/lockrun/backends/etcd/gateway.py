@@ -221,6 +221,7 @@ class Watch:
         self.gateway = gateway
         self.link = link
         self.streaming = False
+        self.cutting = False  # `cut` ends the read: no pause before the caller hears it
         self.seen = 0  # the newest revision of an event read (a watch made again starts after)
         self.compacted = 0  # the revision a compaction that cancelled the watch left, if one did
 
@@ -273,7 +274,8 @@ class Watch:
             return ""
         except OSError:
             self.close()
-            time.sleep(min(seconds, _PACE))
+            if not self.cutting:
+                time.sleep(min(seconds, _PACE))
             return "changed"
         finally:
             self.link.within(None)
@@ -301,6 +303,7 @@ class Watch:
 
     def cut(self) -> None:
         """From another thread: end the read `moved` is blocked in (a shutdown, not a close)."""
+        self.cutting = True
         self.link.cut()
 
     @property

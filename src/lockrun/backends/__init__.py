@@ -202,7 +202,11 @@ class Identity(NamedTuple):
 
 def read_identity(text: str) -> Identity | None:
     """Decode an `Identity` written as JSON (by anyone); None if it is not a good one."""
-    data = read_json(text)
+    return identity_of(read_json(text))
+
+
+def identity_of(data: object) -> Identity | None:
+    """Return the `Identity` that *data* (a record's JSON, decoded) is; None if it is none."""
     if not isinstance(data, dict):
         return None
     token, namespace, name, slots = (

@@ -28,9 +28,9 @@ from lockrun.backends.etcd.queue import (
     Put,
     Queue,
     Turn,
-    lease_named,
     lock_prefix,
     look_body,
+    queue_key,
     queue_range,
     read_look,
 )
@@ -72,7 +72,7 @@ class EtcdBackend(Store):
             lease_id = lease_for(request.lease_id)
             sent = now()
             ttl = self.grant(lease_id, request.ttl)
-            key = prefix + b"q/" + f"{lease_id:016x}".encode()
+            key = queue_key(prefix, lease_id)
             try:
                 lease = self._queue(request, prefix, key, lease_id, sent, ttl, deadline)
             except BaseException:
@@ -114,7 +114,9 @@ class EtcdBackend(Store):
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None or self._window_outlasts(turn.queue, deadline):
                     return None
-                if not self._wait_or_ride_out(turn, prefix, key, request, pause, deadline):
+                if not self._wait_or_ride_out(
+                    turn, prefix, key, lease_id, request, pause, deadline
+                ):
                     return False
                 self._check_interrupted(request)
             return False
@@ -158,6 +160,7 @@ class EtcdBackend(Store):
         turn: Turn,
         prefix: bytes,
         key: bytes,
+        lease_id: int,
         request: Request,
         pause: float,
         deadline: float | None,
@@ -167,7 +170,7 @@ class EtcdBackend(Store):
         False: our lease is gone.
         """
         try:
-            return self._wait(turn, prefix, key, lease_named(key), request, pause)
+            return self._wait(turn, prefix, key, lease_id, request, pause)
         except Outage as err:
             self.ride_out(err, request.ttl, deadline)
             turn.close()
@@ -321,7 +324,7 @@ class EtcdBackend(Store):
         kind = b"w/" if request.shared else b"q/"
         return queue._replace(before=self.just_before(prefix + kind, queue.mine))
 
-    # -- the lease ---------------------------------------------------------------------------
+    # -- status ---------------------------------------------------------------------------
 
     def status(self, namespace: str, name: str | None) -> list[LockState]:
         """Report holders and waiters of *name*, or of every lock in *namespace* (`status`)."""

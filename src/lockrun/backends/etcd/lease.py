@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import taken_over_by, write_json
 from lockrun.backends.etcd.bell import Bell
-from lockrun.backends.etcd.queue import Stop, lease_named, lock_prefix, stopping
+from lockrun.backends.etcd.queue import Stop, lease_named, lock_prefix, queue_key, stopping
 from lockrun.errors import LeaseLost, TakenOver
 from lockrun.timing import now
 
@@ -194,7 +194,7 @@ class DetachedLease:
         self.backend = backend
         self.lease_id = lease_for(request.lease_id)
         prefix = lock_prefix(request.namespace, request.name).encode()
-        self.key = prefix + b"q/" + f"{self.lease_id:016x}".encode()
+        self.key = queue_key(prefix, self.lease_id)
         self.shared = request.shared
         self.hold = hold
 

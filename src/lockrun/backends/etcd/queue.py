@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from lockrun.backends import read_identity, read_json
+from lockrun.backends import identity_of, read_json
 from lockrun.backends.etcd.gateway import b64, number, unb64
 from lockrun.names import key_part
 
@@ -133,6 +133,11 @@ def queue_range(prefix: bytes) -> tuple[bytes, bytes]:
     return keys_under(prefix + b"q/")
 
 
+def queue_key(prefix: bytes, lease_id: int) -> bytes:
+    """Return the queue key of lease *lease_id* under lock *prefix*: ``PREFIX q/LEASE``."""
+    return prefix + b"q/" + f"{lease_id:016x}".encode()
+
+
 def marker_of(key: bytes, kind: bytes) -> bytes:
     """Return the key of kind *kind* (``w/``, ``t/``, ``tr/``) beside queue key *key*."""
     lock, _, lease = key.rpartition(b"q/")
@@ -161,7 +166,7 @@ def look_body(prefix: bytes, key: bytes, slots: int, put: Put | None = None) -> 
         {"request_range": {**first, "limit": "1"}},
         {"request_range": {"key": b64(key)}},
         {"request_range": _oldest(writers, writers_end, keys_only=True)},
-        *({"request_range": _newest(*keys_under(prefix + kind))} for kind in (b"t/", b"tr/")),
+        *_stop_reads(prefix),
     ]
     if put is None:
         return {"compare": [], "success": reads, "failure": []}
@@ -195,10 +200,14 @@ def _newest(key: bytes, end: bytes) -> dict[str, Any]:
     return {**body, "sort_target": "CREATE"}
 
 
+def _stop_reads(prefix: bytes) -> list[dict[str, Any]]:
+    """Return the reads of the newest take-over request of each kind, ``t/`` then ``tr/``."""
+    return [{"request_range": _newest(*keys_under(prefix + kind))} for kind in (b"t/", b"tr/")]
+
+
 def stops_body(prefix: bytes) -> dict[str, Any]:
     """Return the transaction that reads the newest take-over request of each kind."""
-    reads = [{"request_range": _newest(*keys_under(prefix + kind))} for kind in (b"t/", b"tr/")]
-    return {"compare": [], "success": reads, "failure": []}
+    return {"compare": [], "success": _stop_reads(prefix), "failure": []}
 
 
 def read_stops(ranges: list[list[dict[str, Any]]]) -> tuple[Stop | None, Stop | None]:
@@ -220,6 +229,7 @@ def read_look(answer: dict[str, Any]) -> Queue:
     created = _created(ours)
     ahead = sum(1 for kv in heads if 0 < number(kv, "create_revision") < created)
     value = unb64(oldest[0].get("value")).decode(errors="replace") if oldest else ""
+    record = read_json(value) if value else None
     first = unb64(oldest[0].get("key")) if oldest else b""
     window = _window(oldest[0], first) if oldest else 0
     return Queue(
@@ -227,10 +237,10 @@ def read_look(answer: dict[str, Any]) -> Queue:
         created,
         ahead,
         b"",
-        read_identity(value) if value else None,
+        identity_of(record),
         first,
         window=window,
-        plain=not window and not is_detached(value),
+        plain=not window and not is_detached(record),
         writer=unb64(writers[0].get("key")) if writers else b"",
         writer_created=_created(writers),
         stops=read_stops(stops),
@@ -257,10 +267,9 @@ def lease_named(key: bytes) -> int:
         return 0
 
 
-def is_detached(record: str) -> bool:
-    """Whether a queue key's *record* says its lease is kept by no process (--no-keeper)."""
-    data = read_json(record) if record else None
-    return isinstance(data, dict) and data.get("detached") is True
+def is_detached(record: object) -> bool:
+    """Whether a queue key's *record* (its JSON, decoded) says no process keeps its lease."""
+    return isinstance(record, dict) and record.get("detached") is True
 
 
 def ranges_of(answer: dict[str, Any], count: int) -> list[list[dict[str, Any]]]:
@@ -307,21 +316,21 @@ def group(kvs: list[dict[str, Any]], prefix: bytes, namespace: str) -> dict[str,
     Keys that are not queue keys, and records that are not ours (or of another
     namespace), are passed over: anyone who may write the prefix may write anything there.
     """
-    writers = {unb64(kv.get("key")) for kv in kvs}
+    keys = [unb64(kv.get("key")) for kv in kvs]
+    present = set(keys)
     locks: dict[str, list[Entry]] = {}
-    for kv in kvs:
-        key = unb64(kv.get("key"))
+    for key, kv in zip(keys, kvs, strict=True):
         if not key.startswith(prefix) or b"/q/" not in key:
             continue
-        value = unb64(kv.get("value")).decode(errors="replace")
-        identity = read_identity(value)
+        record = read_json(unb64(kv.get("value")).decode(errors="replace"))
+        identity = identity_of(record)
         if identity is None or identity.namespace != namespace:
             continue
         window = _window(kv, key)
         holder = identity.holder._replace(
-            shared=marker_of(key, b"w/") not in writers,
+            shared=marker_of(key, b"w/") not in present,
             until=None,
-            detached=not window and is_detached(value),
+            detached=not window and is_detached(record),
         )
         lock = key[: key.rindex(b"/q/") + 1].decode(errors="replace")
         lease = window or number(kv, "lease")

@@ -132,12 +132,8 @@ class Store:
         A put event for whoever watches it: the next waiter looks (A13). *writer*: our
         writer's marker too, which readers watch.
         """
-        lease = str(lease_id)
-        puts = [{"request_put": {"key": b64(key), "value": b64(record), "lease": lease}}]
-        if writer:
-            puts.append({"request_put": {"key": b64(marker_of(key, b"w/")), "lease": lease}})
         with contextlib.suppress(BackendUnavailable):
-            self.call("/v3/kv/txn", {"compare": [_on(key, lease_id)], "success": puts})
+            self._put_again(key, lease_id, lease_id, writer=writer, record=record)
 
     def stops(self, key: bytes) -> tuple[Stop | None, Stop | None]:
         """Read the newest take-over request of each kind of the lock of queue key *key*."""
@@ -164,7 +160,16 @@ class Store:
         (A13). *record*: the key's new value (the window's end), else it keeps its own.
         Whether it was still ours to move.
         """
-        lease = str(window)
+        return self._put_again(key, lease_id, window, writer=writer, record=record)
+
+    def _put_again(
+        self, key: bytes, lease_id: int, onto: int, *, writer: bool, record: str
+    ) -> bool:
+        """Put queue key *key* (and a writer's marker) again on lease *onto*, if on *lease_id*.
+
+        With *record* as its value, else keeping its own. Whether it was still ours.
+        """
+        lease = str(onto)
         value = {"value": b64(record)} if record else {"ignore_value": True}
         puts = [{"request_put": {"key": b64(key), "lease": lease, **value}}]
         if writer:

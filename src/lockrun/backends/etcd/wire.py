@@ -64,7 +64,7 @@ class Link:
         self._buffer = bytearray()  # read from the socket, not yet taken
         self._view = memoryview(bytearray(_READ))
         self._chunked = False  # the answer under way comes in chunks (`line`, `body`)
-        self._left = -1  # bytes left of its body, by its Content-Length; -1: none said
+        self._left = -1  # the body's length, as its Content-Length says; -1: none said
         self._close = False  # the server closes after this answer
         self._stream = bytearray()  # a stream's bytes not yet read as a line (`line`)
 
@@ -210,8 +210,6 @@ class Link:
             self._fill()
         data = self._buffer[:count]
         del self._buffer[:count]
-        if self._left >= 0:
-            self._left -= count
         return data
 
     def _rest(self, most: int) -> bytes:

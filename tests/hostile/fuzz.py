@@ -1,4 +1,6 @@
-"""A fuzz target for what lockrun parses: URIs and URI files, durations, records, tokens, metrics.
+"""A fuzz target for what lockrun parses: URIs, durations, records, tokens, metrics, etcd's HTTP.
+
+etcd's: what a gateway sends, as HTTP (`wire`) and as the JSON the etcd backend decodes.
 
 One input of bytes is read as text and thrown at every parser and decoder in turn; each
 may refuse it only with its documented error, and redaction must hide what it calls secret.
@@ -11,6 +13,7 @@ CI runs it briefly through test_fuzz_target (tests/hostile/test_invariants.py).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import os
@@ -34,6 +37,8 @@ from lockrun.backends import (
     read_identity,
     read_json,
 )
+from lockrun.backends.etcd import queue as etcd_queue
+from lockrun.backends.etcd import wire
 from lockrun.backends.file.records import read_record
 from lockrun.backends.postgres import keys as postgres_keys
 from lockrun.backends.redis import cluster, replies, resp, topology
@@ -65,6 +70,8 @@ def one_input(data: bytes) -> None:
     _keeper(text, data)
     _metrics(data)
     _reply(data)
+    _etcd_http(data)
+    _etcd_json(text, data)
 
 
 # What redis-py's parser may raise on a reply no Redis sends: what the backend reports as
@@ -92,6 +99,43 @@ def _reply(data: bytes) -> None:
             while True:
                 parser.read_response()
                 assert parser._depth == 0
+
+
+def _etcd_http(data: bytes) -> None:
+    """Read *data*, then the end of the stream, as a gateway's answer and as a watch's stream.
+
+    Only an OSError (`BadHTTP`, a closed stream) may come of it, and nothing longer than asked.
+    """
+    for prefix in (b"", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"):
+        ours, theirs = socket.socketpair()
+        with theirs:
+            theirs.sendall((prefix + data)[:65536])
+            theirs.shutdown(socket.SHUT_WR)
+            link = wire.Link("h", 1, 1.0, None)
+            link.sock = wire._Socket(fileno=ours.detach())
+            link.within(1.0)
+            with contextlib.suppress(OSError):
+                link._head()
+                assert len(link.body(100)) <= 101
+            with contextlib.suppress(OSError):
+                while line := link.line(100):
+                    assert len(line) <= 101
+            link.close()
+
+
+def _etcd_json(text: str, data: bytes) -> None:
+    """Decode *text* (and JSON made of it and *data*) as etcd's answers: a Queue or ValueError."""
+    raw = base64.b64encode(data).decode()
+    kv = {"key": raw, "value": raw, "create_revision": text, "lease": text, "mod_revision": text}
+    shapes = (read_json(text), {"responses": [{"response_range": {"kvs": [kv]}}] * 6})
+    for answer in (*shapes, {"responses": text, "header": {"revision": text}}):
+        with contextlib.suppress(ValueError):  # the one refusal: "came back malformed", 69
+            etcd_queue.read_look(answer if isinstance(answer, dict) else {})
+    kvs = [kv, {**kv, "key": base64.b64encode(b"lockrun/default/x/q/" + data).decode()}]
+    for entries in etcd_queue.group(kvs, b"lockrun/default/", "default").values():
+        assert 0 <= etcd_queue.holding(entries) <= max(len(entries), entries[0].identity.slots)
+    etcd_queue.lease_named(data)
+    assert etcd_queue.is_detached(read_json(text)) in {True, False}
 
 
 def _keeper(text: str, data: bytes) -> None:

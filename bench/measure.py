@@ -67,21 +67,26 @@ SLOTS: Final = (1, 3)
 # then connecting and one round trip; for the local backends, importing click and a flock(2).
 # Each floor connects the cheapest way that does what lockrun's connection does: PyMySQL's
 # default connect loads the system's CA store for a TLS it offers (≈20 ms) that lockrun,
-# asked for no TLS, skips, so the floor skips it too. etcd's driver is the standard library's,
-# as lockrun's (docs/design.md A13): one POST of a range read over HTTP/1.1, its JSON answer
-# read; TCP_NODELAY set, as lockrun sets it, so that Nagle never holds the body (http.client
-# writes it apart from the headers).
+# asked for no TLS, skips, so the floor skips it too. etcd's driver is lockrun's own HTTP over
+# a socket (docs/design.md A13), so the floor is the least of that: one POST of a range read
+# written by hand on a socket with TCP_NODELAY (as lockrun's), the headers read to the blank
+# line and the JSON answer by its Content-Length. (`http.client` would be a heavier floor,
+# 2.9 MiB and ms of import that lockrun no longer pays: a ratio against it flatters lockrun.)
 DRIVERS: Final = {
     "redis": "redis",
     "mysql": "pymysql",
     "postgres": "psycopg",
-    ETCD: "http.client, json, base64, socket",
+    ETCD: "json, base64, socket",
 }
 ETCD_FLOOR: Final = (
-    "c = http.client.HTTPConnection({host!r}, {port}); c.connect(); "
-    "c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); "
-    "c.request('POST', '/v3/kv/range', json.dumps({{'key': base64.b64encode(b'floor').decode()}})"
-    ".encode()); json.loads(c.getresponse().read())"
+    "s = socket.create_connection(({host!r}, {port})); "
+    "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); "
+    "b = json.dumps({{'key': base64.b64encode(b'floor').decode()}}).encode(); "
+    "s.sendall(b'POST /v3/kv/range HTTP/1.1\\r\\nHost: h\\r\\nContent-Length: %d\\r\\n\\r\\n'"
+    " % len(b) + b); "
+    "f = s.makefile('rb'); h = list(iter(f.readline, b'\\r\\n')); "
+    "n = int(next(x for x in h if x.lower().startswith(b'content-length')).split(b':')[1]); "
+    "json.loads(f.read(n))"
 )
 FLOORS: Final = {
     "redis": ("PING", "redis.Redis.from_url({uri!r}).ping()"),

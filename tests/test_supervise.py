@@ -823,6 +823,46 @@ def test_the_heap_is_frozen_before_the_guardians_fork() -> None:
     assert (result.returncode, result.stdout.split()) == (0, ["0", "True"]), result.stderr
 
 
+# A lockrun that dies with its guardian told of leases: the guardian frees the last one, as
+# the backend's `abandon` would, and names it in the file $FREED (made whole by a rename).
+ORPHANS = """
+import os
+from lockrun.guardian import Guardian
+def abandon(orphan):
+    with open(os.environ["FREED"] + ".new", "wb") as out:
+        out.write(orphan)
+    os.rename(os.environ["FREED"] + ".new", os.environ["FREED"])
+guardian = Guardian(abandon)
+for told in os.environ["TOLD"].split():
+    kind, lease = told.split("=")
+    if kind == "waiting":
+        guardian.watch_lease(lease.encode())
+    else:
+        guardian.hold_fds((), lease.encode())
+os._exit(0)  # dies holding: the guardian hears its socket close
+"""
+
+
+@pytest.mark.parametrize(
+    ("told", "freed"),
+    [
+        (["waiting=11", "held=11"], "11"),  # the waiter's lease, granted: told once
+        (["waiting=11", "waiting=12", "held=12"], "12"),  # ran out while waiting: queued again
+        (["waiting=11", "held=12"], "12"),
+        (["held=13"], "13"),  # granted at once
+    ],
+)
+def test_the_guardian_frees_the_last_lease_it_was_told_of(
+    tmp_path: Path, told: list[str], freed: str
+) -> None:
+    """A lease told once as a waiter's is not told again at the grant, yet is the one freed."""
+    out = tmp_path / "freed"
+    result = python(ORPHANS, env={**os.environ, "FREED": str(out), "TOLD": " ".join(told)})
+    assert result.returncode == 0, result.stderr
+    wait_for(out.exists, timeout=60)
+    assert out.read_text() == freed
+
+
 # Stops a fresh guardian, gives it 5000 renewals' deadlines and a stop's earlier one, then
 # lets it go: prints how long lockrun's side took, and whether the guardian stood down.
 STOPPED_GUARDIAN = """

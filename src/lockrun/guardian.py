@@ -82,7 +82,7 @@ class Guardian:
             theirs.close()
             self._socket = ours
             self._acted = False
-            self._orphan = False  # whether it holds a lease to free (`hold_fds`)
+            self._orphan: bytes | None = None  # the lease it would free (`hold_fds`)
             os.setpgid(self.pid, self.pid)  # here too, so the group exists before the command
         finally:
             pthread_sigmask(signal.SIG_SETMASK, saved)
@@ -91,15 +91,17 @@ class Guardian:
     def hold_fds(self, fds: Sequence[int], orphan: bytes | None = None) -> None:
         """Hand the guardian copies of *fds* to hold until it stands down.
 
-        *orphan* names the lease for the backend's `abandon` should lockrun die.
+        *orphan* names the lease for the backend's `abandon` should lockrun die; one it
+        was told of already as a waiter's (`watch_lease`) is not told again: a message
+        less on the hand-over's path.
         """
         import socket  # noqa: PLC0415 - loaded by __init__ already
 
         if fds:
             socket.send_fds(self._socket, [b"f"], list(fds))
-        if orphan is not None:
+        if orphan is not None and orphan != self._orphan:
             self._socket.sendall(b"o" + orphan)
-            self._orphan = True
+            self._orphan = orphan
 
     def watch_lease(self, orphan: bytes) -> None:
         """Have the guardian free lease *orphan* should lockrun die (a waiter's, as it waits)."""
@@ -111,9 +113,9 @@ class Guardian:
         Nothing to say of a lease it was never told of (one that ends with its session):
         the holder's way to its release is the hand-over's.
         """
-        if not self._orphan:
+        if self._orphan is None:
             return
-        self._orphan = False
+        self._orphan = None
         with contextlib.suppress(OSError):  # gone: it cannot abandon it either
             self._socket.sendall(b"r")
             os.kill(self.pid, signal.SIGCONT)  # one that was stopped must hear it in order

@@ -49,6 +49,8 @@ USERINFO_TEMPLATES: Final = (
     "mariadb://{secret}@127.0.0.1:{port}/db",
     "postgresql://user:{secret}@127.0.0.1:{port}/db",
     "postgres://{secret}:{secret}@127.0.0.1:{port}/db",
+    "etcd://user:{secret}@127.0.0.1:{port}",
+    "etcds://{secret}:{secret}@127.0.0.1:{port},[::1]:{port}",
 )
 OPTION_TEMPLATES: Final = (
     "unix:///nonexistent/redis.sock?password={secret}",

@@ -38,6 +38,16 @@ def _bounded(sock: Any, buffer: Any, nbytes: int, flags: int, read: Any) -> int:
     return int(read(sock, buffer, nbytes, flags))
 
 
+def _plain(host: str) -> str | bytes:
+    """Return *host* as getaddrinfo(3) takes it: bytes when ASCII, else text to encode.
+
+    A text host is encoded with the "idna" codec, whose import (encodings.idna, stringprep,
+    unicodedata) took 1 ms of every start and, made after the guardian's fork, cost each
+    waiting lockrun 0.7 MiB of pages the two processes no longer shared (issue #33).
+    """
+    return host.encode() if host.isascii() else host
+
+
 class _Socket(socket.socket):
     """A socket whose reads all end by the deadline of the call under way."""
 
@@ -78,7 +88,7 @@ class Link:
         """Connect within the timeout, with TCP_NODELAY: every request is one small write."""
         error: OSError = OSError(f"{self.host}: no address")
         for family, kind, proto, _, address in socket.getaddrinfo(
-            self.host, self.port, 0, socket.SOCK_STREAM
+            _plain(self.host), self.port, 0, socket.SOCK_STREAM
         ):
             sock = _Socket(family, kind, proto)
             try:

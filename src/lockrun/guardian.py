@@ -50,12 +50,18 @@ class Guardian:
     group when the last writer closes, in any order and by any cause of death.
     """
 
-    def __init__(self, abandon: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        abandon: Callable[[bytes], None] | None = None,
+        inherited: Callable[[], None] | None = None,
+    ) -> None:
         """Fork the guardian and make it the leader of a new process group.
 
         *abandon(orphan)* is how the guardian frees a lease that lockrun left behind dying
         (the backend's `abandon`; None where the lease ends with its holder anyway). As for
         any killed run, no --hold-at-least window is left (docs/semantics.md).
+        *inherited()*, run in the guardian first, closes what it must not hold of
+        lockrun's: the backend's connections, when it is forked after the run connected.
         """
         import socket  # noqa: PLC0415 - only runs without an inherited lock fd need it
 
@@ -78,7 +84,7 @@ class Guardian:
             self.pid = os.fork()
             if self.pid == 0:  # the forked guardian (coverage follows: patch = fork, _exit)
                 os.close(self.switch)
-                _guard(theirs, ours, self._deadlines, abandon)
+                _guard(theirs, ours, self._deadlines, abandon, inherited)
             theirs.close()
             self._socket = ours
             self._acted = False
@@ -185,6 +191,36 @@ class Guardian:
         os.waitpid(self.pid, 0)
 
 
+class OnDemand:
+    """A run's guardian, forked when first needed: as late as it may be (docs/design.md A11).
+
+    Each page lockrun writes after the fork is copied, and then held by both: forked as
+    the backend begins to wait (`Request.waiting`) rather than before it connected and
+    queued, a waiting etcd run cost 1 MiB less (issue #33). The command is never spawned
+    before it (`now`, once the lock is held).
+    """
+
+    def __init__(self, make: Callable[[], Guardian]) -> None:
+        """Fork nothing yet: *make* forks the guardian."""
+        self._make = make
+        self.guardian: Guardian | None = None
+
+    def now(self) -> Guardian:
+        """Return the guardian, forked now if it was not yet."""
+        if self.guardian is None:
+            self.guardian = self._make()
+        return self.guardian
+
+    def watch_lease(self, orphan: bytes) -> None:
+        """As `Guardian.watch_lease`, forking it first: a backend begins to wait."""
+        self.now().watch_lease(orphan)
+
+    def stand_down(self) -> None:
+        """As `Guardian.stand_down`, if it was ever forked."""
+        if self.guardian is not None:
+            self.guardian.stand_down()
+
+
 class _Deadlines:
     """The guardian's deadlines in a shared page, behind a sequence number (a seqlock).
 
@@ -243,6 +279,7 @@ def _guard(
     theirs: socket.socket,
     deadlines: _Deadlines,
     abandon: Callable[[bytes], None] | None,
+    inherited: Callable[[], None] | None,
 ) -> NoReturn:
     """In the guardian: hold what we are given until stood down; kill if lockrun vanishes.
 
@@ -251,6 +288,8 @@ def _guard(
     """
     try:
         theirs.close()
+        if inherited is not None:
+            inherited()
         os.setpgid(0, 0)
         for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signo, signal.SIG_IGN)
@@ -340,4 +379,4 @@ def _tell(lockrun: socket.socket) -> bool:
     return True
 
 
-__all__ = ["Guardian"]
+__all__ = ["Guardian", "OnDemand"]

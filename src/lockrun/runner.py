@@ -58,7 +58,7 @@ from lockrun.uri import DEFAULT_URI, redact
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from lockrun.guardian import Guardian
+    from lockrun.guardian import Guardian, OnDemand
     from lockrun.monitor import Account
     from lockrun.progress import WaitReport
     from lockrun.uri import LockURI
@@ -129,8 +129,10 @@ def run(
             account.ignored = waiting.ignored
             backend = open_backend(uri, ttl=options.ttl, warn=log, note=verbose)
             guardian = _guardian(uri, options, backend)
-            if guardian is not None and uri.kind.leased:  # a dead waiter's lease, freed too
-                request = request._replace(waiting=guardian.watch_lease)
+            if guardian is not None and uri.kind.tells_waiting:  # forked as it begins to wait
+                request = request._replace(waiting=guardian.watch_lease)  # freed should we die
+            elif guardian is not None:
+                guardian.now()  # before the run connects (docs/design.md A11)
             try:
                 report = report_for(options, request, uri, log, live)
                 status = _hold_and_run(
@@ -147,18 +149,21 @@ def run(
     return status
 
 
-def _guardian(uri: LockURI, options: Options, backend: Backend) -> Guardian | None:
-    """Return the guardian of a run whose command does not hold the lock itself.
+def _guardian(uri: LockURI, options: Options, backend: Backend) -> OnDemand | None:
+    """Return the guardian, not forked yet, of a run whose command does not hold the lock.
 
     Only lock fds the command inherits keep the lock if we die; otherwise a guardian must
     take the command's group down with us (docs/semantics.md G2), and free a lease that
-    would outlive us (G5).
+    would outlive us (G5). One forked after the run connected drops its copies of the
+    connections (`Scheme.tells_waiting`).
     """
     if uri.kind.inherits_fds and not options.close:
         return None
-    from lockrun.guardian import Guardian  # noqa: PLC0415 - a file: run's command holds the lock
+    from lockrun.guardian import Guardian, OnDemand  # noqa: PLC0415 - a file: run's has none
 
-    return Guardian(cast("Leased", backend).abandon if uri.kind.leased else None)
+    abandon = cast("Leased", backend).abandon if uri.kind.leased else None
+    inherited = backend.close if uri.kind.tells_waiting else None
+    return OnDemand(lambda: Guardian(abandon, inherited))
 
 
 class _Unmonitored:
@@ -198,7 +203,7 @@ def _hold_and_run(
     argv: Sequence[str],
     options: Options,
     verbose: Callable[[str], None],
-    guardian: Guardian | None,
+    guardian: OnDemand | None,
     waiting: Waiting,
     report: WaitReport | None,
     account: Account | _Unmonitored,
@@ -212,7 +217,9 @@ def _hold_and_run(
     # that lands before they are deferred still finds the slot released by the finally below,
     # with no --hold-at-least window: nothing ran.
     held_since, hold = started, 0.0
+    guarding: Guardian | None = None
     try:
+        guarding = None if guardian is None else guardian.now()  # before the spawn
         held_since, hold = now(), options.hold_at_least
         account.held(lease.slot, lease.fence)
         with deferred(FORWARDED):
@@ -226,8 +233,8 @@ def _hold_and_run(
                 options.kill_after,
                 min(options.kill_after, options.lost_kill_after),
             )
-            if guardian is not None:
-                guardian.hold_fds(lease.fds, lease.orphan)
+            if guarding is not None:
+                guarding.hold_fds(lease.fds, lease.orphan)
             # Started now and never waited for: it runs beside the command, and a slow ping
             # lengthens neither the hold nor the hand-over (docs/semantics.md "Monitoring").
             # Before the spawn, which makes the lock's fds inheritable.
@@ -240,8 +247,8 @@ def _hold_and_run(
                 # A session's socket too: a server frees the lock when its last holder
                 # closes it, which the kernel does only once the command's processes are
                 # dead, even when lockrun and its guardian die at once (docs/semantics.md G2).
-                pass_fds=lease.fds if guardian is None or lease.sessions else (),
-                guardian=guardian,
+                pass_fds=lease.fds if guarding is None or lease.sessions else (),
+                guardian=guarding,
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
                 program=program,
@@ -261,8 +268,8 @@ def _hold_and_run(
         raise
     finally:
         account.released()
-        if guardian is not None:
-            guardian.forget()  # ours to release now; were we to die meanwhile, it lapses
+        if guarding is not None:
+            guarding.forget()  # ours to release now; were we to die meanwhile, it lapses
         release(lease, request, held_since, hold, verbose)
 
 

@@ -56,6 +56,10 @@ class Scheme(NamedTuple):
     # It can leave a lock held with no process (`lockrun acquire --no-keeper`): the server
     # keeps the lease, and the backend is a `lockrun.backends.Detachable`.
     detachable: bool = False
+    # Its backend tells `Request.waiting` as it begins to wait: the run's guardian is forked
+    # then, or once the lock is held, rather than before the run connects (docs/design.md
+    # A11). Only where no connection holds the lock: the guardian drops those it inherits.
+    tells_waiting: bool = False
 
     @property
     def local(self) -> bool:
@@ -161,6 +165,7 @@ SCHEMES: Final[Mapping[str, Scheme]] = {
         leased=True,
         modes=MODES,
         detachable=True,
+        tells_waiting=True,
     ),
     "etcds": Scheme(
         "etcd",
@@ -169,6 +174,7 @@ SCHEMES: Final[Mapping[str, Scheme]] = {
         leased=True,
         modes=MODES,
         detachable=True,
+        tells_waiting=True,
     ),
 }
 # The backends, in the table's order: what the contract tests and the benchmarks loop over.

@@ -299,8 +299,9 @@ class Request(NamedTuple):
     # by the caller (a backend that keeps none is never asked); "": a lease that ends with us
     lease_id: str = ""
     # Told a waiter's lease (as `Lease.orphan` names one) as it starts to wait, by a backend
-    # whose waiters hold leases: the guardian frees it should lockrun die waiting (etcd,
-    # docs/design.md A13). None: nobody to tell (the Python API has no guardian).
+    # whose registry row says it does (`Scheme.tells_waiting`): the guardian is forked then,
+    # and frees it should lockrun die waiting (etcd, docs/design.md A11, A13). None: nobody
+    # to tell (the Python API has no guardian).
     waiting: Callable[[bytes], None] | None = None
 
 

@@ -60,6 +60,17 @@ def test_only_redis_and_etcd_can_hold_a_lock_with_no_process() -> None:
     assert all(SCHEMES[name].leased for name in detachable)
 
 
+def test_only_a_lease_no_connection_holds_has_its_guardian_forked_late() -> None:
+    """A guardian forked after the run connected drops the connections it inherited.
+
+    Right where a lease is the lock (etcd); where a session is (MySQL, PostgreSQL), the
+    guardian must never have held the waiter's connection (docs/design.md A11).
+    """
+    late = {name for name, scheme in SCHEMES.items() if scheme.tells_waiting}
+    assert late == {"etcd", "etcds"}
+    assert all(SCHEMES[name].leased and not SCHEMES[name].session for name in late)
+
+
 def test_a_scheme_offers_no_mode_unless_it_says_so() -> None:
     """A new backend's row starts with no modes and no --no-keeper."""
     row = Scheme("etcd", "etcd://HOST", {"etcd://": "etcd"}, leased=True)

@@ -415,7 +415,7 @@ def idle(bench: Bench, group: Group) -> None:
             row(f"{what}: drain", f"all {waiters} ran in {result.drain:.2f} s")
             continue
         program, load = bench.servers[kind].program, result.server
-        core.idle_row(f"{what}: {program}", load, window)
+        core.idle_row(f"{what}: {program}", load, window, alone)
         # MariaDB wakes each session waiting in GET_LOCK once a second to see if its client is
         # still there, and so does PostgreSQL with the client_connection_check_interval lockrun
         # sets (14+): their cost grows with the queue. What the server spends alone is not the

@@ -270,6 +270,33 @@ def test_a_login_runs_and_a_wrong_password_is_69_never_shown(
     assert wrong[:4] not in refused.stderr
 
 
+def test_a_quiet_watch_stays_open_and_still_hears_the_deletion(etcd: EtcdServer) -> None:
+    """A wait that ends with nothing leaves the watch streaming: no new one per keep-alive.
+
+    Every waiter waits ttl/3 at a time, then keeps its lease alive: a watch closed at each
+    such end cost a connection, a request and a watch on the server per waiter and cycle.
+    """
+    from lockrun.backends import parse_uri
+    from lockrun.backends.etcd import connect
+
+    backend = connect(parse_uri(uri_of(etcd)))
+    key = b"quiet/watched"
+    put = gateway(etcd, "/v3/kv/put", {"key": base64.b64encode(key).decode(), "value": ""})
+    watch = backend.gateway.watch()
+    watch.start(key, b"", int(put["header"]["revision"]) + 1)
+    try:
+        connections = watch.link.sock
+        for _ in range(3):
+            assert watch.moved(0.2) == ""
+            assert watch.open
+        assert watch.link.sock is connections  # the same stream, never made again
+        gateway(etcd, "/v3/kv/deleterange", {"key": base64.b64encode(key).decode()})
+        assert watch.moved(30) == "deleted"
+    finally:
+        watch.close()
+        backend.close()
+
+
 # -- a gateway that answers what etcd never would ---------------------------------------------
 
 HOSTILE: Final = {

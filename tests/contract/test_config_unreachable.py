@@ -96,7 +96,7 @@ REACH: Final = {
         tcp=lambda where: f"etcd://app:{SECRET}@{where}",
         socket=None,
         no_host="nonexistent.invalid",
-        timeout=timeout_for(float(SHORT_TTL)),
+        timeout=timeout_for(float(SHORT_TTL), durable=True),
     ),
 }
 # The ways to run into the server: a run, a verbose wait (whose first call asks who holds

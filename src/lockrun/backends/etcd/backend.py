@@ -21,6 +21,7 @@ from lockrun.backends.etcd.lease import (
     DetachedLease,
     EtcdLease,
     lease_for,
+    orphan_of,
     record_of,
     window_for,
 )
@@ -109,7 +110,7 @@ class EtcdBackend(Store):
                 if turn.queue.held(request.slots, shared=request.shared):
                     return self._granted(request, turn, key, lease_id, ttl, waited=waited)
                 if not waited and request.waiting is not None:
-                    request.waiting(str(lease_id).encode())  # freed should we die waiting
+                    request.waiting(orphan_of(lease_id))  # freed should we die waiting
                 waited = True
                 pause = _pause(deadline, turn.kept + request.ttl / 3)
                 if pause is None or self._window_outlasts(turn.queue, deadline):

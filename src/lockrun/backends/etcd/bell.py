@@ -72,8 +72,11 @@ class Bell:
                 self._quit.wait(RECONNECT_INTERVAL)
                 continue
             while watch.open and not self._quit.is_set():
-                if watch.moved(_QUIET) == "changed":
+                moved = watch.moved(_QUIET)
+                if moved == "changed":
                     os.eventfd_write(self.fd, 1)
+                elif not moved:  # quiet for long: made again, past a member gone silent
+                    watch.close()
             self._next = max(self._next, watch.seen + 1, watch.compacted)
             watch.close()
 

@@ -262,13 +262,18 @@ class Watch:
         "deleted": a key of the range went. "changed": the watch ended (a compaction, the
         server's end, a broken stream, after a tenth of a second or *seconds* if less, never
         in a loop as fast as a broken server can hang up): look again. "": nothing within
-        *seconds*; the watch is closed (its stream may be cut mid-message), so the caller
+        *seconds*, and the watch stays open: nothing of its stream was read (`Link.ready`),
+        so a waiter's keep-alive every ttl/3 costs no new watch. A message begun must come
+        whole within the timeout, else the watch is closed ("" too), and the caller
         watches again from the same revision.
         """
+        until = time.monotonic() + max(seconds, 0.0)
         try:
-            self.link.within(max(seconds, 0.0))
-            while not (said := self._said()):
-                pass
+            while self.link.ready(max(until - time.monotonic(), 0.0)):
+                self.link.within(self.gateway.timeout)
+                if said := self._said():
+                    return said
+                self.link.within(None)
         except TimeoutError:
             self.close()
             return ""
@@ -279,7 +284,7 @@ class Watch:
             return "changed"
         finally:
             self.link.within(None)
-        return said
+        return ""
 
     def _said(self) -> Moved:
         """Read one message: "deleted" for deletions alone, "changed" for a put or a cancel.

@@ -45,6 +45,11 @@ def lease_for(lease_id: str) -> int:
     return bits >> 1 or 1
 
 
+def orphan_of(lease_id: int) -> bytes:
+    """Return how the guardian is told lease *lease_id* (`Store.abandon` reads it back)."""
+    return str(lease_id).encode()
+
+
 def window_for(lease_id: int) -> int:
     """Return the ID of the window lease of a lease kept by no process (--no-keeper)."""
     return lease_id ^ _WINDOW_BIT or 1
@@ -160,7 +165,7 @@ class EtcdLease:
     @property
     def orphan(self) -> bytes:
         """What the guardian needs to free this lease should lockrun die (`abandon`)."""
-        return str(self.lease_id).encode()
+        return orphan_of(self.lease_id)
 
     def release(self, hold: float = 0.0) -> bool:
         """Revoke the lease: our keys go, and the next waiter's watch fires.
@@ -246,4 +251,4 @@ class DetachedLease:
             self.backend.revoke(window_for(self.lease_id))
 
 
-__all__ = ["GONE", "DetachedLease", "EtcdLease", "lease_for", "window_for"]
+__all__ = ["GONE", "DetachedLease", "EtcdLease", "lease_for", "orphan_of", "window_for"]

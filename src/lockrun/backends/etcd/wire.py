@@ -11,6 +11,7 @@ Every read ends by the call's deadline (`within`), and every answer is bounded i
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -161,6 +162,23 @@ class Link:
         if self._close or len(data) > most:
             self.close()
         return bytes(data)
+
+    def ready(self, seconds: float) -> bool:
+        """Wait up to *seconds* for a stream's next bytes, reading none; whether any came.
+
+        A wait that ends with nothing leaves the stream whole (a read that timed out could
+        stop mid-message, and the stream would be lost): a watch then stays open.
+        """
+        if self.sock is None:
+            msg = "the connection was closed"
+            raise BadHTTP(msg)
+        if b"\n" in self._stream or self._buffer:
+            return True
+        if self.tls is not None and self.sock.pending():  # decrypted, not yet taken
+            return True
+        poller = select.poll()  # not select(2): a descriptor past 1023 is a run's right
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(seconds * 1000))
 
     def line(self, most: int) -> bytes:
         """Read one line of a chunked stream (with its newline); b"" at the stream's end.

@@ -34,6 +34,7 @@ from lockrun.backends.etcd.queue import (
     queue_key,
     queue_range,
     read_look,
+    stopping,
 )
 from lockrun.backends.etcd.store import Store
 from lockrun.errors import BackendUnavailable, Interrupted, TakenOver
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 # Of a lease's ttl since its last keep-alive was sent, how much it surely still runs on the
 # server (A10's deadline: the rest is the reserve against drift and scheduling).
 _SURE: Final = 1 - MARGIN
+# A waiter keeps its lease alive every ttl/2, as Redis's waiters ask (a holder's every ttl/3,
+# the supervisor's): half a lease of reserve is many timeouts (ttl/10), and each renewal is
+# two calls on every waiter, a tenth of a ms of etcd's CPU each (`python -m bench`, idle).
+_KEEP_WAITING: Final = 0.5
 
 
 class EtcdBackend(Store):
@@ -112,7 +117,7 @@ class EtcdBackend(Store):
                 if not waited and request.waiting is not None:
                     request.waiting(orphan_of(lease_id))  # freed should we die waiting
                 waited = True
-                pause = _pause(deadline, turn.kept + request.ttl / 3)
+                pause = _pause(deadline, turn.kept + request.ttl * _KEEP_WAITING)
                 if pause is None or self._window_outlasts(turn.queue, deadline):
                     return None
                 if not self._wait_or_ride_out(
@@ -223,10 +228,11 @@ class EtcdBackend(Store):
         if turn.stale:
             turn.queue, turn.stale = self.look(prefix, key, request), False
             return True
-        if pause <= 0:  # and a look after it: a request that moved nothing we watch
+        if pause <= 0:
             sent = now()
             alive = self.keep_alive(lease_id)
-            turn.kept, turn.stale = sent, alive
+            turn.kept = sent
+            turn.stale = alive and self._unheard(key, turn.queue.mine, request)
             return alive
         watch = self._watch_for(turn, prefix, request)
         moved = "changed" if watch is None else watch.moved(pause)
@@ -237,6 +243,16 @@ class EtcdBackend(Store):
         if moved and request.slots == 1:
             turn.close()  # another key may be just before ours now
         return True
+
+    def _unheard(self, key: bytes, mine: int, request: Request) -> bool:
+        """Whether a look is due that nothing we watch would have called for (after a keep-alive).
+
+        A take-over asked after our key that moves nothing we watch: a writer behind a
+        reader, which a reader's take-over (``tr/``) leaves holding (A13). Or our key gone
+        with our lease alive. One transaction of three small reads, not a whole look.
+        """
+        created, stops = self.created_and_stops(key)
+        return created != mine or stopping(stops, mine, shared=request.shared) is not None
 
     def _watch_for(self, turn: Turn, prefix: bytes, request: Request) -> Watch | None:
         """Return the waiter's watch, made anew if it has none open (None: nothing to watch).

@@ -94,12 +94,13 @@ class Plan:
 
 # By backend: the local ones, Redis, the SQL servers, etcd. A lockrun start with a server costs
 # 3x one without; enough handoffs for a p99 in the full run. etcd's idle window covers a
-# waiter's keep-alive (every ttl/3, 10 s at the default ttl) in the full run.
+# waiter's keep-alive and its read of the stop keys (every ttl/2, 15 s at the default ttl)
+# in the full run: a window between two would show a waiter that costs nothing.
 FULL: Final = Plan(
     dict.fromkeys(LOCAL, Effort(30, 20, 50, 5.0))
     | {"redis": Effort(30, 100, 200, 10.0)}
     | dict.fromkeys(("mysql", "postgres"), Effort(30, 100, 100, 10.0))
-    | {ETCD: Effort(30, 100, 100, 12.0)},
+    | {ETCD: Effort(30, 100, 100, 16.0)},
     fifo_waiters=10,
     api=ApiEffort(rounds=5, cycles=200, warmup=20, contend_rounds=3, window=5.0),
     quick=False,

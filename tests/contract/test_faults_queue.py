@@ -112,7 +112,9 @@ def test_a_paused_head_waiter_is_passed_over_and_never_runs_without_the_lock(
             assert holder.finish() == 0
             # The server hands the lock to the frozen head's session, which cannot answer.
             wait_for(lambda: harness.holder(name) == head_session, what="the grant")
-            granted = harness.settled_expiry(name, TTL) - harness.free_after(TTL)
+            granted = harness.settled_expiry(name, TTL, handle=head_session) - harness.free_after(
+                TTL
+            )
             wait_for(next_log.exists, timeout=TTL + SLACK, what="the second waiter's command")
             passed = read_run(next_log).begun - granted
             print(f"the second waiter got in {passed:.2f}s after the frozen head was granted")

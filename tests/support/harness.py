@@ -443,6 +443,16 @@ class Harness:
         """
         raise NotImplementedError(self.backend)
 
+    def expiry_of(
+        self,
+        name: str,
+        ttl: float,
+        slot: int = 0,
+        handle: int | str | None = None,  # noqa: ARG002 - a server that can tell, below
+    ) -> float | None:
+        """Return `expiry`: when the holder of *slot* now (*handle*'s where one can tell) ends."""
+        return self.expiry(name, ttl, slot)
+
     def grab(self, name: str, patience: float, slot: int = 0) -> float | None:
         """Wait up to *patience* s for *slot* on a session of our own, not lockrun's.
 
@@ -451,10 +461,16 @@ class Harness:
         """
         raise NotImplementedError(self.backend)
 
-    def settled_expiry(self, name: str, ttl: float, slot: int = 0) -> float:
-        """Wait until the holder of *slot* is idle (a call may still run) and return `expiry`."""
+    def settled_expiry(
+        self, name: str, ttl: float, slot: int = 0, handle: int | str | None = None
+    ) -> float:
+        """Wait until the holder of *slot* is idle (a call may still run) and return `expiry`.
+
+        With *handle*: the expiry of that holder's grant, even once another holds the slot
+        (`expiry_of`).
+        """
         deadline = time.monotonic() + 15
-        while (expiry := self.expiry(name, ttl, slot)) is None:
+        while (expiry := self.expiry_of(name, ttl, slot, handle)) is None:
             if time.monotonic() > deadline:
                 pytest.fail(f"{name}:{slot} was not held by an idle session for 15 s")
             time.sleep(0.01)
@@ -1147,6 +1163,19 @@ class EtcdHarness(ServerHarness):
         if tapped is not None and self.alive(name, lease):
             return tapped
         return self._ticked(lease)
+
+    def expiry_of(
+        self, name: str, ttl: float, slot: int = 0, handle: int | str | None = None
+    ) -> float | None:
+        """Return when lease *handle* ends (else `expiry`), holding or no longer holding.
+
+        From our proxy's last keep-alive of it: a frozen head whose lease ran out under load
+        may be replaced by the next before this is asked, and the holder's then is not it.
+        """
+        if not isinstance(handle, int):
+            return self.expiry(name, ttl, slot)
+        tapped = self.tap.expiry(handle) if self.tap is not None else None
+        return tapped if tapped is not None else self._ticked(handle)
 
     def _ticked(self, lease: int) -> float | None:
         """Watch *lease*'s whole seconds to live tick down once; return when it ends."""

@@ -232,7 +232,9 @@ class EtcdBackend(Store):
             sent = now()
             alive = self.keep_alive(lease_id)
             turn.kept = sent
-            turn.stale = alive and self._unheard(key, turn.queue.mine, request)
+            turn.stale = (
+                alive and request.slots == 1 and self._unheard(key, turn.queue.mine, request)
+            )
             return alive
         watch = self._watch_for(turn, prefix, request)
         moved = "changed" if watch is None else watch.moved(pause)
@@ -249,7 +251,9 @@ class EtcdBackend(Store):
 
         A take-over asked after our key that moves nothing we watch: a writer behind a
         reader, which a reader's take-over (``tr/``) leaves holding (A13). Or our key gone
-        with our lease alive. One transaction of three small reads, not a whole look.
+        with our lease alive, which the hand-over's short cut would not see. One
+        transaction of three small reads, not a whole look; never for N > 1, whose queue
+        no taker joins and whose every move is looked at.
         """
         created, stops = self.created_and_stops(key)
         return created != mine or stopping(stops, mine, shared=request.shared) is not None

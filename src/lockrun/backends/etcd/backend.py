@@ -229,13 +229,7 @@ class EtcdBackend(Store):
             turn.queue, turn.stale = self.look(prefix, key, request), False
             return True
         if pause <= 0:
-            sent = now()
-            alive = self.keep_alive(lease_id)
-            turn.kept = sent
-            turn.stale = (
-                alive and request.slots == 1 and self._unheard(key, turn.queue.mine, request)
-            )
-            return alive
+            return self._keep_waiting(turn, key, lease_id, request)
         watch = self._watch_for(turn, prefix, request)
         moved = "changed" if watch is None else watch.moved(pause)
         if moved == "deleted" and self._surely_head(turn, request):
@@ -246,17 +240,24 @@ class EtcdBackend(Store):
             turn.close()  # another key may be just before ours now
         return True
 
-    def _unheard(self, key: bytes, mine: int, request: Request) -> bool:
-        """Whether a look is due that nothing we watch would have called for (after a keep-alive).
+    def _keep_waiting(self, turn: Turn, key: bytes, lease_id: int, request: Request) -> bool:
+        """Keep a waiter's lease alive; False if it is gone. Ask for a look if one is due.
 
-        A take-over asked after our key that moves nothing we watch: a writer behind a
-        reader, which a reader's take-over (``tr/``) leaves holding (A13). Or our key gone
-        with our lease alive, which the hand-over's short cut would not see. One
-        transaction of three small reads, not a whole look; never for N > 1, whose queue
-        no taker joins and whose every move is looked at.
+        Due where nothing we watch would have called for it: a take-over asked after our
+        key that moves nothing we watch (a writer behind a reader, which a reader's
+        take-over, ``tr/``, leaves holding: A13), or our key gone with our lease alive,
+        which the hand-over's short cut would not see. One transaction of three small
+        reads, not a whole look; never for N > 1, whose queue no taker joins and whose
+        every move is looked at.
         """
-        created, stops = self.created_and_stops(key)
-        return created != mine or stopping(stops, mine, shared=request.shared) is not None
+        sent = now()
+        alive = self.keep_alive(lease_id)
+        turn.kept = sent
+        if alive and request.slots == 1:
+            mine = turn.queue.mine
+            created, stops = self.created_and_stops(key)
+            turn.stale = created != mine or stopping(stops, mine, shared=request.shared) is not None
+        return alive
 
     def _watch_for(self, turn: Turn, prefix: bytes, request: Request) -> Watch | None:
         """Return the waiter's watch, made anew if it has none open (None: nothing to watch).

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 _SURE: Final = 1 - MARGIN
 # A waiter keeps its lease alive every ttl/2, as Redis's waiters ask (a holder's every ttl/3,
 # the supervisor's): half a lease of reserve is many timeouts (ttl/10), and each renewal is
-# two calls on every waiter, a tenth of a ms of etcd's CPU each (`python -m bench`, idle).
+# two calls of every waiter, ~2.5 ms of etcd's CPU (`python -m bench`, idle waiters).
 _KEEP_WAITING: Final = 0.5
 
 

@@ -263,7 +263,7 @@ class Watch:
         server's end, a broken stream, after a tenth of a second or *seconds* if less, never
         in a loop as fast as a broken server can hang up): look again. "": nothing within
         *seconds*, and the watch stays open: nothing of its stream was read (`Link.ready`),
-        so a waiter's keep-alive every ttl/3 costs no new watch. A message begun must come
+        so a waiter's keep-alive every ttl/2 costs no new watch. A message begun must come
         whole within the timeout, else the watch is closed ("" too), and the caller
         watches again from the same revision.
         """

@@ -289,7 +289,8 @@ def _guard(
     try:
         theirs.close()
         if inherited is not None:
-            inherited()
+            with contextlib.suppress(Exception):  # a close that fails leaves the guardian be
+                inherited()
         os.setpgid(0, 0)
         for signo in (*FORWARDED, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signo, signal.SIG_IGN)

@@ -134,6 +134,18 @@ from lockrun.timing import now
 
 marker, mode, ttl, kill_after, ready, out = sys.argv[1:7]
 command = sys.argv[7:]
+mode, *extras = mode.split("+")
+guarded = "guardian" in extras  # the command runs in a guardian's group, as in lockrun
+
+if "starved" in extras:  # once refresh fails, the loop is not scheduled for a whole lease
+    import signal
+    sigtimedwait = signal.sigtimedwait
+    def starved_sigtimedwait(*args):
+        if record["failed"] is not None and not record.get("starved"):
+            record["starved"] = True
+            time.sleep(float(ttl))  # SIGCHLD is blocked here: nothing cuts this short
+        return sigtimedwait(*args)
+    signal.sigtimedwait = starved_sigtimedwait
 record = {"confirmed": None, "failed": None, "recovered": None}
 
 if mode == "slow-spawn":  # the spawn stalls for a whole lease, after the last confirmation
@@ -178,8 +190,12 @@ class FailingLease:
         pass
 
 limits = Limits(refresh_every=0.2, kill_after=float(kill_after))
+guardian = None
+if guarded:
+    from lockrun.guardian import Guardian
+    guardian = Guardian()
 try:
-    status = supervise(command, FailingLease(), limits, env=os.environ)
+    status = supervise(command, FailingLease(), limits, env=os.environ, guardian=guardian)
 except LeaseLost as err:
     record["outcome"], record["message"], status = "lost", str(err), 76
 except RuntimeError as err:
@@ -571,6 +587,28 @@ def test_a_lease_too_short_to_doubt_is_still_killed_by_its_deadline(
     assert process.returncode == 76
     # The deadline (0.9 s) came before the hang could count as a doubt (1.2 s).
     assert record["message"] == "lease could not be confirmed: no answer in time"
+    assert record["reaped"]
+
+
+def test_a_guardian_that_stops_the_command_under_a_hung_renewal_names_the_silence(
+    tmp_path: Path, supervised: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """The guardian acts first while a renewal waits for its answer: the line says both.
+
+    On a loaded machine the guardian's TERM (due a few tens of ms after lockrun's own)
+    can land first, and lockrun heard of the command's end before its own timer. It then
+    blamed itself ("was it stopped or starved?") for a server that did not answer (a CI
+    run of tests/chaos/test_faults.py's slow server). Here the loop is not scheduled once
+    the renewal hangs, and the command's end is what wakes it.
+    """
+    ttl = 2.0
+    process = supervised("hang+guardian+starved", ttl, 0.5)
+    (tmp_path / "marker").touch()
+    record = supervisor_record(process, tmp_path)
+    assert process.returncode == 76
+    assert (tmp_path / "term").exists(), "the guardian sent no TERM"
+    assert record["message"].startswith("lease could not be confirmed: no answer for ")
+    assert "its guardian stopped the command" in record["message"]
     assert record["reaped"]
 
 

@@ -653,6 +653,12 @@ class _Watch:
         if self.clock.doubt is not None:  # we were about to stop it ourselves
             return LeaseLost(f"lease could not be confirmed: {self.clock.doubt}")
         if self.guardian is not None and self.guardian.acted():
+            if self.asking is not None and self.asking.is_alive():  # the server's silence
+                silent = now() - self.asking.sent
+                return LeaseLost(
+                    f"lease could not be confirmed: no answer for {silent:.1f}s; "
+                    "its guardian stopped the command before the lease ran out"
+                )
             return LeaseLost(
                 "lockrun could not renew the lease in time (was it stopped or starved?); "
                 "its guardian stopped the command before the lease ran out"

@@ -1002,6 +1002,65 @@ def test_a_take_over_bell_refreshes_at_once_and_stops_the_command(tmp_path: Path
     assert count.read_text() == "xx"
 
 
+# A supervisor whose lease has a bell (a pipe), so its watcher thread runs: `ended` notes
+# whether that thread was still up, then the command's status or the stop is printed.
+ENDED = """
+import os, sys, threading
+from lockrun.errors import LeaseLost
+from lockrun.supervise import Limits, supervise
+from lockrun.timing import now
+
+read_end, _ = os.pipe()
+calls = []
+
+class BelledLease:
+    slot, fence, ttl, fds, sessions = 0, None, 60.0, (), ()
+    bells = (read_end,)
+    confirmed = now()
+
+    def refresh(self):
+        raise LeaseLost("the lock was taken over")
+
+    def release(self, hold=0.0):
+        pass
+
+def ended():
+    calls.append(any(t.name == "lockrun-hangups" for t in threading.enumerate()))
+
+every = float(sys.argv[1])
+try:
+    status = supervise(
+        sys.argv[2:], BelledLease(), Limits(refresh_every=every, kill_after=5.0),
+        env=os.environ, ended=ended,
+    )
+except LeaseLost:
+    status = 76
+print(status, calls)
+"""
+
+
+@pytest.mark.parametrize(
+    ("every", "command", "printed"),
+    [
+        (60.0, ["sh", "-c", "exit 3"], "3 [True]"),  # ended: released before the teardown
+        (0.05, ["sleep", "60"], "76 []"),  # stopped: the caller releases, not `ended`
+    ],
+)
+def test_the_release_comes_before_the_watchers_are_taken_down(
+    every: float, command: list[str], printed: str
+) -> None:
+    """`ended` (the runner's release) runs once the command ended, its watcher still up.
+
+    The release is the next holder's start: the thread's join and the closes came before
+    it, ~0.3 ms of the etcd hand-over (issue #33). A stopped command is not `ended`.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", ENDED, str(every), *command],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout.strip()) == (0, printed), result.stderr
+
+
 # A local lock's supervisor (ttl None) whose lease notes when its bells were asked for.
 LOCAL_BELLED = """
 import os, sys

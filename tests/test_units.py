@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from lockrun import bounds, cli, progress
 from lockrun import lock as lock_module
-from lockrun.backends import Holder, LockState, Request, next_fence, parse_uri, write_json
+from lockrun.backends import (
+    Holder,
+    LockState,
+    Request,
+    next_fence,
+    parse_uri,
+    plain_json,
+    write_json,
+)
 from lockrun.errors import ConfigError, LeaseLost, UsageError
 from lockrun.names import check_name, default_name, escape, unescape
 from lockrun.progress import holders_text, position_text
@@ -227,7 +235,11 @@ JSON_VALUES = st.recursive(
 
 @given(JSON_VALUES)
 def test_write_json_writes_what_json_dumps_writes(value: object) -> None:
-    """A record written without json (issue #32) is json.dumps's, byte for byte."""
+    """A record written without json (issue #32) is json.dumps's, byte for byte.
+
+    Both ways: by hand where json is not loaded (`plain_json`), and json's own once it is.
+    """
+    assert plain_json(value) == json.dumps(value)
     assert write_json(value) == json.dumps(value)
 
 

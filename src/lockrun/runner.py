@@ -218,6 +218,19 @@ def _hold_and_run(
     # with no --hold-at-least window: nothing ran.
     held_since, hold = started, 0.0
     guarding: Guardian | None = None
+    released = False
+
+    def release_now() -> None:
+        """Release the slot, once: as the command ends (`supervise`'s *ended*), else below."""
+        nonlocal released
+        if released:
+            return
+        released = True
+        account.released()
+        if guarding is not None:
+            guarding.forget()  # ours to release now; were we to die meanwhile, it lapses
+        release(lease, request, held_since, hold, verbose)
+
     try:
         guarding = None if guardian is None else guardian.now()  # before the spawn
         held_since, hold = now(), options.hold_at_least
@@ -226,7 +239,8 @@ def _hold_and_run(
             waiting.over = True
             if report is not None:  # here, where a signal cannot skip the release
                 report.stop()
-            verbose(acquired(request, lease, started))
+            if options.verbose:
+                verbose(acquired(request, lease, started))
             limits = Limits(
                 options.ttl / 3,
                 options.max_time,
@@ -252,6 +266,7 @@ def _hold_and_run(
                 forward=FORWARDED - waiting.ignored,  # not what nohup had us ignore
                 log=verbose,
                 program=program,
+                ended=release_now,
             )
     except (
         CommandNotFound,
@@ -267,10 +282,7 @@ def _hold_and_run(
         err.about(request.name)
         raise
     finally:
-        account.released()
-        if guarding is not None:
-            guarding.forget()  # ours to release now; were we to die meanwhile, it lapses
-        release(lease, request, held_since, hold, verbose)
+        release_now()
 
 
 def check_options(options: Options, uri: LockURI) -> None:

@@ -104,10 +104,14 @@ def supervise(
     forward: frozenset[int] = FORWARDED,
     log: Callable[[str], None] = lambda _line: None,
     program: str | None = None,
+    ended: Callable[[], object] = lambda: None,
 ) -> int:
     """Run *argv* while *lease* is held and return its exit status (128+N if signalled).
 
     *program*: the file `find_program` found for ``argv[0]`` before the wait, if any.
+    *ended* is called once the command's group is done, before the watchers are taken
+    down (a thread joined, descriptors closed): the caller's release, first on the
+    hand-over's path (issue #33). Not when the command was stopped: the caller releases.
 
     The command runs in its own process group, or in *guardian*'s; the signals of
     *forward* that lockrun receives are sent on to that group. Raises `LeaseLost` or
@@ -136,7 +140,9 @@ def supervise(
                         guardian.started()
                     with _terminal_for(watch.group) as terminal:
                         watch.terminal = terminal
-                        return watch.run()
+                        status = watch.run()
+                    ended()
+                    return status
         finally:
             hangups.close()
     finally:
@@ -267,7 +273,7 @@ def readable(fds: Sequence[int]) -> bool:
     return bool(poller.poll(0))
 
 
-class _Hangups(threading.Thread):
+class _Hangups:
     """Wake the loop when the server hangs up on a session lock, or a take-over bell rings.
 
     A session lock ends with its session: the server frees it when it closes the
@@ -277,11 +283,13 @@ class _Hangups(threading.Thread):
     refreshes: it raises `_HANGUP`, once. A bell (`Lease.bells`) turning readable raises
     `_BELL`, which asks for a refresh now; bells are edge-triggered, so one that stays
     readable (waiters in a listening socket's backlog) rings once per new event, not in a
-    loop. Started with the signals blocked, so the signals go to the loop.
+    loop. Started with the signals blocked, so the signals go to the loop. Its thread is
+    made only once there is something to watch: after the spawn for a lease whose bells
+    come then (issue #33: a thread's making is on the hand-over's path).
     """
 
     def __init__(self, sessions: Sequence[int], bells: Sequence[int] = ()) -> None:
-        super().__init__(name="lockrun-hangups", daemon=True)
+        self._thread: threading.Thread | None = None
         self._entered = False
         self._watched = bool(sessions)
         self._sessions = set(sessions)
@@ -301,8 +309,9 @@ class _Hangups(threading.Thread):
 
     def _begin(self) -> None:
         """Start watching once entered, if there is anything to watch, and not twice."""
-        if self._entered and self._watched and self.ident is None:
-            self.start()
+        if self._entered and self._watched and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lockrun-hangups", daemon=True)
+            self._thread.start()
 
     def __enter__(self) -> None:
         self._entered = True
@@ -310,8 +319,8 @@ class _Hangups(threading.Thread):
 
     def __exit__(self, *_: object) -> None:
         os.write(self._waker, b"x")
-        if self.ident is not None:
-            self.join()
+        if self._thread is not None:
+            self._thread.join()
         self.close()
 
     def close(self) -> None:
@@ -322,7 +331,7 @@ class _Hangups(threading.Thread):
             os.close(self._waker)
             self._wake = self._waker = -1
 
-    def run(self) -> None:
+    def _run(self) -> None:
         while True:
             events = dict(self._epoll.poll())
             if self._wake in events:

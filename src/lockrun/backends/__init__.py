@@ -137,6 +137,16 @@ def _json_bytes(text: str) -> int:
 
 
 def write_json(value: object) -> str:
+    """Return ``json.dumps(value)`` for a record: json's own once loaded, else `plain_json`'s.
+
+    Where json is loaded already (etcd's gateway speaks it), its C encoder writes the same
+    text in a tenth of the time: a waiter's record is written on the hand-over's path.
+    """
+    loaded = sys.modules.get("json")
+    return plain_json(value) if loaded is None else str(loaded.dumps(value))
+
+
+def plain_json(value: object) -> str:
     """Return ``json.dumps(value)`` for a record (dicts, lists, text, numbers, None, booleans).
 
     Without loading json where every text is printable ASCII with no quote or backslash, and
@@ -154,9 +164,9 @@ def write_json(value: object) -> str:
     elif isinstance(value, float):
         text = float.__repr__(value) if math.isfinite(value) else None
     elif isinstance(value, list | tuple):
-        text = f"[{', '.join(map(write_json, value))}]"
+        text = f"[{', '.join(map(plain_json, value))}]"
     elif isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        text = "{%s}" % ", ".join(f"{write_json(k)}: {write_json(v)}" for k, v in value.items())  # noqa: UP031
+        text = "{%s}" % ", ".join(f"{plain_json(k)}: {plain_json(v)}" for k, v in value.items())  # noqa: UP031
     return _dumps(value) if text is None else text
 
 

@@ -97,7 +97,6 @@ class EtcdLease:
         self.holder = request.holder
         self.key = key
         self.lease_id = lease_named(key)
-        self.record = record_of(request, self.lease_id, self.holder)
         self.slot = slot
         self.mine = queue.mine  # our key's create revision: a later request stops us
         self.fence: int | None = None if request.shared else queue.mine
@@ -121,10 +120,14 @@ class EtcdLease:
         """
         until = since + self.request.hold if self.request.lease_id and self.request.hold else None
         self.holder = self.holder._replace(since=since, until=until)
-        self.record = record_of(self.request, self.lease_id, self.holder)
         self.dated = False
         if now:
             self._date()
+
+    @property
+    def record(self) -> str:
+        """The value of our queue key, made when it is put: never on the hand-over's path."""
+        return record_of(self.request, self.lease_id, self.holder)
 
     def _date(self) -> None:
         if not self.dated:

@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from lockrun.backends import taken_over_by, write_json
-from lockrun.backends.etcd.bell import Bell
 from lockrun.backends.etcd.queue import Stop, lease_named, lock_prefix, queue_key, stopping
 from lockrun.errors import LeaseLost, TakenOver
 from lockrun.timing import now
@@ -21,6 +20,7 @@ from lockrun.timing import now
 if TYPE_CHECKING:
     from lockrun.backends import Holder, Request
     from lockrun.backends.etcd.backend import EtcdBackend
+    from lockrun.backends.etcd.bell import Bell
     from lockrun.backends.etcd.queue import Queue
 
 GONE: Final = (
@@ -143,6 +143,8 @@ class EtcdLease:
         """
         with self._using:
             if self._bell is None and self._ring and not self.released:
+                from lockrun.backends.etcd.bell import Bell  # noqa: PLC0415 - after the spawn
+
                 prefix = self.key[: self.key.rindex(b"q/")]
                 self._bell = Bell(self.backend.gateway, prefix, self._revision)
             return () if self._bell is None else (self._bell.fd,)

@@ -116,6 +116,9 @@ class Guardian:
     def forget(self) -> None:
         """Tell the guardian that lockrun releases the lease itself (before it does so).
 
+        Where the release leaves a --hold-at-least window, which the guardian's own free
+        (`abandon`) would cut should lockrun die before it stood the guardian down.
+
         Nothing to say of a lease it was never told of (one that ends with its session):
         the holder's way to its release is the hand-over's.
         """

@@ -72,6 +72,10 @@ class Proxy:
         """Silently drop every byte from now on, both ways, keeping every socket open."""
         self._blackholed.set()
 
+    def heal(self) -> None:
+        """End a `blackhole`: connections made from now on are forwarded (old ones stay dead)."""
+        self._blackholed.clear()
+
     def delay(self, seconds: float) -> None:
         """Hold every byte for *seconds* before passing it on, both ways (0: no more lag).
 

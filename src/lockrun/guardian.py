@@ -116,8 +116,9 @@ class Guardian:
     def forget(self) -> None:
         """Tell the guardian that lockrun releases the lease itself (before it does so).
 
-        Where the release leaves a --hold-at-least window, which the guardian's own free
-        (`abandon`) would cut should lockrun die before it stood the guardian down.
+        Told only where the release may leave a --hold-at-least window (the runner's
+        choice): the guardian's own free (`abandon`) would cut it, should lockrun die
+        before standing the guardian down.
 
         Nothing to say of a lease it was never told of (one that ends with its session):
         the holder's way to its release is the hand-over's.
